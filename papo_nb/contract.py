@@ -1,0 +1,234 @@
+"""What the PAPO-G adapter pins: the upstream source it ports and the TRL private API it calls.
+
+Three checks live here:
+- ``validate_trl_parent_contract(cls)``: the live GRPOTrainer class still has the private
+  methods the adapter overrides and calls, with the parameters it passes.
+- ``static_contract_violations(source)``: the same rules applied with ``ast`` to
+  ``trl/trainer/grpo_trainer.py`` read out of any TRL release wheel, without installing it.
+- ``verify_upstream_source(...)``: the SHA-256 of ``papo_trainer.py`` inside the ``trl==0.29.1``
+  wheel equals the pinned one, so the port is traceable to the exact file it came from.
+"""
+
+from __future__ import annotations
+
+import ast
+import hashlib
+import inspect
+import subprocess
+import sys
+import textwrap
+import zipfile
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Iterable
+
+PAPO_ADAPTER_VERSION = "trl_0.29.1_papo_g_on_trl_1.9.1_v1"
+PAPO_UPSTREAM_TRL_VERSION = "0.29.1"
+PAPO_UPSTREAM_SOURCE_PATH = "trl/experimental/papo/papo_trainer.py"
+PAPO_UPSTREAM_SOURCE_URL = (
+    "https://github.com/huggingface/trl/blob/v0.29.1/trl/experimental/papo/papo_trainer.py"
+)
+PAPO_UPSTREAM_SOURCE_SHA256 = "9836f4505f7026c90cd5ca5b97151dd14c1bc27bcd2bc5a8fca6626c68279175"
+
+# Gamma-zero probe tolerance: ||g_zero - g_parent|| <= max(REL_TOL * ||g_parent||, ABS_FLOOR).
+# REL_TOL is ~2x the bf16 backward roundoff seen on a resumed (trained) policy (2.4% relative);
+# ABS_FLOOR covers parents so small that REL_TOL * parent falls below that roundoff. A real leak
+# is of the order of the perception gradient, i.e. ~100% of the parent, far above both.
+GAMMA_ZERO_GRADIENT_REL_TOL = 5e-2
+GAMMA_ZERO_GRADIENT_ABS_FLOOR = 1e-6
+
+# A batch whose completion log-probs do not move when the image is masked (mean KL exactly 0)
+# cannot show liveness; the probe defers on it. This many in a row means the masked forward
+# never reaches the logits: a wiring bug, not bad luck.
+PAPO_PROBE_MAX_DEGENERATE_BATCHES = 20
+
+PARENT_GRPO_FILE = "trl/trainer/grpo_trainer.py"
+PARENT_CLASS = "GRPOTrainer"
+LOSS_METHOD = "_compute_loss"
+LOSS_PARAMETERS = ("self", "model", "inputs")
+LOGP_METHOD = "_get_per_token_logps_and_entropies"
+# The spec's audited parameters of the log-prob method.
+LOGP_REQUIRED_PARAMETERS = frozenset(
+    {
+        "self",
+        "model",
+        "input_ids",
+        "attention_mask",
+        "logits_to_keep",
+        "compute_entropy",
+        "compute_aux_loss",
+        "pixel_values",
+        "image_grid_thw",
+        "spatial_shapes",
+        "image_position_ids",
+    }
+)
+# Every keyword the adapter's masked forward passes on, as the parent's own call does.
+VLM_FORWARD_KEYWORDS = (
+    "pixel_values",
+    "image_grid_thw",
+    "num_images",
+    "pixel_attention_mask",
+    "spatial_shapes",
+    "num_tiles",
+    "image_sizes",
+    "token_type_ids",
+    "mm_token_type_ids",
+    "image_position_ids",
+)
+# The adapter flips this attribute around the parent's entropy computation to get entropies with
+# gradient (TRL computes them under no_grad otherwise); the log-prob method must still read it.
+ENTROPY_GRAD_GATE = "_entropy_bonus_enabled"
+
+
+class ContractError(RuntimeError):
+    """TRL's private API no longer matches what the adapter was audited against."""
+
+
+def contract_violations(loss_parameters: tuple[str, ...], logp_parameters: Iterable[str], logp_reads_gate: bool) -> list[str]:
+    """The contract's rules, shared by the live (inspect) and static (ast) checks."""
+    problems = []
+    if tuple(loss_parameters) != LOSS_PARAMETERS:
+        problems.append(f"{PARENT_CLASS}.{LOSS_METHOD} signature changed: {tuple(loss_parameters)} != {LOSS_PARAMETERS}")
+    missing = sorted((LOGP_REQUIRED_PARAMETERS | set(VLM_FORWARD_KEYWORDS)) - set(logp_parameters))
+    for name in missing:
+        problems.append(f"{PARENT_CLASS}.{LOGP_METHOD} has no parameter {name!r}")
+    if not logp_reads_gate:
+        problems.append(f"{PARENT_CLASS}.{LOGP_METHOD} no longer reads self.{ENTROPY_GRAD_GATE}")
+    return problems
+
+
+def _reads_attribute(node: ast.AST, attribute: str) -> bool:
+    return any(isinstance(n, ast.Attribute) and n.attr == attribute for n in ast.walk(node))
+
+
+def live_contract_violations(grpo_trainer_class: Any) -> list[str]:
+    loss_method = getattr(grpo_trainer_class, LOSS_METHOD, None)
+    logp_method = getattr(grpo_trainer_class, LOGP_METHOD, None)
+    if loss_method is None or logp_method is None:
+        missing = [m for m, f in ((LOSS_METHOD, loss_method), (LOGP_METHOD, logp_method)) if f is None]
+        return [f"{grpo_trainer_class.__name__} has no method {m}" for m in missing]
+    logp_tree = ast.parse(textwrap.dedent(inspect.getsource(logp_method)))
+    return contract_violations(
+        tuple(inspect.signature(loss_method).parameters),
+        inspect.signature(logp_method).parameters,
+        _reads_attribute(logp_tree, ENTROPY_GRAD_GATE),
+    )
+
+
+def validate_trl_parent_contract(grpo_trainer_class: Any) -> None:
+    """Raise ContractError naming every drifted parameter or signature of the parent's private API."""
+    problems = live_contract_violations(grpo_trainer_class)
+    if problems:
+        raise ContractError("TRL private-API contract broken:\n- " + "\n- ".join(problems))
+
+
+def _arg_names(function: ast.FunctionDef) -> list[str]:
+    args = function.args
+    return [a.arg for a in args.posonlyargs + args.args + args.kwonlyargs]
+
+
+def static_contract_violations(grpo_trainer_source: str) -> list[str]:
+    """Apply the contract to the text of ``grpo_trainer.py`` without importing it."""
+    tree = ast.parse(grpo_trainer_source)
+    classes = [n for n in ast.walk(tree) if isinstance(n, ast.ClassDef) and n.name == PARENT_CLASS]
+    if not classes:
+        return [f"no class {PARENT_CLASS} in the source"]
+    methods = {n.name: n for n in classes[0].body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
+    missing = [f"{PARENT_CLASS} has no method {m}" for m in (LOSS_METHOD, LOGP_METHOD) if m not in methods]
+    if missing:
+        return missing
+    logp = methods[LOGP_METHOD]
+    return contract_violations(
+        tuple(_arg_names(methods[LOSS_METHOD])), _arg_names(logp), _reads_attribute(logp, ENTROPY_GRAD_GATE)
+    )
+
+
+class WheelUnavailable(RuntimeError):
+    """pip could not fetch a TRL wheel (usually: no network to the package index)."""
+
+
+def default_wheel_cache() -> Path:
+    import os
+
+    return Path(os.environ.get("PAPO_NB_CACHE", Path.home() / ".cache" / "papo_nb")) / "wheels"
+
+
+def fetch_trl_wheel(version: str, cache_dir: str | Path | None = None, timeout_s: float = 180.0) -> Path:
+    """``pip download --no-deps trl==VERSION`` into ``cache_dir`` (reused when already there)."""
+    cache = Path(cache_dir) if cache_dir else default_wheel_cache()
+    cache.mkdir(parents=True, exist_ok=True)
+    existing = sorted(cache.glob(f"trl-{version}-*.whl"))
+    if existing:
+        return existing[0]
+    command = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--quiet",
+               "--disable-pip-version-check", f"trl=={version}", "-d", str(cache)]
+    try:
+        result = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired as exc:
+        raise WheelUnavailable(f"pip download trl=={version} timed out after {timeout_s:.0f}s") from exc
+    found = sorted(cache.glob(f"trl-{version}-*.whl"))
+    if result.returncode != 0 or not found:
+        tail = (result.stderr or result.stdout).strip().splitlines()[-1:] or ["no output"]
+        raise WheelUnavailable(f"pip download trl=={version} failed: {tail[0]}")
+    return found[0]
+
+
+def read_wheel_member(wheel: str | Path, member: str) -> bytes:
+    with zipfile.ZipFile(wheel) as archive:
+        try:
+            return archive.read(member)
+        except KeyError as exc:
+            raise FileNotFoundError(f"{member} is not inside {wheel}") from exc
+
+
+@dataclass
+class SourceVerification:
+    """Outcome of hashing the pinned upstream file inside a TRL wheel."""
+
+    wheel: str
+    member: str
+    expected_sha256: str
+    actual_sha256: str | None
+    match: bool
+    url: str = PAPO_UPSTREAM_SOURCE_URL
+    error: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def verify_upstream_source(wheel: str | Path | None = None, cache_dir: str | Path | None = None) -> SourceVerification:
+    """Hash ``papo_trainer.py`` inside the given wheel, or inside ``trl==0.29.1`` fetched with pip.
+
+    A wheel that cannot be fetched or read gives ``match=False`` with the reason in ``error``.
+    """
+    try:
+        wheel_path = Path(wheel) if wheel else fetch_trl_wheel(PAPO_UPSTREAM_TRL_VERSION, cache_dir)
+        actual = hashlib.sha256(read_wheel_member(wheel_path, PAPO_UPSTREAM_SOURCE_PATH)).hexdigest()
+    except (WheelUnavailable, FileNotFoundError, zipfile.BadZipFile) as exc:
+        return SourceVerification(str(wheel or ""), PAPO_UPSTREAM_SOURCE_PATH, PAPO_UPSTREAM_SOURCE_SHA256, None, False, error=str(exc))
+    return SourceVerification(
+        str(wheel_path), PAPO_UPSTREAM_SOURCE_PATH, PAPO_UPSTREAM_SOURCE_SHA256, actual, actual == PAPO_UPSTREAM_SOURCE_SHA256
+    )
+
+
+@dataclass
+class DriftRow:
+    trl_version: str
+    status: str  # "ok", "drift" or "unavailable"
+    violations: list[str] = field(default_factory=list)
+
+
+def contract_drift_table(versions: Iterable[str], cache_dir: str | Path | None = None) -> list[DriftRow]:
+    """The static contract check for each TRL release; unreachable releases are listed, not fatal."""
+    rows = []
+    for version in versions:
+        try:
+            source = read_wheel_member(fetch_trl_wheel(version, cache_dir), PARENT_GRPO_FILE).decode()
+        except (WheelUnavailable, FileNotFoundError, zipfile.BadZipFile) as exc:
+            rows.append(DriftRow(version, "unavailable", [str(exc)]))
+            continue
+        problems = static_contract_violations(source)
+        rows.append(DriftRow(version, "drift" if problems else "ok", problems))
+    return rows

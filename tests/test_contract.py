@@ -1,0 +1,100 @@
+"""The pinned constants, the live and static TRL contract checks, and upstream source verification."""
+
+import shutil
+import zipfile
+from pathlib import Path
+
+import pytest
+import trl
+from trl import GRPOTrainer
+
+from papo_nb import contract
+
+
+def test_constants_match_the_spec():
+    assert contract.PAPO_ADAPTER_VERSION == "trl_0.29.1_papo_g_on_trl_1.9.1_v1"
+    assert contract.PAPO_UPSTREAM_SOURCE_SHA256 == "9836f4505f7026c90cd5ca5b97151dd14c1bc27bcd2bc5a8fca6626c68279175"
+    assert contract.PAPO_UPSTREAM_SOURCE_URL.endswith("/v0.29.1/trl/experimental/papo/papo_trainer.py")
+    assert contract.GAMMA_ZERO_GRADIENT_REL_TOL == 5e-2
+    assert contract.GAMMA_ZERO_GRADIENT_ABS_FLOOR == 1e-6
+    assert contract.PAPO_PROBE_MAX_DEGENERATE_BATCHES == 20
+
+
+def test_live_contract_holds_on_installed_trl():
+    assert trl.__version__ == "1.9.1"
+    contract.validate_trl_parent_contract(GRPOTrainer)
+
+
+def test_live_contract_names_a_drifted_signature():
+    class Drifted(GRPOTrainer):
+        def _compute_loss(self, model, inputs, extra):
+            pass
+
+        def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep):
+            return self._entropy_bonus_enabled
+
+    with pytest.raises(contract.ContractError) as info:
+        contract.validate_trl_parent_contract(Drifted)
+    message = str(info.value)
+    assert "('self', 'model', 'inputs', 'extra')" in message
+    for name in ("pixel_values", "image_grid_thw", "compute_aux_loss", "mm_token_type_ids"):
+        assert f"has no parameter {name!r}" in message
+
+
+def _installed_grpo_source() -> str:
+    return (Path(trl.__file__).parent / "trainer" / "grpo_trainer.py").read_text()
+
+
+def test_static_check_reproduces_live_check_on_installed_release():
+    assert contract.static_contract_violations(_installed_grpo_source()) == contract.live_contract_violations(GRPOTrainer) == []
+
+
+def test_static_check_rejects_drifted_source():
+    source = _installed_grpo_source()
+    drifted = source.replace("        image_position_ids=None,\n    ) -> tuple", "    ) -> tuple", 1)
+    assert drifted != source
+    assert contract.static_contract_violations(drifted) == [
+        "GRPOTrainer._get_per_token_logps_and_entropies has no parameter 'image_position_ids'"
+    ]
+    renamed = source.replace("def _compute_loss(self, model, inputs):", "def _compute_loss(self, model, batch):", 1)
+    assert "signature changed" in contract.static_contract_violations(renamed)[0]
+    no_gate = source.replace("self._entropy_bonus_enabled:\n                    entropies", "True:\n                    entropies", 1)
+    assert contract.static_contract_violations(no_gate) == [
+        "GRPOTrainer._get_per_token_logps_and_entropies no longer reads self._entropy_bonus_enabled"
+    ]
+    assert contract.static_contract_violations("class Other: pass") == ["no class GRPOTrainer in the source"]
+
+
+@pytest.fixture(scope="session")
+def upstream_wheel(tmp_path_factory) -> Path:
+    """The real trl==0.29.1 wheel, fetched with pip into a cache (PyPI is reachable here and in CI)."""
+    return contract.fetch_trl_wheel(contract.PAPO_UPSTREAM_TRL_VERSION)
+
+
+def test_source_verification_matches_real_wheel(upstream_wheel):
+    result = contract.verify_upstream_source(upstream_wheel)
+    assert result.match, result
+    assert result.actual_sha256 == contract.PAPO_UPSTREAM_SOURCE_SHA256
+
+
+def test_source_verification_reports_tampered_wheel(upstream_wheel, tmp_path):
+    tampered = tmp_path / upstream_wheel.name
+    with zipfile.ZipFile(upstream_wheel) as source, zipfile.ZipFile(tampered, "w") as target:
+        for item in source.infolist():
+            data = source.read(item)
+            if item.filename == contract.PAPO_UPSTREAM_SOURCE_PATH:
+                data += b"\n# tampered\n"
+            target.writestr(item, data)
+    result = contract.verify_upstream_source(tampered)
+    assert not result.match
+    assert result.actual_sha256 not in (None, contract.PAPO_UPSTREAM_SOURCE_SHA256)
+    missing = contract.verify_upstream_source(tmp_path / "absent.whl")
+    assert not missing.match and missing.actual_sha256 is None and missing.error
+
+
+def test_drift_table_marks_unfetchable_releases(upstream_wheel, tmp_path):
+    shutil.copy(upstream_wheel, tmp_path)
+    rows = contract.contract_drift_table(["0.29.1", "0.0.0.dev999"], cache_dir=tmp_path)
+    assert [r.status for r in rows] == ["drift", "unavailable"]
+    assert any("compute_aux_loss" in v for v in rows[0].violations)
+    assert "0.0.0.dev999" in rows[1].violations[0]
