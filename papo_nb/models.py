@@ -1,0 +1,307 @@
+"""Tiny offline Qwen-VL models for CPU tests, the real-checkpoint loader, and GRPO/LoRA presets.
+
+`build_tiny_vlm` makes a Qwen2-VL / Qwen2.5-VL of a few hundred thousand parameters with a BPE
+tokenizer trained on the shapes task, entirely offline, and caches it on disk. `load_vlm` is the one
+code path for both that folder and a real hub checkpoint, so notebooks switch models by name only.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import uuid
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer, decoders, models as tok_models, pre_tokenizers, trainers
+from transformers import (
+    AutoConfig,
+    AutoModelForImageTextToText,
+    AutoProcessor,
+    PreTrainedTokenizerFast,
+    Qwen2_5_VLConfig,
+    Qwen2_5_VLForConditionalGeneration,
+    Qwen2_5_VLProcessor,
+    Qwen2VLConfig,
+    Qwen2VLForConditionalGeneration,
+    Qwen2VLImageProcessor,
+    Qwen2VLProcessor,
+    Qwen2VLVideoProcessor,
+)
+
+from papo_nb.data import task_corpus
+
+# Bump when the tiny model's recipe changes, so old caches are not reused.
+BUILDER_VERSION = 1
+COMPLETE_MARKER = ".papo_nb_build_complete"
+
+FAMILIES = {
+    "qwen2_vl": (Qwen2VLConfig, Qwen2VLForConditionalGeneration, Qwen2VLProcessor),
+    "qwen2_5_vl": (Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2_5_VLProcessor),
+}
+
+QWEN_SPECIAL_TOKENS = [
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|vision_pad|>",
+    "<|image_pad|>",
+    "<|video_pad|>",
+]
+# Tokens that only the processor may place: a sampled <|image_pad|> breaks the next forward.
+VISION_SPECIAL_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>"]
+
+TOKENIZER_VOCAB_SIZE = 384
+IMAGE_PIXELS = 112 * 112  # a 112x112 image stays 8x8 patches of 14 px = 16 merged image tokens
+
+# Qwen-style ChatML without the default system prompt (it would cost tokens on every CPU step).
+CHAT_TEMPLATE = (
+    "{%- for message in messages -%}"
+    "{{- '<|im_start|>' + message['role'] + '\n' -}}"
+    "{%- if message['content'] is string -%}"
+    "{{- message['content'] -}}"
+    "{%- else -%}"
+    "{%- for part in message['content'] -%}"
+    "{%- if part['type'] == 'image' or part['type'] == 'image_url' -%}"
+    "{{- '<|vision_start|><|image_pad|><|vision_end|>' -}}"
+    "{%- elif part['type'] == 'video' -%}"
+    "{{- '<|vision_start|><|video_pad|><|vision_end|>' -}}"
+    "{%- elif part['type'] == 'text' -%}"
+    "{{- part['text'] -}}"
+    "{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- endif -%}"
+    "{{- '<|im_end|>\n' -}}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}"
+    "{{- '<|im_start|>assistant\n' -}}"
+    "{%- endif -%}"
+)
+
+
+def _check_family(family: str) -> None:
+    if family not in FAMILIES:
+        raise ValueError(f"family={family!r} is not supported; allowed values: {sorted(FAMILIES)}")
+
+
+def default_cache_root() -> Path:
+    return Path(os.environ.get("PAPO_NB_CACHE") or Path.home() / ".cache" / "papo_nb").expanduser()
+
+
+def build_tiny_tokenizer() -> PreTrainedTokenizerFast:
+    """Byte-level BPE trained on the task's own strings; every byte stays encodable."""
+    corpus = task_corpus() + ["user", "assistant", "system", "\n"]
+    backend = Tokenizer(tok_models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=TOKENIZER_VOCAB_SIZE,
+        special_tokens=QWEN_SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    backend.train_from_iterator(corpus, trainer)
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        pad_token="<|endoftext|>",
+        eos_token="<|im_end|>",
+        extra_special_tokens=[t for t in QWEN_SPECIAL_TOKENS if t not in ("<|endoftext|>", "<|im_end|>")],
+        padding_side="left",
+        chat_template=CHAT_TEMPLATE,
+    )
+    return tokenizer
+
+
+def build_tiny_processor(family: str = "qwen2_vl") -> Qwen2VLProcessor:
+    _check_family(family)
+    pixel_bounds = {"shortest_edge": 56 * 56, "longest_edge": IMAGE_PIXELS}
+    image_processor = Qwen2VLImageProcessor(size=pixel_bounds)
+    video_processor = Qwen2VLVideoProcessor(size=pixel_bounds)  # the processor refuses None
+    processor_cls = FAMILIES[family][2]
+    return processor_cls(
+        image_processor=image_processor,
+        tokenizer=build_tiny_tokenizer(),
+        video_processor=video_processor,
+        chat_template=CHAT_TEMPLATE,
+    )
+
+
+def tiny_config(family: str, tokenizer: PreTrainedTokenizerFast):
+    """A config of a few hundred thousand parameters, with special ids wired to `tokenizer`."""
+    _check_family(family)
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in QWEN_SPECIAL_TOKENS}
+    text_config = {
+        "vocab_size": len(tokenizer),
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 2048,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]},
+        "bos_token_id": ids["<|endoftext|>"],
+        "eos_token_id": ids["<|im_end|>"],
+        "pad_token_id": ids["<|endoftext|>"],
+    }
+    if family == "qwen2_vl":
+        # Qwen2-VL: `hidden_size` of the vision config is the merger's output = text hidden size.
+        vision_config = {"depth": 2, "embed_dim": 32, "hidden_size": 64, "num_heads": 2, "mlp_ratio": 2}
+    else:
+        # Qwen2.5-VL: `hidden_size` is the vision width; `out_hidden_size` feeds the text model.
+        vision_config = {
+            "depth": 2,
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "num_heads": 2,
+            "out_hidden_size": 64,
+            "window_size": 112,
+            "fullatt_block_indexes": [1],
+        }
+    config_cls = FAMILIES[family][0]
+    return config_cls(
+        text_config=text_config,
+        vision_config=vision_config,
+        image_token_id=ids["<|image_pad|>"],
+        video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"],
+    )
+
+
+def _write_tiny_vlm(family: str, seed: int, folder: Path) -> None:
+    processor = build_tiny_processor(family)
+    config = tiny_config(family, processor.tokenizer)
+    model_cls = FAMILIES[family][1]
+    # fork_rng keeps the caller's global RNG untouched while making init depend on `seed` only.
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = model_cls(config)
+    model.generation_config.eos_token_id = config.text_config.eos_token_id
+    model.generation_config.pad_token_id = config.text_config.pad_token_id
+    model.generation_config.bos_token_id = config.text_config.bos_token_id
+    model.save_pretrained(folder, safe_serialization=True)
+    processor.save_pretrained(folder)
+
+
+def build_tiny_vlm(family: str = "qwen2_vl", seed: int = 0, cache_dir: str | Path | None = None) -> Path:
+    """Build (or reuse) a tiny offline VLM and return its folder, loadable with `load_vlm`.
+
+    The folder is written under a temporary name and renamed once complete, with a marker file
+    written last; a folder without the marker is treated as half-written and rebuilt.
+    """
+    _check_family(family)
+    root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_root()
+    folder = root / f"tiny-{family}-seed{seed}-v{BUILDER_VERSION}"
+    if (folder / COMPLETE_MARKER).exists():
+        return folder
+
+    root.mkdir(parents=True, exist_ok=True)
+    staging = root / f".{folder.name}.building-{uuid.uuid4().hex[:8]}"
+    try:
+        _write_tiny_vlm(family, seed, staging)
+        (staging / COMPLETE_MARKER).write_text(f"family={family} seed={seed} version={BUILDER_VERSION}\n")
+        if folder.exists() and not (folder / COMPLETE_MARKER).exists():
+            shutil.rmtree(folder)  # a half-written folder from an interrupted build
+        try:
+            staging.rename(folder)
+        except OSError:
+            # Another process finished the same build first; its folder is as good as ours.
+            if not (folder / COMPLETE_MARKER).exists():
+                raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return folder
+
+
+def _resolve_dtype(dtype: str | torch.dtype) -> str | torch.dtype:
+    if isinstance(dtype, torch.dtype) or dtype == "auto":
+        return dtype
+    resolved = getattr(torch, str(dtype), None)
+    if not isinstance(resolved, torch.dtype):
+        raise ValueError(f"dtype={dtype!r} is not a torch dtype name; use e.g. 'float32', 'bfloat16' or 'auto'")
+    return resolved
+
+
+def load_vlm(name_or_path: str | Path, dtype: str | torch.dtype = "float32", device_map=None):
+    """Load `(model, processor)` from a hub id or a local folder (e.g. one from `build_tiny_vlm`).
+
+    The model class comes from the config: Qwen2-VL / Qwen2.5-VL get their own classes, anything else
+    goes through `AutoModelForImageTextToText`.
+    """
+    name = str(name_or_path)
+    path = Path(name).expanduser()
+    # Hub ids are "name" or "org/name"; anything else is a local path and must exist.
+    looks_local = (
+        isinstance(name_or_path, Path) or name.startswith(("/", ".", "~")) or name.count("/") > 1 or path.exists()
+    )
+    if looks_local:
+        if not path.is_dir():
+            raise FileNotFoundError(f"name_or_path={name!r} is not an existing local folder")
+        if not (path / "config.json").exists():
+            raise FileNotFoundError(f"name_or_path={name!r} has no config.json; is it a saved model folder?")
+        name = str(path)
+
+    config = AutoConfig.from_pretrained(name)
+    model_cls = FAMILIES[config.model_type][1] if config.model_type in FAMILIES else AutoModelForImageTextToText
+    model = model_cls.from_pretrained(name, dtype=_resolve_dtype(dtype), device_map=device_map)
+    processor = AutoProcessor.from_pretrained(name)
+    return model, processor
+
+
+def vision_special_token_ids(processor_or_tokenizer) -> list[int]:
+    """Ids of the vision placeholder tokens, for `generation_kwargs={"suppress_tokens": ...}`."""
+    tokenizer = getattr(processor_or_tokenizer, "tokenizer", processor_or_tokenizer)
+    vocab = tokenizer.get_vocab()
+    return sorted(vocab[t] for t in VISION_SPECIAL_TOKENS if t in vocab)
+
+
+def tiny_lora_config(r: int = 8, lora_alpha: int = 16):
+    """LoRA on q_proj/v_proj: in Qwen-VL that lands only in the language model (the vision tower uses fused qkv)."""
+    from peft import LoraConfig
+
+    return LoraConfig(
+        r=r,
+        lora_alpha=lora_alpha,
+        lora_dropout=0.0,
+        target_modules=["q_proj", "v_proj"],
+        task_type="CAUSAL_LM",
+    )
+
+
+def tiny_grpo_config(
+    output_dir: str | Path, suppress_tokens: list[int] | None = None, config_cls: type | None = None, **overrides
+):
+    """A GRPOConfig that trains the tiny model on CPU in a fraction of a second per step.
+
+    It undoes TRL defaults that hurt here: bf16=True, activation (gradient) checkpointing on, logging every 10
+    steps, and lr 1e-6 (too small to move a randomly initialised LoRA in a few steps).
+    `suppress_tokens` should be `vision_special_token_ids(processor)`; `config_cls` may be a
+    GRPOConfig subclass (e.g. a PAPO-G config), `overrides` any of its fields.
+    """
+    from trl import GRPOConfig
+
+    config_cls = config_cls or GRPOConfig
+
+    settings = {
+        "output_dir": str(output_dir),
+        "per_device_train_batch_size": 8,
+        "num_generations": 4,
+        "max_completion_length": 16,
+        "temperature": 1.0,
+        "learning_rate": 1e-3,
+        "beta": 0.0,
+        "max_steps": 4,
+        "logging_steps": 1,
+        "bf16": False,
+        "activation_checkpointing": False,  # TRL defaults the deprecated alias gradient_checkpointing to True
+        "use_cpu": not torch.cuda.is_available(),
+        "report_to": "none",
+        "save_strategy": "no",
+        "dataloader_num_workers": 0,
+        "seed": 0,
+        "generation_kwargs": {"suppress_tokens": list(suppress_tokens)} if suppress_tokens else None,
+    }
+    settings.update(overrides)
+    return config_cls(**settings)

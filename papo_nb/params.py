@@ -1,0 +1,119 @@
+"""The workbook's parameter schema: one flat mapping shared by every notebook, validated before anything runs.
+
+A params file (``params/*.yaml``) sets any of these fields; ``-p key=value`` overrides them. Each notebook
+declares the subset it uses in its ``parameters`` cell, and the runner passes it exactly that subset.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+
+class ParamsError(ValueError):
+    """A params file or override is invalid; the message names the key, the value and what is allowed."""
+
+
+class WorkbookParams(BaseModel):
+    """Every workbook parameter, documented; defaults are the CPU smoke run on the tiny offline model."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, validate_assignment=True)
+
+    # --- model, data, hardware ---
+    model_name_or_path: str = Field("tiny:qwen2_vl", description="hub id, local folder, or tiny:<family> to build the offline tiny model")
+    dataset: str = Field("synthetic", description="'synthetic' (shapes task) or a hub id / local folder with prompt, image, answer")
+    seed: int = Field(0, ge=0, description="seed for data, model building, masks and training")
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="where to run; auto picks cuda when present")
+    precision: Literal["fp32", "bf16"] = Field("fp32", description="training precision (bf16 mixed precision on GPU)")
+    n_train_prompts: int = Field(32, ge=1, le=1_000_000, description="synthetic training prompts")
+    n_eval_prompts: int = Field(24, ge=1, le=100_000, description="held-out synthetic prompts for the final evaluation")
+
+    # --- 01 contract verification ---
+    trl_releases: list[str] = Field(default_factory=lambda: ["0.29.1", "1.7.1", "1.8.0", "1.9.1"], description="TRL releases for the drift table")
+    upstream_wheel: str = Field("", description="path to a trl-0.29.1 wheel; empty fetches it with pip")
+
+    # --- 02 probe calibration ---
+    calibration_batches: int = Field(3, ge=1, le=100, description="probe batches per phase and precision")
+    calibration_precisions: list[Literal["fp32", "bf16"]] = Field(default_factory=lambda: ["fp32", "bf16"], description="precisions compared")
+    phase2_train_steps: int = Field(4, ge=1, le=10_000, description="training steps that make the phase-2 policy")
+    phase2_checkpoint: str = Field("", description="adapter checkpoint to resume into for phase 2; empty trains one here")
+    injected_leak_scale: float = Field(1.0, gt=0, description="scale of the deliberately injected perception leak")
+
+    # --- 03 training run (PAPO-G) ---
+    max_steps: int = Field(6, ge=1, le=1_000_000, description="optimizer steps")
+    learning_rate: float = Field(5e-4, gt=0, le=1.0, description="AdamW learning rate (LoRA scale; paper full-FT lr is 1e-6)")
+    per_device_train_batch_size: int = Field(4, ge=1, le=4096, description="completions per device per step")
+    num_generations: int = Field(4, ge=2, le=64, description="rollouts per prompt (paper: 5)")
+    max_completion_length: int = Field(16, ge=1, le=32768, description="generated tokens per completion")
+    temperature: float = Field(1.0, gt=0, le=10.0, description="sampling temperature (paper: 1.0)")
+    loss_type: Literal["grpo", "dapo", "bnpo", "dr_grpo"] = Field("grpo", description="GRPO loss aggregation")
+    beta: float = Field(0.01, ge=0, le=10.0, description="reference KL weight (paper: 0.01)")
+    perception_loss_weight: float = Field(0.02, ge=0, le=1.0, description="gamma (paper PAPO-G 3B: 0.02)")
+    perception_loss_schedule: Literal["fixed", "linear"] = Field("fixed", description="gamma schedule")
+    mask_type: Literal["patch", "merge_unit", "random"] = Field("patch", description="how images are masked")
+    mask_ratio: float = Field(0.6, gt=0, le=1.0, description="fraction of the image blacked out (paper: 0.6)")
+    original_entropy_weight: float = Field(0.03, ge=0, le=1.0, description="eta1 (paper: 0.03)")
+    masked_entropy_weight: float = Field(0.03, ge=0, le=1.0, description="eta2 (paper: 0.03)")
+    masked_branch_grad: bool = Field(False, description="backpropagate through the masked branch (official: no)")
+    require_gpu_contract_probe: bool = Field(True, description="run the gamma-zero probe inside training")
+    lora_r: int = Field(8, ge=1, le=1024, description="LoRA rank")
+    lora_alpha: int = Field(16, ge=1, le=4096, description="LoRA alpha")
+    save_steps: int = Field(3, ge=1, le=1_000_000, description="checkpoint every this many steps")
+    resume_from_checkpoint: str = Field("", description="checkpoint folder to continue from; empty starts fresh")
+
+    @classmethod
+    def field_names(cls) -> set[str]:
+        return set(cls.model_fields)
+
+
+def _describe(error: dict[str, Any], source: str) -> str:
+    key = ".".join(str(p) for p in error["loc"]) or "<root>"
+    value = error.get("input")
+    if error["type"] == "extra_forbidden":
+        allowed = ", ".join(sorted(WorkbookParams.model_fields))
+        return f"{source}: unknown parameter {key!r} (value {value!r}); allowed parameters: {allowed}"
+    field = WorkbookParams.model_fields.get(str(error["loc"][0]))
+    help_text = f" ({field.description})" if field is not None and field.description else ""
+    return f"{source}: parameter {key!r} = {value!r} is invalid: {error['msg']}{help_text}"
+
+
+def validate_params(values: dict[str, Any], source: str = "params") -> WorkbookParams:
+    """Validate a mapping; raise ParamsError listing every bad key with its value and what is allowed."""
+    if not isinstance(values, dict):
+        raise ParamsError(f"{source}: expected a mapping of parameter names to values, got {type(values).__name__}")
+    try:
+        return WorkbookParams.model_validate(values)
+    except ValidationError as exc:
+        raise ParamsError("\n".join(_describe(e, source) for e in exc.errors())) from None
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """``key=value`` with the value read as YAML (so numbers, booleans and lists keep their types)."""
+    if "=" not in text:
+        raise ParamsError(f"override {text!r} is not of the form key=value")
+    key, raw = text.split("=", 1)
+    return key.strip(), yaml.safe_load(raw) if raw.strip() else ""
+
+
+def load_params(path: str | Path | None, overrides: list[str] | None = None) -> WorkbookParams:
+    """Read a YAML params file (None: all defaults), apply ``key=value`` overrides, validate."""
+    values: dict[str, Any] = {}
+    source = "defaults"
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ParamsError(f"params file {str(path)!r} does not exist")
+        source = str(path)
+        try:
+            values = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as exc:
+            raise ParamsError(f"{source}: not valid YAML: {exc}") from None
+        if not isinstance(values, dict):
+            raise ParamsError(f"{source}: expected a mapping of parameter names to values, got {type(values).__name__}")
+    for item in overrides or []:
+        key, value = parse_override(item)
+        values[key] = value
+    return validate_params(values, source)

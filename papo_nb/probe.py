@@ -1,0 +1,220 @@
+"""The gamma-zero reduction probe: run-time proof that the PAPO-G adapter is wired correctly.
+
+Reduction half. ``zero_gamma_loss = trainer.assemble_loss(parent_loss, terms, 0, 0, 0)`` must equal the
+parent loss bit for bit, and its gradient must equal the parent's up to roundoff:
+
+    PASS iff ||g_zero - g_parent|| <= max(REL_TOL * ||g_parent||, ABS_FLOOR)
+
+Both losses have the same value, so this compares two backward passes over graphs of different shape:
+it catches an adapter whose zero-gamma path still lets perception gradient through (a leak), which a
+value comparison cannot see.
+
+Liveness half. ``perception_kl > 0`` and ``||grad perception_kl|| > 0``: the masked forward really
+reaches the logits. A batch whose log-probs do not move under masking (mean KL exactly 0) is legitimate
+but shows nothing, so the probe defers on it without paying for gradients; after
+``max_degenerate_batches`` such batches in a row it fails. A batch without images is not counted.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import Any, Callable
+
+import torch
+
+from papo_nb.contract import (
+    GAMMA_ZERO_GRADIENT_ABS_FLOOR,
+    GAMMA_ZERO_GRADIENT_REL_TOL,
+    PAPO_ADAPTER_VERSION,
+    PAPO_PROBE_MAX_DEGENERATE_BATCHES,
+)
+
+PASS_RULE = "||g_zero - g_parent|| <= max(REL_TOL * ||g_parent||, ABS_FLOOR)"
+
+# Process-wide counts of probe work, so a run (or a benchmark) can prove how much probe code ran.
+PROBE_CALLS = {"observe": 0, "measure": 0}
+
+
+class ProbeFailure(RuntimeError):
+    """The adapter failed the gamma-zero reduction or liveness check."""
+
+
+def gradient_tolerance(parent_grad_norm: float, rel_tol: float = GAMMA_ZERO_GRADIENT_REL_TOL,
+                       abs_floor: float = GAMMA_ZERO_GRADIENT_ABS_FLOOR) -> float:
+    return max(rel_tol * parent_grad_norm, abs_floor)
+
+
+@dataclass
+class ProbeEvidence:
+    """Every number behind one probe verdict; ``to_dict()`` is JSON-ready."""
+
+    status: str  # "passed", "failed" or "pending"
+    message: str
+    rule: str = PASS_RULE
+    step: int | None = None
+    parent_loss: float | None = None
+    zero_gamma_loss: float | None = None
+    loss_bit_equal: bool | None = None
+    parent_grad_norm: float | None = None
+    zero_gamma_grad_norm: float | None = None
+    grad_diff_norm: float | None = None
+    grad_diff_relative: float | None = None
+    tolerance: float | None = None
+    rel_tol: float = GAMMA_ZERO_GRADIENT_REL_TOL
+    abs_floor: float = GAMMA_ZERO_GRADIENT_ABS_FLOOR
+    perception_kl: float | None = None
+    perception_grad_norm: float | None = None
+    separation_ratio: float | None = None
+    degenerate_batches_skipped: int = 0
+    batches_without_images: int = 0
+    dtype: str | None = None
+    autocast_enabled: bool | None = None
+    autocast_dtype: str | None = None
+    trl_version: str | None = None
+    adapter_version: str = PAPO_ADAPTER_VERSION
+
+    @property
+    def passed(self) -> bool:
+        return self.status == "passed"
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _flat_grad(loss: torch.Tensor, params: list[torch.Tensor]) -> torch.Tensor:
+    if not loss.requires_grad:
+        return torch.zeros(sum(p.numel() for p in params), dtype=torch.float64)
+    grads = torch.autograd.grad(loss, params, retain_graph=True, allow_unused=True)
+    return torch.cat([(torch.zeros_like(p) if g is None else g).reshape(-1).double() for g, p in zip(grads, params)])
+
+
+def _autocast_state() -> tuple[bool, str | None]:
+    for device in ("cuda", "cpu"):
+        if torch.is_autocast_enabled(device):
+            return True, str(torch.get_autocast_dtype(device)).replace("torch.", "")
+    return False, None
+
+
+def measure_gamma_zero(trainer, model, parent_loss: torch.Tensor, terms, assemble: Callable | None = None) -> dict[str, Any]:
+    """The reduction and liveness numbers for one batch (no verdict). ``assemble`` defaults to the trainer's."""
+    import trl
+
+    PROBE_CALLS["measure"] += 1
+    assemble = assemble or trainer.assemble_loss
+    zero_gamma_loss = assemble(parent_loss, terms, 0.0, 0.0, 0.0)
+    params = [p for p in model.parameters() if p.requires_grad]
+    if not params:
+        raise ProbeFailure("the model has no trainable parameters: nothing to probe (was the adapter loaded with is_trainable=False?)")
+    g_parent = _flat_grad(parent_loss, params)
+    g_zero = _flat_grad(zero_gamma_loss, params)
+    g_perception = _flat_grad(terms.perception_kl, params)
+    parent_norm = torch.linalg.vector_norm(g_parent).item()
+    diff = torch.linalg.vector_norm(g_zero - g_parent).item()
+    tolerance = gradient_tolerance(parent_norm)
+    perception_norm = torch.linalg.vector_norm(g_perception).item()
+    kl_totals = trainer.accelerator.reduce(torch.stack([terms.kl_sum, terms.token_count]).detach().float(), reduction="sum")
+    autocast_enabled, autocast_dtype = _autocast_state()
+    return dict(
+        parent_loss=parent_loss.item(),
+        zero_gamma_loss=zero_gamma_loss.item(),
+        loss_bit_equal=bool(torch.equal(zero_gamma_loss.detach(), parent_loss.detach())),
+        parent_grad_norm=parent_norm,
+        zero_gamma_grad_norm=torch.linalg.vector_norm(g_zero).item(),
+        grad_diff_norm=diff,
+        grad_diff_relative=diff / parent_norm if parent_norm > 0 else (0.0 if diff == 0 else math.inf),
+        tolerance=tolerance,
+        perception_kl=(kl_totals[0] / kl_totals[1].clamp(min=1.0)).item(),
+        perception_grad_norm=perception_norm,
+        separation_ratio=perception_norm / tolerance,
+        dtype=str(parent_loss.dtype).replace("torch.", ""),
+        autocast_enabled=autocast_enabled,
+        autocast_dtype=autocast_dtype,
+        trl_version=trl.__version__,
+    )
+
+
+class GammaZeroProbe:
+    """Stateful probe: defers on image-invariant batches, then gives one verdict and stops running."""
+
+    def __init__(self, max_degenerate_batches: int = PAPO_PROBE_MAX_DEGENERATE_BATCHES):
+        self.max_degenerate_batches = max_degenerate_batches
+        self.pending = True
+        self.degenerate_batches = 0
+        self.batches_without_images = 0
+        self.evaluations = 0  # batches looked at; benchmarks count probe work with it
+        self.evidence: ProbeEvidence | None = None
+
+    def _record(self, status: str, message: str, step: int | None, **numbers) -> ProbeEvidence:
+        self.evidence = ProbeEvidence(status, message, step=step, degenerate_batches_skipped=self.degenerate_batches,
+                                      batches_without_images=self.batches_without_images, **numbers)
+        self.pending = status == "pending"
+        if status == "failed":
+            raise ProbeFailure(message)
+        return self.evidence
+
+    def observe(self, trainer, model, parent_loss: torch.Tensor, terms, step: int | None = None,
+                assemble: Callable | None = None) -> ProbeEvidence:
+        """Look at one batch; returns the evidence (pending or passed) or raises ProbeFailure."""
+        self.evaluations += 1
+        PROBE_CALLS["observe"] += 1
+        values = torch.stack([parent_loss.detach().float(), terms.perception_kl.detach().float(),
+                              terms.original_entropy.detach().float(), terms.masked_entropy.detach().float()])
+        if not torch.isfinite(values).all():
+            return self._record("failed", f"probe: non-finite loss pieces (parent, kl, H, H_masked) = {values.tolist()}", step)
+        # Same decision on every rank: image presence and KL are reduced before deferring.
+        flags = torch.stack([torch.tensor(float(terms.has_images)), terms.kl_sum.detach().float().cpu(),
+                             terms.token_count.detach().float().cpu()]).to(parent_loss.device)
+        flags = trainer.accelerator.reduce(flags, reduction="sum")
+        if flags[0].item() == 0:
+            self.batches_without_images += 1
+            return self._record("pending", "probe deferred: batch has no images, so zero perception KL is correct", step)
+        if flags[1].item() == 0.0:
+            self.degenerate_batches += 1
+            if self.degenerate_batches >= self.max_degenerate_batches:
+                return self._record("failed", (
+                    f"probe: {self.degenerate_batches} consecutive image-invariant batches (perception KL exactly 0). "
+                    "The masked forward never changes the completion log-probs. Likely causes: the mask does not "
+                    "reach pixel_values (wrong layout, e.g. 2-D Qwen tensors treated as 4-D), the masked pixel_values "
+                    "are not passed to the forward, the vision tower output is ignored or zeroed, or every probe "
+                    "batch is answerable without the image."), step)
+            return self._record("pending", f"probe deferred: image-invariant batch {self.degenerate_batches}/{self.max_degenerate_batches}", step)
+        numbers = measure_gamma_zero(trainer, model, parent_loss, terms, assemble)
+        if not all(math.isfinite(numbers[k]) for k in ("parent_grad_norm", "zero_gamma_grad_norm", "grad_diff_norm", "perception_grad_norm")):
+            return self._record("failed", f"probe: non-finite gradient norms {numbers}", step, **numbers)
+        problems = []
+        if not numbers["loss_bit_equal"]:
+            problems.append(f"zero-gamma loss {numbers['zero_gamma_loss']!r} != parent loss {numbers['parent_loss']!r}")
+        if numbers["grad_diff_norm"] > numbers["tolerance"]:
+            problems.append(
+                f"perception gradient leaks through the gamma=0 path: ||g_zero - g_parent|| = {numbers['grad_diff_norm']:.3e} "
+                f"> tolerance {numbers['tolerance']:.3e} ({PASS_RULE})")
+        if not numbers["perception_kl"] > 0:
+            problems.append(f"perception KL is {numbers['perception_kl']!r}, not > 0")
+        if not numbers["perception_grad_norm"] > 0:
+            problems.append("the perception term has zero gradient: the masked branch does not reach the trainable weights")
+        if problems:
+            return self._record("failed", "probe failed: " + "; ".join(problems), step, **numbers)
+        return self._record("passed", (
+            f"probe passed: ||g_zero - g_parent|| = {numbers['grad_diff_norm']:.3e} <= {numbers['tolerance']:.3e}; "
+            f"perception KL {numbers['perception_kl']:.3e}, perception gradient {numbers['separation_ratio']:.3g}x tolerance"), step, **numbers)
+
+    def metrics(self) -> dict[str, float]:
+        """Numeric evidence for the trainer's metrics (and so MLflow)."""
+        if self.evidence is None:
+            return {}
+        numeric = {k: float(v) for k, v in self.evidence.to_dict().items()
+                   if isinstance(v, (int, float)) and v is not None and k not in ("rel_tol", "abs_floor")}
+        numeric["passed"] = float(self.evidence.passed)
+        return numeric
+
+
+def probe_batch(trainer, inputs, *, model=None, autocast_dtype: torch.dtype | None = None,
+                max_degenerate_batches: int = PAPO_PROBE_MAX_DEGENERATE_BATCHES) -> ProbeEvidence:
+    """Stand-alone probe on one prepared batch (``_compute_loss`` inputs), optionally under autocast."""
+    model = model or trainer.model
+    device_type = next(model.parameters()).device.type
+    with torch.autocast(device_type, dtype=autocast_dtype or torch.bfloat16, enabled=autocast_dtype is not None):
+        parent_loss, terms = trainer.papo_loss_parts(model, inputs)
+        probe = GammaZeroProbe(max_degenerate_batches)
+        return probe.observe(trainer, model, parent_loss, terms)

@@ -1,0 +1,293 @@
+"""PAPO-G as an adapter on TRL 1.9.1's GRPOTrainer.
+
+The parent computes the GRPO loss untouched (``super()._compute_loss``); the adapter adds
+
+    - gamma * KL_prcp(pi(.|q,I) || pi(.|q,I_mask)) + eta1 * H[pi(.|q,I)] + eta2 * H[pi(.|q,I_mask)]
+
+with the per-token k3 estimator for KL_prcp, restricted to completion tokens and normalised the way the
+parent normalises its policy term. The unmasked log-probs and entropies are the parent's own: a thin
+override of ``_get_per_token_logps_and_entropies`` captures them while the parent computes its loss, so
+only one extra (masked) forward runs per step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from trl import GRPOConfig, GRPOTrainer
+
+from papo_nb import masking
+from papo_nb.contract import (
+    ENTROPY_GRAD_GATE,
+    PAPO_PROBE_MAX_DEGENERATE_BATCHES,
+    VLM_FORWARD_KEYWORDS,
+    validate_trl_parent_contract,
+)
+
+MASK_TYPES = ("patch", "merge_unit", "random")
+GAMMA_SCHEDULES = ("fixed", "linear")
+
+
+@dataclass
+class PAPOGConfig(GRPOConfig):
+    r"""Configuration for [`PAPOGTrainer`]: every [`~trl.GRPOConfig`] field, plus the PAPO-G ones below.
+
+    Defaults follow the PAPO paper for PAPO-G (arXiv 2507.06448), not TRL 0.29.1's experimental trainer
+    (which used gamma 0.1 and mask ratio 0.3).
+
+    Parameters:
+        perception_loss_weight (`float`, defaults to `0.02`):
+            gamma, the weight of the perception KL that is *maximised* (subtracted from the loss). The paper
+            uses 0.02 for PAPO-G 3B; 0.04 collapsed at 3B ("KL_prcp hacking").
+        perception_loss_weight_final (`float`, defaults to `0.0`):
+            gamma at the last step when `perception_loss_schedule="linear"`; ignored for `"fixed"`.
+        perception_loss_schedule (`str`, defaults to `"fixed"`):
+            `"fixed"` keeps gamma constant; `"linear"` anneals it linearly from `perception_loss_weight` to
+            `perception_loss_weight_final` over `max_steps` optimizer steps.
+        mask_type (`str`, defaults to `"patch"`):
+            How the masked image is made from `pixel_values`: `"patch"` blacks out whole 14x14 vision patches
+            (the processed-tensor equivalent of the official raw-image square mask), `"merge_unit"` whole 2x2
+            merge units, `"random"` single pixel values. Masked values are black after normalisation.
+        mask_ratio (`float`, defaults to `0.6`):
+            Fraction of patches/units (or probability per value for `"random"`) that are blacked out.
+            Paper ablation at 3B: 0.6 best; 1.0 raises collapse risk.
+        mask_seed (`int`, defaults to `0`):
+            Seed of the adapter's own `torch.Generator` for masks, so masking never touches global RNG.
+        perception_kl_clamp (`float` or `None`, defaults to `None`):
+            If set, clamp the per-token KL to `[0, perception_kl_clamp]` (official option: 0.2). Off by
+            default, as in the official code.
+        original_entropy_weight (`float`, defaults to `0.03`):
+            eta1, weight of the entropy of the policy on original images (kept low; added to the loss). Its
+            gradient is real: the adapter asks the parent for differentiable entropies when it is non-zero.
+        masked_entropy_weight (`float`, defaults to `0.03`):
+            eta2, weight of the entropy on masked images. With `masked_branch_grad=False` (official default)
+            this term is a constant and contributes no gradient, as the official author confirmed (their issue
+            20); set `masked_branch_grad=True` for it to regularise.
+        masked_branch_grad (`bool`, defaults to `False`):
+            Backpropagate through the masked forward. Off by default (official): the masked branch is a
+            no-grad target, which halves the extra memory.
+        require_gpu_contract_probe (`bool`, defaults to `False`):
+            Run the gamma-zero reduction probe inside training until it has evidence (smoke and CI runs set
+            this true; main runs leave it false so no probe code runs at all).
+        probe_max_degenerate_batches (`int`, defaults to `20`):
+            How many consecutive image-invariant batches (mean perception KL exactly 0) the probe may defer on
+            before it fails as a wiring error.
+    """
+
+    perception_loss_weight: float = field(default=0.02, metadata={"help": "gamma: weight of the maximised perception KL."})
+    perception_loss_weight_final: float = field(default=0.0, metadata={"help": "gamma at the last step for the linear schedule."})
+    perception_loss_schedule: str = field(default="fixed", metadata={"help": "'fixed' or 'linear' gamma schedule."})
+    mask_type: str = field(default="patch", metadata={"help": "'patch', 'merge_unit' or 'random'."})
+    mask_ratio: float = field(default=0.6, metadata={"help": "Fraction of the image blacked out, in [0, 1]."})
+    mask_seed: int = field(default=0, metadata={"help": "Seed of the masking generator."})
+    perception_kl_clamp: float | None = field(default=None, metadata={"help": "Upper clamp of the per-token KL (None: off)."})
+    original_entropy_weight: float = field(default=0.03, metadata={"help": "eta1: entropy weight, original images."})
+    masked_entropy_weight: float = field(default=0.03, metadata={"help": "eta2: entropy weight, masked images."})
+    masked_branch_grad: bool = field(default=False, metadata={"help": "Backpropagate through the masked forward."})
+    require_gpu_contract_probe: bool = field(default=False, metadata={"help": "Run the gamma-zero probe in training."})
+    probe_max_degenerate_batches: int = field(
+        default=PAPO_PROBE_MAX_DEGENERATE_BATCHES, metadata={"help": "Image-invariant batches the probe may defer on."}
+    )
+    beta: float = field(default=0.01, metadata={"help": "Reference KL coefficient (paper: 0.01)."})
+
+    def __post_init__(self):
+        self.validate_papo_fields()
+        super().__post_init__()
+
+    def validate_papo_fields(self) -> None:
+        """Raise ValueError naming the field, its value and what is allowed, before any model loads."""
+
+        def require(ok: bool, name: str, allowed: str) -> None:
+            if not ok:
+                raise ValueError(f"PAPOGConfig.{name}={getattr(self, name)!r} is invalid: expected {allowed}")
+
+        finite = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and v == v and abs(v) != float("inf")  # noqa: E731
+        require(finite(self.perception_loss_weight) and self.perception_loss_weight >= 0, "perception_loss_weight", "a finite number >= 0")
+        require(finite(self.perception_loss_weight_final) and self.perception_loss_weight_final >= 0, "perception_loss_weight_final", "a finite number >= 0")
+        require(self.perception_loss_schedule in GAMMA_SCHEDULES, "perception_loss_schedule", f"one of {GAMMA_SCHEDULES}")
+        require(self.mask_type in MASK_TYPES, "mask_type", f"one of {MASK_TYPES}")
+        require(finite(self.mask_ratio) and 0.0 < self.mask_ratio <= 1.0, "mask_ratio", "a number in (0, 1]")
+        require(isinstance(self.mask_seed, int) and not isinstance(self.mask_seed, bool), "mask_seed", "an int")
+        require(self.perception_kl_clamp is None or (finite(self.perception_kl_clamp) and self.perception_kl_clamp > 0),
+                "perception_kl_clamp", "None or a finite number > 0")
+        require(finite(self.original_entropy_weight) and self.original_entropy_weight >= 0, "original_entropy_weight", "a finite number >= 0")
+        require(finite(self.masked_entropy_weight) and self.masked_entropy_weight >= 0, "masked_entropy_weight", "a finite number >= 0")
+        require(isinstance(self.masked_branch_grad, bool), "masked_branch_grad", "a bool")
+        require(isinstance(self.require_gpu_contract_probe, bool), "require_gpu_contract_probe", "a bool")
+        require(isinstance(self.probe_max_degenerate_batches, int) and self.probe_max_degenerate_batches >= 1,
+                "probe_max_degenerate_batches", "an int >= 1")
+
+
+@dataclass
+class PerceptionTerms:
+    """The adapter's differentiable pieces for one batch, each normalised like the parent's policy term."""
+
+    perception_kl: torch.Tensor  # normalised mean k3 KL, to be maximised
+    original_entropy: torch.Tensor
+    masked_entropy: torch.Tensor
+    kl_sum: torch.Tensor  # un-normalised sums (no grad), reduced across ranks by the probe
+    token_count: torch.Tensor
+    has_images: bool
+
+
+class PAPOGTrainer(GRPOTrainer):
+    """GRPOTrainer plus the PAPO-G perception and double-entropy terms. See the module docstring."""
+
+    _tag_names = ["trl", "grpo", "papo"]
+
+    def __init__(self, *args, **kwargs):
+        validate_trl_parent_contract(GRPOTrainer)
+        super().__init__(*args, **kwargs)
+        if not isinstance(self.args, PAPOGConfig):
+            raise TypeError(f"PAPOGTrainer needs args=PAPOGConfig(...), got {type(self.args).__name__}")
+        # Trainer sets this in its training loop; the probe and fixed-batch losses may run before train().
+        self.current_gradient_accumulation_steps = self.args.gradient_accumulation_steps
+        self._capture_parent_logps = False
+        self._captured_parent_logps = None
+        self.mask_generator = torch.Generator().manual_seed(self.args.mask_seed)
+        self.probe = None
+        if self.args.require_gpu_contract_probe:
+            from papo_nb.probe import GammaZeroProbe
+
+            self.probe = GammaZeroProbe(max_degenerate_batches=self.args.probe_max_degenerate_batches)
+
+    # ---- the one place the total loss is assembled (the probe differentiates it at gamma = 0) ----
+    @staticmethod
+    def assemble_loss(parent_loss: torch.Tensor, terms: PerceptionTerms, gamma: float, eta1: float, eta2: float) -> torch.Tensor:
+        papo = -gamma * terms.perception_kl + eta1 * terms.original_entropy + eta2 * terms.masked_entropy
+        return parent_loss + papo
+
+    def current_gamma(self) -> float:
+        args = self.args
+        if args.perception_loss_schedule == "fixed" or args.max_steps <= 0:
+            return args.perception_loss_weight
+        progress = min(self.state.global_step / args.max_steps, 1.0)
+        return args.perception_loss_weight + (args.perception_loss_weight_final - args.perception_loss_weight) * progress
+
+    # ---- hooks ----
+    def _get_per_token_logps_and_entropies(self, *args, **kwargs):
+        if not self._capture_parent_logps:
+            return super()._get_per_token_logps_and_entropies(*args, **kwargs)
+        self._capture_parent_logps = False  # only the parent's main forward of this loss call
+        outputs = self._with_entropy_grad(self.args.original_entropy_weight > 0, *args, **kwargs)
+        self._captured_parent_logps = outputs
+        return outputs
+
+    def _compute_loss(self, model, inputs):
+        parent_loss, terms = self.papo_loss_parts(model, inputs)
+        if self.probe is not None and self.probe.pending and self.model.training:
+            self.probe.observe(self, model, parent_loss, terms, step=self.state.global_step)
+            self._metrics["train"].update({f"probe/{k}": [v] for k, v in self.probe.metrics().items()})
+        args = self.args
+        return self.assemble_loss(parent_loss, terms, self.current_gamma(), args.original_entropy_weight, args.masked_entropy_weight)
+
+    # ---- pieces ----
+    def _with_entropy_grad(self, want_grad: bool, *args, **kwargs):
+        """Call the parent's log-prob method; with ``want_grad`` its entropies keep their graph."""
+        gate = getattr(self, ENTROPY_GRAD_GATE)
+        setattr(self, ENTROPY_GRAD_GATE, gate or (want_grad and torch.is_grad_enabled()))
+        try:
+            return super()._get_per_token_logps_and_entropies(*args, **kwargs)
+        finally:
+            setattr(self, ENTROPY_GRAD_GATE, gate)
+
+    def papo_loss_parts(self, model, inputs) -> tuple[torch.Tensor, PerceptionTerms]:
+        """The parent's loss and the adapter's terms for ``inputs`` (which is never modified)."""
+        self._capture_parent_logps, self._captured_parent_logps = True, None
+        try:
+            parent_loss = super()._compute_loss(model, inputs)
+        finally:
+            self._capture_parent_logps = False
+        logps, entropies, _ = self._captured_parent_logps
+        self._captured_parent_logps = None
+        terms = self._perception_terms(model, inputs, logps, entropies)
+        return parent_loss, terms
+
+    def masked_pixel_values(self, inputs: dict[str, Any]) -> torch.Tensor:
+        image_processor = self.processing_class.image_processor
+        stats = dict(image_mean=image_processor.image_mean, image_std=image_processor.image_std)
+        if self.args.mask_type == "random":
+            return masking.mask_random_elements(inputs["pixel_values"], self.args.mask_ratio, generator=self.mask_generator, **stats)
+        if inputs.get("image_grid_thw") is None:
+            raise ValueError(f"mask_type={self.args.mask_type!r} needs image_grid_thw (Qwen-VL layout); use mask_type='random'")
+        return masking.mask_patches(
+            inputs["pixel_values"], inputs["image_grid_thw"], self.args.mask_ratio, unit=self.args.mask_type,
+            merge_size=getattr(image_processor, "merge_size", 2), generator=self.mask_generator, **stats,
+        )
+
+    def _perception_terms(self, model, inputs, logps, entropies) -> PerceptionTerms:
+        mask = inputs["completion_mask"]
+        if "tool_mask" in inputs:
+            mask = mask * inputs["tool_mask"]
+        has_images = inputs.get("pixel_values") is not None
+        if has_images:
+            masked_logps, masked_entropies = self._masked_forward(model, inputs)
+        else:  # the masked branch of a text-only batch is the original branch: KL 0, no forward needed
+            masked_logps, masked_entropies = logps.detach(), entropies.detach()
+        log_ratio = masked_logps - logps
+        per_token_kl = torch.exp(log_ratio) - log_ratio - 1.0
+        if self.args.perception_kl_clamp is not None:
+            per_token_kl = per_token_kl.clamp(0.0, self.args.perception_kl_clamp)
+        mask_f = mask.to(per_token_kl.dtype)
+        with torch.no_grad():
+            kl_sum, entropy_sum, token_count = (per_token_kl * mask_f).sum(), (masked_entropies * mask_f).sum(), mask_f.sum()
+        terms = PerceptionTerms(
+            perception_kl=self._normalise_like_parent(per_token_kl, mask_f, inputs),
+            original_entropy=self._normalise_like_parent(entropies, mask_f, inputs),
+            masked_entropy=self._normalise_like_parent(masked_entropies, mask_f, inputs),
+            kl_sum=kl_sum,
+            token_count=token_count,
+            has_images=has_images,
+        )
+        self._log_perception_metrics(kl_sum, entropy_sum, token_count)
+        return terms
+
+    def _masked_forward(self, model, inputs):
+        prompt_ids, completion_ids = inputs["prompt_ids"], inputs["completion_ids"]
+        vlm_kwargs = {key: inputs.get(key) for key in VLM_FORWARD_KEYWORDS}
+        vlm_kwargs["pixel_values"] = self.masked_pixel_values(inputs)
+        want_entropy_grad = self.args.masked_branch_grad and self.args.masked_entropy_weight > 0
+        with torch.set_grad_enabled(self.args.masked_branch_grad and torch.is_grad_enabled()):
+            logps, entropies, _ = self._with_entropy_grad(
+                want_entropy_grad,
+                model,
+                torch.cat([prompt_ids, completion_ids], dim=1),
+                torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1),
+                completion_ids.size(1),
+                compute_entropy=True,
+                **vlm_kwargs,
+            )
+        return logps, entropies
+
+    def _normalise_like_parent(self, per_token: torch.Tensor, mask: torch.Tensor, inputs) -> torch.Tensor:
+        """Reduce a (B, T) per-token quantity exactly as GRPOTrainer 1.9.1 reduces its policy term."""
+        training = self.model.training
+        accumulation = self.current_gradient_accumulation_steps if training else 1.0
+        masked = per_token * mask
+        loss_type = self.loss_type
+        if loss_type in ("grpo", "sapo"):
+            return (masked.sum(-1) / mask.sum(-1).clamp(min=1.0)).mean() / accumulation
+        if loss_type == "bnpo":
+            return masked.sum() / mask.sum().clamp(min=1.0) / accumulation
+        if loss_type == "dr_grpo":
+            return masked.sum() / (per_token.size(0) * self.max_completion_length) / accumulation
+        if loss_type in ("cispo", "dapo", "vespo"):
+            normaliser = inputs["num_items_in_batch"].clamp(min=1.0) / self.accelerator.num_processes
+            if training:
+                normaliser = normaliser * self.current_gradient_accumulation_steps / self.args.steps_per_generation
+            return masked.sum() / normaliser
+        if loss_type == "luspo":  # per-sequence mean times length = per-sequence sum
+            return masked.sum(-1).mean() / accumulation
+        raise ValueError(f"PAPOGTrainer does not know how to normalise for loss_type={loss_type!r}")
+
+    def _log_perception_metrics(self, kl_sum, entropy_sum, token_count) -> None:
+        mode = "train" if self.model.training else "eval"
+        totals = self.accelerator.reduce(torch.stack([kl_sum, entropy_sum, token_count]).detach().float(), reduction="sum")
+        kl, masked_entropy = (totals[:2] / totals[2].clamp(min=1.0)).tolist()
+        metrics = self._metrics[mode]
+        metrics["perception_kl"].append(kl)
+        metrics["perception_loss"].append(-kl)
+        metrics["masked_entropy"].append(masked_entropy)
+        metrics["perception_gamma"].append(self.current_gamma())

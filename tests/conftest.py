@@ -1,0 +1,22 @@
+"""Shared fixtures: one tiny offline VLM and one small shapes dataset per test session.
+
+Imports sit inside the fixtures so test files that need neither skip loading transformers.
+"""
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def tiny_vlm_path(tmp_path_factory):
+    """Folder of a tiny Qwen2-VL (seed 0), built offline into a session tmp dir."""
+    from papo_nb.models import build_tiny_vlm
+
+    return build_tiny_vlm("qwen2_vl", seed=0, cache_dir=tmp_path_factory.mktemp("tiny_vlm_cache"))
+
+
+@pytest.fixture(scope="session")
+def shapes_dataset():
+    """24 shapes examples (8 of each question kind), seed 0."""
+    from papo_nb.data import make_shapes_dataset
+
+    return make_shapes_dataset(24, seed=0)

@@ -1,0 +1,175 @@
+"""The tiny offline VLM: deterministic, cached, small, and loadable through the real-checkpoint path."""
+
+import time
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from trl.data_utils import prepare_multimodal_messages
+
+from papo_nb.models import (
+    COMPLETE_MARKER,
+    VISION_SPECIAL_TOKENS,
+    build_tiny_vlm,
+    load_vlm,
+    tiny_grpo_config,
+    tiny_lora_config,
+    vision_special_token_ids,
+)
+
+
+def weights(folder):
+    return load_file(folder / "model.safetensors")
+
+
+def processed_example(processor, example):
+    messages = prepare_multimodal_messages(example["prompt"], images=[example["image"]])
+    return processor.apply_chat_template(
+        [messages], add_generation_prompt=True, tokenize=True, return_dict=True, return_tensors="pt"
+    )
+
+
+def test_same_seed_gives_bit_identical_weights(tmp_path, tiny_vlm_path):
+    rebuilt = build_tiny_vlm("qwen2_vl", seed=0, cache_dir=tmp_path)
+    assert rebuilt != tiny_vlm_path
+    a, b = weights(tiny_vlm_path), weights(rebuilt)
+    assert a.keys() == b.keys()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert (rebuilt / "tokenizer.json").read_bytes() == (tiny_vlm_path / "tokenizer.json").read_bytes()
+
+
+def test_different_seed_gives_different_weights(tmp_path, tiny_vlm_path):
+    a, b = weights(tiny_vlm_path), weights(build_tiny_vlm("qwen2_vl", seed=1, cache_dir=tmp_path))
+    assert any(not torch.equal(a[k], b[k]) for k in a)
+
+
+def test_build_leaves_global_rng_untouched(tmp_path):
+    torch.manual_seed(42)
+    expected = torch.rand(3)
+    torch.manual_seed(42)
+    build_tiny_vlm("qwen2_vl", seed=7, cache_dir=tmp_path)
+    assert torch.equal(torch.rand(3), expected)
+
+
+def test_second_call_reuses_the_cache(tmp_path):
+    start = time.perf_counter()
+    first = build_tiny_vlm("qwen2_vl", seed=0, cache_dir=tmp_path)
+    cold_s = time.perf_counter() - start
+    marker_mtime = (first / COMPLETE_MARKER).stat().st_mtime_ns
+    hits = []
+    for _ in range(5):
+        start = time.perf_counter()
+        assert build_tiny_vlm("qwen2_vl", seed=0, cache_dir=tmp_path) == first
+        hits.append(time.perf_counter() - start)
+    # A hit is a stat call; a rebuild trains a tokenizer and writes weights (tens of ms at least).
+    assert min(hits) < min(0.01, cold_s / 5), (hits, cold_s)
+    assert (first / COMPLETE_MARKER).stat().st_mtime_ns == marker_mtime
+    assert [p.name for p in tmp_path.iterdir()] == [first.name]  # no staging leftovers
+
+
+def test_half_written_folder_is_rebuilt(tmp_path):
+    folder = build_tiny_vlm("qwen2_vl", seed=0, cache_dir=tmp_path)
+    (folder / COMPLETE_MARKER).unlink()
+    (folder / "model.safetensors").write_bytes(b"truncated")
+    rebuilt = build_tiny_vlm("qwen2_vl", seed=0, cache_dir=tmp_path)
+    assert rebuilt == folder and (rebuilt / COMPLETE_MARKER).exists()
+    assert weights(rebuilt)  # a valid safetensors file again
+
+
+def test_cache_root_comes_from_env(tmp_path, monkeypatch):
+    monkeypatch.setenv("PAPO_NB_CACHE", str(tmp_path / "env_cache"))
+    folder = build_tiny_vlm("qwen2_vl", seed=3)
+    assert folder.parent == tmp_path / "env_cache"
+
+
+def test_unknown_family_is_refused(tmp_path):
+    with pytest.raises(ValueError, match=r"family='llava'.*qwen2_5_vl.*qwen2_vl"):
+        build_tiny_vlm("llava", cache_dir=tmp_path)
+
+
+def test_parameter_count_is_a_few_hundred_thousand(tiny_vlm_path):
+    model, _ = load_vlm(tiny_vlm_path)
+    n_params = sum(p.numel() for p in model.parameters())
+    assert 100_000 <= n_params <= 1_000_000, n_params
+
+
+def test_processor_keeps_112px_images_at_16_tokens(tiny_vlm_path, shapes_dataset):
+    _, processor = load_vlm(tiny_vlm_path)
+    inputs = processed_example(processor, shapes_dataset[0])
+    assert inputs["image_grid_thw"].tolist() == [[1, 8, 8]]
+    image_pad = processor.tokenizer.convert_tokens_to_ids("<|image_pad|>")
+    assert (inputs["input_ids"] == image_pad).sum().item() == 16
+
+
+def test_tokenizer_and_chat_template(tiny_vlm_path):
+    _, processor = load_vlm(tiny_vlm_path)
+    tokenizer = processor.tokenizer
+    assert tokenizer.pad_token == "<|endoftext|>" and tokenizer.eos_token == "<|im_end|>"
+    assert 256 < len(tokenizer) < 1000
+    text = "<answer>red</answer>"
+    assert tokenizer.decode(tokenizer(text)["input_ids"]) == text
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Hi?"}]}]
+    rendered = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    assert rendered == (
+        "<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>Hi?<|im_end|>\n<|im_start|>assistant\n"
+    )
+    without_prompt = processor.apply_chat_template(messages, add_generation_prompt=False, tokenize=False)
+    assert not without_prompt.endswith("assistant\n")
+
+
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl"])
+def test_family_builds_loads_and_forwards(family, tmp_path, shapes_dataset):
+    model, processor = load_vlm(build_tiny_vlm(family, seed=0, cache_dir=tmp_path))
+    assert model.config.model_type == family
+    assert model.config.image_token_id == processor.tokenizer.convert_tokens_to_ids("<|image_pad|>")
+    inputs = processed_example(processor, shapes_dataset[1])
+    with torch.no_grad():
+        logits = model(**inputs).logits
+    assert logits.shape == (1, inputs["input_ids"].shape[1], len(processor.tokenizer))
+    assert torch.isfinite(logits).all()
+
+
+def test_load_vlm_dtype_and_missing_path(tiny_vlm_path, tmp_path):
+    model, _ = load_vlm(str(tiny_vlm_path), dtype="bfloat16")
+    assert next(model.parameters()).dtype == torch.bfloat16
+    missing = tmp_path / "nope"
+    with pytest.raises(FileNotFoundError, match=r"name_or_path=.*nope"):
+        load_vlm(str(missing))
+    with pytest.raises(ValueError, match="dtype="):
+        load_vlm(tiny_vlm_path, dtype="float99")
+
+
+def test_vision_special_token_ids(tiny_vlm_path):
+    _, processor = load_vlm(tiny_vlm_path)
+    ids = vision_special_token_ids(processor)
+    assert ids == vision_special_token_ids(processor.tokenizer)
+    assert sorted(processor.tokenizer.convert_ids_to_tokens(ids)) == sorted(VISION_SPECIAL_TOKENS)
+
+
+def test_suppressed_generation_never_samples_vision_tokens(tiny_vlm_path, shapes_dataset):
+    model, processor = load_vlm(tiny_vlm_path)
+    inputs = processed_example(processor, shapes_dataset[2])
+    suppressed = vision_special_token_ids(processor)
+
+    def sample(**kwargs):
+        torch.manual_seed(0)
+        out = model.generate(**inputs, max_new_tokens=64, do_sample=True, top_k=0, num_return_sequences=8, **kwargs)
+        return torch.isin(out[:, inputs["input_ids"].shape[1] :], torch.tensor(suppressed)).any().item()
+
+    assert sample(), "control: a random policy does sample vision tokens when nothing suppresses them"
+    assert not sample(suppress_tokens=suppressed)
+
+
+def test_lora_and_grpo_presets(tiny_vlm_path, tmp_path):
+    from peft import get_peft_model
+
+    model, processor = load_vlm(tiny_vlm_path)
+    peft_model = get_peft_model(model, tiny_lora_config())
+    lora_names = [n for n, _ in peft_model.named_parameters() if "lora_" in n]
+    assert lora_names and all("language_model" in n for n in lora_names)
+
+    args = tiny_grpo_config(tmp_path, suppress_tokens=vision_special_token_ids(processor), max_steps=2)
+    assert args.bf16 is False and args.activation_checkpointing is False
+    assert args.num_generations == 4 and args.max_completion_length == 16 and args.report_to == []
+    assert args.generation_kwargs == {"suppress_tokens": vision_special_token_ids(processor)}
+    assert args.max_steps == 2

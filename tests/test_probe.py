@@ -1,0 +1,126 @@
+"""The gamma-zero probe: passes on the real adapter, catches a leak, defers exactly the bound, fails on NaN."""
+
+import dataclasses
+import json
+
+import pytest
+import torch
+from peft import get_peft_model
+
+from papo_nb.batches import rollout_batch
+from papo_nb.contract import GAMMA_ZERO_GRADIENT_ABS_FLOOR, GAMMA_ZERO_GRADIENT_REL_TOL, PAPO_ADAPTER_VERSION
+from papo_nb.models import load_vlm, tiny_grpo_config, tiny_lora_config, vision_special_token_ids
+from papo_nb.probe import PASS_RULE, PROBE_CALLS, GammaZeroProbe, ProbeFailure, probe_batch
+from papo_nb.rewards import accuracy_reward, format_reward
+from papo_nb.trainer import PAPOGConfig, PAPOGTrainer
+
+
+class LeakyPAPOGTrainer(PAPOGTrainer):
+    """A broken adapter: the value is right at gamma = 0 but the perception gradient still flows."""
+
+    @staticmethod
+    def assemble_loss(parent_loss, terms, gamma, eta1, eta2):
+        leak = terms.perception_kl - terms.perception_kl.detach()  # exactly 0.0 in value
+        return PAPOGTrainer.assemble_loss(parent_loss, terms, gamma, eta1, eta2) + leak
+
+
+def build(tiny_vlm_path, dataset, tmp_path, trainer_cls=PAPOGTrainer, zero_vision=False, **overrides):
+    model, processor = load_vlm(str(tiny_vlm_path))
+    if zero_vision:  # the vision tower then outputs zeros whatever the pixels: every batch is image-invariant
+        with torch.no_grad():
+            for p in model.model.visual.merger.parameters():
+                p.zero_()
+    torch.manual_seed(0)
+    model = get_peft_model(model, tiny_lora_config())
+    args = tiny_grpo_config(tmp_path / "out", vision_special_token_ids(processor), config_cls=PAPOGConfig, **overrides)
+    trainer = trainer_cls(model=model, processing_class=processor, reward_funcs=[accuracy_reward, format_reward],
+                          args=args, train_dataset=dataset)
+    return trainer, rollout_batch(trainer, dataset, n_prompts=2, seed=0)
+
+
+@pytest.fixture(scope="module")
+def real(tiny_vlm_path, shapes_dataset, tmp_path_factory):
+    return build(tiny_vlm_path, shapes_dataset, tmp_path_factory.mktemp("real"))
+
+
+def test_probe_passes_on_the_real_adapter_with_full_evidence(real):
+    trainer, batch = real
+    evidence = probe_batch(trainer, batch)
+    assert evidence.passed, evidence.message
+    assert evidence.loss_bit_equal and evidence.parent_loss == evidence.zero_gamma_loss
+    assert evidence.grad_diff_norm <= evidence.tolerance == max(GAMMA_ZERO_GRADIENT_REL_TOL * evidence.parent_grad_norm, GAMMA_ZERO_GRADIENT_ABS_FLOOR)
+    assert evidence.perception_kl > 0 and evidence.perception_grad_norm > 0
+    assert evidence.separation_ratio == pytest.approx(evidence.perception_grad_norm / evidence.tolerance)
+    record = json.loads(json.dumps(evidence.to_dict()))
+    assert record["rule"] == PASS_RULE and record["adapter_version"] == PAPO_ADAPTER_VERSION
+    assert record["trl_version"] == "1.9.1" and record["dtype"] == "float32" and record["autocast_enabled"] is False
+
+
+def test_probe_passes_under_bf16_autocast(real):
+    trainer, batch = real
+    evidence = probe_batch(trainer, batch, autocast_dtype=torch.bfloat16)
+    assert evidence.passed, evidence.message
+    assert evidence.autocast_enabled and evidence.autocast_dtype == "bfloat16"
+
+
+def test_probe_catches_a_leaking_adapter(tiny_vlm_path, shapes_dataset, tmp_path):
+    trainer, batch = build(tiny_vlm_path, shapes_dataset, tmp_path, trainer_cls=LeakyPAPOGTrainer)
+    with pytest.raises(ProbeFailure, match="perception gradient leaks through the gamma=0 path"):
+        probe_batch(trainer, batch)
+
+
+def test_image_invariant_model_fails_after_exactly_the_bound(tiny_vlm_path, shapes_dataset, tmp_path):
+    bound = 20
+    trainer, batch = build(tiny_vlm_path, shapes_dataset, tmp_path, zero_vision=True, require_gpu_contract_probe=True,
+                           probe_max_degenerate_batches=bound)
+    model = trainer.model
+    for i in range(1, bound):
+        trainer._compute_loss(model, batch)
+        assert trainer.probe.pending and trainer.probe.degenerate_batches == i
+        assert trainer.probe.evidence.status == "pending"
+    with pytest.raises(ProbeFailure, match=f"{bound} consecutive image-invariant batches"):
+        trainer._compute_loss(model, batch)
+    assert trainer.probe.evidence.status == "failed" and trainer.probe.evidence.degenerate_batches_skipped == bound
+
+
+def test_text_only_batches_do_not_count_as_degenerate(real):
+    trainer, batch = real
+    text_only = {k: v for k, v in batch.items() if k not in ("pixel_values", "image_grid_thw", "num_images", "mm_token_type_ids")}
+    text_only["prompt_ids"], text_only["prompt_mask"] = batch["prompt_ids"][:, -4:], batch["prompt_mask"][:, -4:]
+    probe = GammaZeroProbe(max_degenerate_batches=1)
+    for _ in range(3):
+        parent, terms = trainer.papo_loss_parts(trainer.model, text_only)
+        evidence = probe.observe(trainer, trainer.model, parent, terms)
+        assert evidence.status == "pending" and "no images" in evidence.message
+    assert probe.batches_without_images == 3 and probe.degenerate_batches == 0
+    parent, terms = trainer.papo_loss_parts(trainer.model, batch)
+    assert probe.observe(trainer, trainer.model, parent, terms).passed
+
+
+def test_non_finite_pieces_fail_at_once(real):
+    trainer, batch = real
+    parent, terms = trainer.papo_loss_parts(trainer.model, batch)
+    poisoned = dataclasses.replace(terms, masked_entropy=terms.masked_entropy * float("nan"))
+    assert torch.isnan(0.0 * poisoned.masked_entropy), "0.0 * nan is nan: the zero-gamma loss would be poisoned"
+    probe = GammaZeroProbe()
+    with pytest.raises(ProbeFailure, match="non-finite"):
+        probe.observe(trainer, trainer.model, parent, poisoned)
+    assert probe.evaluations == 1
+
+
+def test_probe_runs_inside_training_and_logs_evidence(tiny_vlm_path, shapes_dataset, tmp_path):
+    trainer, _ = build(tiny_vlm_path, shapes_dataset, tmp_path, require_gpu_contract_probe=True, max_steps=2)
+    trainer.train()
+    assert trainer.probe.evidence.passed and not trainer.probe.pending
+    assert trainer.probe.evaluations == 1, "a passed probe stops running"
+    logged = [h for h in trainer.state.log_history if "probe/passed" in h]
+    assert len(logged) == 1 and logged[0]["probe/passed"] == 1.0 and logged[0]["probe/separation_ratio"] > 1
+    assert all(h["perception_kl"] > 0 for h in trainer.state.log_history if "perception_kl" in h)
+
+
+def test_no_probe_code_runs_when_not_required(tiny_vlm_path, shapes_dataset, tmp_path):
+    trainer, _ = build(tiny_vlm_path, shapes_dataset, tmp_path, require_gpu_contract_probe=False, max_steps=2)
+    calls_before = dict(PROBE_CALLS)
+    trainer.train()
+    assert trainer.probe is None and PROBE_CALLS == calls_before
+    assert not any(k.startswith("probe/") for h in trainer.state.log_history for k in h)
