@@ -62,7 +62,7 @@ class WorkbookParams(BaseModel):
     lora_r: int = Field(8, ge=1, le=1024, description="LoRA rank")
     lora_alpha: int = Field(16, ge=1, le=4096, description="LoRA alpha")
     save_steps: int = Field(3, ge=1, le=1_000_000, description="checkpoint every this many steps")
-    resume_from_checkpoint: str = Field("", description="checkpoint folder to continue from; empty starts fresh")
+    init_adapter: str = Field("", description="phase 2: start from this trained adapter checkpoint; empty starts a fresh adapter")
 
     @classmethod
     def field_names(cls) -> set[str]:
@@ -117,3 +117,8 @@ def load_params(path: str | Path | None, overrides: list[str] | None = None) -> 
         key, value = parse_override(item)
         values[key] = value
     return validate_params(values, source)
+
+
+def notebook_params(namespace: dict[str, Any]) -> WorkbookParams:
+    """The params a notebook's ``parameters`` cell defined (its globals), validated; other fields default."""
+    return validate_params({k: namespace[k] for k in WorkbookParams.model_fields if k in namespace}, "notebook parameters")

@@ -210,11 +210,19 @@ class GammaZeroProbe:
 
 
 def probe_batch(trainer, inputs, *, model=None, autocast_dtype: torch.dtype | None = None,
-                max_degenerate_batches: int = PAPO_PROBE_MAX_DEGENERATE_BATCHES) -> ProbeEvidence:
-    """Stand-alone probe on one prepared batch (``_compute_loss`` inputs), optionally under autocast."""
+                max_degenerate_batches: int = PAPO_PROBE_MAX_DEGENERATE_BATCHES, raise_on_failure: bool = True) -> ProbeEvidence:
+    """Stand-alone probe on one prepared batch (``_compute_loss`` inputs), optionally under autocast.
+
+    With ``raise_on_failure=False`` a failed verdict is returned (``status="failed"``) instead of raised.
+    """
     model = model or trainer.model
     device_type = next(model.parameters()).device.type
+    probe = GammaZeroProbe(max_degenerate_batches)
     with torch.autocast(device_type, dtype=autocast_dtype or torch.bfloat16, enabled=autocast_dtype is not None):
         parent_loss, terms = trainer.papo_loss_parts(model, inputs)
-        probe = GammaZeroProbe(max_degenerate_batches)
-        return probe.observe(trainer, model, parent_loss, terms)
+        try:
+            return probe.observe(trainer, model, parent_loss, terms)
+        except ProbeFailure:
+            if raise_on_failure:
+                raise
+            return probe.evidence

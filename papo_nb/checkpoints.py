@@ -1,0 +1,75 @@
+"""Resuming into a trained policy (phase 2): load an adapter checkpoint trainable and prove it is the one saved."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+ADAPTER_FILE = "adapter_model.safetensors"
+
+
+@dataclass
+class RestoredAdapter:
+    """Evidence that a loaded adapter is the checkpoint's, and that it will train."""
+
+    checkpoint: str
+    tensors_compared: int
+    max_abs_difference: float
+    equal: bool
+    trainable_parameters: int
+
+    def to_dict(self):
+        return asdict(self)
+
+
+def latest_checkpoint(output_dir: str | Path) -> Path | None:
+    """The highest-step ``checkpoint-N`` folder holding an adapter, or None."""
+    folders = [p for p in Path(output_dir).glob("checkpoint-*") if (p / ADAPTER_FILE).is_file() and p.name.split("-")[-1].isdigit()]
+    return max(folders, key=lambda p: int(p.name.split("-")[-1]), default=None)
+
+
+def load_trainable_adapter(base_model, checkpoint: str | Path):
+    """``PeftModel.from_pretrained(..., is_trainable=True)`` plus a tensor-by-tensor check against the file.
+
+    ``is_trainable=False`` (peft's default) would load a frozen adapter and train nothing, silently.
+    """
+    from peft import PeftModel, get_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    checkpoint = Path(checkpoint)
+    if not (checkpoint / ADAPTER_FILE).is_file():
+        raise FileNotFoundError(f"checkpoint {str(checkpoint)!r} has no {ADAPTER_FILE}; expected a PEFT adapter folder")
+    model = PeftModel.from_pretrained(base_model, str(checkpoint), is_trainable=True)
+    saved = load_file(str(checkpoint / ADAPTER_FILE))
+    loaded = get_peft_model_state_dict(model)
+    if set(saved) != set(loaded):
+        raise ValueError(f"adapter in {checkpoint} does not match the model: {sorted(set(saved) ^ set(loaded))[:5]}")
+    max_difference = max((saved[k].float() - loaded[k].detach().cpu().float()).abs().max().item() for k in saved)
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    evidence = RestoredAdapter(str(checkpoint), len(saved), max_difference, max_difference == 0.0, trainable)
+    if not evidence.equal:
+        raise ValueError(f"restored adapter differs from {checkpoint} by up to {max_difference:.3e}")
+    if trainable == 0:
+        raise ValueError(f"adapter from {checkpoint} loaded with no trainable parameters")
+    return model, evidence
+
+
+def describe_reference(trainer) -> str:
+    """What the KL reference policy is, as TRL 1.9.1 set it up."""
+    if trainer.beta == 0.0:
+        return "none: beta = 0, no reference KL"
+    peft_config = getattr(trainer.model, "peft_config", {})
+    if "ref" in peft_config:
+        return "frozen copy of the loaded adapter (peft adapter 'ref'), the policy the run started from"
+    if peft_config:
+        return "the base model with the LoRA adapter disabled"
+    return "a separate frozen copy of the initial model"
+
+
+def adapter_tensors(model) -> dict[str, torch.Tensor]:
+    """The trainable adapter's weights (cloned), keyed as in the saved file."""
+    from peft import get_peft_model_state_dict
+
+    return {k: v.detach().clone() for k, v in get_peft_model_state_dict(model).items()}

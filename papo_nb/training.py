@@ -1,0 +1,48 @@
+"""One PAPO-G training run from workbook parameters: the body of notebook 03 (and of ``papo-nb train``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from papo_nb.checkpoints import RestoredAdapter, describe_reference, latest_checkpoint, load_trainable_adapter
+from papo_nb.params import WorkbookParams
+from papo_nb.workbook import build_trainer, load_datasets, load_policy, papo_config
+
+
+@dataclass
+class TrainingResult:
+    trainer: Any
+    eval_dataset: Any
+    output_dir: Path
+    last_checkpoint: Path | None
+    restored_adapter: RestoredAdapter | None
+    reference_policy: str
+    log_history: list[dict]
+
+    @property
+    def step_logs(self) -> list[dict]:
+        """Per-step training logs (the final summary entry excluded)."""
+        return [h for h in self.log_history if "reward" in h]
+
+
+def prepare_training(params: WorkbookParams, output_dir: str | Path, *, report_to: str = "none", **config_overrides):
+    """Model (fresh LoRA, or a trained adapter for phase 2), data and trainer, ready to ``train()``
+    or to probe. Returns (trainer, held-out eval dataset, restored-adapter evidence or None)."""
+    model, processor = load_policy(params)
+    train_dataset, eval_dataset = load_datasets(params)
+    restored = None
+    if params.init_adapter:
+        model, restored = load_trainable_adapter(model, params.init_adapter)
+    args = papo_config(params, output_dir, processor, report_to=report_to, **config_overrides)
+    trainer = build_trainer(params, args, model, processor, train_dataset)
+    return trainer, eval_dataset, restored
+
+
+def run_training(params: WorkbookParams, output_dir: str | Path, *, report_to: str = "none", **config_overrides) -> TrainingResult:
+    trainer, eval_dataset, restored = prepare_training(params, output_dir, report_to=report_to, **config_overrides)
+    trainer.train()
+    output_dir = Path(output_dir)
+    return TrainingResult(trainer, eval_dataset, output_dir, latest_checkpoint(output_dir), restored,
+                          describe_reference(trainer), list(trainer.state.log_history))

@@ -1,0 +1,105 @@
+"""From validated workbook parameters to the real objects: device, model, processor, datasets, PAPO-G trainer."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from papo_nb.data import load_vlm_dataset, make_shapes_dataset
+from papo_nb.models import build_tiny_vlm, load_vlm, vision_special_token_ids
+from papo_nb.params import WorkbookParams
+from papo_nb.rewards import accuracy_reward, format_reward
+from papo_nb.trainer import PAPOGConfig, PAPOGTrainer
+
+TINY_PREFIX = "tiny:"
+EVAL_SEED_OFFSET = 10_000  # held-out synthetic items come from a different stream than training items
+
+
+def resolve_device(params: WorkbookParams) -> str:
+    if params.device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("parameter 'device' = 'cuda' but no CUDA device is present; allowed here: 'auto' or 'cpu'")
+    if params.device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return params.device
+
+
+def resolve_model_path(params: WorkbookParams, cache_dir: str | Path | None = None) -> str:
+    """``tiny:<family>`` builds the offline tiny model (cached); anything else is a hub id or local folder."""
+    if params.model_name_or_path.startswith(TINY_PREFIX):
+        family = params.model_name_or_path[len(TINY_PREFIX):]
+        return str(build_tiny_vlm(family, seed=params.seed, cache_dir=cache_dir))
+    return params.model_name_or_path
+
+
+def load_policy(params: WorkbookParams, cache_dir: str | Path | None = None):
+    """The base VLM and its processor, in the training dtype, on the resolved device."""
+    device = resolve_device(params)
+    dtype = "bfloat16" if params.precision == "bf16" and device == "cuda" else "float32"
+    model, processor = load_vlm(resolve_model_path(params, cache_dir), dtype=dtype)
+    return model.to(device), processor
+
+
+def load_datasets(params: WorkbookParams):
+    """(train, held-out eval) datasets: the synthetic shapes task, or a hub/local dataset's train/test splits."""
+    if params.dataset == "synthetic":
+        return (make_shapes_dataset(params.n_train_prompts, seed=params.seed),
+                make_shapes_dataset(params.n_eval_prompts, seed=params.seed + EVAL_SEED_OFFSET))
+    train = load_vlm_dataset(params.dataset, split="train")
+    evaluation = load_vlm_dataset(params.dataset, split="test")
+    return train.select(range(min(params.n_train_prompts, len(train)))), evaluation.select(range(min(params.n_eval_prompts, len(evaluation))))
+
+
+def papo_config(params: WorkbookParams, output_dir: str | Path, processor, *, report_to: str = "none", **overrides) -> PAPOGConfig:
+    """A PAPOGConfig carrying every training parameter of the workbook."""
+    on_gpu = resolve_device(params) == "cuda"
+    settings = dict(
+        output_dir=str(output_dir),
+        seed=params.seed,
+        max_steps=params.max_steps,
+        learning_rate=params.learning_rate,
+        per_device_train_batch_size=params.per_device_train_batch_size,
+        num_generations=params.num_generations,
+        max_completion_length=params.max_completion_length,
+        temperature=params.temperature,
+        loss_type=params.loss_type,
+        beta=params.beta,
+        perception_loss_weight=params.perception_loss_weight,
+        perception_loss_schedule=params.perception_loss_schedule,
+        mask_type=params.mask_type,
+        mask_ratio=params.mask_ratio,
+        mask_seed=params.seed,
+        original_entropy_weight=params.original_entropy_weight,
+        masked_entropy_weight=params.masked_entropy_weight,
+        masked_branch_grad=params.masked_branch_grad,
+        require_gpu_contract_probe=params.require_gpu_contract_probe,
+        bf16=params.precision == "bf16" and on_gpu,
+        use_cpu=not on_gpu,
+        activation_checkpointing=False,
+        max_grad_norm=1.0,
+        logging_steps=1,
+        save_strategy="steps",
+        save_steps=params.save_steps,
+        report_to=report_to,
+        dataloader_num_workers=0,
+        generation_kwargs={"suppress_tokens": vision_special_token_ids(processor)},
+    )
+    settings.update(overrides)
+    return PAPOGConfig(**settings)
+
+
+def lora_config(params: WorkbookParams):
+    from peft import LoraConfig
+
+    # q_proj/v_proj exist only in the language model of Qwen-VL (the vision tower has a fused qkv).
+    return LoraConfig(r=params.lora_r, lora_alpha=params.lora_alpha, lora_dropout=0.0,
+                      target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
+
+
+def build_trainer(params: WorkbookParams, args: PAPOGConfig, model, processor, train_dataset, *, trainer_cls=PAPOGTrainer):
+    """A PAPO-G trainer; a plain model gets a fresh LoRA adapter, a PeftModel is trained as it is."""
+    from peft import PeftModel
+
+    peft_config = None if isinstance(model, PeftModel) else lora_config(params)
+    return trainer_cls(model=model, processing_class=processor, reward_funcs=[accuracy_reward, format_reward],
+                       args=args, train_dataset=train_dataset, peft_config=peft_config)
