@@ -9,10 +9,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import platform
+import signal
 import sys
+import time
 from collections.abc import Callable, Sequence
 from importlib import metadata
+from pathlib import Path
 
 from papo_nb import __version__
 
@@ -92,8 +96,98 @@ def _cmd_env(subparsers: Subparsers) -> None:
     p.set_defaults(handler=handler)
 
 
-# Later: _cmd_run, _cmd_ui, _cmd_lab, _cmd_train, _cmd_bench.
-SUBCOMMANDS: list[Callable[[Subparsers], None]] = [_cmd_env]
+def default_notebooks() -> list[Path]:
+    """The project's workbook notebooks, ``notebooks/NN_*.ipynb``, in order."""
+    from papo_nb.tracking import project_dir
+
+    return sorted((project_dir() / "notebooks").glob("[0-9][0-9]_*.ipynb"))
+
+
+def _cmd_run(subparsers: Subparsers) -> None:
+    p = subparsers.add_parser(
+        "run",
+        help="execute workbook notebooks with papermill, tracked in MLflow",
+        description="Validate the parameters and notebooks, then execute the notebooks in order with "
+        "papermill, each in its own MLflow run nested under one workbook run. Stops at the first "
+        "failing notebook. Exit codes: 0 all passed, 1 a notebook failed, 2 bad parameters or notebooks.",
+    )
+    p.add_argument("notebooks", nargs="*", metavar="NOTEBOOK", help="notebooks to run (default: notebooks/NN_*.ipynb)")
+    p.add_argument("--params", metavar="FILE", help="YAML params file (default: built-in defaults)")
+    p.add_argument("-p", dest="overrides", metavar="KEY=VALUE", action="append", default=[],
+                   help="override one parameter; the value is read as YAML (repeatable)")
+    p.add_argument("--run-root", metavar="DIR", default="runs", help="where run folders are made (default: ./runs)")
+    p.add_argument("--log-output", action="store_true", help="stream the notebooks' cell output to the terminal")
+
+    def handler(args: argparse.Namespace) -> int:
+        from papo_nb.runner import WorkbookError, run_workbook
+
+        if args.log_output:  # papermill streams cell output through its logger
+            logging.basicConfig(level=logging.INFO, format="%(message)s")
+        notebooks = args.notebooks or default_notebooks()
+        if not notebooks:
+            print("papo-nb run: error: no notebooks given, and none match notebooks/[0-9][0-9]_*.ipynb "
+                  "in the project folder", file=sys.stderr)
+            return 2
+        try:
+            result = run_workbook(notebooks, args.params, args.overrides, run_root=args.run_root,
+                                  log_output=args.log_output)
+        except WorkbookError as exc:
+            print(f"papo-nb run: error: {exc}", file=sys.stderr)
+            return 2
+        print(f"run folder: {result.run_dir}")
+        print(f"workbook run: {result.parent_run_id}  (store {result.tracking_uri})")
+        for nb in result.notebooks:
+            line = f"  {nb.status:<9} {nb.name}"
+            if nb.run_id:
+                line += f"  {nb.wall_seconds:.1f} s  run {nb.run_id}"
+            if nb.failed_cell:
+                line += f"  at {nb.failed_cell}"
+            print(line)
+        print("review: papo-nb ui  (then open the run under experiment 'papo_nb')")
+        if not result.ok:
+            print(f"papo-nb run: {result.failure_message}", file=sys.stderr)
+            return 1
+        return 0
+
+    p.set_defaults(handler=handler)
+
+
+def _raise_keyboard_interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
+def _cmd_ui(subparsers: Subparsers) -> None:
+    p = subparsers.add_parser(
+        "ui",
+        help="serve the MLflow UI on the workbook's store",
+        description="Run the MLflow UI (mlflow server) on the workbook's tracking store "
+        "(MLFLOW_TRACKING_URI, else mlflow.db in the project folder) until Ctrl-C.",
+    )
+    p.add_argument("--port", type=int, default=None, help="port (default: a free one)")
+    p.add_argument("--host", default="127.0.0.1", help="interface to bind (default: 127.0.0.1, local only)")
+
+    def handler(args: argparse.Namespace) -> int:
+        from papo_nb.tracking import default_tracking_uri, serve_mlflow_ui
+
+        signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)  # stop the server on kill too
+        uri = default_tracking_uri()
+        try:
+            with serve_mlflow_ui(port=args.port, host=args.host, tracking_uri=uri) as url:
+                print(f"MLflow UI: {url}  (store {uri}; Ctrl-C stops it)", flush=True)
+                while True:
+                    time.sleep(3600)
+        except KeyboardInterrupt:
+            print("MLflow UI stopped")
+            return 0
+        except RuntimeError as exc:
+            print(f"papo-nb ui: error: {exc}", file=sys.stderr)
+            return 1
+
+    p.set_defaults(handler=handler)
+
+
+# Later: _cmd_lab, _cmd_train, _cmd_bench.
+SUBCOMMANDS: list[Callable[[Subparsers], None]] = [_cmd_env, _cmd_run, _cmd_ui]
 
 
 # --------------------------------------------------------------------------------------------

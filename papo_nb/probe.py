@@ -79,7 +79,7 @@ class ProbeEvidence:
         return self.status == "passed"
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        return {**asdict(self), "passed": self.passed}
 
 
 def _flat_grad(loss: torch.Tensor, params: list[torch.Tensor]) -> torch.Tensor:
@@ -203,10 +203,8 @@ class GammaZeroProbe:
         """Numeric evidence for the trainer's metrics (and so MLflow)."""
         if self.evidence is None:
             return {}
-        numeric = {k: float(v) for k, v in self.evidence.to_dict().items()
-                   if isinstance(v, (int, float)) and v is not None and k not in ("rel_tol", "abs_floor")}
-        numeric["passed"] = float(self.evidence.passed)
-        return numeric
+        return {k: float(v) for k, v in self.evidence.to_dict().items()
+                if isinstance(v, (int, float)) and k not in ("rel_tol", "abs_floor")}
 
 
 def probe_batch(trainer, inputs, *, model=None, autocast_dtype: torch.dtype | None = None,

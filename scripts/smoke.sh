@@ -5,7 +5,7 @@
 #   bash scripts/smoke.sh
 #
 # Browse the results afterwards with:
-#   .venv/bin/mlflow ui --backend-store-uri sqlite:///mlflow.db
+#   .venv/bin/papo-nb ui
 set -euo pipefail
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -20,10 +20,7 @@ PAPO_NB="$ROOT/.venv/bin/papo-nb"
 "$PAPO_NB" env
 
 start=$SECONDS
-# TODO(lead): once `papo-nb run` exists, drop the fallback.
-if "$PAPO_NB" run --help >/dev/null 2>&1; then
-    "$PAPO_NB" run --params params/smoke.yaml
-else
-    echo "==> 'papo-nb run' is not available yet; ran 'papo-nb env' only"
-fi
+rc=0
+"$PAPO_NB" run --params params/smoke.yaml || rc=$?
 echo "==> smoke wall time: $((SECONDS - start)) s"
+exit "$rc"

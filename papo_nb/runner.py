@@ -1,0 +1,243 @@
+"""Run the workbook: validate everything, then execute notebooks with papermill, one MLflow run each.
+
+Layout of one workbook run:
+- a folder ``<run_root>/<YYYYmmdd-HHMMSS>-<6 hex>/`` with ``params.yaml`` (the resolved parameters) and the
+  executed notebooks;
+- an MLflow parent run ``workbook-<timestamp>`` (all parameters, ``params.yaml``) with one nested child
+  run per notebook. The runner injects the child's id as ``mlflow_run_id`` and the notebook attaches to
+  it with ``papo_nb.tracking.attach_notebook_run``; the executed notebook, failed or not, is logged to
+  the child as ``notebook/<name>.ipynb``.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import papermill
+import yaml
+from mlflow import MlflowClient
+from mlflow.entities import Param
+from papermill.exceptions import PapermillExecutionError
+
+from papo_nb.params import ParamsError, WorkbookParams, load_params, preflight_problems
+from papo_nb.tracking import (
+    EXPERIMENT_NAME,
+    absolute_tracking_uri,
+    default_tracking_uri,
+    ensure_experiment,
+    tracking_client,
+)
+
+# Values the runner supplies to any notebook that declares them, on top of the WorkbookParams fields.
+RUNTIME_PARAMETERS = ("mlflow_tracking_uri", "mlflow_run_id", "run_dir")
+
+FINISHED, FAILED, NOT_RUN = "FINISHED", "FAILED", "NOT_RUN"
+
+
+class WorkbookError(ValueError):
+    """Bad input (parameters, notebooks) found before anything ran; the message says what and why."""
+
+
+@dataclass
+class NotebookResult:
+    notebook: Path
+    status: str = NOT_RUN  # FINISHED, FAILED or NOT_RUN
+    run_id: str | None = None
+    output_path: Path | None = None
+    failed_cell: str | None = None  # "cell 3 (In [2]: raise ...): RuntimeError: boom"
+    wall_seconds: float = 0.0
+
+    @property
+    def name(self) -> str:
+        return self.notebook.stem
+
+
+@dataclass
+class WorkbookResult:
+    run_dir: Path
+    parent_run_id: str
+    tracking_uri: str
+    notebooks: list[NotebookResult] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return all(nb.status == FINISHED for nb in self.notebooks)
+
+    @property
+    def failure_message(self) -> str | None:
+        failed = next((nb for nb in self.notebooks if nb.status == FAILED), None)
+        if failed is None:
+            return None
+        return f"notebook {failed.notebook.name} failed at {failed.failed_cell} (executed copy: {failed.output_path})"
+
+
+# --------------------------------------------------------------------------------------------
+# checks before anything runs
+# --------------------------------------------------------------------------------------------
+
+
+def check_notebooks(notebooks: list[str | Path]) -> dict[Path, set[str]]:
+    """Each notebook exists, is .ipynb and declares only known parameters; returns its declared names."""
+    if not notebooks:
+        raise WorkbookError("no notebooks to run")
+    allowed = WorkbookParams.field_names() | set(RUNTIME_PARAMETERS)
+    declared: dict[Path, set[str]] = {}
+    for item in notebooks:
+        path = Path(item).resolve()
+        if path.suffix != ".ipynb":
+            raise WorkbookError(f"notebook {str(item)!r} is not a .ipynb file (papermill reads only .ipynb)")
+        if not path.is_file():
+            raise WorkbookError(f"notebook {str(item)!r} does not exist")
+        if any(other.stem == path.stem for other in declared):
+            raise WorkbookError(f"notebook {str(item)!r} is given twice (or shares its name with another)")
+        try:
+            names = set(papermill.inspect_notebook(path))
+        except Exception as exc:  # unreadable JSON, not a notebook...
+            raise WorkbookError(f"notebook {str(item)!r} cannot be read: {exc}") from None
+        unknown = sorted(names - allowed)
+        if unknown:
+            raise WorkbookError(
+                f"notebook {path.name!r} declares parameter(s) {', '.join(map(repr, unknown))} in its parameters "
+                f"cell, which are not workbook parameters; allowed: the fields of WorkbookParams "
+                f"({', '.join(sorted(WorkbookParams.field_names()))}) and the runtime values "
+                f"{', '.join(RUNTIME_PARAMETERS)}"
+            )
+        declared[path] = names
+    return declared
+
+
+def _param_text(value: Any) -> str:
+    return json.dumps(value) if isinstance(value, (list, dict)) else str(value)
+
+
+def _describe_failure(exc: BaseException) -> str:
+    if isinstance(exc, PapermillExecutionError):
+        first_line = next((line for line in (exc.source or "").splitlines() if line.strip()), "")
+        return f"cell {exc.cell_index} (In [{exc.exec_count}]: {first_line[:80]}): {exc.ename}: {exc.evalue}"[:1000]
+    return f"{type(exc).__name__}: {exc}"[:1000]
+
+
+# --------------------------------------------------------------------------------------------
+# the run
+# --------------------------------------------------------------------------------------------
+
+
+def run_workbook(
+    notebooks: list[str | Path],
+    params_file: str | Path | None,
+    overrides: list[str] = (),
+    run_root: str | Path = "runs",
+    tracking_uri: str | None = None,
+    experiment: str = EXPERIMENT_NAME,
+    log_output: bool = False,
+) -> WorkbookResult:
+    """Execute ``notebooks`` in order under one MLflow parent run; stop at the first failure.
+
+    Raises WorkbookError (nothing created) on bad parameters or notebooks. A failing notebook does not
+    raise: the result has ``ok == False`` and ``failure_message`` naming the notebook and cell.
+    """
+    try:
+        params = load_params(params_file, list(overrides))
+    except ParamsError as exc:
+        raise WorkbookError(str(exc)) from None
+    problems = preflight_problems(params)
+    if problems:
+        raise WorkbookError("\n".join(problems))
+    declared = check_notebooks(notebooks)
+
+    tracking_uri = absolute_tracking_uri(tracking_uri or default_tracking_uri())
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    run_dir = (Path(run_root) / f"{stamp}-{secrets.token_hex(3)}").resolve()
+    run_dir.mkdir(parents=True)
+    values = params.model_dump(mode="json")
+    params_yaml = run_dir / "params.yaml"
+    params_yaml.write_text(yaml.safe_dump(values, sort_keys=False))
+
+    client = tracking_client(tracking_uri)
+    experiment_id = ensure_experiment(tracking_uri, experiment)
+    parent = client.create_run(
+        experiment_id,
+        run_name=f"workbook-{stamp}",
+        tags={
+            "papo_nb.kind": "workbook",
+            "papo_nb.params_file": str(Path(params_file).resolve()) if params_file else "(defaults)",
+            "papo_nb.overrides": " ".join(overrides),
+            "papo_nb.notebooks": " ".join(path.stem for path in declared),
+            "papo_nb.run_dir": str(run_dir),
+        },
+    )
+    parent_id = parent.info.run_id
+    result = WorkbookResult(run_dir, parent_id, tracking_uri, [NotebookResult(path) for path in declared])
+    parent_status = FAILED
+    try:
+        client.log_batch(parent_id, params=[Param(k, _param_text(v)) for k, v in values.items()])
+        client.log_artifact(parent_id, str(params_yaml))
+        runtime = {"mlflow_tracking_uri": tracking_uri, "run_dir": str(run_dir)}
+        for nb in result.notebooks:
+            _run_notebook(nb, declared[nb.notebook], {**values, **runtime}, client, experiment_id, parent_id, log_output)
+            if nb.status != FINISHED:
+                break
+        else:
+            parent_status = FINISHED
+    except KeyboardInterrupt:
+        parent_status = "KILLED"
+        raise
+    finally:
+        client.set_terminated(parent_id, parent_status)
+    return result
+
+
+def _run_notebook(
+    nb: NotebookResult,
+    declared: set[str],
+    values: dict[str, Any],
+    client: MlflowClient,
+    experiment_id: str,
+    parent_id: str,
+    log_output: bool,
+) -> None:
+    """Execute one notebook in its own child run and fill in ``nb``; a notebook error does not raise.
+
+    ``values`` holds the parameters and the runtime values except ``mlflow_run_id``, which is the child's.
+    """
+    child = client.create_run(
+        experiment_id,
+        run_name=nb.name,
+        tags={"mlflow.parentRunId": parent_id, "papo_nb.kind": "notebook", "papo_nb.notebook": nb.name},
+    )
+    nb.run_id = child.info.run_id
+    nb.output_path = Path(values["run_dir"]) / nb.notebook.name
+    # papermill only warns about parameters a notebook does not declare, so pass exactly the declared ones.
+    parameters = {k: v for k, v in {**values, "mlflow_run_id": nb.run_id}.items() if k in declared}
+    status = FAILED
+    start = time.perf_counter()
+    try:
+        papermill.execute_notebook(
+            nb.notebook,
+            nb.output_path,
+            parameters=parameters,
+            progress_bar=True,
+            log_output=log_output,
+            cwd=nb.notebook.parent,  # as in JupyterLab: relative paths resolve next to the notebook
+        )
+        status = FINISHED
+    except Exception as exc:
+        nb.failed_cell = _describe_failure(exc)
+        client.set_tag(nb.run_id, "papo_nb.failed_cell", nb.failed_cell)
+    except KeyboardInterrupt:
+        status = "KILLED"
+        raise
+    finally:
+        nb.wall_seconds = time.perf_counter() - start
+        nb.status = FINISHED if status == FINISHED else FAILED
+        # papermill writes the executed notebook even when a cell fails: that is the evidence.
+        if nb.output_path.is_file():
+            client.log_artifact(nb.run_id, str(nb.output_path), "notebook")
+        client.log_metric(nb.run_id, "papo_nb/wall_seconds", nb.wall_seconds)
+        # The kernel may have left the run RUNNING or ended it FINISHED; the runner has the last word.
+        client.set_terminated(nb.run_id, status)

@@ -1,0 +1,309 @@
+"""MLflow plumbing shared by the runner, the notebooks and the review notebook.
+
+Everything lands in one experiment (``papo_nb``) of one store: by default an SQLite file in the project
+folder, addressed by an ABSOLUTE uri because papermill kernels run in another directory. Artifacts go
+to ``mlartifacts/`` next to that file, for runs made by the workbook and by ``papo-nb ui`` alike.
+
+Several processes share the store (two workbooks at once, each with a notebook kernel). MLflow's
+creation of a fresh SQLite schema is not safe against a second process doing the same ("duplicate column
+name: step"), nor is creating the same experiment twice ("already exists"); both happen here under a file
+lock next to the database. Ordinary writes need nothing more: MLflow sets SQLite's busy_timeout to 20 s.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
+from pathlib import Path
+from typing import Any
+
+import mlflow
+from filelock import FileLock
+from mlflow import MlflowClient
+
+import papo_nb
+
+EXPERIMENT_NAME = "papo_nb"
+DB_FILENAME = "mlflow.db"
+ARTIFACTS_DIRNAME = "mlartifacts"
+
+
+# --------------------------------------------------------------------------------------------
+# where the store is
+# --------------------------------------------------------------------------------------------
+
+
+def project_dir() -> Path:
+    """The folder holding papo_nb's pyproject.toml (an editable or source checkout), else the cwd."""
+    candidate = Path(papo_nb.__file__).resolve().parents[1]
+    return candidate if (candidate / "pyproject.toml").is_file() else Path.cwd()
+
+
+def sqlite_path(tracking_uri: str) -> Path | None:
+    """The database file of a ``sqlite:///`` uri (absolute), None for other stores."""
+    if not tracking_uri.startswith("sqlite:///"):
+        return None
+    path = tracking_uri.removeprefix("sqlite:///").split("?", 1)[0]
+    return Path(path).resolve()  # 'sqlite:////abs' leaves '/abs'; 'sqlite:///rel' is resolved vs cwd
+
+
+def absolute_tracking_uri(tracking_uri: str) -> str:
+    """Make a relative ``sqlite:///x.db`` absolute (kernels change directory); other uris unchanged."""
+    path = sqlite_path(tracking_uri)
+    if path is None:
+        return tracking_uri
+    query = tracking_uri.partition("?")[2]
+    return f"sqlite:///{path}" + (f"?{query}" if query else "")
+
+
+def default_tracking_uri() -> str:
+    """``MLFLOW_TRACKING_URI`` if set (made absolute), else ``sqlite:////<project>/mlflow.db``."""
+    env = os.environ.get("MLFLOW_TRACKING_URI", "").strip()
+    return absolute_tracking_uri(env) if env else f"sqlite:///{project_dir() / DB_FILENAME}"
+
+
+def artifacts_dir(tracking_uri: str) -> Path | None:
+    """``mlartifacts/`` next to the SQLite file; None for non-SQLite stores (they have their own)."""
+    path = sqlite_path(tracking_uri)
+    return None if path is None else path.parent / ARTIFACTS_DIRNAME
+
+
+# --------------------------------------------------------------------------------------------
+# a store that survives concurrent use
+# --------------------------------------------------------------------------------------------
+
+
+_READY: set[str] = set()  # tracking uris whose store this process has already opened
+
+
+def tracking_client(tracking_uri: str) -> MlflowClient:
+    """An MlflowClient whose store exists, a fresh SQLite schema being created under a file lock.
+
+    MlflowClient() builds the store (and a missing schema) at once; MLflow caches that store per uri per
+    process, so only the first call in a process takes the lock.
+    """
+    db = sqlite_path(tracking_uri)
+    if db is None or tracking_uri in _READY:
+        return MlflowClient(tracking_uri)
+    db.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(f"{db}.lock"):
+        client = MlflowClient(tracking_uri)
+    _READY.add(tracking_uri)
+    return client
+
+
+def ensure_experiment(tracking_uri: str, name: str = EXPERIMENT_NAME) -> str:
+    """Id of experiment ``name``, created (artifacts under ``mlartifacts/<name>``) or restored if needed."""
+    client = tracking_client(tracking_uri)
+    db = sqlite_path(tracking_uri)
+    # Two processes creating the same experiment: the second gets "already exists". Serialise it.
+    with FileLock(f"{db}.lock") if db is not None else nullcontext():
+        experiment = client.get_experiment_by_name(name)
+        if experiment is None:
+            root = artifacts_dir(tracking_uri)
+            location = None if root is None else (root / re.sub(r"[^\w.-]", "_", name)).as_uri()
+            return client.create_experiment(name, artifact_location=location)
+        if experiment.lifecycle_stage == "deleted":
+            client.restore_experiment(experiment.experiment_id)
+        return experiment.experiment_id
+
+
+# --------------------------------------------------------------------------------------------
+# inside a notebook
+# --------------------------------------------------------------------------------------------
+
+
+def attach_notebook_run(tracking_uri: str, run_id: str) -> mlflow.ActiveRun:
+    """Make the workbook's run for this notebook the active MLflow run; call it after the parameters cell.
+
+    TRL's ``report_to="mlflow"`` callback then logs into it. With an empty ``run_id`` (the notebook run by
+    hand in JupyterLab) a new run is started in the workbook experiment instead. Running the cell again
+    is harmless.
+    """
+    tracking_uri = absolute_tracking_uri(tracking_uri or default_tracking_uri())
+    # This also exports MLFLOW_TRACKING_URI, which transformers' MLflowCallback re-reads: it must agree.
+    mlflow.set_tracking_uri(tracking_uri)
+    active = mlflow.active_run()
+    if active is not None:
+        if run_id and active.info.run_id == run_id:
+            return active
+        mlflow.end_run()
+    if run_id:
+        tracking_client(tracking_uri)
+        return mlflow.start_run(run_id=run_id)
+    experiment_id = ensure_experiment(tracking_uri)
+    return mlflow.start_run(
+        experiment_id=experiment_id,
+        run_name=f"interactive-{time.strftime('%Y%m%d-%H%M%S')}",
+        tags={"papo_nb.kind": "notebook", "papo_nb.interactive": "true"},
+    )
+
+
+def _plain(value: Any) -> Any:
+    """JSON-safe copy: numpy/torch scalars unwrapped, non-finite floats as strings, unknowns as str()."""
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if hasattr(value, "tolist") and not isinstance(value, (str, bytes)):  # numpy / torch values
+        return _plain(value.tolist())
+    if isinstance(value, bool) or value is None or isinstance(value, (str, int)):
+        return value
+    if isinstance(value, numbers.Real):
+        value = float(value)
+        return value if math.isfinite(value) else str(value)
+    return str(value)
+
+
+def _metric_safe(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_./ -]", "_", text)  # the characters MLflow accepts in metric names
+
+
+def _metric_leaves(evidence: dict, prefix: str) -> dict[str, float]:
+    """Finite number/bool leaves of nested dicts as ``prefix/a/b`` metrics; lists stay JSON-only."""
+    metrics: dict[str, float] = {}
+    for key, value in evidence.items():
+        name = f"{prefix}/{_metric_safe(str(key))}"
+        if isinstance(value, dict):
+            metrics.update(_metric_leaves(value, name))
+        elif isinstance(value, (bool, int, float)) and math.isfinite(float(value)):
+            metrics[name] = float(value)
+    return metrics
+
+
+def log_evidence(name: str, evidence: dict, prefix: str | None = None, step: int | None = None) -> dict[str, float]:
+    """Log ``evidence`` to the active run as ``evidence/<name>.json`` and its numeric leaves as metrics.
+
+    Metric names are ``<prefix>/<key>[/<subkey>...]`` (prefix defaults to ``name``). NaN/inf values are
+    kept, as strings, only in the JSON. Returns the metrics logged.
+    """
+    plain = _plain(evidence)
+    mlflow.log_dict(plain, f"evidence/{name}.json")
+    metrics = _metric_leaves(plain, _metric_safe(prefix or name))
+    if metrics:
+        mlflow.log_metrics(metrics, step=step)
+    return metrics
+
+
+def log_figure(fig: Any, name: str) -> str:
+    """Log a matplotlib figure to the active run as ``figures/<name>.png``; returns the artifact path."""
+    artifact = f"figures/{name.removesuffix('.png')}.png"
+    mlflow.log_figure(fig, artifact)
+    return artifact
+
+
+def standard_tags(*, upstream_sha_verified: bool, phase: str, precision: str) -> dict[str, str]:
+    """Tag the active run with what every result depends on: adapter and TRL versions, the upstream
+    SHA check, the training phase and the precision. Returns the tags."""
+    import trl
+
+    from papo_nb.contract import PAPO_ADAPTER_VERSION
+
+    tags = {
+        "papo_nb.adapter_version": PAPO_ADAPTER_VERSION,
+        "papo_nb.trl_version": trl.__version__,
+        "papo_nb.upstream_sha_verified": "yes" if upstream_sha_verified else "no",
+        "papo_nb.phase": str(phase),
+        "papo_nb.precision": str(precision),
+    }
+    mlflow.set_tags(tags)
+    return tags
+
+
+# --------------------------------------------------------------------------------------------
+# review
+# --------------------------------------------------------------------------------------------
+
+
+def search_workbook_runs(tracking_uri: str, experiment: str = EXPERIMENT_NAME, filter_string: str = ""):
+    """All runs of the workbook experiment as a pandas DataFrame (params.*, metrics.*, tags.* columns)."""
+    tracking_uri = absolute_tracking_uri(tracking_uri or default_tracking_uri())
+    tracking_client(tracking_uri)
+    mlflow.set_tracking_uri(tracking_uri)
+    return mlflow.search_runs(experiment_names=[experiment], filter_string=filter_string)
+
+
+# --------------------------------------------------------------------------------------------
+# the MLflow UI
+# --------------------------------------------------------------------------------------------
+
+
+def _free_port(host: str) -> int:
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def _answers(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(f"{url}/health", timeout=2) as response:
+            return response.status == 200
+    except OSError:
+        return False
+
+
+@contextmanager
+def serve_mlflow_ui(
+    port: int | None = None,
+    host: str = "127.0.0.1",
+    tracking_uri: str | None = None,
+    startup_timeout: float = 120.0,
+) -> Iterator[str]:
+    """Run ``mlflow server`` (what ``mlflow ui`` runs) on the workbook store; yield its url once it answers.
+
+    Bound to ``host`` (local only by default) on ``port`` or a free one, one worker. Artifacts uploaded
+    through the server land in the same ``mlartifacts/`` as the runner's. On exit the server's whole
+    process group (it starts uvicorn children) is terminated.
+    """
+    tracking_uri = absolute_tracking_uri(tracking_uri or default_tracking_uri())
+    tracking_client(tracking_uri)  # create a fresh schema under our lock, not racing a workbook run
+    port = port or _free_port(host)
+    url = f"http://{host}:{port}"
+    command = [sys.executable, "-m", "mlflow", "server", "--backend-store-uri", tracking_uri]
+    command += ["--host", host, "--port", str(port), "--workers", "1"]
+    root = artifacts_dir(tracking_uri)
+    if root is not None:
+        command += ["--artifacts-destination", root.as_uri()]
+    # The job runner (8 huey processes for GenAI evaluation jobs) is of no use here and slow to start.
+    env = {"MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false", **os.environ}
+    # Its chatter goes to stderr (fd 2) so stdout keeps only what the caller prints, like the url.
+    server = subprocess.Popen(command, env=env, start_new_session=True, stdin=subprocess.DEVNULL, stdout=2)
+    try:
+        deadline = time.monotonic() + startup_timeout
+        while not _answers(url):
+            if server.poll() is not None:
+                raise RuntimeError(f"mlflow server exited with code {server.returncode} before answering on {url}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"mlflow server did not answer on {url} within {startup_timeout:.0f} s")
+            time.sleep(0.5)
+        yield url
+    finally:
+        _stop_process_group(server)
+
+
+def _stop_process_group(process: subprocess.Popen, grace: float = 10.0) -> None:
+    """SIGTERM the whole group (start_new_session made it one), SIGKILL what is left after ``grace`` s."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(process.pid, sig)
+        except ProcessLookupError:
+            break
+        deadline = time.monotonic() + grace
+        while time.monotonic() < deadline:
+            process.poll()  # reap the leader, else it lingers as a zombie group member
+            try:
+                os.killpg(process.pid, 0)  # is anyone of the group left?
+            except ProcessLookupError:
+                return
+            time.sleep(0.1)
+    process.wait()

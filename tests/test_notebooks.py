@@ -1,0 +1,138 @@
+"""Every workbook notebook, executed through papermill with the smoke parameters; assertions read MLflow back."""
+
+import json
+from pathlib import Path
+
+import nbformat
+import pytest
+from mlflow import MlflowClient
+
+from papo_nb.contract import PAPO_ADAPTER_VERSION
+from papo_nb.data import make_shapes_dataset
+from papo_nb.params import load_params
+from papo_nb.runner import WorkbookError, run_workbook
+
+ROOT = Path(__file__).resolve().parents[1]
+NOTEBOOKS = sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
+SMOKE = ROOT / "params" / "smoke.yaml"
+
+
+@pytest.fixture(scope="module")
+def workbook(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("workbook")
+    uri = f"sqlite:///{folder}/mlflow.db"
+    result = run_workbook(NOTEBOOKS, SMOKE, run_root=folder / "runs", tracking_uri=uri)
+    assert result.ok, result.failure_message
+    client = MlflowClient(uri)
+    runs = {nb.name: client.get_run(nb.run_id) for nb in result.notebooks}
+    return result, client, runs
+
+
+def artifact_json(client, run_id, path):
+    return json.loads(Path(client.download_artifacts(run_id, path)).read_text())
+
+
+def test_notebooks_are_thin_and_committed_clean():
+    assert [p.name for p in NOTEBOOKS] == ["01_contract_verification.ipynb", "02_probe_calibration.ipynb", "03_training_run.ipynb"]
+    for path in NOTEBOOKS:
+        book = nbformat.read(path, as_version=4)
+        tagged = [c for c in book.cells if "parameters" in c.metadata.get("tags", [])]
+        assert len(tagged) == 1, path
+        for line in tagged[0].source.splitlines():
+            assert ": " in line and " = " in line and "  # " in line, f"{path.name}: undocumented parameter line {line!r}"
+        assert not any(c.get("outputs") or c.get("execution_count") for c in book.cells if c.cell_type == "code"), path
+
+
+def test_parent_and_nested_runs(workbook):
+    result, client, runs = workbook
+    parent = client.get_run(result.parent_run_id)
+    assert parent.info.status == "FINISHED" and parent.data.tags["papo_nb.kind"] == "workbook"
+    assert parent.data.params["max_steps"] == str(load_params(SMOKE).max_steps)
+    for name, run in runs.items():
+        assert run.info.status == "FINISHED", name
+        assert run.data.tags["mlflow.parentRunId"] == result.parent_run_id
+        assert [a.path for a in client.list_artifacts(run.info.run_id, "notebook")] == [f"notebook/{name}.ipynb"]
+        assert run.data.tags["papo_nb.adapter_version"] == PAPO_ADAPTER_VERSION
+        assert run.data.tags["papo_nb.trl_version"] == "1.9.1"
+        assert run.data.tags["papo_nb.upstream_sha_verified"] == "yes"
+
+
+def test_contract_notebook_logged_a_passing_probe_and_verdict(workbook):
+    _, client, runs = workbook
+    run = runs["01_contract_verification"]
+    metrics = run.data.metrics
+    assert metrics["probe/loss_bit_equal"] == 1.0 and metrics["probe/perception_kl"] > 0
+    assert metrics["probe/grad_diff_norm"] <= metrics["probe/tolerance"] < metrics["probe/perception_grad_norm"]
+    assert metrics["verdict/passed"] == 1.0 and run.data.tags["papo_nb.verdict"].startswith("PASS")
+    assert artifact_json(client, run.info.run_id, "evidence/upstream_source.json")["match"] is True
+    drift = artifact_json(client, run.info.run_id, "evidence/drift_table.json")
+    rows = {row[0]: row[1] for row in drift["data"]}  # mlflow.log_table: {"columns": [...], "data": [[...]]}
+    assert rows["1.9.1"] == "ok" and rows["0.29.1"] == "drift"
+
+
+def test_calibration_notebook_logged_points_margins_and_plot(workbook):
+    _, client, runs = workbook
+    run = runs["02_probe_calibration"]
+    params = load_params(SMOKE)
+    points = artifact_json(client, run.info.run_id, "evidence/calibration_points.json")["points"]
+    assert len(points) == 2 * len(params.calibration_precisions) * params.calibration_batches
+    assert {p["phase"] for p in points} == {"phase1", "phase2"} and {p["precision"] for p in points} == {"fp32", "bf16"}
+    assert all(p["grad_diff_norm"] <= p["tolerance"] < p["injected_leak_diff"] for p in points)
+    metrics = run.data.metrics
+    assert metrics["calibration/points"] == len(points)
+    assert metrics["calibration/max_roundoff_fraction_of_tolerance"] <= 1.0 < metrics["calibration/min_leak_multiple_of_tolerance"]
+    assert metrics["calibration/separated"] == 1.0
+    assert metrics["phase2_restore/equal"] == 1.0 and metrics["phase2_restore/trainable_parameters"] > 0
+    assert [a.path for a in client.list_artifacts(run.info.run_id, "figures")] == ["figures/calibration.png"]
+
+
+def test_training_notebook_logged_every_step(workbook):
+    _, client, runs = workbook
+    run = runs["03_training_run"]
+    steps = list(range(1, load_params(SMOKE).max_steps + 1))
+    for key in ("reward", "perception_kl", "entropy", "masked_entropy", "perception_loss"):
+        history = client.get_metric_history(run.info.run_id, key)
+        assert sorted(m.step for m in history) == steps, key
+    assert all(m.value > 0 for m in client.get_metric_history(run.info.run_id, "perception_kl"))
+    metrics = run.data.metrics
+    assert metrics["probe_final/passed"] == 1.0 and metrics["probe/passed"] == 1.0
+    assert {"eval/accuracy_original", "eval/accuracy_masked", "eval/image_reliance_gap"} <= set(metrics)
+    assert metrics["start/trainable_parameters"] > 0
+    assert [a.path for a in client.list_artifacts(run.info.run_id, "figures")] == ["figures/training_curves.png"]
+    assert Path(run.data.tags["papo_nb.last_checkpoint"], "adapter_model.safetensors").is_file()
+
+
+@pytest.mark.parametrize(
+    ("override", "expected"),
+    [
+        ("mask_ratio=1.5", "parameter 'mask_ratio' = 1.5 is invalid"),
+        ("max_steps=six", "parameter 'max_steps' = 'six' is invalid"),
+        ("gamma=0.1", "unknown parameter 'gamma'"),
+        ("init_adapter=/no/such/checkpoint", "parameter 'init_adapter' = '/no/such/checkpoint': no such file"),
+    ],
+)
+def test_bad_parameters_fail_before_anything_runs(tmp_path, override, expected):
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    with pytest.raises(WorkbookError, match=expected.replace("(", r"\(").replace(")", r"\)")):
+        run_workbook(NOTEBOOKS, SMOKE, [override], run_root=tmp_path / "runs", tracking_uri=uri)
+    assert not (tmp_path / "runs").exists() and not (tmp_path / "mlflow.db").exists()
+
+
+def test_a_notebook_failing_midway_leaves_its_executed_copy_in_a_failed_run(tmp_path):
+    broken = tmp_path / "dataset_without_answers"
+    make_shapes_dataset(8, seed=0).remove_columns("answer").save_to_disk(str(broken))
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    result = run_workbook([ROOT / "notebooks" / "03_training_run.ipynb"], SMOKE, [f"dataset={broken}", "max_steps=1"],
+                          run_root=tmp_path / "runs", tracking_uri=uri)
+    assert not result.ok
+    failed = result.notebooks[0]
+    assert failed.status == "FAILED" and "ValueError" in failed.failed_cell and "answer" in failed.failed_cell
+    client = MlflowClient(uri)
+    run = client.get_run(failed.run_id)
+    assert run.info.status == "FAILED" and run.data.tags["papo_nb.failed_cell"] == failed.failed_cell
+    assert client.get_run(result.parent_run_id).info.status == "FAILED"
+    executed = nbformat.read(client.download_artifacts(failed.run_id, "notebook/03_training_run.ipynb"), as_version=4)
+    failing = [c for c in executed.cells if c.cell_type == "code" and any(o.get("output_type") == "error" for o in c.get("outputs", []))]
+    assert len(failing) == 1 and "prepare_training(" in failing[0].source
+    later = executed.cells[executed.cells.index(failing[0]) + 1:]
+    assert not any(c.get("outputs") for c in later if c.cell_type == "code"), "cells after the failure must not run"

@@ -1,0 +1,142 @@
+"""papo_nb.tracking against a real MLflow SQLite store in tmp_path."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import mlflow  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+import torch  # noqa: E402
+import trl  # noqa: E402
+from mlflow import MlflowClient  # noqa: E402
+
+import papo_nb  # noqa: E402
+from papo_nb.contract import PAPO_ADAPTER_VERSION  # noqa: E402
+from papo_nb.tracking import (  # noqa: E402
+    EXPERIMENT_NAME,
+    absolute_tracking_uri,
+    attach_notebook_run,
+    default_tracking_uri,
+    log_evidence,
+    log_figure,
+    search_workbook_runs,
+    standard_tags,
+)
+
+
+@pytest.fixture
+def store(tmp_path, monkeypatch) -> str:
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    yield uri
+    while mlflow.active_run():
+        mlflow.end_run()
+    mlflow.set_tracking_uri(None)
+
+
+def test_default_uri_is_absolute(tmp_path, monkeypatch):
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    project = Path(papo_nb.__file__).resolve().parents[1]
+    assert default_tracking_uri() == f"sqlite:///{project / 'mlflow.db'}"
+    assert default_tracking_uri().startswith("sqlite:////")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "sqlite:///rel/x.db")
+    assert default_tracking_uri() == f"sqlite:///{tmp_path.resolve() / 'rel' / 'x.db'}"
+    assert absolute_tracking_uri("http://127.0.0.1:5000") == "http://127.0.0.1:5000"
+
+
+def test_interactive_attach_then_evidence_figure_tags(tmp_path, store):
+    run = attach_notebook_run("", "")  # as in JupyterLab: no runner, default (here: env) store
+    assert mlflow.active_run().info.run_id == run.info.run_id
+    assert attach_notebook_run(store, run.info.run_id).info.run_id == run.info.run_id  # re-running the cell
+    experiment = MlflowClient(store).get_experiment(run.info.experiment_id)
+    assert experiment.name == EXPERIMENT_NAME
+    assert experiment.artifact_location == (tmp_path / "mlartifacts" / EXPERIMENT_NAME).as_uri()
+
+    evidence = {
+        "loss": np.float32(0.5),
+        "passed": np.bool_(True),
+        "steps": torch.tensor(4),
+        "gap": {"fp32": 1e-7, "bf16": float("inf"), "nan": float("nan")},
+        "per_step": [1.0, float("nan")],
+        "name": "probe",
+    }
+    logged = log_evidence("probe", evidence, prefix="calib")
+    assert logged == {"calib/loss": 0.5, "calib/passed": 1.0, "calib/steps": 4.0, "calib/gap/fp32": 1e-7}
+    fig, ax = plt.subplots()
+    ax.plot([0, 1], [1, 0])
+    assert log_figure(fig, "loss_curve") == "figures/loss_curve.png"
+    plt.close(fig)
+    tags = standard_tags(upstream_sha_verified=False, phase="phase2", precision="bf16")
+    mlflow.end_run()
+
+    client = MlflowClient(store)
+    finished = client.get_run(run.info.run_id)
+    assert finished.data.metrics == {**logged}
+    assert finished.data.tags["papo_nb.interactive"] == "true"
+    assert tags == {
+        "papo_nb.adapter_version": PAPO_ADAPTER_VERSION,
+        "papo_nb.trl_version": trl.__version__,
+        "papo_nb.upstream_sha_verified": "no",
+        "papo_nb.phase": "phase2",
+        "papo_nb.precision": "bf16",
+    }
+    assert all(finished.data.tags[k] == v for k, v in tags.items())
+    saved = json.loads(Path(client.download_artifacts(run.info.run_id, "evidence/probe.json", str(tmp_path))).read_text())
+    assert saved["gap"] == {"fp32": 1e-7, "bf16": "inf", "nan": "nan"} and saved["per_step"] == [1.0, "nan"]
+    assert saved["steps"] == 4 and saved["passed"] is True and math.isclose(saved["loss"], 0.5)
+    png = tmp_path / "mlartifacts" / EXPERIMENT_NAME / run.info.run_id / "artifacts" / "figures" / "loss_curve.png"
+    assert png.read_bytes()[:4] == b"\x89PNG"  # artifacts land next to the database
+
+    frame = search_workbook_runs(store, filter_string="tags.`papo_nb.phase` = 'phase2'")
+    assert list(frame["run_id"]) == [run.info.run_id]
+    assert frame["metrics.calib/gap/fp32"].iloc[0] == 1e-7
+
+
+RACER = textwrap.dedent(
+    """
+    import sys, time
+    from pathlib import Path
+    from mlflow import MlflowClient
+    from papo_nb.tracking import ensure_experiment
+    uri, barrier, n, me = sys.argv[1], Path(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+    (barrier / me).touch()  # everyone imported: go together
+    while len(list(barrier.iterdir())) < n:
+        time.sleep(0.005)
+    experiment_id = ensure_experiment(uri)
+    client = MlflowClient(uri)
+    run = client.create_run(experiment_id, run_name=me)
+    client.set_terminated(run.info.run_id)
+    print(experiment_id)
+    """
+)
+
+
+def test_fresh_store_opened_by_three_processes_at_once(tmp_path):
+    # Unguarded, MLflow's schema creation fails here with "duplicate column name" (or the experiment
+    # with "already exists") in all but one process.
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    barrier = tmp_path / "barrier"
+    barrier.mkdir()
+    procs = [
+        subprocess.Popen([sys.executable, "-c", RACER, uri, str(barrier), "3", f"p{i}"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for i in range(3)
+    ]
+    results = [p.communicate(timeout=180) for p in procs]
+    for proc, (out, err) in zip(procs, results):
+        assert proc.returncode == 0, err
+    assert len({out.strip() for out, _ in results}) == 1  # one experiment
+    runs = MlflowClient(uri).search_runs([results[0][0].strip()])
+    assert sorted(r.info.run_name for r in runs) == ["p0", "p1", "p2"]
+
