@@ -20,3 +20,18 @@ def shapes_dataset():
     from papo_nb.data import make_shapes_dataset
 
     return make_shapes_dataset(24, seed=0)
+
+
+@pytest.fixture(scope="session")
+def smoke_workbook(tmp_path_factory):
+    """All workbook notebooks executed once with params/smoke.yaml into a fresh sqlite MLflow store."""
+    from pathlib import Path
+
+    from papo_nb.runner import run_workbook
+
+    root = Path(__file__).resolve().parents[1]
+    folder = tmp_path_factory.mktemp("smoke_workbook")
+    result = run_workbook(sorted((root / "notebooks").glob("[0-9][0-9]_*.ipynb")), root / "params" / "smoke.yaml",
+                          run_root=folder / "runs", tracking_uri=f"sqlite:///{folder}/mlflow.db")
+    assert result.ok, result.failure_message
+    return result

@@ -18,14 +18,10 @@ SMOKE = ROOT / "params" / "smoke.yaml"
 
 
 @pytest.fixture(scope="module")
-def workbook(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("workbook")
-    uri = f"sqlite:///{folder}/mlflow.db"
-    result = run_workbook(NOTEBOOKS, SMOKE, run_root=folder / "runs", tracking_uri=uri)
-    assert result.ok, result.failure_message
-    client = MlflowClient(uri)
-    runs = {nb.name: client.get_run(nb.run_id) for nb in result.notebooks}
-    return result, client, runs
+def workbook(smoke_workbook):
+    client = MlflowClient(smoke_workbook.tracking_uri)
+    runs = {nb.name: client.get_run(nb.run_id) for nb in smoke_workbook.notebooks}
+    return smoke_workbook, client, runs
 
 
 def artifact_json(client, run_id, path):
