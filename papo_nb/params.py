@@ -122,3 +122,34 @@ def load_params(path: str | Path | None, overrides: list[str] | None = None) -> 
 def notebook_params(namespace: dict[str, Any]) -> WorkbookParams:
     """The params a notebook's ``parameters`` cell defined (its globals), validated; other fields default."""
     return validate_params({k: namespace[k] for k in WorkbookParams.model_fields if k in namespace}, "notebook parameters")
+
+
+TINY_FAMILIES = ("qwen2_vl", "qwen2_5_vl")
+
+
+def _looks_local(value: str) -> bool:
+    return value.startswith(("/", "./", "../", "~")) or Path(value).expanduser().exists()
+
+
+def preflight_problems(params: WorkbookParams) -> list[str]:
+    """Checks that need this machine (paths, CUDA), run before any notebook starts; schema checks are separate
+    so that a GPU params file still validates on a laptop."""
+    problems = []
+    model = params.model_name_or_path
+    if model.startswith("tiny:") and model[len("tiny:"):] not in TINY_FAMILIES:
+        problems.append(f"parameter 'model_name_or_path' = {model!r}: unknown tiny family; allowed: "
+                        + ", ".join(f"tiny:{f}" for f in TINY_FAMILIES) + ", a hub id or a local folder")
+    for key in ("model_name_or_path", "dataset", "init_adapter", "phase2_checkpoint", "upstream_wheel"):
+        value = getattr(params, key)
+        if value and value != "synthetic" and not value.startswith("tiny:") and _looks_local(value) and not Path(value).expanduser().exists():
+            problems.append(f"parameter {key!r} = {value!r}: no such file or folder; allowed: an existing local path"
+                            + (" or a hub id" if key in ("model_name_or_path", "dataset") else "") + ", or ''")
+    if params.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            problems.append("parameter 'device' = 'cuda': no CUDA device on this machine; allowed here: 'auto' or 'cpu'")
+    if params.per_device_train_batch_size % params.num_generations:
+        problems.append(f"parameter 'per_device_train_batch_size' = {params.per_device_train_batch_size}: must be a multiple "
+                        f"of num_generations = {params.num_generations}")
+    return problems
