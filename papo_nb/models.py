@@ -128,36 +128,56 @@ def build_tiny_processor(family: str = "qwen2_vl") -> Qwen2VLProcessor:
     )
 
 
-def tiny_config(family: str, tokenizer: PreTrainedTokenizerFast):
-    """A config of a few hundred thousand parameters, with special ids wired to `tokenizer`."""
+# Model sizes `build_tiny_vlm` can make. "tiny" (the default, a few hundred thousand parameters) is the test
+# model; "wide" (about 30 million) is for CPU benchmarks where the transformer's compute dominates the step.
+SIZES = {
+    "tiny": dict(hidden=64, intermediate=128, layers=2, heads=4, kv_heads=2, mrope=[2, 3, 3],
+                 vision_depth=2, vision_width=32, vision_heads=2, vision_mlp_ratio=2),
+    "wide": dict(hidden=512, intermediate=1536, layers=8, heads=8, kv_heads=4, mrope=[8, 12, 12],
+                 vision_depth=4, vision_width=256, vision_heads=4, vision_mlp_ratio=4),
+}
+
+
+def _check_size(size: str) -> None:
+    if size not in SIZES:
+        raise ValueError(f"size={size!r} is not a tiny-model size; allowed values: {sorted(SIZES)}")
+
+
+def tiny_config(family: str, tokenizer: PreTrainedTokenizerFast, size: str = "tiny"):
+    """A config of a few hundred thousand parameters (``size="wide"``: about 30 million), with special ids
+    wired to `tokenizer`."""
     _check_family(family)
+    _check_size(size)
+    dims = SIZES[size]
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in QWEN_SPECIAL_TOKENS}
     text_config = {
         "vocab_size": len(tokenizer),
-        "hidden_size": 64,
-        "intermediate_size": 128,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
+        "hidden_size": dims["hidden"],
+        "intermediate_size": dims["intermediate"],
+        "num_hidden_layers": dims["layers"],
+        "num_attention_heads": dims["heads"],
+        "num_key_value_heads": dims["kv_heads"],
         "max_position_embeddings": 2048,
-        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]},
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": list(dims["mrope"])},
         "bos_token_id": ids["<|endoftext|>"],
         "eos_token_id": ids["<|im_end|>"],
         "pad_token_id": ids["<|endoftext|>"],
     }
+    width, depth, heads = dims["vision_width"], dims["vision_depth"], dims["vision_heads"]
     if family == "qwen2_vl":
         # Qwen2-VL: `hidden_size` of the vision config is the merger's output = text hidden size.
-        vision_config = {"depth": 2, "embed_dim": 32, "hidden_size": 64, "num_heads": 2, "mlp_ratio": 2}
+        vision_config = {"depth": depth, "embed_dim": width, "hidden_size": dims["hidden"], "num_heads": heads,
+                         "mlp_ratio": dims["vision_mlp_ratio"]}
     else:
         # Qwen2.5-VL: `hidden_size` is the vision width; `out_hidden_size` feeds the text model.
         vision_config = {
-            "depth": 2,
-            "hidden_size": 32,
-            "intermediate_size": 64,
-            "num_heads": 2,
-            "out_hidden_size": 64,
+            "depth": depth,
+            "hidden_size": width,
+            "intermediate_size": width * dims["vision_mlp_ratio"],
+            "num_heads": heads,
+            "out_hidden_size": dims["hidden"],
             "window_size": 112,
-            "fullatt_block_indexes": [1],
+            "fullatt_block_indexes": [depth - 1],
         }
     config_cls = FAMILIES[family][0]
     return config_cls(
@@ -170,9 +190,9 @@ def tiny_config(family: str, tokenizer: PreTrainedTokenizerFast):
     )
 
 
-def _write_tiny_vlm(family: str, seed: int, folder: Path) -> None:
+def _write_tiny_vlm(family: str, seed: int, folder: Path, size: str = "tiny") -> None:
     processor = build_tiny_processor(family)
-    config = tiny_config(family, processor.tokenizer)
+    config = tiny_config(family, processor.tokenizer, size=size)
     model_cls = FAMILIES[family][1]
     # fork_rng keeps the caller's global RNG untouched while making init depend on `seed` only.
     with torch.random.fork_rng(devices=[]):
@@ -185,23 +205,27 @@ def _write_tiny_vlm(family: str, seed: int, folder: Path) -> None:
     processor.save_pretrained(folder)
 
 
-def build_tiny_vlm(family: str = "qwen2_vl", seed: int = 0, cache_dir: str | Path | None = None) -> Path:
+def build_tiny_vlm(family: str = "qwen2_vl", seed: int = 0, cache_dir: str | Path | None = None,
+                   size: str = "tiny") -> Path:
     """Build (or reuse) a tiny offline VLM and return its folder, loadable with `load_vlm`.
 
-    The folder is written under a temporary name and renamed once complete, with a marker file
-    written last; a folder without the marker is treated as half-written and rebuilt.
+    ``size`` is ``"tiny"`` (default: the test model) or ``"wide"`` (about 30M parameters, for CPU benchmarks);
+    each size has its own cache folder (``tiny-...`` / ``wide-...``). The folder is written under a temporary name
+    and renamed once complete, with a marker file written last; a folder without the marker is treated as
+    half-written and rebuilt.
     """
     _check_family(family)
+    _check_size(size)
     root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_root()
-    folder = root / f"tiny-{family}-seed{seed}-v{BUILDER_VERSION}"
+    folder = root / f"{size}-{family}-seed{seed}-v{BUILDER_VERSION}"
     if (folder / COMPLETE_MARKER).exists():
         return folder
 
     root.mkdir(parents=True, exist_ok=True)
     staging = root / f".{folder.name}.building-{uuid.uuid4().hex[:8]}"
     try:
-        _write_tiny_vlm(family, seed, staging)
-        (staging / COMPLETE_MARKER).write_text(f"family={family} seed={seed} version={BUILDER_VERSION}\n")
+        _write_tiny_vlm(family, seed, staging, size=size)
+        (staging / COMPLETE_MARKER).write_text(f"family={family} seed={seed} size={size} version={BUILDER_VERSION}\n")
         if folder.exists() and not (folder / COMPLETE_MARKER).exists():
             shutil.rmtree(folder)  # a half-written folder from an interrupted build
         try:

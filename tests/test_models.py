@@ -173,3 +173,24 @@ def test_lora_and_grpo_presets(tiny_vlm_path, tmp_path):
     assert args.num_generations == 4 and args.max_completion_length == 16 and args.report_to == []
     assert args.generation_kwargs == {"suppress_tokens": vision_special_token_ids(processor)}
     assert args.max_steps == 2
+
+
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl"])
+def test_wide_size_is_tens_of_millions_and_tiny_is_unchanged(family):
+    from papo_nb.models import FAMILIES, build_tiny_tokenizer, tiny_config
+
+    tokenizer = build_tiny_tokenizer()
+    counts = {}
+    for size in ("tiny", "wide"):
+        with torch.device("meta"):  # shapes only: no memory, no init cost
+            model = FAMILIES[family][1](tiny_config(family, tokenizer, size=size))
+        counts[size] = sum(p.numel() for p in model.parameters())
+    assert 100_000 <= counts["tiny"] <= 1_000_000
+    assert 10_000_000 <= counts["wide"] <= 100_000_000, counts
+    assert tiny_config(family, tokenizer).to_dict() == tiny_config(family, tokenizer, size="tiny").to_dict()
+
+
+def test_unknown_size_is_refused(tmp_path):
+    with pytest.raises(ValueError, match=r"size='huge'.*tiny.*wide"):
+        build_tiny_vlm("qwen2_vl", cache_dir=tmp_path, size="huge")
+    assert not any(tmp_path.iterdir())
