@@ -121,7 +121,7 @@ def plot_calibration(points: list[CalibrationPoint]):
                        label=f"leak: injected, {phase}, {precision}")
     xs = np.logspace(np.log10(min(x_all) / 3), np.log10(max(x_all) * 3), 200)
     ax.plot(xs, np.maximum(GAMMA_ZERO_GRADIENT_REL_TOL * xs, GAMMA_ZERO_GRADIENT_ABS_FLOOR), "k-", lw=2,
-            label=f"tolerance max({GAMMA_ZERO_GRADIENT_REL_TOL} x, {GAMMA_ZERO_GRADIENT_ABS_FLOOR:g})")
+            label=f"tolerance boundary max({GAMMA_ZERO_GRADIENT_REL_TOL} x, {GAMMA_ZERO_GRADIENT_ABS_FLOOR:g})")
     ax.axhline(floor, color="grey", ls=":", lw=1.5, label=f"exact zero (drawn at {floor:.0e})")
     ax.set_xscale("log")
     ax.set_yscale("log")

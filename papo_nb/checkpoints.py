@@ -68,6 +68,46 @@ def describe_reference(trainer) -> str:
     return "a separate frozen copy of the initial model"
 
 
+REFERENCE_MATCH_TOL = 1e-5  # log-prob agreement that counts as "the same policy" (same inputs, fp32)
+
+
+def reference_evidence(trainer, inputs) -> dict:
+    """Which policy TRL's reference log-probs really come from, measured rather than inferred from the setup.
+
+    ``inputs``: a rollout batch made before any optimizer step with beta != 0 (e.g. ``rollout_batch``), so that
+    ``inputs["ref_per_token_logps"]`` is TRL's own reference computation and the trainable adapter is still the
+    policy the run started from. They are compared, on completion tokens, with the log-probs of the base model
+    (adapters disabled) and of that starting policy; ``matches`` names the one within ``REFERENCE_MATCH_TOL``.
+    """
+    from papo_nb.contract import VLM_FORWARD_KEYWORDS
+
+    if inputs.get("ref_per_token_logps") is None:
+        raise ValueError("the batch has no ref_per_token_logps: with beta = 0 TRL computes no reference")
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
+    attention = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
+    keep = inputs["completion_ids"].size(1)
+    vlm_kwargs = {key: inputs.get(key) for key in VLM_FORWARD_KEYWORDS}
+    with torch.no_grad():
+        with model.disable_adapter():
+            base, _, _ = trainer._get_per_token_logps_and_entropies(model, ids, attention, keep, **vlm_kwargs)
+        start, _, _ = trainer._get_per_token_logps_and_entropies(model, ids, attention, keep, **vlm_kwargs)
+    tokens = inputs["completion_mask"].bool()
+    ref = inputs["ref_per_token_logps"]
+    gap = lambda a, b: (a - b)[tokens].abs().max().item()  # noqa: E731
+    evidence = dict(reference_vs_base=gap(ref, base), reference_vs_start_policy=gap(ref, start),
+                    start_policy_vs_base=gap(start, base), tolerance=REFERENCE_MATCH_TOL, described=describe_reference(trainer))
+    if evidence["reference_vs_base"] <= REFERENCE_MATCH_TOL and evidence["start_policy_vs_base"] <= REFERENCE_MATCH_TOL:
+        evidence["matches"] = "base = start policy"
+    elif evidence["reference_vs_base"] <= REFERENCE_MATCH_TOL:
+        evidence["matches"] = "base"
+    elif evidence["reference_vs_start_policy"] <= REFERENCE_MATCH_TOL:
+        evidence["matches"] = "init_adapter"
+    else:
+        evidence["matches"] = "neither"
+    return evidence
+
+
 def adapter_tensors(model) -> dict[str, torch.Tensor]:
     """The trainable adapter's weights (cloned), keyed as in the saved file."""
     from peft import get_peft_model_state_dict

@@ -186,8 +186,80 @@ def _cmd_ui(subparsers: Subparsers) -> None:
     p.set_defaults(handler=handler)
 
 
-# Later: _cmd_lab, _cmd_train, _cmd_bench.
-SUBCOMMANDS: list[Callable[[Subparsers], None]] = [_cmd_env, _cmd_run, _cmd_ui]
+def _cmd_lab(subparsers: Subparsers) -> None:
+    p = subparsers.add_parser(
+        "lab",
+        help="serve JupyterLab on the workbook's notebooks",
+        description="Run JupyterLab on the project's notebooks folder until Ctrl-C, bound to 127.0.0.1 with a "
+        "fresh token (printed in the url). Its python3 kernel is this environment's, so it imports papo_nb; "
+        "notebooks run by hand log to MLFLOW_TRACKING_URI, else mlflow.db in the project folder.",
+    )
+    p.add_argument("--port", type=int, default=None, help="port (default: a free one)")
+    p.add_argument("--notebook-dir", metavar="DIR", default=None,
+                   help="folder to serve (default: the project's notebooks/)")
+
+    def handler(args: argparse.Namespace) -> int:
+        from papo_nb.tracking import default_tracking_uri, project_dir
+        from papo_nb.ui import serve_jupyterlab
+
+        signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)  # stop the server on kill too
+        folder = Path(args.notebook_dir) if args.notebook_dir else project_dir() / "notebooks"
+        try:
+            with serve_jupyterlab(folder, port=args.port) as url:
+                print(f"JupyterLab: {url}  (notebooks {folder.resolve()}; store {default_tracking_uri()}; "
+                      "Ctrl-C stops it)", flush=True)
+                while True:
+                    time.sleep(3600)
+        except KeyboardInterrupt:
+            print("JupyterLab stopped")
+            return 0
+        except RuntimeError as exc:
+            print(f"papo-nb lab: error: {exc}", file=sys.stderr)
+            return 1
+
+    p.set_defaults(handler=handler)
+
+
+def _cmd_train(subparsers: Subparsers) -> None:
+    p = subparsers.add_parser(
+        "train",
+        help="one PAPO-G training run: resumable, on one or several processes",
+        description="Train PAPO-G with the workbook parameters into --output-dir, logging to MLflow (MLFLOW_TRACKING_URI, "
+        "else mlflow.db in the project folder). With num_processes > 1 it runs itself under accelerate launch; it can "
+        "also be started by accelerate launch (-m papo_nb.cli train ...). A killed run continues with --resume from its "
+        "last complete checkpoint, in the same MLflow run. Exit codes: 0 trained, 1 training failed, 2 bad parameters "
+        "or a refused run (an existing run without --resume, or a resume whose parameters differ).",
+    )
+    p.add_argument("--params", metavar="FILE", help="YAML params file (default: built-in defaults)")
+    p.add_argument("-p", dest="overrides", metavar="KEY=VALUE", action="append", default=[],
+                   help="override one parameter; the value is read as YAML (repeatable)")
+    p.add_argument("--output-dir", metavar="DIR", required=True, help="folder of the run: parameters, MLflow run id, checkpoints")
+    p.add_argument("--resume", action="store_true", help="continue the run in --output-dir from its last complete checkpoint")
+    p.add_argument("--force-resume", action="store_true", help="--resume even if parameters that matter differ from the run's")
+    p.add_argument("--mlflow-run-id", metavar="ID", default="", help="log into this MLflow run (default: the run's own, or a new one)")
+
+    def handler(args: argparse.Namespace) -> int:
+        from papo_nb.launch import train_command
+
+        return train_command(args.params, args.overrides, args.output_dir, resume=args.resume,
+                             force_resume=args.force_resume, mlflow_run_id=args.mlflow_run_id)
+
+    p.set_defaults(handler=handler)
+
+
+def _cmd_bench(subparsers: Subparsers) -> None:
+    # Arguments pass through to papo_nb.bench (which imports torch), so other subcommands stay fast to start.
+    p = subparsers.add_parser("bench", add_help=False, help="PAPO-G step overhead benchmark (see benchmarks/README.md); --help for its options")
+
+    def handler(args: argparse.Namespace) -> int:
+        from papo_nb.bench import main as bench_main
+
+        return bench_main(args.passthrough)
+
+    p.set_defaults(handler=handler, passthrough_allowed=True)
+
+
+SUBCOMMANDS: list[Callable[[Subparsers], None]] = [_cmd_env, _cmd_run, _cmd_ui, _cmd_lab, _cmd_train, _cmd_bench]
 
 
 # --------------------------------------------------------------------------------------------
@@ -209,7 +281,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown and not getattr(args, "passthrough_allowed", False):
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    args.passthrough = unknown
     handler = getattr(args, "handler", None)
     if handler is None:
         parser.print_help(sys.stderr)

@@ -63,6 +63,15 @@ class WorkbookParams(BaseModel):
     lora_alpha: int = Field(16, ge=1, le=4096, description="LoRA alpha")
     save_steps: int = Field(3, ge=1, le=1_000_000, description="checkpoint every this many steps")
     init_adapter: str = Field("", description="phase 2: start from this trained adapter checkpoint; empty starts a fresh adapter")
+    reference_policy: Literal["init_adapter", "base"] = Field(
+        "init_adapter", description="KL reference (beta > 0) with init_adapter set: a frozen copy of that adapter (TRL's "
+        "default) or the base model with adapters disabled; without init_adapter both are the base model")
+
+    # --- scale-out (papo-nb train) ---
+    num_processes: int = Field(1, ge=1, le=1024, description="training processes, one per GPU; > 1 runs papo-nb train under "
+                               "accelerate launch (DDP unless accelerate_config says otherwise)")
+    accelerate_config: str = Field("", description="accelerate config file for num_processes > 1 (see configs/accelerate/); "
+                                   "empty: multi_gpu.yaml (DDP) on GPU, cpu_gloo.yaml on the CPU")
 
     @classmethod
     def field_names(cls) -> set[str]:
@@ -139,7 +148,7 @@ def preflight_problems(params: WorkbookParams) -> list[str]:
     if model.startswith("tiny:") and model[len("tiny:"):] not in TINY_FAMILIES:
         problems.append(f"parameter 'model_name_or_path' = {model!r}: unknown tiny family; allowed: "
                         + ", ".join(f"tiny:{f}" for f in TINY_FAMILIES) + ", a hub id or a local folder")
-    for key in ("model_name_or_path", "dataset", "init_adapter", "phase2_checkpoint", "upstream_wheel"):
+    for key in ("model_name_or_path", "dataset", "init_adapter", "phase2_checkpoint", "upstream_wheel", "accelerate_config"):
         value = getattr(params, key)
         if value and value != "synthetic" and not value.startswith("tiny:") and _looks_local(value) and not Path(value).expanduser().exists():
             problems.append(f"parameter {key!r} = {value!r}: no such file or folder; allowed: an existing local path"
@@ -149,6 +158,9 @@ def preflight_problems(params: WorkbookParams) -> list[str]:
 
         if not torch.cuda.is_available():
             problems.append("parameter 'device' = 'cuda': no CUDA device on this machine; allowed here: 'auto' or 'cpu'")
+        elif params.num_processes > torch.cuda.device_count():
+            problems.append(f"parameter 'num_processes' = {params.num_processes}: only {torch.cuda.device_count()} CUDA "
+                            f"device(s) on this machine; allowed here: 1..{torch.cuda.device_count()}")
     if params.per_device_train_batch_size % params.num_generations:
         problems.append(f"parameter 'per_device_train_batch_size' = {params.per_device_train_batch_size}: must be a multiple "
                         f"of num_generations = {params.num_generations}")

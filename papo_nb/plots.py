@@ -26,8 +26,12 @@ def plot_training_curves(step_logs: list[dict]):
         ax.set_xlabel("optimizer step")
         ax.set_ylabel(unit)
         ax.grid(alpha=0.3)
+        # Plain tick values: an offset ("+5.873" over the axis) hides the level a reviewer compares to the paper.
+        ax.ticklabel_format(axis="y", useOffset=False)
         if ax.lines:
             ax.legend(fontsize=8)
+        else:
+            ax.text(0.5, 0.5, "not logged in this run", transform=ax.transAxes, ha="center", va="center", color="grey")
     fig.suptitle("PAPO-G training metrics")
     fig.tight_layout()
     return fig

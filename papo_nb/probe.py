@@ -13,6 +13,10 @@ Liveness half. ``perception_kl > 0`` and ``||grad perception_kl|| > 0``: the mas
 reaches the logits. A batch whose log-probs do not move under masking (mean KL exactly 0) is legitimate
 but shows nothing, so the probe defers on it without paying for gradients; after
 ``max_degenerate_batches`` such batches in a row it fails. A batch without images is not counted.
+
+Several processes. Every input to a decision is reduced across ranks first (finiteness, images, KL sums, and
+the three gradients, all-reduced to DDP's mean: the gradient the optimizer applies), so every rank defers,
+passes or fails together and no rank is left waiting in a collective. One process reduces nothing.
 """
 
 from __future__ import annotations
@@ -109,6 +113,18 @@ def measure_gamma_zero(trainer, model, parent_loss: torch.Tensor, terms, assembl
     g_parent = _flat_grad(parent_loss, params)
     g_zero = _flat_grad(zero_gamma_loss, params)
     g_perception = _flat_grad(terms.perception_kl, params)
+    parent_value, zero_value = parent_loss.item(), zero_gamma_loss.item()
+    loss_bit_equal = bool(torch.equal(zero_gamma_loss.detach(), parent_loss.detach()))
+    processes = trainer.accelerator.num_processes
+    if processes > 1:
+        # Several processes: the gradient the optimizer applies is DDP's mean of the per-rank gradients, so the
+        # norms and the verdict are those of the all-reduced (mean) gradients, identical on every rank; the losses
+        # are rank means, and bit equality must hold on every rank. One process: nothing is reduced.
+        g_parent, g_zero, g_perception = trainer.accelerator.reduce(torch.stack([g_parent, g_zero, g_perception]), reduction="mean")
+        losses = trainer.accelerator.reduce(torch.tensor([parent_value, zero_value, float(not loss_bit_equal)],
+                                                         dtype=torch.float64, device=g_parent.device), reduction="sum")
+        parent_value, zero_value = (losses[:2] / processes).tolist()
+        loss_bit_equal = losses[2].item() == 0
     parent_norm = torch.linalg.vector_norm(g_parent).item()
     diff = torch.linalg.vector_norm(g_zero - g_parent).item()
     tolerance = gradient_tolerance(parent_norm)
@@ -116,9 +132,9 @@ def measure_gamma_zero(trainer, model, parent_loss: torch.Tensor, terms, assembl
     kl_totals = trainer.accelerator.reduce(torch.stack([terms.kl_sum, terms.token_count]).detach().float(), reduction="sum")
     autocast_enabled, autocast_dtype = _autocast_state()
     return dict(
-        parent_loss=parent_loss.item(),
-        zero_gamma_loss=zero_gamma_loss.item(),
-        loss_bit_equal=bool(torch.equal(zero_gamma_loss.detach(), parent_loss.detach())),
+        parent_loss=parent_value,
+        zero_gamma_loss=zero_value,
+        loss_bit_equal=loss_bit_equal,
         parent_grad_norm=parent_norm,
         zero_gamma_grad_norm=torch.linalg.vector_norm(g_zero).item(),
         grad_diff_norm=diff,
@@ -160,12 +176,17 @@ class GammaZeroProbe:
         PROBE_CALLS["observe"] += 1
         values = torch.stack([parent_loss.detach().float(), terms.perception_kl.detach().float(),
                               terms.original_entropy.detach().float(), terms.masked_entropy.detach().float()])
-        if not torch.isfinite(values).all():
-            return self._record("failed", f"probe: non-finite loss pieces (parent, kl, H, H_masked) = {values.tolist()}", step)
-        # Same decision on every rank: image presence and KL are reduced before deferring.
-        flags = torch.stack([torch.tensor(float(terms.has_images)), terms.kl_sum.detach().float().cpu(),
-                             terms.token_count.detach().float().cpu()]).to(parent_loss.device)
+        finite = bool(torch.isfinite(values).all())
+        # Same decision on every rank: finiteness, image presence and KL are reduced before any verdict or deferral,
+        # so no rank raises, defers or stops probing while another waits in a collective.
+        flags = torch.stack([torch.tensor(float(not finite)), torch.tensor(float(terms.has_images)),
+                             terms.kl_sum.detach().float().cpu(), terms.token_count.detach().float().cpu()]).to(parent_loss.device)
         flags = trainer.accelerator.reduce(flags, reduction="sum")
+        if flags[0].item() > 0:
+            ranks = trainer.accelerator.num_processes
+            where = f" on {int(flags[0].item())} of {ranks} ranks; this rank's" if ranks > 1 else ""
+            return self._record("failed", f"probe: non-finite loss pieces{where} (parent, kl, H, H_masked) = {values.tolist()}", step)
+        flags = flags[1:]
         if flags[0].item() == 0:
             self.batches_without_images += 1
             return self._record("pending", "probe deferred: batch has no images, so zero perception KL is correct", step)

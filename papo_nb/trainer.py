@@ -7,11 +7,13 @@ The parent computes the GRPO loss untouched (``super()._compute_loss``); the ada
 with the per-token k3 estimator for KL_prcp, restricted to completion tokens and normalised the way the
 parent normalises its policy term. The unmasked log-probs and entropies are the parent's own: a thin
 override of ``_get_per_token_logps_and_entropies`` captures them while the parent computes its loss, so
-only one extra (masked) forward runs per step.
+only one extra (masked) forward runs per step. It runs before the parent's, so that under no-grad its logits
+are gone before the parent's (kept for backward) exist.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -194,7 +196,15 @@ class PAPOGTrainer(GRPOTrainer):
             setattr(self, ENTROPY_GRAD_GATE, gate)
 
     def papo_loss_parts(self, model, inputs) -> tuple[torch.Tensor, PerceptionTerms]:
-        """The parent's loss and the adapter's terms for ``inputs`` (which is never modified)."""
+        """The parent's loss and the adapter's terms for ``inputs`` (which is never modified).
+
+        The masked forward runs *before* the parent's: under no-grad (the default) its full-vocabulary logits are
+        freed before the parent's forward creates the logits autograd keeps for backward, so the two never coexist
+        and PAPO-G's peak memory stays that of the parent step (it is the same math in either order)."""
+        has_images = inputs.get("pixel_values") is not None
+        masked = self._masked_forward(model, inputs) if has_images else None
+        if not has_images and self._images_on_any_rank(has_images):
+            self._masked_forward(model, inputs)  # result unused: see _images_on_any_rank
         self._capture_parent_logps, self._captured_parent_logps = True, None
         try:
             parent_loss = super()._compute_loss(model, inputs)
@@ -202,7 +212,7 @@ class PAPOGTrainer(GRPOTrainer):
             self._capture_parent_logps = False
         logps, entropies, _ = self._captured_parent_logps
         self._captured_parent_logps = None
-        terms = self._perception_terms(model, inputs, logps, entropies)
+        terms = self._perception_terms(model, inputs, logps, entropies, masked)
         return parent_loss, terms
 
     def masked_pixel_values(self, inputs: dict[str, Any]) -> torch.Tensor:
@@ -217,13 +227,14 @@ class PAPOGTrainer(GRPOTrainer):
             merge_size=getattr(image_processor, "merge_size", 2), generator=self.mask_generator, **stats,
         )
 
-    def _perception_terms(self, model, inputs, logps, entropies) -> PerceptionTerms:
+    def _perception_terms(self, model, inputs, logps, entropies, masked) -> PerceptionTerms:
+        """``masked``: the ``(logps, entropies)`` of ``_masked_forward``, or None for a text-only batch."""
         mask = inputs["completion_mask"]
         if "tool_mask" in inputs:
             mask = mask * inputs["tool_mask"]
         has_images = inputs.get("pixel_values") is not None
         if has_images:
-            masked_logps, masked_entropies = self._masked_forward(model, inputs)
+            masked_logps, masked_entropies = masked
         else:  # the masked branch of a text-only batch is the original branch: KL 0, no forward needed
             masked_logps, masked_entropies = logps.detach(), entropies.detach()
         log_ratio = masked_logps - logps
@@ -247,7 +258,8 @@ class PAPOGTrainer(GRPOTrainer):
     def _masked_forward(self, model, inputs):
         prompt_ids, completion_ids = inputs["prompt_ids"], inputs["completion_ids"]
         vlm_kwargs = {key: inputs.get(key) for key in VLM_FORWARD_KEYWORDS}
-        vlm_kwargs["pixel_values"] = self.masked_pixel_values(inputs)
+        if inputs.get("pixel_values") is not None:  # else a text-only batch's parity forward (see _images_on_any_rank)
+            vlm_kwargs["pixel_values"] = self.masked_pixel_values(inputs)
         want_entropy_grad = self.args.masked_branch_grad and self.args.masked_entropy_weight > 0
         with torch.set_grad_enabled(self.args.masked_branch_grad and torch.is_grad_enabled()):
             logps, entropies, _ = self._with_entropy_grad(
@@ -260,6 +272,30 @@ class PAPOGTrainer(GRPOTrainer):
                 **vlm_kwargs,
             )
         return logps, entropies
+
+    def _images_on_any_rank(self, has_images: bool) -> bool:
+        """Whether any process's batch has images; every process must call it (one scalar all-reduce).
+
+        Under DDP (buffer broadcast), ZeRO-3 and FSDP a forward is a collective, so every process must run the same
+        number of forwards: a text-only batch next to an image batch on another rank runs the masked forward too
+        (on its unmasked inputs, result unused; its perception term stays exactly 0). One process: no collective."""
+        if self.accelerator.num_processes == 1:
+            return has_images
+        flag = torch.tensor([float(has_images)], device=self.accelerator.device)
+        return bool(self.accelerator.reduce(flag, reduction="sum").item() > 0)
+
+    # ---- checkpoints: the masking generator is resumed with the RNG states the Trainer saves ----
+    def _mask_rng_file(self, folder: str) -> str:
+        return os.path.join(folder, f"papo_mask_rng_{self.args.process_index}.pth")
+
+    def _save_rng_state(self, output_dir):
+        super()._save_rng_state(output_dir)
+        torch.save(self.mask_generator.get_state(), self._mask_rng_file(output_dir))
+
+    def _load_rng_state(self, checkpoint):
+        super()._load_rng_state(checkpoint)
+        if checkpoint is not None and os.path.isfile(self._mask_rng_file(checkpoint)):
+            self.mask_generator.set_state(torch.load(self._mask_rng_file(checkpoint), weights_only=True))
 
     def _normalise_like_parent(self, per_token: torch.Tensor, mask: torch.Tensor, inputs) -> torch.Tensor:
         """Reduce a (B, T) per-token quantity exactly as GRPOTrainer 1.9.1 reduces its policy term."""

@@ -1,0 +1,334 @@
+"""Review in a real browser: Debian's chromium, headless, driven by Playwright.
+
+- the MLflow UI on the smoke workbook's store: the experiment, the workbook run with its nested notebook runs,
+  the calibration plot rendered, the probe evidence JSON as text;
+- JupyterLab (``papo_nb.ui.serve_jupyterlab``) on a copy of the notebooks: 01 opened and run with Run > Run All
+  Cells until its verdict line shows.
+
+Each step is screenshotted to ``<pytest tmp>/screenshots/`` and copied to ``test-artifacts/browser/`` (git-ignored);
+the paths are printed. Without chromium (or playwright) the browser tests skip, except under CI (``CI`` set),
+where they fail. ``PAPO_NB_CHROMIUM`` overrides the browser binary (default ``/usr/bin/chromium``).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+from mlflow import MlflowClient
+
+from papo_nb.tracking import EXPERIMENT_NAME, serve_mlflow_ui
+from papo_nb.ui import serve_jupyterlab
+
+ROOT = Path(__file__).resolve().parents[1]
+ARTIFACTS = ROOT / "test-artifacts" / "browser"
+CHROMIUM = os.environ.get("PAPO_NB_CHROMIUM", "/usr/bin/chromium")
+CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-background-networking",
+                 "--disable-component-update", "--disable-sync"]
+NOTEBOOK_RUN_TIMEOUT_S = 300  # Run All of 01 takes ~15-60 s on CPU; a kernel on a loaded machine may be slow to start
+
+
+def _unavailable(reason: str):
+    if os.environ.get("CI", "").lower() not in ("", "0", "false"):
+        pytest.fail(f"{reason}; under CI the browser tests must run (.ci/run installs Debian's chromium)")
+    pytest.skip(reason)
+
+
+@pytest.fixture(scope="session")
+def chromium():
+    """The browser binary; session-scoped so that, named first, it skips before the smoke workbook is run."""
+    if not (os.path.isfile(CHROMIUM) and os.access(CHROMIUM, os.X_OK)):
+        _unavailable(f"no chromium at {CHROMIUM} (apt-get install -y chromium, or set PAPO_NB_CHROMIUM)")
+    try:
+        import playwright.sync_api  # noqa: F401
+    except ImportError:
+        _unavailable("the playwright package is not installed (pip install -e '.[test]')")
+    return CHROMIUM
+
+
+@pytest.fixture(scope="module")
+def playwright(chromium):
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as p:
+        yield p
+
+
+@pytest.fixture
+def browser(chromium, playwright, tmp_path):
+    """A fresh headless chromium profile; pages time out after 60 s unless told otherwise."""
+    context = playwright.chromium.launch_persistent_context(
+        str(tmp_path / "chromium-profile"), executable_path=chromium, args=CHROMIUM_ARGS, headless=True,
+        viewport={"width": 1400, "height": 900})
+    context.set_default_timeout(60_000)
+    try:
+        yield context
+    finally:
+        context.close()
+
+
+@pytest.fixture(scope="module")
+def screenshot_dir(tmp_path_factory):
+    shutil.rmtree(ARTIFACTS, ignore_errors=True)  # only this run's screenshots in test-artifacts/browser/
+    ARTIFACTS.mkdir(parents=True)
+    return tmp_path_factory.mktemp("screenshots")
+
+
+@pytest.fixture
+def shoot(screenshot_dir, capsys):
+    """shoot(page, name): full-window screenshot to the tmp folder and test-artifacts/browser/; prints both paths."""
+
+    def take(page, name: str) -> Path:
+        path = screenshot_dir / f"{name}.png"
+        page.screenshot(path=str(path))
+        shutil.copy2(path, ARTIFACTS / path.name)
+        with capsys.disabled():
+            print(f"\n  screenshot: {path}  (copy: {ARTIFACTS / path.name})", end="")
+        return path
+
+    return take
+
+
+def _expect():
+    from playwright.sync_api import expect
+
+    expect.set_options(timeout=60_000)  # the servers run on a 2-core machine next to other tests
+    return expect
+
+
+# --------------------------------------------------------------------------------------------
+# MLflow UI
+# --------------------------------------------------------------------------------------------
+
+
+def _hide_mlflow_assistant(context) -> None:
+    """MLflow 3.17 opens its "MLflow Assistant" side panel on first load; it only narrows the pages. If these
+    localStorage keys change in another MLflow version the panel shows, and the checks still hold."""
+    context.add_init_script(
+        "try { localStorage.setItem('mlflow.assistant.fab.autoOpenedOnFirstLoad_v1', 'true');"
+        " localStorage.setItem('mlflow.assistant.panelOpen_v1', 'false'); } catch (e) {}")
+
+
+@pytest.mark.slow
+def test_mlflow_ui_shows_the_workbook_its_notebook_runs_the_calibration_plot_and_evidence(chromium, smoke_workbook, browser, shoot):
+    expect = _expect()
+    client = MlflowClient(smoke_workbook.tracking_uri)
+    experiment_id = client.get_experiment_by_name(EXPERIMENT_NAME).experiment_id
+    parent = client.get_run(smoke_workbook.parent_run_id)
+    runs = {nb.name: nb.run_id for nb in smoke_workbook.notebooks}
+    assert list(runs) == ["01_contract_verification", "02_probe_calibration", "03_training_run"]
+    _hide_mlflow_assistant(browser)
+    page = browser.new_page()
+
+    with serve_mlflow_ui(tracking_uri=smoke_workbook.tracking_uri) as url:
+        # 1. The experiments list names the workbook's experiment; following its link opens it.
+        page.goto(f"{url}/#/experiments")
+        experiment_link = page.get_by_role("link", name=EXPERIMENT_NAME, exact=True)
+        expect(experiment_link).to_be_visible()
+        shoot(page, "mlflow_1_experiments")
+        experiment_link.click()
+        page.wait_for_url(re.compile(rf"#/experiments/{experiment_id}\b"))
+
+        # 2. Its runs table ("Model training" view) lists the workbook run; expanding it shows the notebook runs.
+        page.goto(f"{url}/#/experiments/{experiment_id}/runs?workflowType=machine_learning")
+        parent_row = page.get_by_role("row").filter(has_text=parent.info.run_name)
+        expect(parent_row).to_be_visible()
+        parent_row.get_by_role("gridcell").filter(has=page.get_by_role("link", name=parent.info.run_name)) \
+            .get_by_role("button").first.click()  # the [+] before a parent run's name
+        for name in runs:
+            expect(page.get_by_role("link", name=name, exact=True)).to_be_visible()
+        shoot(page, "mlflow_2_runs_nested")
+
+        # 3. The workbook run's page lists its child runs by name.
+        page.get_by_role("link", name=parent.info.run_name, exact=True).click()
+        page.wait_for_url(re.compile(rf"/runs/{parent.info.run_id}"))
+        expect(page.get_by_text("Child runs", exact=True)).to_be_visible()
+        for name in runs:
+            expect(page.get_by_role("link", name=name, exact=True)).to_be_visible()
+        shoot(page, "mlflow_3_workbook_run")
+
+        # 4. The calibration run's artifacts: the plot is shown as an image that really decoded.
+        page.goto(f"{url}/#/experiments/{experiment_id}/runs/{runs['02_probe_calibration']}/artifacts/figures/calibration.png")
+        expect(page.get_by_text("figures/calibration.png", exact=True)).to_be_visible()
+        image = page.locator("img[src^='blob:']:visible, img[src*='calibration.png']:visible").first
+        expect(image).to_be_visible()
+        page.wait_for_function("img => img.complete && img.naturalWidth > 0", arg=image.element_handle())
+        width, height = image.evaluate("img => [img.naturalWidth, img.naturalHeight]")
+        assert width >= 600 and height >= 300, f"calibration plot decoded at {width}x{height}"
+        box = image.bounding_box()
+        assert box and box["width"] > 200 and box["height"] > 100, f"calibration plot drawn at {box}"
+        shoot(page, "mlflow_4_calibration_plot")
+
+        # 5. Evidence JSON as text: the calibration margins (02) and the probe evidence (01).
+        margins = client.download_artifacts(runs["02_probe_calibration"], "evidence/calibration_margins.json")
+        assert '"separated": true' in Path(margins).read_text()
+        # The viewer highlights JSON token by token; its <pre> holds the text as a person reads it.
+        # In the same run the page keeps its selection when only the hash changes: open the file from the tree.
+        page.get_by_text("evidence", exact=True).click()
+        page.get_by_text("calibration_margins.json", exact=True).click()
+        expect(page.get_by_text("evidence/calibration_margins.json", exact=True)).to_be_visible()
+        shown = page.locator("pre").filter(has_text='"separated"')
+        expect(shown).to_be_visible()
+        for text in ('"separated": true', '"all_losses_bit_equal": true', '"verdict": "SEPARATED: worst roundoff'):
+            expect(shown).to_contain_text(text)
+        shoot(page, "mlflow_5_calibration_margins")
+
+        page.goto(f"{url}/#/experiments/{experiment_id}/runs/{runs['01_contract_verification']}/artifacts/evidence/probe.json")
+        expect(page.get_by_text("evidence/probe.json", exact=True)).to_be_visible()
+        shown = page.locator("pre").filter(has_text='"loss_bit_equal"')
+        expect(shown).to_be_visible()
+        for text in ('"status": "passed"', '"loss_bit_equal": true', '"passed": true', '"perception_kl": '):
+            expect(shown).to_contain_text(text)
+        shoot(page, "mlflow_6_probe_evidence")
+
+
+# --------------------------------------------------------------------------------------------
+# JupyterLab
+# --------------------------------------------------------------------------------------------
+
+
+def _lab_environment(tmp: Path) -> dict[str, str]:
+    """A tmp MLflow store for the interactive run, and JupyterLab state (settings, workspaces) out of $HOME."""
+    settings = tmp / "lab-settings"
+    notification = settings / "@jupyterlab" / "apputils-extension" / "notification.jupyterlab-settings"
+    notification.parent.mkdir(parents=True)
+    notification.write_text('{"fetchNews": "false", "checkForUpdates": false}')  # no "Jupyter news?" toast
+    return {
+        "MLFLOW_TRACKING_URI": f"sqlite:///{tmp / 'mlflow.db'}",
+        "JUPYTERLAB_SETTINGS_DIR": str(settings),
+        "JUPYTERLAB_WORKSPACES_DIR": str(tmp / "lab-workspaces"),
+        "JUPYTER_RUNTIME_DIR": str(tmp / "jupyter-runtime"),
+    }
+
+
+# What the notebook shows so far: its verdict line, a traceback (an error output), a dead kernel, or nothing yet.
+VERDICT_OR_ERROR = r"""() => {
+    const outputs = Array.from(document.querySelectorAll('.jp-Notebook .jp-OutputArea-output'));
+    if (outputs.some(o => /Traceback \(most recent call last\)/.test(o.textContent))) return 'error';
+    if (outputs.some(o => /^\s*(PASS|FAIL):/m.test(o.textContent))) return 'verdict';
+    const status = document.querySelector('#jp-main-statusbar');
+    if (status && /\|\s*(Dead|Unknown)/.test(status.textContent)) return 'dead kernel';
+    return false;
+}"""
+
+
+@pytest.mark.slow
+def test_jupyterlab_runs_the_contract_notebook_to_its_verdict(browser, shoot, tmp_path):
+    expect = _expect()
+    notebooks = tmp_path / "notebooks"
+    shutil.copytree(ROOT / "notebooks", notebooks)  # running writes outputs; never into the repo's notebooks
+    env = _lab_environment(tmp_path)
+    page = browser.new_page()
+
+    with serve_jupyterlab(notebooks, env=env) as url:
+        base, token = url.split("/lab?token=")
+        assert base.startswith("http://127.0.0.1:") and len(token) >= 32
+
+        # 1. Open 01 from its url; the notebook shows with its kernel, Python 3, idle.
+        page.goto(f"{base}/lab/tree/01_contract_verification.ipynb?token={token}")
+        expect(page.get_by_role("heading", name=re.compile("01 · Contract verification"))).to_be_visible()
+        status = page.locator("#jp-main-statusbar")
+        expect(status).to_contain_text(re.compile(r"Python 3.*\|\s*Idle"), timeout=NOTEBOOK_RUN_TIMEOUT_S * 1000)
+        shoot(page, "lab_1_notebook_open")
+
+        # 2. Run > Run All Cells, as a person would.
+        page.locator(".lm-MenuBar-item", has_text=re.compile(r"^Run$")).click()
+        run_all = page.locator(".lm-Menu-item", has_text=re.compile(r"^Run All Cells$"))
+        expect(run_all).to_be_visible()
+        shoot(page, "lab_2_run_menu")
+        run_all.click()
+        started = time.monotonic()
+
+        # 3. Wait for the last cell's verdict (or the first traceback, or a dead kernel).
+        try:
+            outcome = page.wait_for_function(VERDICT_OR_ERROR, timeout=NOTEBOOK_RUN_TIMEOUT_S * 1000, polling=1000).json_value()
+        except Exception as exc:  # playwright's TimeoutError
+            shoot(page, "lab_3_timeout")
+            pytest.fail(f"01_contract_verification showed no verdict line within {NOTEBOOK_RUN_TIMEOUT_S} s of "
+                        f"Run All Cells (status bar: {status.inner_text()!r}): {exc}")
+        last_cell = page.locator(".jp-Notebook .jp-CodeCell").last
+        last_cell.scroll_into_view_if_needed()
+        shoot(page, "lab_3_verdict")
+        if outcome != "verdict":
+            errors = page.locator(".jp-OutputArea-output", has_text="Traceback (most recent call last)")
+            detail = errors.first.inner_text()[-2000:] if errors.count() else status.inner_text()
+            pytest.fail(f"running 01_contract_verification in JupyterLab ended with {outcome}: {detail}")
+
+        verdict = last_cell.locator(".jp-OutputArea-output").first
+        expect(verdict).to_be_visible()
+        expect(verdict).to_contain_text(re.compile(r"PASS: upstream SHA verified, live TRL contract holds, gamma-zero probe passed"))
+        # The first code cell imported papo_nb in the kernel and attached an interactive MLflow run.
+        expect(page.get_by_text(re.compile(r"^MLflow run [0-9a-f]{32}; files in ")).first).to_be_attached()
+        print(f"Run All Cells to verdict: {time.monotonic() - started:.1f} s")
+
+    # The interactive run went to the tmp store from the server's environment, not the project's mlflow.db.
+    client = MlflowClient(env["MLFLOW_TRACKING_URI"])
+    (run,) = client.search_runs([client.get_experiment_by_name(EXPERIMENT_NAME).experiment_id])
+    assert run.data.tags["papo_nb.interactive"] == "true" and run.data.tags["papo_nb.verdict"].startswith("PASS:")
+    assert run.data.metrics["verdict/passed"] == 1.0
+
+
+# --------------------------------------------------------------------------------------------
+# papo-nb lab, without a browser
+# --------------------------------------------------------------------------------------------
+
+
+def _status(url: str) -> int:
+    try:
+        with urllib.request.urlopen(url, timeout=10) as response:
+            return response.status
+    except urllib.error.HTTPError as exc:
+        return exc.code
+
+
+def test_papo_nb_lab_serves_the_notebooks_locally_with_a_token_and_stops_on_ctrl_c(tmp_path):
+    notebooks = tmp_path / "notebooks"
+    shutil.copytree(ROOT / "notebooks", notebooks)
+    env = {**os.environ, **_lab_environment(tmp_path), "PYTHONUNBUFFERED": "1"}
+    command = [sys.executable, "-m", "papo_nb.cli", "lab", "--notebook-dir", str(notebooks)]
+    lab = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        line = lab.stdout.readline()  # the url line, printed once the server answers
+        match = re.match(r"JupyterLab: (http://127\.0\.0\.1:(\d+))/lab\?token=([0-9a-f]{32,})\s", line)
+        assert match, f"unexpected first line {line!r}"
+        base, port, token = match.groups()
+        assert str(notebooks) in line
+        assert _status(f"{base}/api/contents") == 403, "the server must require the token"
+        assert _status(f"{base}/api/contents?token={token}") == 200
+        assert _status(f"{base}/lab/tree/01_contract_verification.ipynb?token={token}") == 200
+        if shutil.which("ss"):  # bound to the loopback interface only
+            listening = subprocess.run(["ss", "-ltnH", f"sport = :{port}"], capture_output=True, text=True).stdout
+            local = [line.split()[3] for line in listening.splitlines() if line.strip()]
+            assert local and all(address == f"127.0.0.1:{port}" for address in local), listening
+        lab.send_signal(signal.SIGINT)
+        out, _ = lab.communicate(timeout=60)
+        assert lab.returncode == 0 and "JupyterLab stopped" in out
+        deadline = time.monotonic() + 10
+        while _port_open(int(port)) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not _port_open(int(port)), "the server still listens after Ctrl-C"
+    finally:
+        if lab.poll() is None:  # a failed check above: Ctrl-C still stops the server, a kill would leave it running
+            lab.send_signal(signal.SIGINT)
+            try:
+                lab.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                lab.kill()
+                lab.wait()
+
+
+def _port_open(port: int) -> bool:
+    import socket
+
+    with socket.socket() as sock:
+        sock.settimeout(1)
+        return sock.connect_ex(("127.0.0.1", port)) == 0
