@@ -34,9 +34,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import math
-import os
-import statistics
 import sys
 import tempfile
 import time

@@ -22,8 +22,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import socket
 import struct
 import subprocess
 import sys
@@ -39,6 +37,7 @@ import yaml
 
 from papo_nb.checkpoints import ADAPTER_FILE
 from papo_nb.params import ParamsError, WorkbookParams, load_params, preflight_problems
+from papo_nb.tracking import _free_port, _stop_process_group
 
 PARAMS_FILE = "params.yaml"
 RUN_INFO_FILE = "run_info.json"
@@ -578,12 +577,6 @@ def _log_start(params: WorkbookParams, trainer, restored, reference: str, attemp
 # --------------------------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def accelerate_config_path(params: WorkbookParams) -> Path:
     """``accelerate_config`` (relative to the cwd or the project folder), else the DDP default for the device."""
     from papo_nb.tracking import project_dir
@@ -602,7 +595,7 @@ def accelerate_command(params: WorkbookParams, params_file: str | Path, output_d
                        force_resume: bool = False, mlflow_run_id: str = "", port: int | None = None) -> list[str]:
     """``python -m accelerate.commands.launch --config_file C --num_processes N -m papo_nb.cli train ...``."""
     command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(accelerate_config_path(params)),
-               "--num_processes", str(params.num_processes), "--main_process_port", str(port or _free_port()),
+               "--num_processes", str(params.num_processes), "--main_process_port", str(port or _free_port("127.0.0.1")),
                "-m", "papo_nb.cli", "train", "--params", str(params_file), "--output-dir", str(output_dir)]
     if resume:
         command.append("--resume")
@@ -676,7 +669,7 @@ def launch_distributed(params: WorkbookParams, output_dir: str | Path, *, resume
                 stream.flush()
             returncode = process.wait()
         except BaseException:
-            _stop_group(process)
+            _stop_process_group(process)
             raise
     return LaunchResult(returncode, command, output_dir, time.monotonic() - started)
 
@@ -690,19 +683,6 @@ def trained_policy(params: WorkbookParams, checkpoint: str | Path):
     model, processor = load_policy(params)
     model, _ = load_trainable_adapter(model, checkpoint)
     return model, processor, load_datasets(params)[1]
-
-
-def _stop_group(process: subprocess.Popen, grace: float = 10.0) -> None:
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        try:
-            os.killpg(process.pid, sig)
-        except ProcessLookupError:
-            return
-        try:
-            process.wait(timeout=grace)
-            return
-        except subprocess.TimeoutExpired:
-            continue
 
 
 # --------------------------------------------------------------------------------------------
