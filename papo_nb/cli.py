@@ -156,6 +156,22 @@ def _raise_keyboard_interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt
 
 
+def _serve_until_interrupted(command: str, name: str, server, detail: str) -> int:
+    """Enter a server context manager (it yields the url), print it, and hold until Ctrl-C or SIGTERM."""
+    signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)  # stop the server on kill too
+    try:
+        with server as url:
+            print(f"{name}: {url}  ({detail}; Ctrl-C stops it)", flush=True)
+            while True:
+                time.sleep(3600)
+    except KeyboardInterrupt:
+        print(f"{name} stopped")
+        return 0
+    except RuntimeError as exc:
+        print(f"papo-nb {command}: error: {exc}", file=sys.stderr)
+        return 1
+
+
 def _cmd_ui(subparsers: Subparsers) -> None:
     p = subparsers.add_parser(
         "ui",
@@ -169,19 +185,9 @@ def _cmd_ui(subparsers: Subparsers) -> None:
     def handler(args: argparse.Namespace) -> int:
         from papo_nb.tracking import default_tracking_uri, serve_mlflow_ui
 
-        signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)  # stop the server on kill too
         uri = default_tracking_uri()
-        try:
-            with serve_mlflow_ui(port=args.port, host=args.host, tracking_uri=uri) as url:
-                print(f"MLflow UI: {url}  (store {uri}; Ctrl-C stops it)", flush=True)
-                while True:
-                    time.sleep(3600)
-        except KeyboardInterrupt:
-            print("MLflow UI stopped")
-            return 0
-        except RuntimeError as exc:
-            print(f"papo-nb ui: error: {exc}", file=sys.stderr)
-            return 1
+        return _serve_until_interrupted("ui", "MLflow UI", serve_mlflow_ui(port=args.port, host=args.host, tracking_uri=uri),
+                                        f"store {uri}")
 
     p.set_defaults(handler=handler)
 
@@ -202,20 +208,9 @@ def _cmd_lab(subparsers: Subparsers) -> None:
         from papo_nb.tracking import default_tracking_uri, project_dir
         from papo_nb.ui import serve_jupyterlab
 
-        signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)  # stop the server on kill too
         folder = Path(args.notebook_dir) if args.notebook_dir else project_dir() / "notebooks"
-        try:
-            with serve_jupyterlab(folder, port=args.port) as url:
-                print(f"JupyterLab: {url}  (notebooks {folder.resolve()}; store {default_tracking_uri()}; "
-                      "Ctrl-C stops it)", flush=True)
-                while True:
-                    time.sleep(3600)
-        except KeyboardInterrupt:
-            print("JupyterLab stopped")
-            return 0
-        except RuntimeError as exc:
-            print(f"papo-nb lab: error: {exc}", file=sys.stderr)
-            return 1
+        return _serve_until_interrupted("lab", "JupyterLab", serve_jupyterlab(folder, port=args.port),
+                                        f"notebooks {folder.resolve()}; store {default_tracking_uri()}")
 
     p.set_defaults(handler=handler)
 
