@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 
 ADAPTER_FILE = "adapter_model.safetensors"
+CHECKPOINT_PREFIX = "checkpoint-"
 
 
 @dataclass
@@ -24,10 +25,20 @@ class RestoredAdapter:
         return asdict(self)
 
 
+def checkpoint_step(folder: str | Path) -> int:
+    return int(Path(folder).name[len(CHECKPOINT_PREFIX):])
+
+
+def checkpoint_folders(output_dir: str | Path) -> list[Path]:
+    """``checkpoint-N`` folders, newest (highest N) first."""
+    folders = [p for p in Path(output_dir).glob(f"{CHECKPOINT_PREFIX}*")
+               if p.is_dir() and p.name[len(CHECKPOINT_PREFIX):].isdigit()]
+    return sorted(folders, key=checkpoint_step, reverse=True)
+
+
 def latest_checkpoint(output_dir: str | Path) -> Path | None:
     """The highest-step ``checkpoint-N`` folder holding an adapter, or None."""
-    folders = [p for p in Path(output_dir).glob("checkpoint-*") if (p / ADAPTER_FILE).is_file() and p.name.split("-")[-1].isdigit()]
-    return max(folders, key=lambda p: int(p.name.split("-")[-1]), default=None)
+    return next((p for p in checkpoint_folders(output_dir) if (p / ADAPTER_FILE).is_file()), None)
 
 
 def load_trainable_adapter(base_model, checkpoint: str | Path):
@@ -79,19 +90,16 @@ def reference_evidence(trainer, inputs) -> dict:
     policy the run started from. They are compared, on completion tokens, with the log-probs of the base model
     (adapters disabled) and of that starting policy; ``matches`` names the one within ``REFERENCE_MATCH_TOL``.
     """
-    from papo_nb.contract import VLM_FORWARD_KEYWORDS
+    from papo_nb.trainer import logp_call_arguments
 
     if inputs.get("ref_per_token_logps") is None:
         raise ValueError("the batch has no ref_per_token_logps: with beta = 0 TRL computes no reference")
     model = trainer.accelerator.unwrap_model(trainer.model)
-    ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
-    attention = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
-    keep = inputs["completion_ids"].size(1)
-    vlm_kwargs = {key: inputs.get(key) for key in VLM_FORWARD_KEYWORDS}
+    positional, vlm_kwargs = logp_call_arguments(inputs)
     with torch.no_grad():
         with model.disable_adapter():
-            base, _, _ = trainer._get_per_token_logps_and_entropies(model, ids, attention, keep, **vlm_kwargs)
-        start, _, _ = trainer._get_per_token_logps_and_entropies(model, ids, attention, keep, **vlm_kwargs)
+            base, _, _ = trainer._get_per_token_logps_and_entropies(model, *positional, **vlm_kwargs)
+        start, _, _ = trainer._get_per_token_logps_and_entropies(model, *positional, **vlm_kwargs)
     tokens = inputs["completion_mask"].bool()
     ref = inputs["ref_per_token_logps"]
     gap = lambda a, b: (a - b)[tokens].abs().max().item()  # noqa: E731

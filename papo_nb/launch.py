@@ -35,7 +35,7 @@ from typing import Any, TextIO
 
 import yaml
 
-from papo_nb.checkpoints import ADAPTER_FILE
+from papo_nb.checkpoints import ADAPTER_FILE, CHECKPOINT_PREFIX, checkpoint_folders, checkpoint_step
 from papo_nb.params import ParamsError, WorkbookParams, load_params, preflight_problems
 from papo_nb.tracking import _free_port, _stop_process_group
 
@@ -43,7 +43,6 @@ PARAMS_FILE = "params.yaml"
 RUN_INFO_FILE = "run_info.json"
 RESUME_EVIDENCE_FILE = "resume_evidence.json"
 SUMMARY_FILE = "train_summary.json"
-CHECKPOINT_PREFIX = "checkpoint-"
 TRAINER_STATE_FILE = "trainer_state.json"
 PROGRESS_PREFIX = "papo-nb train:"
 
@@ -125,17 +124,6 @@ def read_run_info(output_dir: str | Path) -> dict:
 # --------------------------------------------------------------------------------------------
 # checkpoints: complete or not
 # --------------------------------------------------------------------------------------------
-
-
-def checkpoint_step(folder: str | Path) -> int:
-    return int(Path(folder).name[len(CHECKPOINT_PREFIX):])
-
-
-def checkpoint_folders(output_dir: str | Path) -> list[Path]:
-    """``checkpoint-N`` folders, newest (highest N) first."""
-    folders = [p for p in Path(output_dir).glob(f"{CHECKPOINT_PREFIX}*")
-               if p.is_dir() and p.name[len(CHECKPOINT_PREFIX):].isdigit()]
-    return sorted(folders, key=checkpoint_step, reverse=True)
 
 
 def _safetensors_problem(path: Path) -> str | None:
