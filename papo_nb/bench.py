@@ -262,18 +262,11 @@ def extra_forward(trainer, model, batch):
     """The floor: one more forward of the policy on the batch, exactly as the parent runs it, without gradient."""
     from trl import GRPOTrainer
 
-    from papo_nb.contract import VLM_FORWARD_KEYWORDS
+    from papo_nb.trainer import logp_call_arguments
 
-    prompt_ids, completion_ids = batch["prompt_ids"], batch["completion_ids"]
+    positional, vlm_kwargs = logp_call_arguments(batch)
     with torch.no_grad():
-        return GRPOTrainer._get_per_token_logps_and_entropies(
-            trainer, model,
-            torch.cat([prompt_ids, completion_ids], dim=1),
-            torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1),
-            completion_ids.size(1),
-            compute_entropy=True,
-            **{key: batch.get(key) for key in VLM_FORWARD_KEYWORDS},
-        )
+        return GRPOTrainer._get_per_token_logps_and_entropies(trainer, model, *positional, compute_entropy=True, **vlm_kwargs)
 
 
 @dataclass

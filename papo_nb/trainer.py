@@ -122,6 +122,14 @@ class PAPOGConfig(GRPOConfig):
                 "probe_max_degenerate_batches", "an int >= 1")
 
 
+def logp_call_arguments(inputs: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
+    """``(input_ids, attention_mask, logits_to_keep)`` and the VLM keywords for ``_get_per_token_logps_and_entropies``
+    on a ``_compute_loss`` batch, built as the parent builds them."""
+    input_ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
+    attention_mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
+    return (input_ids, attention_mask, inputs["completion_ids"].size(1)), {key: inputs.get(key) for key in VLM_FORWARD_KEYWORDS}
+
+
 @dataclass
 class PerceptionTerms:
     """The adapter's differentiable pieces for one batch, each normalised like the parent's policy term."""
@@ -256,21 +264,12 @@ class PAPOGTrainer(GRPOTrainer):
         return terms
 
     def _masked_forward(self, model, inputs):
-        prompt_ids, completion_ids = inputs["prompt_ids"], inputs["completion_ids"]
-        vlm_kwargs = {key: inputs.get(key) for key in VLM_FORWARD_KEYWORDS}
+        positional, vlm_kwargs = logp_call_arguments(inputs)
         if inputs.get("pixel_values") is not None:  # else a text-only batch's parity forward (see _images_on_any_rank)
             vlm_kwargs["pixel_values"] = self.masked_pixel_values(inputs)
         want_entropy_grad = self.args.masked_branch_grad and self.args.masked_entropy_weight > 0
         with torch.set_grad_enabled(self.args.masked_branch_grad and torch.is_grad_enabled()):
-            logps, entropies, _ = self._with_entropy_grad(
-                want_entropy_grad,
-                model,
-                torch.cat([prompt_ids, completion_ids], dim=1),
-                torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1),
-                completion_ids.size(1),
-                compute_entropy=True,
-                **vlm_kwargs,
-            )
+            logps, entropies, _ = self._with_entropy_grad(want_entropy_grad, model, *positional, compute_entropy=True, **vlm_kwargs)
         return logps, entropies
 
     def _images_on_any_rank(self, has_images: bool) -> bool:
