@@ -44,7 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository r
 
 import torch  # noqa: E402
 
-from papo_nb import bench  # noqa: E402
+from papo_nb.bench import harness as bench  # noqa: E402
 
 # Qwen2.5-VL-3B shapes (text and vision); depth is a parameter.
 TEXT_3B = dict(hidden_size=2048, intermediate_size=11008, num_attention_heads=16, num_key_value_heads=2,
@@ -83,7 +83,7 @@ def model_config(processor, *, tiny: bool, text_layers: int, vision_depth: int):
 def build_processor(image_size: int):
     from transformers import Qwen2_5_VLProcessor, Qwen2VLImageProcessor, Qwen2VLVideoProcessor
 
-    from papo_nb.models import CHAT_TEMPLATE, build_tiny_tokenizer
+    from papo_nb.testbed.models import CHAT_TEMPLATE, build_tiny_tokenizer
 
     bounds = {"shortest_edge": 56 * 56, "longest_edge": image_size * image_size}
     return Qwen2_5_VLProcessor(image_processor=Qwen2VLImageProcessor(size=bounds), tokenizer=build_tiny_tokenizer(),
@@ -95,9 +95,9 @@ def build_gpu_setup(args, device: torch.device, dtype: torch.dtype, work_dir: Pa
     from transformers import Qwen2_5_VLForConditionalGeneration
     from trl import GRPOConfig, GRPOTrainer
 
-    from papo_nb.data import make_shapes_dataset
-    from papo_nb.models import tiny_lora_config
-    from papo_nb.trainer import PAPOGConfig, PAPOGTrainer
+    from papo_nb.testbed.shapes import make_shapes_dataset
+    from papo_nb.testbed.models import tiny_lora_config
+    from papo_nb.papo import PAPOGConfig, PAPOGTrainer
 
     start = time.perf_counter()
     processor = build_processor(args.image_size)
@@ -145,7 +145,7 @@ def leaking_assembly(trainer, scale: float = 1.0):
 
 def probe_evidence(setup: bench.BenchSetup, args, context, device) -> list[dict]:
     """The probe's numbers in real bf16 on ``--probe-batches`` batches (different seeds), clean and leaking."""
-    from papo_nb.probe import GammaZeroProbe, ProbeFailure, measure_gamma_zero
+    from papo_nb.papo.probe import GammaZeroProbe, ProbeFailure, measure_gamma_zero
 
     papo = setup.trainers["papo"]
     points = []

@@ -10,7 +10,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root, if papo_nb is not installed
 
-from papo_nb.bench import main  # noqa: E402
+from papo_nb.bench.harness import main  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(main())

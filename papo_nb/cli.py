@@ -98,7 +98,7 @@ def _cmd_env(subparsers: Subparsers) -> None:
 
 def default_notebooks() -> list[Path]:
     """The project's workbook notebooks, ``notebooks/NN_*.ipynb``, in order."""
-    from papo_nb.tracking import project_dir
+    from papo_nb.infra.tracking import project_dir
 
     return sorted((project_dir() / "notebooks").glob("[0-9][0-9]_*.ipynb"))
 
@@ -119,7 +119,7 @@ def _cmd_run(subparsers: Subparsers) -> None:
     p.add_argument("--log-output", action="store_true", help="stream the notebooks' cell output to the terminal")
 
     def handler(args: argparse.Namespace) -> int:
-        from papo_nb.runner import WorkbookError, run_workbook
+        from papo_nb.infra.notebooks import WorkbookError, run_workbook
 
         if args.log_output:  # papermill streams cell output through its logger
             logging.basicConfig(level=logging.INFO, format="%(message)s")
@@ -183,7 +183,7 @@ def _cmd_ui(subparsers: Subparsers) -> None:
     p.add_argument("--host", default="127.0.0.1", help="interface to bind (default: 127.0.0.1, local only)")
 
     def handler(args: argparse.Namespace) -> int:
-        from papo_nb.tracking import default_tracking_uri, serve_mlflow_ui
+        from papo_nb.infra.tracking import default_tracking_uri, serve_mlflow_ui
 
         uri = default_tracking_uri()
         return _serve_until_interrupted("ui", "MLflow UI", serve_mlflow_ui(port=args.port, host=args.host, tracking_uri=uri),
@@ -205,8 +205,8 @@ def _cmd_lab(subparsers: Subparsers) -> None:
                    help="folder to serve (default: the project's notebooks/)")
 
     def handler(args: argparse.Namespace) -> int:
-        from papo_nb.tracking import default_tracking_uri, project_dir
-        from papo_nb.ui import serve_jupyterlab
+        from papo_nb.infra.tracking import default_tracking_uri, project_dir
+        from papo_nb.infra.servers import serve_jupyterlab
 
         folder = Path(args.notebook_dir) if args.notebook_dir else project_dir() / "notebooks"
         return _serve_until_interrupted("lab", "JupyterLab", serve_jupyterlab(folder, port=args.port),
@@ -234,7 +234,7 @@ def _cmd_train(subparsers: Subparsers) -> None:
     p.add_argument("--mlflow-run-id", metavar="ID", default="", help="log into this MLflow run (default: the run's own, or a new one)")
 
     def handler(args: argparse.Namespace) -> int:
-        from papo_nb.launch import train_command
+        from papo_nb.train.launch import train_command
 
         return train_command(args.params, args.overrides, args.output_dir, resume=args.resume,
                              force_resume=args.force_resume, mlflow_run_id=args.mlflow_run_id)
@@ -243,11 +243,11 @@ def _cmd_train(subparsers: Subparsers) -> None:
 
 
 def _cmd_bench(subparsers: Subparsers) -> None:
-    # Arguments pass through to papo_nb.bench (which imports torch), so other subcommands stay fast to start.
+    # Arguments pass through to papo_nb.bench.harness (which imports torch), so other subcommands stay fast to start.
     p = subparsers.add_parser("bench", add_help=False, help="PAPO-G step overhead benchmark (see benchmarks/README.md); --help for its options")
 
     def handler(args: argparse.Namespace) -> int:
-        from papo_nb.bench import main as bench_main
+        from papo_nb.bench.harness import main as bench_main
 
         return bench_main(args.passthrough)
 

@@ -9,7 +9,7 @@ import pytest
 @pytest.fixture(scope="session")
 def tiny_vlm_path(tmp_path_factory):
     """Folder of a tiny Qwen2-VL (seed 0), built offline into a session tmp dir."""
-    from papo_nb.models import build_tiny_vlm
+    from papo_nb.testbed.models import build_tiny_vlm
 
     return build_tiny_vlm("qwen2_vl", seed=0, cache_dir=tmp_path_factory.mktemp("tiny_vlm_cache"))
 
@@ -17,7 +17,7 @@ def tiny_vlm_path(tmp_path_factory):
 @pytest.fixture(scope="session")
 def shapes_dataset():
     """24 shapes examples (8 of each question kind), seed 0."""
-    from papo_nb.data import make_shapes_dataset
+    from papo_nb.testbed.shapes import make_shapes_dataset
 
     return make_shapes_dataset(24, seed=0)
 
@@ -27,7 +27,7 @@ def smoke_workbook(tmp_path_factory):
     """All workbook notebooks executed once with params/smoke.yaml into a fresh sqlite MLflow store."""
     from pathlib import Path
 
-    from papo_nb.runner import run_workbook
+    from papo_nb.infra.notebooks import run_workbook
 
     root = Path(__file__).resolve().parents[1]
     folder = tmp_path_factory.mktemp("smoke_workbook")

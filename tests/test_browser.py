@@ -26,8 +26,8 @@ from pathlib import Path
 import pytest
 from mlflow import MlflowClient
 
-from papo_nb.tracking import EXPERIMENT_NAME, serve_mlflow_ui
-from papo_nb.ui import serve_jupyterlab
+from papo_nb.infra.tracking import EXPERIMENT_NAME, serve_mlflow_ui
+from papo_nb.infra.servers import serve_jupyterlab
 
 ROOT = Path(__file__).resolve().parents[1]
 ARTIFACTS = ROOT / "test-artifacts" / "browser"

@@ -8,7 +8,8 @@ import pytest
 import trl
 from trl import GRPOTrainer
 
-from papo_nb import contract
+from papo_nb.papo import contract
+from papo_nb.workbook import provenance
 
 
 def test_constants_match_the_spec():
@@ -68,11 +69,11 @@ def test_static_check_rejects_drifted_source():
 @pytest.fixture(scope="session")
 def upstream_wheel(tmp_path_factory) -> Path:
     """The real trl==0.29.1 wheel, fetched with pip into a cache (PyPI is reachable here and in CI)."""
-    return contract.fetch_trl_wheel(contract.PAPO_UPSTREAM_TRL_VERSION)
+    return provenance.fetch_trl_wheel(contract.PAPO_UPSTREAM_TRL_VERSION)
 
 
 def test_source_verification_matches_real_wheel(upstream_wheel):
-    result = contract.verify_upstream_source(upstream_wheel)
+    result = provenance.verify_upstream_source(upstream_wheel)
     assert result.match, result
     assert result.actual_sha256 == contract.PAPO_UPSTREAM_SOURCE_SHA256
 
@@ -85,16 +86,16 @@ def test_source_verification_reports_tampered_wheel(upstream_wheel, tmp_path):
             if item.filename == contract.PAPO_UPSTREAM_SOURCE_PATH:
                 data += b"\n# tampered\n"
             target.writestr(item, data)
-    result = contract.verify_upstream_source(tampered)
+    result = provenance.verify_upstream_source(tampered)
     assert not result.match
     assert result.actual_sha256 not in (None, contract.PAPO_UPSTREAM_SOURCE_SHA256)
-    missing = contract.verify_upstream_source(tmp_path / "absent.whl")
+    missing = provenance.verify_upstream_source(tmp_path / "absent.whl")
     assert not missing.match and missing.actual_sha256 is None and missing.error
 
 
 def test_drift_table_marks_unfetchable_releases(upstream_wheel, tmp_path):
     shutil.copy(upstream_wheel, tmp_path)
-    rows = contract.contract_drift_table(["0.29.1", "0.0.0.dev999"], cache_dir=tmp_path)
+    rows = provenance.contract_drift_table(["0.29.1", "0.0.0.dev999"], cache_dir=tmp_path)
     assert [r.status for r in rows] == ["drift", "unavailable"]
     assert any("compute_aux_loss" in v for v in rows[0].violations)
     assert "0.0.0.dev999" in rows[1].violations[0]

@@ -6,7 +6,7 @@ import re
 import numpy as np
 import pytest
 
-from papo_nb.data import (
+from papo_nb.testbed.shapes import (
     COLOURS,
     GRID_COLS,
     KINDS,

@@ -6,9 +6,9 @@ import io
 import numpy as np
 import pytest
 
-from papo_nb.calibration import CalibrationPoint, plot_calibration, zero_floor
-from papo_nb.contract import GAMMA_ZERO_GRADIENT_ABS_FLOOR, GAMMA_ZERO_GRADIENT_REL_TOL
-from papo_nb.plots import PANELS, plot_training_curves
+from papo_nb.workbook.calibration import CalibrationPoint, plot_calibration, zero_floor
+from papo_nb.papo.contract import GAMMA_ZERO_GRADIENT_ABS_FLOOR, GAMMA_ZERO_GRADIENT_REL_TOL
+from papo_nb.workbook.figures import PANELS, plot_training_curves
 
 
 def series_count(ax) -> int:

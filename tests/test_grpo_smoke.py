@@ -6,8 +6,8 @@ import pytest
 import torch
 from trl import GRPOTrainer
 
-from papo_nb.models import load_vlm, tiny_grpo_config, tiny_lora_config, vision_special_token_ids
-from papo_nb.rewards import accuracy_reward, format_reward
+from papo_nb.testbed.models import load_vlm, tiny_grpo_config, tiny_lora_config, vision_special_token_ids
+from papo_nb.testbed.rewards import accuracy_reward, format_reward
 
 
 def lora_tensors(model) -> dict[str, torch.Tensor]:

@@ -19,10 +19,10 @@ import torch
 import yaml
 from mlflow import MlflowClient
 
-from papo_nb import launch
+from papo_nb.train import launch
 from papo_nb.cli import main
-from papo_nb.params import load_params
-from papo_nb.tracking import EXPERIMENT_NAME
+from papo_nb.workbook.params import load_params
+from papo_nb.infra.tracking import EXPERIMENT_NAME
 
 pytestmark = pytest.mark.slow
 
@@ -245,9 +245,9 @@ def test_force_resume_accepts_and_records_the_changes(killed_and_resumed, tmp_pa
 def test_phase2_restores_the_trained_adapter_trainable_with_the_chosen_reference(killed_and_resumed, shapes_dataset, tmp_path, reference):
     from safetensors.torch import load_file
 
-    from papo_nb.batches import rollout_batch
-    from papo_nb.checkpoints import REFERENCE_MATCH_TOL, adapter_tensors, describe_reference, reference_evidence
-    from papo_nb.training import prepare_training
+    from papo_nb.workbook.batches import rollout_batch
+    from papo_nb.workbook.checkpoints import REFERENCE_MATCH_TOL, adapter_tensors, describe_reference, reference_evidence
+    from papo_nb.workbook.training import prepare_training
 
     trained = killed_and_resumed["out"] / f"checkpoint-{MAX_STEPS}"
     params = load_params(SMOKE, [f"init_adapter={trained}", f"reference_policy={reference}", "beta=0.01"])

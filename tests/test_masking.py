@@ -6,7 +6,8 @@ import torch
 from PIL import Image
 from transformers import Qwen2VLImageProcessor
 
-from papo_nb import masking
+from papo_nb.papo import masking
+from papo_nb.workbook import raw_masks
 
 
 @pytest.fixture(scope="module")
@@ -78,13 +79,13 @@ def test_random_element_mask(processed):
 def test_pil_square_mask_and_reprocessing():
     processor = Qwen2VLImageProcessor(min_pixels=56 * 56, max_pixels=112 * 112)
     image = Image.new("RGB", (112, 112), (200, 100, 50))
-    masked = masking.mask_pil_squares(image, 0.6, seed=0)
+    masked = raw_masks.mask_pil_squares(image, 0.6, seed=0)
     pixels = np.array(masked).reshape(8, 14, 8, 14, 3)
     black_squares = (pixels == 0).all(axis=(1, 3, 4))
     untouched = (pixels == (200, 100, 50)).all(axis=(1, 3, 4))
     assert np.all(black_squares | untouched) and 0 < black_squares.sum() < 64
     assert np.array(image).min() > 0, "input image was modified"
-    out = masking.reprocess_masked_images([image], processor, 0.6)
+    out = raw_masks.reprocess_masked_images([image], processor, 0.6)
     reference = processor(images=[image], return_tensors="pt")["pixel_values"]
     assert out["pixel_values"].shape == reference.shape and not torch.equal(out["pixel_values"], reference)
 

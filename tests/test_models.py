@@ -7,7 +7,7 @@ import torch
 from safetensors.torch import load_file
 from trl.data_utils import prepare_multimodal_messages
 
-from papo_nb.models import (
+from papo_nb.testbed.models import (
     COMPLETE_MARKER,
     VISION_SPECIAL_TOKENS,
     build_tiny_vlm,
@@ -177,7 +177,7 @@ def test_lora_and_grpo_presets(tiny_vlm_path, tmp_path):
 
 @pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl"])
 def test_wide_size_is_tens_of_millions_and_tiny_is_unchanged(family):
-    from papo_nb.models import FAMILIES, build_tiny_tokenizer, tiny_config
+    from papo_nb.testbed.models import FAMILIES, build_tiny_tokenizer, tiny_config
 
     tokenizer = build_tiny_tokenizer()
     counts = {}

@@ -7,10 +7,10 @@ import nbformat
 import pytest
 from mlflow import MlflowClient
 
-from papo_nb.contract import PAPO_ADAPTER_VERSION
-from papo_nb.data import make_shapes_dataset
-from papo_nb.params import load_params
-from papo_nb.runner import WorkbookError, run_workbook
+from papo_nb.papo.contract import PAPO_ADAPTER_VERSION
+from papo_nb.testbed.shapes import make_shapes_dataset
+from papo_nb.workbook.params import load_params
+from papo_nb.infra.notebooks import WorkbookError, run_workbook
 
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))

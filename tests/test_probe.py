@@ -7,12 +7,12 @@ import pytest
 import torch
 from peft import get_peft_model
 
-from papo_nb.batches import rollout_batch
-from papo_nb.contract import GAMMA_ZERO_GRADIENT_ABS_FLOOR, GAMMA_ZERO_GRADIENT_REL_TOL, PAPO_ADAPTER_VERSION
-from papo_nb.models import load_vlm, tiny_grpo_config, tiny_lora_config, vision_special_token_ids
-from papo_nb.probe import PASS_RULE, PROBE_CALLS, GammaZeroProbe, ProbeFailure, probe_batch
-from papo_nb.rewards import accuracy_reward, format_reward
-from papo_nb.trainer import PAPOGConfig, PAPOGTrainer
+from papo_nb.workbook.batches import rollout_batch
+from papo_nb.papo.contract import GAMMA_ZERO_GRADIENT_ABS_FLOOR, GAMMA_ZERO_GRADIENT_REL_TOL, PAPO_ADAPTER_VERSION
+from papo_nb.testbed.models import load_vlm, tiny_grpo_config, tiny_lora_config, vision_special_token_ids
+from papo_nb.papo.probe import PASS_RULE, PROBE_CALLS, GammaZeroProbe, ProbeFailure, probe_batch
+from papo_nb.testbed.rewards import accuracy_reward, format_reward
+from papo_nb.papo import PAPOGConfig, PAPOGTrainer
 
 
 class LeakyPAPOGTrainer(PAPOGTrainer):

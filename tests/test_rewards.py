@@ -2,7 +2,7 @@
 
 import pytest
 
-from papo_nb.rewards import accuracy_reward, extract_answer, format_reward, normalise_answer
+from papo_nb.testbed.rewards import accuracy_reward, extract_answer, format_reward, normalise_answer
 
 
 @pytest.mark.parametrize(
@@ -95,7 +95,7 @@ def test_format_reward_varies_on_random_text():
     """The point of shaping: random byte soup gets non-zero, varied format rewards."""
     import random
 
-    from papo_nb.models import build_tiny_tokenizer
+    from papo_nb.testbed.models import build_tiny_tokenizer
 
     tokenizer = build_tiny_tokenizer()
     rng = random.Random(0)

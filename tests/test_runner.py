@@ -16,8 +16,8 @@ import pytest
 import yaml
 from mlflow import MlflowClient
 
-from papo_nb.runner import FAILED, FINISHED, NOT_RUN, WorkbookError, run_workbook
-from papo_nb.tracking import EXPERIMENT_NAME, ensure_experiment
+from papo_nb.infra.notebooks import FAILED, FINISHED, NOT_RUN, WorkbookError, run_workbook
+from papo_nb.infra.tracking import EXPERIMENT_NAME, ensure_experiment
 
 pytestmark = pytest.mark.slow
 
@@ -34,7 +34,7 @@ run_dir: str = ""  # set by the runner
 ATTACH_CELL = """\
 from pathlib import Path
 import mlflow
-from papo_nb.tracking import attach_notebook_run, log_evidence
+from papo_nb.infra.tracking import attach_notebook_run, log_evidence
 run = attach_notebook_run(mlflow_tracking_uri, mlflow_run_id)
 """
 

@@ -1,4 +1,4 @@
-"""papo_nb.tracking against a real MLflow SQLite store in tmp_path."""
+"""papo_nb.infra.tracking against a real MLflow SQLite store in tmp_path."""
 
 from __future__ import annotations
 
@@ -21,8 +21,8 @@ import trl  # noqa: E402
 from mlflow import MlflowClient  # noqa: E402
 
 import papo_nb  # noqa: E402
-from papo_nb.contract import PAPO_ADAPTER_VERSION  # noqa: E402
-from papo_nb.tracking import (  # noqa: E402
+from papo_nb.papo.contract import PAPO_ADAPTER_VERSION  # noqa: E402
+from papo_nb.infra.tracking import (  # noqa: E402
     EXPERIMENT_NAME,
     absolute_tracking_uri,
     attach_notebook_run,
@@ -108,7 +108,7 @@ RACER = textwrap.dedent(
     import sys, time
     from pathlib import Path
     from mlflow import MlflowClient
-    from papo_nb.tracking import ensure_experiment
+    from papo_nb.infra.tracking import ensure_experiment
     uri, barrier, n, me = sys.argv[1], Path(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
     (barrier / me).touch()  # everyone imported: go together
     while len(list(barrier.iterdir())) < n:

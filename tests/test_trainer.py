@@ -5,10 +5,10 @@ import torch
 from peft import get_peft_model
 from trl import GRPOConfig, GRPOTrainer
 
-from papo_nb.batches import clone_batch, rollout_batch
-from papo_nb.models import load_vlm, tiny_grpo_config, tiny_lora_config, vision_special_token_ids
-from papo_nb.rewards import accuracy_reward, format_reward
-from papo_nb.trainer import PAPOGConfig, PAPOGTrainer
+from papo_nb.workbook.batches import clone_batch, rollout_batch
+from papo_nb.testbed.models import load_vlm, tiny_grpo_config, tiny_lora_config, vision_special_token_ids
+from papo_nb.testbed.rewards import accuracy_reward, format_reward
+from papo_nb.papo import PAPOGConfig, PAPOGTrainer
 
 
 @pytest.fixture(scope="module")

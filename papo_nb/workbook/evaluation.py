@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from papo_nb.masking import mask_pil_squares
-from papo_nb.models import vision_special_token_ids
-from papo_nb.rewards import accuracy_reward
+from papo_nb.workbook.raw_masks import mask_pil_squares
+from papo_nb.testbed.models import vision_special_token_ids
+from papo_nb.testbed.rewards import accuracy_reward
 
 
 @torch.no_grad()

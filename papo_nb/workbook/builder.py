@@ -6,11 +6,11 @@ from pathlib import Path
 
 import torch
 
-from papo_nb.data import load_vlm_dataset, make_shapes_dataset
-from papo_nb.models import build_tiny_vlm, load_vlm, vision_special_token_ids
-from papo_nb.params import WorkbookParams
-from papo_nb.rewards import accuracy_reward, format_reward
-from papo_nb.trainer import PAPOGConfig, PAPOGTrainer
+from papo_nb.testbed.shapes import load_vlm_dataset, make_shapes_dataset
+from papo_nb.testbed.models import build_tiny_vlm, load_vlm, vision_special_token_ids
+from papo_nb.workbook.params import WorkbookParams
+from papo_nb.testbed.rewards import accuracy_reward, format_reward
+from papo_nb.papo import PAPOGConfig, PAPOGTrainer
 
 TINY_PREFIX = "tiny:"
 EVAL_SEED_OFFSET = 10_000  # held-out synthetic items come from a different stream than training items

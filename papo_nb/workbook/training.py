@@ -6,9 +6,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from papo_nb.checkpoints import RestoredAdapter, describe_reference, latest_checkpoint, load_trainable_adapter
-from papo_nb.params import WorkbookParams
-from papo_nb.workbook import build_trainer, load_datasets, load_policy, papo_config
+from papo_nb.workbook.checkpoints import RestoredAdapter, describe_reference, latest_checkpoint, load_trainable_adapter
+from papo_nb.workbook.params import WorkbookParams
+from papo_nb.workbook.builder import build_trainer, load_datasets, load_policy, papo_config
 
 
 @dataclass

@@ -24,8 +24,8 @@ from mlflow import MlflowClient
 from mlflow.entities import Param
 from papermill.exceptions import PapermillExecutionError
 
-from papo_nb.params import ParamsError, WorkbookParams, load_params, preflight_problems
-from papo_nb.tracking import (
+from papo_nb.workbook.params import ParamsError, WorkbookParams, load_params, preflight_problems
+from papo_nb.infra.tracking import (
     EXPERIMENT_NAME,
     absolute_tracking_uri,
     default_tracking_uri,

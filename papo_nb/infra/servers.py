@@ -19,7 +19,7 @@ from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 
-from papo_nb.tracking import _free_port, _stop_process_group
+from papo_nb.infra.tracking import _free_port, _stop_process_group
 
 
 def _lab_answers(base: str, token: str) -> bool:

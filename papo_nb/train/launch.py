@@ -35,9 +35,9 @@ from typing import Any, TextIO
 
 import yaml
 
-from papo_nb.checkpoints import ADAPTER_FILE, CHECKPOINT_PREFIX, checkpoint_folders, checkpoint_step
-from papo_nb.params import ParamsError, WorkbookParams, load_params, preflight_problems
-from papo_nb.tracking import _free_port, _stop_process_group
+from papo_nb.workbook.checkpoints import ADAPTER_FILE, CHECKPOINT_PREFIX, checkpoint_folders, checkpoint_step
+from papo_nb.workbook.params import ParamsError, WorkbookParams, load_params, preflight_problems
+from papo_nb.infra.tracking import _free_port, _stop_process_group
 
 PARAMS_FILE = "params.yaml"
 RUN_INFO_FILE = "run_info.json"
@@ -106,7 +106,7 @@ def _write_atomic(path: Path, text: str) -> None:
 
 
 def _write_json(path: Path, data: Any) -> None:
-    from papo_nb.tracking import _plain
+    from papo_nb.infra.tracking import _plain
 
     _write_atomic(path, json.dumps(_plain(data), indent=2) + "\n")
 
@@ -307,7 +307,7 @@ def _resume_callback(trainer, checkpoint: Path, is_main: bool, output_dir: Path)
             if is_main:
                 _write_json(output_dir / RESUME_EVIDENCE_FILE, evidence)
                 if _mlflow_active():
-                    from papo_nb.tracking import log_evidence
+                    from papo_nb.infra.tracking import log_evidence
 
                     log_evidence("resume", evidence, prefix="resume", step=state.global_step)
             if not evidence["restored"]:
@@ -354,7 +354,7 @@ def _attach_mlflow(tracking_uri: str | None, run_id: str, output_dir: Path, para
     Returns (active run, whether this call started it)."""
     import mlflow
 
-    from papo_nb import tracking
+    from papo_nb.infra import tracking
 
     uri = tracking.absolute_tracking_uri(tracking_uri or tracking.default_tracking_uri())
     mlflow.set_tracking_uri(uri)  # also exports MLFLOW_TRACKING_URI for transformers' MLflowCallback
@@ -403,8 +403,8 @@ def train(params: WorkbookParams, output_dir: str | Path, *, resume: bool = Fals
     a resume whose parameters differ (``ResumeMismatch``) without ``force_resume``, or for a world size that is
     not ``num_processes``.
     """
-    from papo_nb.checkpoints import describe_reference
-    from papo_nb.training import prepare_training
+    from papo_nb.workbook.checkpoints import describe_reference
+    from papo_nb.workbook.training import prepare_training
 
     output_dir = Path(output_dir).resolve()
     is_main = process_rank() == 0
@@ -490,7 +490,7 @@ def train(params: WorkbookParams, output_dir: str | Path, *, resume: bool = Fals
                        "metrics_same_on_all_ranks": metrics_same, "log_history": outcome.log_history}
             _write_json(output_dir / SUMMARY_FILE, summary)
             if use_mlflow and probe is not None:
-                from papo_nb.tracking import log_evidence
+                from papo_nb.infra.tracking import log_evidence
 
                 log_evidence("probe", {**probe, "same_on_all_ranks": probe_same}, prefix="probe_final")
         if not probe_same:
@@ -541,8 +541,8 @@ def _log_start(params: WorkbookParams, trainer, restored, reference: str, attemp
     import mlflow
     import trl
 
-    from papo_nb.contract import PAPO_ADAPTER_VERSION
-    from papo_nb.tracking import log_evidence
+    from papo_nb.papo.contract import PAPO_ADAPTER_VERSION
+    from papo_nb.infra.tracking import log_evidence
 
     trainable = sum(p.numel() for p in trainer.model.parameters() if p.requires_grad)
     if first:
@@ -567,8 +567,8 @@ def _log_start(params: WorkbookParams, trainer, restored, reference: str, attemp
 
 def accelerate_config_path(params: WorkbookParams) -> Path:
     """``accelerate_config`` (relative to the cwd or the project folder), else the DDP default for the device."""
-    from papo_nb.tracking import project_dir
-    from papo_nb.workbook import resolve_device
+    from papo_nb.infra.tracking import project_dir
+    from papo_nb.workbook.builder import resolve_device
 
     name = params.accelerate_config or str(CONFIG_DIR / (DEFAULT_GPU_CONFIG if resolve_device(params) == "cuda" else DEFAULT_CPU_CONFIG))
     path = Path(name).expanduser()
@@ -636,7 +636,7 @@ def launch_distributed(params: WorkbookParams, output_dir: str | Path, *, resume
                        mlflow_run_id: str = "", tracking_uri: str | None = None, stream: TextIO | None = None) -> LaunchResult:
     """Run ``papo-nb train`` on ``params.num_processes`` processes under ``accelerate launch``, streaming its output
     (to ``stream``, default stdout) line by line. Interrupting this call stops the whole launched job."""
-    from papo_nb.tracking import absolute_tracking_uri, default_tracking_uri
+    from papo_nb.infra.tracking import absolute_tracking_uri, default_tracking_uri
 
     stream = stream or sys.stdout
     output_dir = Path(output_dir).resolve()
@@ -665,8 +665,8 @@ def launch_distributed(params: WorkbookParams, output_dir: str | Path, *, resume
 def trained_policy(params: WorkbookParams, checkpoint: str | Path):
     """(model, processor, held-out eval dataset) with the adapter of ``checkpoint`` loaded, checked against its
     file, in this process: what a notebook evaluates after a launched run."""
-    from papo_nb.checkpoints import load_trainable_adapter
-    from papo_nb.workbook import load_datasets, load_policy
+    from papo_nb.workbook.checkpoints import load_trainable_adapter
+    from papo_nb.workbook.builder import load_datasets, load_policy
 
     model, processor = load_policy(params)
     model, _ = load_trainable_adapter(model, checkpoint)

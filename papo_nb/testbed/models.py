@@ -29,7 +29,7 @@ from transformers import (
     Qwen2VLVideoProcessor,
 )
 
-from papo_nb.data import task_corpus
+from papo_nb.testbed.shapes import task_corpus
 
 # Bump when the tiny model's recipe changes, so old caches are not reused.
 BUILDER_VERSION = 1

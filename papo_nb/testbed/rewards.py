@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import re
 
-from papo_nb.data import all_answers
+from papo_nb.testbed.shapes import all_answers
 
 # The innermost block: the content may not itself contain an opening tag.
 ANSWER_BLOCK = re.compile(r"<answer>((?:(?!<answer>).)*?)</answer>", re.DOTALL)

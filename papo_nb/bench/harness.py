@@ -131,8 +131,8 @@ class BenchSetup:
 def make_trainer(model, processor, dataset, work_dir: Path, name: str, trainer_cls=None, config_cls=None, **overrides):
     from trl import GRPOConfig, GRPOTrainer
 
-    from papo_nb.models import tiny_grpo_config, vision_special_token_ids
-    from papo_nb.rewards import accuracy_reward, format_reward
+    from papo_nb.testbed.models import tiny_grpo_config, vision_special_token_ids
+    from papo_nb.testbed.rewards import accuracy_reward, format_reward
 
     trainer_cls = trainer_cls or GRPOTrainer
     config_cls = config_cls or GRPOConfig
@@ -149,10 +149,10 @@ def build_setup(size: str, *, family: str = "qwen2_vl", seed: int = 0, cache_dir
     from peft import get_peft_model
     from trl import GRPOConfig, GRPOTrainer
 
-    from papo_nb.batches import rollout_batch
-    from papo_nb.data import make_shapes_dataset
-    from papo_nb.models import build_tiny_vlm, load_vlm, tiny_lora_config
-    from papo_nb.trainer import PAPOGConfig, PAPOGTrainer
+    from papo_nb.workbook.batches import rollout_batch
+    from papo_nb.testbed.shapes import make_shapes_dataset
+    from papo_nb.testbed.models import build_tiny_vlm, load_vlm, tiny_lora_config
+    from papo_nb.papo import PAPOGConfig, PAPOGTrainer
 
     start = time.perf_counter()
     work_dir = Path(work_dir or tempfile.mkdtemp(prefix="papo_bench_"))
@@ -202,8 +202,8 @@ def synthetic_batch(processor, n_sequences: int, completion_tokens: int, *, voca
     ``completion_tokens``, group-centred random advantages. For models too large to sample from in a benchmark."""
     from trl.data_utils import prepare_multimodal_messages
 
-    from papo_nb.data import make_shapes_dataset
-    from papo_nb.models import vision_special_token_ids
+    from papo_nb.testbed.shapes import make_shapes_dataset
+    from papo_nb.testbed.models import vision_special_token_ids
 
     n_prompts = -(-n_sequences // group_size)
     dataset = make_shapes_dataset(max(n_prompts, 3), seed=seed)
@@ -262,7 +262,7 @@ def extra_forward(trainer, model, batch):
     """The floor: one more forward of the policy on the batch, exactly as the parent runs it, without gradient."""
     from trl import GRPOTrainer
 
-    from papo_nb.trainer import logp_call_arguments
+    from papo_nb.papo.papo_trainer import logp_call_arguments
 
     positional, vlm_kwargs = logp_call_arguments(batch)
     with torch.no_grad():
@@ -278,7 +278,7 @@ class Variant:
 
 def make_variants(setup: BenchSetup, names=VARIANTS, context: Callable[[], Any] = contextlib.nullcontext) -> dict[str, Variant]:
     """The timed callables on ``setup``. ``context`` wraps every model call (e.g. bf16 autocast on a GPU)."""
-    from papo_nb.probe import GammaZeroProbe, ProbeFailure
+    from papo_nb.papo.probe import GammaZeroProbe, ProbeFailure
 
     s, grpo, papo, papo_grad = setup, setup.trainers["grpo"], setup.trainers["papo"], setup.trainers["papo_grad"]
     probe_state: dict[str, Any] = {}
@@ -560,7 +560,7 @@ def measure_rss(setup: BenchSetup, cache_dir: str | None, n_prompts: int,
     for variant in variants:
         out[variant] = {}
         for mode, malloc_env in MALLOC_MODES.items():
-            cmd = [sys.executable, "-m", "papo_nb.bench", "--rss-worker", variant, "--rss-batch", str(batch_file),
+            cmd = [sys.executable, "-m", "papo_nb.bench.harness", "--rss-worker", variant, "--rss-batch", str(batch_file),
                    "--sizes", setup.size, "--family", setup.family, "--seed", str(setup.seed), "--n-prompts", str(n_prompts)]
             cmd += ["--cache-dir", str(cache_dir)] if cache_dir else []
             done = subprocess.run(cmd, capture_output=True, text=True,
@@ -581,8 +581,8 @@ def measure_rss(setup: BenchSetup, cache_dir: str | None, n_prompts: int,
 def training_probe_checks(setup: BenchSetup, steps: int) -> dict[str, Any]:
     """Real ``trainer.train()`` runs (generation included) on the same model: with the probe off, count probe
     calls (must be 0); with it on, time every ``observe`` call. LoRA weights are restored afterwards."""
-    from papo_nb import probe as probe_module
-    from papo_nb.trainer import PAPOGConfig, PAPOGTrainer
+    from papo_nb.papo import probe as probe_module
+    from papo_nb.papo import PAPOGConfig, PAPOGTrainer
 
     out: dict[str, Any] = {"train_steps": steps}
     before = dict(probe_module.PROBE_CALLS)

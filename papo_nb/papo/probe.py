@@ -27,7 +27,7 @@ from typing import Any, Callable
 
 import torch
 
-from papo_nb.contract import (
+from papo_nb.papo.contract import (
     GAMMA_ZERO_GRADIENT_ABS_FLOOR,
     GAMMA_ZERO_GRADIENT_REL_TOL,
     PAPO_ADAPTER_VERSION,

@@ -207,7 +207,7 @@ def standard_tags(*, upstream_sha_verified: bool, phase: str, precision: str) ->
     SHA check, the training phase and the precision. Returns the tags."""
     import trl
 
-    from papo_nb.contract import PAPO_ADAPTER_VERSION
+    from papo_nb.papo.contract import PAPO_ADAPTER_VERSION
 
     tags = {
         "papo_nb.adapter_version": PAPO_ADAPTER_VERSION,

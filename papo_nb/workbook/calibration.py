@@ -15,9 +15,9 @@ import numpy as np
 from matplotlib.figure import Figure
 import torch
 
-from papo_nb.batches import rollout_batch
-from papo_nb.contract import GAMMA_ZERO_GRADIENT_ABS_FLOOR, GAMMA_ZERO_GRADIENT_REL_TOL
-from papo_nb.probe import measure_gamma_zero
+from papo_nb.workbook.batches import rollout_batch
+from papo_nb.papo.contract import GAMMA_ZERO_GRADIENT_ABS_FLOOR, GAMMA_ZERO_GRADIENT_REL_TOL
+from papo_nb.papo.probe import measure_gamma_zero
 
 PRECISIONS = {"fp32": None, "bf16": torch.bfloat16}
 

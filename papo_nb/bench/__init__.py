@@ -1,0 +1,1 @@
+"""The step-overhead benchmark: PAPO-G against GRPO, side by side on one batch."""

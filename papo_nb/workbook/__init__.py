@@ -1,0 +1,1 @@
+"""The library behind the notebooks: parameters, the one trainer builder, batches, provenance, calibration, evaluation, figures."""
