@@ -47,17 +47,53 @@ import torch  # noqa: E402
 from papo_nb.bench import harness as bench  # noqa: E402
 
 # Qwen2.5-VL-3B shapes (text and vision); depth is a parameter.
-TEXT_3B = dict(hidden_size=2048, intermediate_size=11008, num_attention_heads=16, num_key_value_heads=2,
-               vocab_size=151936, max_position_embeddings=32768, rms_norm_eps=1e-6, tie_word_embeddings=True,
-               rope_parameters={"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [16, 24, 24]})
-VISION_3B = dict(hidden_size=1280, intermediate_size=3420, num_heads=16, out_hidden_size=2048, patch_size=14,
-                 spatial_merge_size=2, temporal_patch_size=2, window_size=112, in_channels=3, hidden_act="silu")
+TEXT_3B = dict(
+    hidden_size=2048,
+    intermediate_size=11008,
+    num_attention_heads=16,
+    num_key_value_heads=2,
+    vocab_size=151936,
+    max_position_embeddings=32768,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=True,
+    rope_parameters={"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [16, 24, 24]},
+)
+VISION_3B = dict(
+    hidden_size=1280,
+    intermediate_size=3420,
+    num_heads=16,
+    out_hidden_size=2048,
+    patch_size=14,
+    spatial_merge_size=2,
+    temporal_patch_size=2,
+    window_size=112,
+    in_channels=3,
+    hidden_act="silu",
+)
 # --cpu-dry-run: the same code path at test-model sizes.
-TEXT_TINY = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, vocab_size=1024,
-                 max_position_embeddings=4096, rms_norm_eps=1e-6, tie_word_embeddings=True,
-                 rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]})
-VISION_TINY = dict(hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=14,
-                   spatial_merge_size=2, temporal_patch_size=2, window_size=112, in_channels=3, hidden_act="silu")
+TEXT_TINY = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=1024,
+    max_position_embeddings=4096,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=True,
+    rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]},
+)
+VISION_TINY = dict(
+    hidden_size=32,
+    intermediate_size=64,
+    num_heads=2,
+    out_hidden_size=64,
+    patch_size=14,
+    spatial_merge_size=2,
+    temporal_patch_size=2,
+    window_size=112,
+    in_channels=3,
+    hidden_act="silu",
+)
 
 
 def log(message: str) -> None:
@@ -68,15 +104,38 @@ def model_config(processor, *, tiny: bool, text_layers: int, vision_depth: int):
     from transformers import Qwen2_5_VLConfig
 
     tokenizer = processor.tokenizer
-    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in ("<|endoftext|>", "<|im_end|>", "<|image_pad|>",
-                                                           "<|video_pad|>", "<|vision_start|>", "<|vision_end|>")}
-    text = dict(TEXT_TINY if tiny else TEXT_3B, num_hidden_layers=text_layers, bos_token_id=ids["<|endoftext|>"],
-                eos_token_id=ids["<|im_end|>"], pad_token_id=ids["<|endoftext|>"])
-    vision = dict(VISION_TINY if tiny else VISION_3B, depth=vision_depth,
-                  fullatt_block_indexes=[i for i in range(vision_depth) if i % 8 == 7] or [vision_depth - 1])
-    config = Qwen2_5_VLConfig(text_config=text, vision_config=vision, image_token_id=ids["<|image_pad|>"],
-                              video_token_id=ids["<|video_pad|>"], vision_start_token_id=ids["<|vision_start|>"],
-                              vision_end_token_id=ids["<|vision_end|>"], tie_word_embeddings=text["tie_word_embeddings"])
+    ids = {
+        t: tokenizer.convert_tokens_to_ids(t)
+        for t in (
+            "<|endoftext|>",
+            "<|im_end|>",
+            "<|image_pad|>",
+            "<|video_pad|>",
+            "<|vision_start|>",
+            "<|vision_end|>",
+        )
+    }
+    text = dict(
+        TEXT_TINY if tiny else TEXT_3B,
+        num_hidden_layers=text_layers,
+        bos_token_id=ids["<|endoftext|>"],
+        eos_token_id=ids["<|im_end|>"],
+        pad_token_id=ids["<|endoftext|>"],
+    )
+    vision = dict(
+        VISION_TINY if tiny else VISION_3B,
+        depth=vision_depth,
+        fullatt_block_indexes=[i for i in range(vision_depth) if i % 8 == 7] or [vision_depth - 1],
+    )
+    config = Qwen2_5_VLConfig(
+        text_config=text,
+        vision_config=vision,
+        image_token_id=ids["<|image_pad|>"],
+        video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"],
+        tie_word_embeddings=text["tie_word_embeddings"],
+    )
     return config
 
 
@@ -86,8 +145,12 @@ def build_processor(image_size: int):
     from papo_nb.testbed.models import CHAT_TEMPLATE, build_tiny_tokenizer
 
     bounds = {"shortest_edge": 56 * 56, "longest_edge": image_size * image_size}
-    return Qwen2_5_VLProcessor(image_processor=Qwen2VLImageProcessor(size=bounds), tokenizer=build_tiny_tokenizer(),
-                               video_processor=Qwen2VLVideoProcessor(size=bounds), chat_template=CHAT_TEMPLATE)
+    return Qwen2_5_VLProcessor(
+        image_processor=Qwen2VLImageProcessor(size=bounds),
+        tokenizer=build_tiny_tokenizer(),
+        video_processor=Qwen2VLVideoProcessor(size=bounds),
+        chat_template=CHAT_TEMPLATE,
+    )
 
 
 def build_gpu_setup(args, device: torch.device, dtype: torch.dtype, work_dir: Path) -> bench.BenchSetup:
@@ -95,13 +158,15 @@ def build_gpu_setup(args, device: torch.device, dtype: torch.dtype, work_dir: Pa
     from transformers import Qwen2_5_VLForConditionalGeneration
     from trl import GRPOConfig, GRPOTrainer
 
-    from papo_nb.testbed.shapes import make_shapes_dataset
-    from papo_nb.testbed.models import tiny_lora_config
     from papo_nb.papo import PAPOGConfig, PAPOGTrainer
+    from papo_nb.testbed.models import tiny_lora_config
+    from papo_nb.testbed.shapes import make_shapes_dataset
 
     start = time.perf_counter()
     processor = build_processor(args.image_size)
-    config = model_config(processor, tiny=args.cpu_dry_run, text_layers=args.text_layers, vision_depth=args.vision_depth)
+    config = model_config(
+        processor, tiny=args.cpu_dry_run, text_layers=args.text_layers, vision_depth=args.vision_depth
+    )
     torch.manual_seed(args.seed)
     with torch.device(device):  # initialise on the device: a CPU init of billions of parameters takes minutes
         model = Qwen2_5_VLForConditionalGeneration(config)
@@ -111,34 +176,74 @@ def build_gpu_setup(args, device: torch.device, dtype: torch.dtype, work_dir: Pa
     n_params = sum(p.numel() for p in model.parameters())
     model = get_peft_model(model, tiny_lora_config(r=args.lora_r, lora_alpha=2 * args.lora_r))
     model.to(device)
-    log(f"model: {n_params / 1e6:.1f}M parameters ({args.text_layers} text layers, vision depth {args.vision_depth}), "
-        f"{dtype}, on {device}")
+    log(
+        f"model: {n_params / 1e6:.1f}M parameters ({args.text_layers} text layers, vision depth {args.vision_depth}), "
+        f"{dtype}, on {device}"
+    )
     dataset = make_shapes_dataset(8, seed=args.seed)
-    overrides = dict(per_device_train_batch_size=args.sequences, num_generations=4, max_completion_length=args.completion_tokens,
-                     bf16=dtype == torch.bfloat16 and device.type == "cuda", use_cpu=device.type == "cpu")
+    overrides = dict(
+        per_device_train_batch_size=args.sequences,
+        num_generations=4,
+        max_completion_length=args.completion_tokens,
+        bf16=dtype == torch.bfloat16 and device.type == "cuda",
+        use_cpu=device.type == "cpu",
+    )
     trainers = {
         "grpo": bench.make_trainer(model, processor, dataset, work_dir, "grpo", GRPOTrainer, GRPOConfig, **overrides),
-        "papo": bench.make_trainer(model, processor, dataset, work_dir, "papo", PAPOGTrainer, PAPOGConfig, **overrides),
-        "papo_grad": bench.make_trainer(model, processor, dataset, work_dir, "papo_grad", PAPOGTrainer, PAPOGConfig,
-                                        masked_branch_grad=True, **overrides),
+        "papo": bench.make_trainer(
+            model, processor, dataset, work_dir, "papo", PAPOGTrainer, PAPOGConfig, **overrides
+        ),
+        "papo_grad": bench.make_trainer(
+            model,
+            processor,
+            dataset,
+            work_dir,
+            "papo_grad",
+            PAPOGTrainer,
+            PAPOGConfig,
+            masked_branch_grad=True,
+            **overrides,
+        ),
     }
-    batch = bench.synthetic_batch(processor, args.sequences, args.completion_tokens, vocab_size=config.text_config.vocab_size,
-                                  image_size=args.image_size, seed=args.seed, device=device)
+    batch = bench.synthetic_batch(
+        processor,
+        args.sequences,
+        args.completion_tokens,
+        vocab_size=config.text_config.vocab_size,
+        image_size=args.image_size,
+        seed=args.seed,
+        device=device,
+    )
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=1e-5)
     snapshot = bench.StateSnapshot(params, optimizer)
-    return bench.BenchSetup(size="gpu", family="qwen2_5_vl", seed=args.seed, model=model, processor=processor,
-                            dataset=dataset, trainers=trainers, batch=batch, params=params, optimizer=optimizer,
-                            snapshot=snapshot, work_dir=work_dir, n_params=n_params,
-                            n_trainable=sum(p.numel() for p in params), setup_s=time.perf_counter() - start)
+    return bench.BenchSetup(
+        size="gpu",
+        family="qwen2_5_vl",
+        seed=args.seed,
+        model=model,
+        processor=processor,
+        dataset=dataset,
+        trainers=trainers,
+        batch=batch,
+        params=params,
+        optimizer=optimizer,
+        snapshot=snapshot,
+        work_dir=work_dir,
+        n_params=n_params,
+        n_trainable=sum(p.numel() for p in params),
+        setup_s=time.perf_counter() - start,
+    )
 
 
 def leaking_assembly(trainer, scale: float = 1.0):
     """The trainer's assembly plus a value-neutral leak (0.0 in value, perception gradient in the backward)."""
 
     def assemble(parent_loss, terms, gamma, eta1, eta2):
-        return trainer.assemble_loss(parent_loss, terms, gamma, eta1, eta2) + scale * (terms.perception_kl - terms.perception_kl.detach())
+        return trainer.assemble_loss(parent_loss, terms, gamma, eta1, eta2) + scale * (
+            terms.perception_kl - terms.perception_kl.detach()
+        )
 
     return assemble
 
@@ -150,9 +255,19 @@ def probe_evidence(setup: bench.BenchSetup, args, context, device) -> list[dict]
     papo = setup.trainers["papo"]
     points = []
     for b in range(args.probe_batches):
-        batch = setup.batch if b == 0 else bench.synthetic_batch(
-            setup.processor, args.sequences, args.completion_tokens, vocab_size=setup.model.config.text_config.vocab_size,
-            image_size=args.image_size, seed=args.seed + b, device=device)
+        batch = (
+            setup.batch
+            if b == 0
+            else bench.synthetic_batch(
+                setup.processor,
+                args.sequences,
+                args.completion_tokens,
+                vocab_size=setup.model.config.text_config.vocab_size,
+                image_size=args.image_size,
+                seed=args.seed + b,
+                device=device,
+            )
+        )
         setup.reset()
         with context():
             parent, terms = papo.papo_loss_parts(setup.model, batch)
@@ -163,19 +278,33 @@ def probe_evidence(setup: bench.BenchSetup, args, context, device) -> list[dict]
                 pass
             leaky = measure_gamma_zero(papo, setup.model, parent, terms, assemble=leaking_assembly(papo))
         evidence = probe.evidence.to_dict()
-        points.append(dict(
-            phase="fresh", precision="bf16" if args.dtype == "bfloat16" else args.dtype, batch=b, status=evidence["status"],
-            parent_grad_norm=evidence["parent_grad_norm"], grad_diff_norm=evidence["grad_diff_norm"],
-            grad_diff_relative=evidence["grad_diff_relative"], tolerance=evidence["tolerance"],
-            perception_grad_norm=evidence["perception_grad_norm"], injected_leak_diff=leaky["grad_diff_norm"],
-            perception_kl=evidence["perception_kl"], loss_bit_equal=evidence["loss_bit_equal"],
-            separation_ratio=evidence["separation_ratio"], dtype=evidence["dtype"],
-            autocast_enabled=evidence["autocast_enabled"], autocast_dtype=evidence["autocast_dtype"],
-            message=evidence["message"]))
+        points.append(
+            dict(
+                phase="fresh",
+                precision="bf16" if args.dtype == "bfloat16" else args.dtype,
+                batch=b,
+                status=evidence["status"],
+                parent_grad_norm=evidence["parent_grad_norm"],
+                grad_diff_norm=evidence["grad_diff_norm"],
+                grad_diff_relative=evidence["grad_diff_relative"],
+                tolerance=evidence["tolerance"],
+                perception_grad_norm=evidence["perception_grad_norm"],
+                injected_leak_diff=leaky["grad_diff_norm"],
+                perception_kl=evidence["perception_kl"],
+                loss_bit_equal=evidence["loss_bit_equal"],
+                separation_ratio=evidence["separation_ratio"],
+                dtype=evidence["dtype"],
+                autocast_enabled=evidence["autocast_enabled"],
+                autocast_dtype=evidence["autocast_dtype"],
+                message=evidence["message"],
+            )
+        )
         del parent, terms
-        log(f"probe batch {b}: {evidence['status']}, parent |g| {evidence['parent_grad_norm']:.3e}, "
+        log(
+            f"probe batch {b}: {evidence['status']}, parent |g| {evidence['parent_grad_norm']:.3e}, "
             f"|g0-g| {evidence['grad_diff_norm']:.3e} (rel {evidence['grad_diff_relative']:.2e}), "
-            f"leak {leaky['grad_diff_norm']:.3e}, tolerance {evidence['tolerance']:.3e}")
+            f"leak {leaky['grad_diff_norm']:.3e}, tolerance {evidence['tolerance']:.3e}"
+        )
     return points
 
 
@@ -192,8 +321,10 @@ def peak_memory(setup: bench.BenchSetup, context, device) -> dict:
         torch.cuda.reset_peak_memory_stats()
         variant.run()
         torch.cuda.synchronize()
-        out[name] = dict(peak_above_start_mib=(torch.cuda.max_memory_allocated() - base) / 2**20,
-                         peak_total_mib=torch.cuda.max_memory_allocated() / 2**20)
+        out[name] = dict(
+            peak_above_start_mib=(torch.cuda.max_memory_allocated() - base) / 2**20,
+            peak_total_mib=torch.cuda.max_memory_allocated() / 2**20,
+        )
         variant.cleanup()
     batch = setup.batch
     vocab = setup.model.config.text_config.vocab_size
@@ -205,12 +336,16 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("out_dir", nargs="?", type=Path, default=None)
     parser.add_argument("--out-dir", dest="out_dir_opt", type=Path, default=None)
-    parser.add_argument("--cpu-dry-run", action="store_true", help="tiny sizes on the CPU: checks the script end to end")
+    parser.add_argument(
+        "--cpu-dry-run", action="store_true", help="tiny sizes on the CPU: checks the script end to end"
+    )
     parser.add_argument("--text-layers", type=int, default=None, help="default 36 (3B depth); dry run 2")
     parser.add_argument("--vision-depth", type=int, default=None, help="default 32 (3B depth); dry run 2")
     parser.add_argument("--sequences", type=int, default=None, help="sequences per step (default 16; dry run 8)")
     parser.add_argument("--completion-tokens", type=int, default=None, help="default 256; dry run 16")
-    parser.add_argument("--image-size", type=int, default=None, help="square image side in px (default 448; dry run 112)")
+    parser.add_argument(
+        "--image-size", type=int, default=None, help="square image side in px (default 448; dry run 112)"
+    )
     parser.add_argument("--lora-r", type=int, default=16)
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     parser.add_argument("--repeats", type=int, default=10, help="timed rounds at most (the time budget may lower it)")
@@ -222,8 +357,13 @@ def main(argv=None) -> int:
     if out_dir is None:
         parser.error("give OUT_DIR (positional or --out-dir)")
     tiny = args.cpu_dry_run
-    defaults = dict(text_layers=(2, 36), vision_depth=(2, 32), sequences=(8, 16), completion_tokens=(16, 256),
-                    image_size=(112, 448))
+    defaults = dict(
+        text_layers=(2, 36),
+        vision_depth=(2, 32),
+        sequences=(8, 16),
+        completion_tokens=(16, 256),
+        image_size=(112, 448),
+    )
     for key, (dry, real) in defaults.items():
         if getattr(args, key) is None:
             setattr(args, key, dry if tiny else real)
@@ -238,8 +378,11 @@ def main(argv=None) -> int:
         torch.backends.cuda.matmul.allow_tf32 = True
     dtype = getattr(torch, args.dtype)
     out_dir.mkdir(parents=True, exist_ok=True)
-    context = ((lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if dtype == torch.bfloat16
-               else contextlib.nullcontext)
+    context = (
+        (lambda: torch.autocast(device.type, dtype=torch.bfloat16))
+        if dtype == torch.bfloat16
+        else contextlib.nullcontext
+    )
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
 
     report: dict = dict(args={k: str(v) for k, v in vars(args).items()}, environment=bench.environment())
@@ -247,8 +390,14 @@ def main(argv=None) -> int:
         report["environment"]["gpu"] = torch.cuda.get_device_name(0)
     with tempfile.TemporaryDirectory(prefix="papo_gpu_check_") as work:
         setup = build_gpu_setup(args, device, dtype, Path(work))
-        report["model"] = dict(params=setup.n_params, trainable_params=setup.n_trainable, text_layers=args.text_layers,
-                               vision_depth=args.vision_depth, dtype=args.dtype, setup_s=setup.setup_s)
+        report["model"] = dict(
+            params=setup.n_params,
+            trainable_params=setup.n_trainable,
+            text_layers=args.text_layers,
+            vision_depth=args.vision_depth,
+            dtype=args.dtype,
+            setup_s=setup.setup_s,
+        )
         report["batch"] = bench.batch_shape(setup.batch, setup.model.config.text_config.vocab_size)
         tokens_per_step = int(setup.batch["prompt_mask"].sum() + setup.batch["completion_mask"].sum())
         report["batch"]["tokens_per_step"] = tokens_per_step
@@ -267,10 +416,16 @@ def main(argv=None) -> int:
         report["timings"] = {name: bench.summarise(values) for name, values in times.items()}
         report["samples_s"] = times
         report["ratios"] = bench.ratios(times)
-        report["tokens_per_s"] = {name: tokens_per_step / report["timings"][name]["median"]
-                                  for name in bench.STEP_VARIANTS + ("extra_forward",)}
-        report["completion_tokens_per_s"] = {name: report["batch"]["sequences"] * report["batch"]["completion_tokens"]
-                                             / report["timings"][name]["median"] for name in bench.STEP_VARIANTS}
+        report["tokens_per_s"] = {
+            name: tokens_per_step / report["timings"][name]["median"]
+            for name in bench.STEP_VARIANTS + ("extra_forward",)
+        }
+        report["completion_tokens_per_s"] = {
+            name: report["batch"]["sequences"]
+            * report["batch"]["completion_tokens"]
+            / report["timings"][name]["median"]
+            for name in bench.STEP_VARIANTS
+        }
         log("peak memory per step variant ...")
         report["memory"] = peak_memory(setup, context, device)
         log("probe evidence ...")
@@ -278,8 +433,9 @@ def main(argv=None) -> int:
         report["probe_summary"] = dict(
             all_passed=all(p["status"] == "passed" for p in report["probe"]),
             max_roundoff_fraction_of_tolerance=max(p["grad_diff_norm"] / p["tolerance"] for p in report["probe"]),
-            min_leak_multiple_of_tolerance=min(min(p["perception_grad_norm"], p["injected_leak_diff"]) / p["tolerance"]
-                                               for p in report["probe"]),
+            min_leak_multiple_of_tolerance=min(
+                min(p["perception_grad_norm"], p["injected_leak_diff"]) / p["tolerance"] for p in report["probe"]
+            ),
             max_grad_diff_relative=max(p["grad_diff_relative"] for p in report["probe"]),
         )
     report["total_s"] = time.perf_counter() - START
@@ -290,15 +446,24 @@ def main(argv=None) -> int:
     for name in bench.VARIANTS:
         t = report["timings"][name]
         tps = report["tokens_per_s"].get(name)
-        print(f"{bench.LABELS[name]:<48} {t['median'] * 1e3:10.1f} {t['p25'] * 1e3:9.1f} {t['p75'] * 1e3:9.1f}  "
-              f"{'' if tps is None else f'{tps:,.0f}'}")
-    print(f"PAPO-G / GRPO {r['papo_over_grpo']:.3f}   floor ratio {r['floor_ratio']:.3f}   "
-          f"PAPO-G (grad) / GRPO {r['papo_grad_over_grpo']:.3f}   masking {r['masking_fraction_of_step'] * 100:.2f}% of a step   "
-          f"probe {r['probe_fraction_of_100_steps'] * 100:.2f}% of 100 steps")
+        print(
+            f"{bench.LABELS[name]:<48} {t['median'] * 1e3:10.1f} {t['p25'] * 1e3:9.1f} {t['p75'] * 1e3:9.1f}  "
+            f"{'' if tps is None else f'{tps:,.0f}'}"
+        )
+    print(
+        f"PAPO-G / GRPO {r['papo_over_grpo']:.3f}   floor ratio {r['floor_ratio']:.3f}   "
+        f"PAPO-G (grad) / GRPO {r['papo_grad_over_grpo']:.3f}   masking {r['masking_fraction_of_step'] * 100:.2f}% of a step   "
+        f"probe {r['probe_fraction_of_100_steps'] * 100:.2f}% of 100 steps"
+    )
     if "skipped" not in report["memory"]:
-        print("peak memory above start (MiB): " + ", ".join(
-            f"{name} {report['memory'][name]['peak_above_start_mib']:.0f}" for name in bench.STEP_VARIANTS + ("extra_forward",))
-            + f"; one bf16 logits tensor {report['memory']['one_logits_tensor_mib']:.0f}")
+        print(
+            "peak memory above start (MiB): "
+            + ", ".join(
+                f"{name} {report['memory'][name]['peak_above_start_mib']:.0f}"
+                for name in bench.STEP_VARIANTS + ("extra_forward",)
+            )
+            + f"; one bf16 logits tensor {report['memory']['one_logits_tensor_mib']:.0f}"
+        )
     print(f"probe: {report['probe_summary']}")
     print(f"wrote {out_dir / 'gpu_check.json'} in {report['total_s']:.0f}s")
     return 0

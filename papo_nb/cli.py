@@ -113,8 +113,14 @@ def _cmd_run(subparsers: Subparsers) -> None:
     )
     p.add_argument("notebooks", nargs="*", metavar="NOTEBOOK", help="notebooks to run (default: notebooks/NN_*.ipynb)")
     p.add_argument("--params", metavar="FILE", help="YAML params file (default: built-in defaults)")
-    p.add_argument("-p", dest="overrides", metavar="KEY=VALUE", action="append", default=[],
-                   help="override one parameter; the value is read as YAML (repeatable)")
+    p.add_argument(
+        "-p",
+        dest="overrides",
+        metavar="KEY=VALUE",
+        action="append",
+        default=[],
+        help="override one parameter; the value is read as YAML (repeatable)",
+    )
     p.add_argument("--run-root", metavar="DIR", default="runs", help="where run folders are made (default: ./runs)")
     p.add_argument("--log-output", action="store_true", help="stream the notebooks' cell output to the terminal")
 
@@ -125,12 +131,16 @@ def _cmd_run(subparsers: Subparsers) -> None:
             logging.basicConfig(level=logging.INFO, format="%(message)s")
         notebooks = args.notebooks or default_notebooks()
         if not notebooks:
-            print("papo-nb run: error: no notebooks given, and none match notebooks/[0-9][0-9]_*.ipynb "
-                  "in the project folder", file=sys.stderr)
+            print(
+                "papo-nb run: error: no notebooks given, and none match notebooks/[0-9][0-9]_*.ipynb "
+                "in the project folder",
+                file=sys.stderr,
+            )
             return 2
         try:
-            result = run_workbook(notebooks, args.params, args.overrides, run_root=args.run_root,
-                                  log_output=args.log_output)
+            result = run_workbook(
+                notebooks, args.params, args.overrides, run_root=args.run_root, log_output=args.log_output
+            )
         except WorkbookError as exc:
             print(f"papo-nb run: error: {exc}", file=sys.stderr)
             return 2
@@ -186,8 +196,9 @@ def _cmd_ui(subparsers: Subparsers) -> None:
         from papo_nb.infra.tracking import default_tracking_uri, serve_mlflow_ui
 
         uri = default_tracking_uri()
-        return _serve_until_interrupted("ui", "MLflow UI", serve_mlflow_ui(port=args.port, host=args.host, tracking_uri=uri),
-                                        f"store {uri}")
+        return _serve_until_interrupted(
+            "ui", "MLflow UI", serve_mlflow_ui(port=args.port, host=args.host, tracking_uri=uri), f"store {uri}"
+        )
 
     p.set_defaults(handler=handler)
 
@@ -201,16 +212,21 @@ def _cmd_lab(subparsers: Subparsers) -> None:
         "notebooks run by hand log to MLFLOW_TRACKING_URI, else mlflow.db in the project folder.",
     )
     p.add_argument("--port", type=int, default=None, help="port (default: a free one)")
-    p.add_argument("--notebook-dir", metavar="DIR", default=None,
-                   help="folder to serve (default: the project's notebooks/)")
+    p.add_argument(
+        "--notebook-dir", metavar="DIR", default=None, help="folder to serve (default: the project's notebooks/)"
+    )
 
     def handler(args: argparse.Namespace) -> int:
-        from papo_nb.infra.tracking import default_tracking_uri, project_dir
         from papo_nb.infra.servers import serve_jupyterlab
+        from papo_nb.infra.tracking import default_tracking_uri, project_dir
 
         folder = Path(args.notebook_dir) if args.notebook_dir else project_dir() / "notebooks"
-        return _serve_until_interrupted("lab", "JupyterLab", serve_jupyterlab(folder, port=args.port),
-                                        f"notebooks {folder.resolve()}; store {default_tracking_uri()}")
+        return _serve_until_interrupted(
+            "lab",
+            "JupyterLab",
+            serve_jupyterlab(folder, port=args.port),
+            f"notebooks {folder.resolve()}; store {default_tracking_uri()}",
+        )
 
     p.set_defaults(handler=handler)
 
@@ -226,25 +242,52 @@ def _cmd_train(subparsers: Subparsers) -> None:
         "or a refused run (an existing run without --resume, or a resume whose parameters differ).",
     )
     p.add_argument("--params", metavar="FILE", help="YAML params file (default: built-in defaults)")
-    p.add_argument("-p", dest="overrides", metavar="KEY=VALUE", action="append", default=[],
-                   help="override one parameter; the value is read as YAML (repeatable)")
-    p.add_argument("--output-dir", metavar="DIR", required=True, help="folder of the run: parameters, MLflow run id, checkpoints")
-    p.add_argument("--resume", action="store_true", help="continue the run in --output-dir from its last complete checkpoint")
-    p.add_argument("--force-resume", action="store_true", help="--resume even if parameters that matter differ from the run's")
-    p.add_argument("--mlflow-run-id", metavar="ID", default="", help="log into this MLflow run (default: the run's own, or a new one)")
+    p.add_argument(
+        "-p",
+        dest="overrides",
+        metavar="KEY=VALUE",
+        action="append",
+        default=[],
+        help="override one parameter; the value is read as YAML (repeatable)",
+    )
+    p.add_argument(
+        "--output-dir", metavar="DIR", required=True, help="folder of the run: parameters, MLflow run id, checkpoints"
+    )
+    p.add_argument(
+        "--resume", action="store_true", help="continue the run in --output-dir from its last complete checkpoint"
+    )
+    p.add_argument(
+        "--force-resume", action="store_true", help="--resume even if parameters that matter differ from the run's"
+    )
+    p.add_argument(
+        "--mlflow-run-id",
+        metavar="ID",
+        default="",
+        help="log into this MLflow run (default: the run's own, or a new one)",
+    )
 
     def handler(args: argparse.Namespace) -> int:
         from papo_nb.train.launch import train_command
 
-        return train_command(args.params, args.overrides, args.output_dir, resume=args.resume,
-                             force_resume=args.force_resume, mlflow_run_id=args.mlflow_run_id)
+        return train_command(
+            args.params,
+            args.overrides,
+            args.output_dir,
+            resume=args.resume,
+            force_resume=args.force_resume,
+            mlflow_run_id=args.mlflow_run_id,
+        )
 
     p.set_defaults(handler=handler)
 
 
 def _cmd_bench(subparsers: Subparsers) -> None:
     # Arguments pass through to papo_nb.bench.harness (which imports torch), so other subcommands stay fast to start.
-    p = subparsers.add_parser("bench", add_help=False, help="PAPO-G step overhead benchmark (see benchmarks/README.md); --help for its options")
+    p = subparsers.add_parser(
+        "bench",
+        add_help=False,
+        help="PAPO-G step overhead benchmark (see benchmarks/README.md); --help for its options",
+    )
 
     def handler(args: argparse.Namespace) -> int:
         from papo_nb.bench.harness import main as bench_main

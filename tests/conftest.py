@@ -31,7 +31,11 @@ def smoke_workbook(tmp_path_factory):
 
     root = Path(__file__).resolve().parents[1]
     folder = tmp_path_factory.mktemp("smoke_workbook")
-    result = run_workbook(sorted((root / "notebooks").glob("[0-9][0-9]_*.ipynb")), root / "params" / "smoke.yaml",
-                          run_root=folder / "runs", tracking_uri=f"sqlite:///{folder}/mlflow.db")
+    result = run_workbook(
+        sorted((root / "notebooks").glob("[0-9][0-9]_*.ipynb")),
+        root / "params" / "smoke.yaml",
+        run_root=folder / "runs",
+        tracking_uri=f"sqlite:///{folder}/mlflow.db",
+    )
     assert result.ok, result.failure_message
     return result

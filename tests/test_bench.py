@@ -30,9 +30,27 @@ def run(cmd, tmp_path, timeout=240):
 def quick_report(tmp_path_factory):
     tmp_path = tmp_path_factory.mktemp("bench")
     out = tmp_path / "report.json"
-    done = run(["benchmarks/step_overhead.py", "--quick", "--sizes", "tiny", "--repeats", "2", "--warmup", "0",
-                "--n-prompts", "2", "--train-steps", "2", "--out", str(out), "--markdown", str(tmp_path / "table.md")],
-               tmp_path)
+    done = run(
+        [
+            "benchmarks/step_overhead.py",
+            "--quick",
+            "--sizes",
+            "tiny",
+            "--repeats",
+            "2",
+            "--warmup",
+            "0",
+            "--n-prompts",
+            "2",
+            "--train-steps",
+            "2",
+            "--out",
+            str(out),
+            "--markdown",
+            str(tmp_path / "table.md"),
+        ],
+        tmp_path,
+    )
     return json.loads(out.read_text()), done.stdout, (tmp_path / "table.md").read_text()
 
 
@@ -45,8 +63,17 @@ def test_quick_report_is_well_formed(quick_report):
         assert summary["n"] == 2 and len(result["samples_s"][name]) == 2
         assert 0 < summary["min"] <= summary["p25"] <= summary["median"] <= summary["p75"] <= summary["max"], name
     ratios = result["ratios"]
-    for key in ("papo_over_grpo", "floor_ratio", "overhead_over_floor", "papo_grad_over_grpo", "paired_papo_over_grpo",
-                "paired_floor_ratio", "min_papo_over_grpo", "masking_fraction_of_step", "probe_fraction_of_100_steps"):
+    for key in (
+        "papo_over_grpo",
+        "floor_ratio",
+        "overhead_over_floor",
+        "papo_grad_over_grpo",
+        "paired_papo_over_grpo",
+        "paired_floor_ratio",
+        "min_papo_over_grpo",
+        "masking_fraction_of_step",
+        "probe_fraction_of_100_steps",
+    ):
         assert math.isfinite(ratios[key]) and ratios[key] > 0 or key == "overhead_over_floor", key
     assert ratios["floor_ratio"] > 1
     assert result["params"] > 0 and result["batch"]["sequences"] == 8 and result["batch"]["image_patches"] > 0
@@ -83,8 +110,10 @@ def test_no_probe_code_runs_in_training_when_not_required(quick_report):
 
 def test_gpu_check_dry_run_on_cpu(tmp_path):
     out = tmp_path / "gpu"
-    run(["benchmarks/gpu_check.py", "--cpu-dry-run", "--out-dir", str(out), "--repeats", "2", "--probe-batches", "1"],
-        tmp_path)
+    run(
+        ["benchmarks/gpu_check.py", "--cpu-dry-run", "--out-dir", str(out), "--repeats", "2", "--probe-batches", "1"],
+        tmp_path,
+    )
     report = json.loads((out / "gpu_check.json").read_text())
     assert set(report["timings"]) == set(VARIANTS)
     assert all(t["median"] > 0 for t in report["timings"].values())

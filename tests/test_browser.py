@@ -26,14 +26,21 @@ from pathlib import Path
 import pytest
 from mlflow import MlflowClient
 
-from papo_nb.infra.tracking import EXPERIMENT_NAME, serve_mlflow_ui
 from papo_nb.infra.servers import serve_jupyterlab
+from papo_nb.infra.tracking import EXPERIMENT_NAME, serve_mlflow_ui
 
 ROOT = Path(__file__).resolve().parents[1]
 ARTIFACTS = ROOT / "test-artifacts" / "browser"
 CHROMIUM = os.environ.get("PAPO_NB_CHROMIUM", "/usr/bin/chromium")
-CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-background-networking",
-                 "--disable-component-update", "--disable-sync"]
+CHROMIUM_ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
 NOTEBOOK_RUN_TIMEOUT_S = 300  # Run All of 01 takes ~15-60 s on CPU; a kernel on a loaded machine may be slow to start
 
 
@@ -67,8 +74,12 @@ def playwright(chromium):
 def browser(chromium, playwright, tmp_path):
     """A fresh headless chromium profile; pages time out after 60 s unless told otherwise."""
     context = playwright.chromium.launch_persistent_context(
-        str(tmp_path / "chromium-profile"), executable_path=chromium, args=CHROMIUM_ARGS, headless=True,
-        viewport={"width": 1400, "height": 900})
+        str(tmp_path / "chromium-profile"),
+        executable_path=chromium,
+        args=CHROMIUM_ARGS,
+        headless=True,
+        viewport={"width": 1400, "height": 900},
+    )
     context.set_default_timeout(60_000)
     try:
         yield context
@@ -115,11 +126,14 @@ def _hide_mlflow_assistant(context) -> None:
     localStorage keys change in another MLflow version the panel shows, and the checks still hold."""
     context.add_init_script(
         "try { localStorage.setItem('mlflow.assistant.fab.autoOpenedOnFirstLoad_v1', 'true');"
-        " localStorage.setItem('mlflow.assistant.panelOpen_v1', 'false'); } catch (e) {}")
+        " localStorage.setItem('mlflow.assistant.panelOpen_v1', 'false'); } catch (e) {}"
+    )
 
 
 @pytest.mark.slow
-def test_mlflow_ui_shows_the_workbook_its_notebook_runs_the_calibration_plot_and_evidence(chromium, smoke_workbook, browser, shoot):
+def test_mlflow_ui_shows_the_workbook_its_notebook_runs_the_calibration_plot_and_evidence(
+    chromium, smoke_workbook, browser, shoot
+):
     expect = _expect()
     client = MlflowClient(smoke_workbook.tracking_uri)
     experiment_id = client.get_experiment_by_name(EXPERIMENT_NAME).experiment_id
@@ -142,8 +156,9 @@ def test_mlflow_ui_shows_the_workbook_its_notebook_runs_the_calibration_plot_and
         page.goto(f"{url}/#/experiments/{experiment_id}/runs?workflowType=machine_learning")
         parent_row = page.get_by_role("row").filter(has_text=parent.info.run_name)
         expect(parent_row).to_be_visible()
-        parent_row.get_by_role("gridcell").filter(has=page.get_by_role("link", name=parent.info.run_name)) \
-            .get_by_role("button").first.click()  # the [+] before a parent run's name
+        parent_row.get_by_role("gridcell").filter(has=page.get_by_role("link", name=parent.info.run_name)).get_by_role(
+            "button"
+        ).first.click()  # the [+] before a parent run's name
         for name in runs:
             expect(page.get_by_role("link", name=name, exact=True)).to_be_visible()
         shoot(page, "mlflow_2_runs_nested")
@@ -157,7 +172,9 @@ def test_mlflow_ui_shows_the_workbook_its_notebook_runs_the_calibration_plot_and
         shoot(page, "mlflow_3_workbook_run")
 
         # 4. The calibration run's artifacts: the plot is shown as an image that really decoded.
-        page.goto(f"{url}/#/experiments/{experiment_id}/runs/{runs['02_probe_calibration']}/artifacts/figures/calibration.png")
+        page.goto(
+            f"{url}/#/experiments/{experiment_id}/runs/{runs['02_probe_calibration']}/artifacts/figures/calibration.png"
+        )
         expect(page.get_by_text("figures/calibration.png", exact=True)).to_be_visible()
         image = page.locator("img[src^='blob:']:visible, img[src*='calibration.png']:visible").first
         expect(image).to_be_visible()
@@ -182,7 +199,9 @@ def test_mlflow_ui_shows_the_workbook_its_notebook_runs_the_calibration_plot_and
             expect(shown).to_contain_text(text)
         shoot(page, "mlflow_5_calibration_margins")
 
-        page.goto(f"{url}/#/experiments/{experiment_id}/runs/{runs['01_contract_verification']}/artifacts/evidence/probe.json")
+        page.goto(
+            f"{url}/#/experiments/{experiment_id}/runs/{runs['01_contract_verification']}/artifacts/evidence/probe.json"
+        )
         expect(page.get_by_text("evidence/probe.json", exact=True)).to_be_visible()
         shown = page.locator("pre").filter(has_text='"loss_bit_equal"')
         expect(shown).to_be_visible()
@@ -250,11 +269,15 @@ def test_jupyterlab_runs_the_contract_notebook_to_its_verdict(browser, shoot, tm
 
         # 3. Wait for the last cell's verdict (or the first traceback, or a dead kernel).
         try:
-            outcome = page.wait_for_function(VERDICT_OR_ERROR, timeout=NOTEBOOK_RUN_TIMEOUT_S * 1000, polling=1000).json_value()
+            outcome = page.wait_for_function(
+                VERDICT_OR_ERROR, timeout=NOTEBOOK_RUN_TIMEOUT_S * 1000, polling=1000
+            ).json_value()
         except Exception as exc:  # playwright's TimeoutError
             shoot(page, "lab_3_timeout")
-            pytest.fail(f"01_contract_verification showed no verdict line within {NOTEBOOK_RUN_TIMEOUT_S} s of "
-                        f"Run All Cells (status bar: {status.inner_text()!r}): {exc}")
+            pytest.fail(
+                f"01_contract_verification showed no verdict line within {NOTEBOOK_RUN_TIMEOUT_S} s of "
+                f"Run All Cells (status bar: {status.inner_text()!r}): {exc}"
+            )
         last_cell = page.locator(".jp-Notebook .jp-CodeCell").last
         last_cell.scroll_into_view_if_needed()
         shoot(page, "lab_3_verdict")
@@ -265,7 +288,9 @@ def test_jupyterlab_runs_the_contract_notebook_to_its_verdict(browser, shoot, tm
 
         verdict = last_cell.locator(".jp-OutputArea-output").first
         expect(verdict).to_be_visible()
-        expect(verdict).to_contain_text(re.compile(r"PASS: upstream SHA verified, live TRL contract holds, gamma-zero probe passed"))
+        expect(verdict).to_contain_text(
+            re.compile(r"PASS: upstream SHA verified, live TRL contract holds, gamma-zero probe passed")
+        )
         # The first code cell imported papo_nb in the kernel and attached an interactive MLflow run.
         expect(page.get_by_text(re.compile(r"^MLflow run [0-9a-f]{32}; files in ")).first).to_be_attached()
         print(f"Run All Cells to verdict: {time.monotonic() - started:.1f} s")

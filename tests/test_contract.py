@@ -47,7 +47,11 @@ def _installed_grpo_source() -> str:
 
 
 def test_static_check_reproduces_live_check_on_installed_release():
-    assert contract.static_contract_violations(_installed_grpo_source()) == contract.live_contract_violations(GRPOTrainer) == []
+    assert (
+        contract.static_contract_violations(_installed_grpo_source())
+        == contract.live_contract_violations(GRPOTrainer)
+        == []
+    )
 
 
 def test_static_check_rejects_drifted_source():
@@ -59,7 +63,9 @@ def test_static_check_rejects_drifted_source():
     ]
     renamed = source.replace("def _compute_loss(self, model, inputs):", "def _compute_loss(self, model, batch):", 1)
     assert "signature changed" in contract.static_contract_violations(renamed)[0]
-    no_gate = source.replace("self._entropy_bonus_enabled:\n                    entropies", "True:\n                    entropies", 1)
+    no_gate = source.replace(
+        "self._entropy_bonus_enabled:\n                    entropies", "True:\n                    entropies", 1
+    )
     assert contract.static_contract_violations(no_gate) == [
         "GRPOTrainer._get_per_token_logps_and_entropies no longer reads self._entropy_bonus_enabled"
     ]

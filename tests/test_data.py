@@ -62,7 +62,7 @@ def test_image_size_is_configurable():
 def test_kinds_are_balanced_and_answers_vary():
     dataset = make_shapes_dataset(300, seed=0)
     kinds = collections.Counter(dataset["kind"])
-    assert kinds == {kind: 100 for kind in KINDS}
+    assert kinds == dict.fromkeys(KINDS, 100)
     answers_by_kind = collections.defaultdict(set)
     for kind, answer in zip(dataset["kind"], dataset["answer"]):
         answers_by_kind[kind].add(answer)

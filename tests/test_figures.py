@@ -6,8 +6,8 @@ import io
 import numpy as np
 import pytest
 
-from papo_nb.workbook.calibration import CalibrationPoint, plot_calibration, zero_floor
 from papo_nb.papo.contract import GAMMA_ZERO_GRADIENT_ABS_FLOOR, GAMMA_ZERO_GRADIENT_REL_TOL
+from papo_nb.workbook.calibration import CalibrationPoint, plot_calibration, zero_floor
 from papo_nb.workbook.figures import PANELS, plot_training_curves
 
 
@@ -40,8 +40,20 @@ def calibration_points() -> list[CalibrationPoint]:
         for precision in ("fp32", "bf16"):
             for batch, parent in enumerate((0.1, 0.2)):
                 roundoff = 0.0 if precision == "fp32" else 1e-4 * parent  # exact zeros in fp32, as on CPU
-                points.append(CalibrationPoint(phase, precision, batch, parent, roundoff, GAMMA_ZERO_GRADIENT_REL_TOL * parent,
-                                               0.5 * parent, 0.4 * parent, 1e-2, True))
+                points.append(
+                    CalibrationPoint(
+                        phase,
+                        precision,
+                        batch,
+                        parent,
+                        roundoff,
+                        GAMMA_ZERO_GRADIENT_REL_TOL * parent,
+                        0.5 * parent,
+                        0.4 * parent,
+                        1e-2,
+                        True,
+                    )
+                )
     return points
 
 
@@ -71,8 +83,17 @@ def test_calibration_plot_has_labels_units_legend_boundary_and_zero_floor():
 
 
 def test_training_curves_have_labels_units_titles_and_legends():
-    steps = [{"step": s, "reward": 0.1 * s, "perception_loss": -0.01 * s, "entropy": 5.873 + 1e-4 * s,
-              "masked_entropy": 5.873 + 2e-4 * s, "clip_ratio/high_mean": 0.0} for s in range(1, 7)]
+    steps = [
+        {
+            "step": s,
+            "reward": 0.1 * s,
+            "perception_loss": -0.01 * s,
+            "entropy": 5.873 + 1e-4 * s,
+            "masked_entropy": 5.873 + 2e-4 * s,
+            "clip_ratio/high_mean": 0.0,
+        }
+        for s in range(1, 7)
+    ]
     fig = plot_training_curves(steps)
     assert fig.get_suptitle().strip()
     assert len(fig.axes) == len(PANELS)

@@ -19,10 +19,10 @@ import torch
 import yaml
 from mlflow import MlflowClient
 
-from papo_nb.train import launch
 from papo_nb.cli import main
-from papo_nb.workbook.params import load_params
 from papo_nb.infra.tracking import EXPERIMENT_NAME
+from papo_nb.train import launch
+from papo_nb.workbook.params import load_params
 
 pytestmark = pytest.mark.slow
 
@@ -55,9 +55,28 @@ def only_run(uri: str):
 def test_two_gloo_processes_train_with_the_probe_and_log_one_set_of_metrics(tmp_path, capsys):
     uri, out, steps = f"sqlite:///{tmp_path}/mlflow.db", tmp_path / "run", 3
     started = time.monotonic()
-    result = subprocess.run([str(SCRIPT), "train", "--params", str(SMOKE), "-p", "num_processes=2", "-p", f"max_steps={steps}",
-                             "-p", "save_steps=3", "-p", "require_gpu_contract_probe=true", "--output-dir", str(out)],
-                            env=env_for(uri), capture_output=True, text=True, timeout=600)
+    result = subprocess.run(
+        [
+            str(SCRIPT),
+            "train",
+            "--params",
+            str(SMOKE),
+            "-p",
+            "num_processes=2",
+            "-p",
+            f"max_steps={steps}",
+            "-p",
+            "save_steps=3",
+            "-p",
+            "require_gpu_contract_probe=true",
+            "--output-dir",
+            str(out),
+        ],
+        env=env_for(uri),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     wall = time.monotonic() - started
     with capsys.disabled():
         print(f"\n2-process gloo run: {steps} PAPO-G steps, wall time {wall:.1f} s")
@@ -73,7 +92,9 @@ def test_two_gloo_processes_train_with_the_probe_and_log_one_set_of_metrics(tmp_
     client, run = only_run(uri)  # rank 1 made no run of its own
     assert run.info.status == "FINISHED" and run.data.tags["papo_nb.num_processes"] == "2"
     for key in ("reward", "loss", "perception_kl", "masked_entropy", "entropy", "perception_loss"):
-        assert sorted(m.step for m in client.get_metric_history(run.info.run_id, key)) == list(range(1, steps + 1)), key
+        assert sorted(m.step for m in client.get_metric_history(run.info.run_id, key)) == list(range(1, steps + 1)), (
+            key
+        )
     assert len(client.get_metric_history(run.info.run_id, "probe/passed")) == 1
     metrics = run.data.metrics
     assert metrics["probe_final/passed"] == 1.0 and metrics["probe_final/same_on_all_ranks"] == 1.0
@@ -116,8 +137,15 @@ def killed_and_resumed(tmp_path_factory):
 
     resumed = subprocess.run(command + ["--resume"], env=env_for(uri), capture_output=True, text=True, timeout=600)
     assert resumed.returncode == 0, resumed.stdout[-4000:] + resumed.stderr[-4000:]
-    return dict(uri=uri, out=out, command=command, steps_done=steps_done, checkpoint_at_kill=checkpoint_at_kill,
-                info_before=info_before, resumed=resumed)
+    return dict(
+        uri=uri,
+        out=out,
+        command=command,
+        steps_done=steps_done,
+        checkpoint_at_kill=checkpoint_at_kill,
+        info_before=info_before,
+        resumed=resumed,
+    )
 
 
 def test_a_killed_run_resumes_where_its_checkpoint_left_off(killed_and_resumed):
@@ -127,7 +155,9 @@ def test_a_killed_run_resumes_where_its_checkpoint_left_off(killed_and_resumed):
     evidence = json.loads((out / launch.RESUME_EVIDENCE_FILE).read_text())
     resumed_at = evidence["resumed_at_step"]
     # the right step, with the checkpoint's optimizer, scheduler, adapter and masking RNG, exactly
-    assert evidence["checkpoint"] == str(checkpoint) and resumed_at == evidence["checkpoint_step"] == launch.checkpoint_step(checkpoint)
+    assert evidence["checkpoint"] == str(checkpoint) and resumed_at == evidence[
+        "checkpoint_step"
+    ] == launch.checkpoint_step(checkpoint)
     assert evidence["restored"] and evidence["mask_rng_restored"]
     assert evidence["adapter_max_abs_difference"] == 0.0
     assert evidence["optimizer_max_abs_difference"] == 0.0 and evidence["optimizer_steps"] == resumed_at
@@ -136,7 +166,9 @@ def test_a_killed_run_resumes_where_its_checkpoint_left_off(killed_and_resumed):
     assert 0 <= lost <= SAVE_STEPS
     first_new_step = min(int(m.group(1)) for m in map(STEP_LINE.search, k["resumed"].stdout.splitlines()) if m)
     assert first_new_step == resumed_at + 1
-    print(f"\nkilled after step {k['steps_done']}, resumed from step {resumed_at}: {lost} step(s) lost (save_steps {SAVE_STEPS})")
+    print(
+        f"\nkilled after step {k['steps_done']}, resumed from step {resumed_at}: {lost} step(s) lost (save_steps {SAVE_STEPS})"
+    )
 
     summary = json.loads((out / launch.SUMMARY_FILE).read_text())
     assert summary["global_step"] == MAX_STEPS and summary["probe"]["status"] == "passed"
@@ -169,14 +201,21 @@ def copy_run(k, tmp_path) -> Path:
 def test_a_corrupt_last_checkpoint_is_skipped_with_a_warning_naming_it(killed_and_resumed, tmp_path, damage, expected):
     out = copy_run(killed_and_resumed, tmp_path)
     last = out / f"checkpoint-{MAX_STEPS}"
-    target = {"truncate_adapter": "adapter_model.safetensors", "drop_trainer_state": "trainer_state.json",
-              "drop_optimizer": "optimizer.pt", "truncate_optimizer": "optimizer.pt"}[damage]
+    target = {
+        "truncate_adapter": "adapter_model.safetensors",
+        "drop_trainer_state": "trainer_state.json",
+        "drop_optimizer": "optimizer.pt",
+        "truncate_optimizer": "optimizer.pt",
+    }[damage]
     if damage.startswith("truncate"):
         data = (last / target).read_bytes()
         (last / target).write_bytes(data[: len(data) // 2])
     else:
         (last / target).unlink()
-    with pytest.warns(launch.CorruptCheckpointWarning, match=rf"skipping corrupt or partial checkpoint {re.escape(str(last))}: .*{expected}"):
+    with pytest.warns(
+        launch.CorruptCheckpointWarning,
+        match=rf"skipping corrupt or partial checkpoint {re.escape(str(last))}: .*{expected}",
+    ):
         checkpoint, skipped = launch.find_resume_checkpoint(out)
     assert checkpoint == out / f"checkpoint-{MAX_STEPS - SAVE_STEPS}" and [s[0] for s in skipped] == [last]
 
@@ -186,9 +225,14 @@ def test_resume_past_a_truncated_checkpoint_trains_from_the_previous_one(killed_
     out = copy_run(k, tmp_path)
     adapter = out / f"checkpoint-{MAX_STEPS}" / "adapter_model.safetensors"
     adapter.write_bytes(adapter.read_bytes()[:100])
-    result = subprocess.run(k["command"][:-1] + [str(out), "--resume"], env=env_for(k["uri"]), capture_output=True, text=True, timeout=600)
+    result = subprocess.run(
+        k["command"][:-1] + [str(out), "--resume"], env=env_for(k["uri"]), capture_output=True, text=True, timeout=600
+    )
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
-    assert "CorruptCheckpointWarning" in result.stderr and f"checkpoint {out / f'checkpoint-{MAX_STEPS}'}" in result.stderr
+    assert (
+        "CorruptCheckpointWarning" in result.stderr
+        and f"checkpoint {out / f'checkpoint-{MAX_STEPS}'}" in result.stderr
+    )
     evidence = json.loads((out / launch.RESUME_EVIDENCE_FILE).read_text())
     assert evidence["resumed_at_step"] == MAX_STEPS - SAVE_STEPS and evidence["restored"]
     assert launch.checkpoint_problems(out / f"checkpoint-{MAX_STEPS}") == []  # saved again, complete
@@ -203,8 +247,25 @@ def test_resume_past_a_truncated_checkpoint_trains_from_the_previous_one(killed_
 def test_resume_with_different_parameters_is_refused_naming_them(killed_and_resumed, tmp_path, capsys):
     out = copy_run(killed_and_resumed, tmp_path)
     before = {p.name: p.stat().st_mtime_ns for p in out.iterdir()}
-    code = main(["train", "--params", str(SMOKE), *RUN, "-p", "lora_r=16", "-p", "mask_ratio=0.5", "-p", "perception_loss_schedule=linear",
-                 "-p", "save_steps=3", "--output-dir", str(out), "--resume"])
+    code = main(
+        [
+            "train",
+            "--params",
+            str(SMOKE),
+            *RUN,
+            "-p",
+            "lora_r=16",
+            "-p",
+            "mask_ratio=0.5",
+            "-p",
+            "perception_loss_schedule=linear",
+            "-p",
+            "save_steps=3",
+            "--output-dir",
+            str(out),
+            "--resume",
+        ]
+    )
     err = capsys.readouterr().err
     assert code == 2
     assert f"refusing to resume the run in {out}" in err and "3 parameter(s) differ" in err
@@ -242,11 +303,18 @@ def test_force_resume_accepts_and_records_the_changes(killed_and_resumed, tmp_pa
 
 
 @pytest.mark.parametrize("reference", ["init_adapter", "base"])
-def test_phase2_restores_the_trained_adapter_trainable_with_the_chosen_reference(killed_and_resumed, shapes_dataset, tmp_path, reference):
+def test_phase2_restores_the_trained_adapter_trainable_with_the_chosen_reference(
+    killed_and_resumed, shapes_dataset, tmp_path, reference
+):
     from safetensors.torch import load_file
 
     from papo_nb.workbook.batches import rollout_batch
-    from papo_nb.workbook.checkpoints import REFERENCE_MATCH_TOL, adapter_tensors, describe_reference, reference_evidence
+    from papo_nb.workbook.checkpoints import (
+        REFERENCE_MATCH_TOL,
+        adapter_tensors,
+        describe_reference,
+        reference_evidence,
+    )
     from papo_nb.workbook.training import prepare_training
 
     trained = killed_and_resumed["out"] / f"checkpoint-{MAX_STEPS}"
@@ -266,7 +334,9 @@ def test_phase2_restores_the_trained_adapter_trainable_with_the_chosen_reference
     # TRL's own reference log-probs, before any step, against the base model's and the loaded adapter's
     batch = rollout_batch(trainer, shapes_dataset, n_prompts=1, seed=0)
     evidence = reference_evidence(trainer, batch)
-    assert evidence["start_policy_vs_base"] > 100 * REFERENCE_MATCH_TOL, "the trained adapter should differ from the base model"
+    assert evidence["start_policy_vs_base"] > 100 * REFERENCE_MATCH_TOL, (
+        "the trained adapter should differ from the base model"
+    )
     assert evidence["matches"] == reference, evidence
     print(f"\nreference_policy={reference}: {evidence}")
     assert ("frozen copy of the loaded adapter" in describe_reference(trainer)) == (reference == "init_adapter")
@@ -285,8 +355,13 @@ def test_accelerate_configs_load_and_are_documented():
 
     folder = ROOT / "configs" / "accelerate"
     readme = (folder / "README.md").read_text()
-    expected = {"multi_gpu.yaml": "MULTI_GPU", "deepspeed_zero2.yaml": "DEEPSPEED", "deepspeed_zero3.yaml": "DEEPSPEED",
-                "fsdp.yaml": "FSDP", "cpu_gloo.yaml": "MULTI_GPU"}
+    expected = {
+        "multi_gpu.yaml": "MULTI_GPU",
+        "deepspeed_zero2.yaml": "DEEPSPEED",
+        "deepspeed_zero3.yaml": "DEEPSPEED",
+        "fsdp.yaml": "FSDP",
+        "cpu_gloo.yaml": "MULTI_GPU",
+    }
     for name, kind in expected.items():
         assert load_config_from_file(str(folder / name)).distributed_type.value == kind, name
         assert name in readme, name

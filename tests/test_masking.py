@@ -14,8 +14,10 @@ from papo_nb.workbook import raw_masks
 def processed():
     processor = Qwen2VLImageProcessor(min_pixels=56 * 56, max_pixels=112 * 112)
     rng = np.random.default_rng(0)
-    images = [Image.fromarray(rng.integers(1, 255, (112, 112, 3), dtype=np.uint8)),
-              Image.fromarray(rng.integers(1, 255, (56, 56, 3), dtype=np.uint8))]
+    images = [
+        Image.fromarray(rng.integers(1, 255, (112, 112, 3), dtype=np.uint8)),
+        Image.fromarray(rng.integers(1, 255, (56, 56, 3), dtype=np.uint8)),
+    ]
     out = processor(images=images, return_tensors="pt")
     return processor, out["pixel_values"], out["image_grid_thw"]
 
@@ -28,7 +30,9 @@ def test_patch_mask_changes_2d_qwen_pixel_values_to_black(processed):
     processor, pixel_values, grid = processed
     assert pixel_values.dim() == 2 and grid.tolist() == [[1, 8, 8], [1, 4, 4]]
     original = pixel_values.clone()
-    masked = masking.mask_patches(pixel_values, grid, 0.6, generator=torch.Generator().manual_seed(0), **_stats(processor))
+    masked = masking.mask_patches(
+        pixel_values, grid, 0.6, generator=torch.Generator().manual_seed(0), **_stats(processor)
+    )
     assert torch.equal(pixel_values, original), "input was modified"
     changed = (masked != pixel_values).any(dim=1)
     assert changed[:64].sum().item() == round(0.6 * 64) and changed[64:].sum().item() == round(0.6 * 16)
@@ -42,12 +46,16 @@ def test_black_value_matches_processing_a_black_image():
     processor = Qwen2VLImageProcessor(min_pixels=56 * 56, max_pixels=56 * 56)
     row = processor(images=[Image.new("RGB", (56, 56))], return_tensors="pt")["pixel_values"][0]
     per_channel = row.view(3, -1)
-    assert torch.allclose(per_channel, masking.black_pixel_values(processor.image_mean, processor.image_std)[:, None], atol=1e-6)
+    assert torch.allclose(
+        per_channel, masking.black_pixel_values(processor.image_mean, processor.image_std)[:, None], atol=1e-6
+    )
 
 
 def test_merge_unit_mask_takes_whole_units(processed):
     processor, pixel_values, grid = processed
-    masked = masking.mask_patches(pixel_values, grid, 0.5, unit="merge_unit", generator=torch.Generator().manual_seed(1), **_stats(processor))
+    masked = masking.mask_patches(
+        pixel_values, grid, 0.5, unit="merge_unit", generator=torch.Generator().manual_seed(1), **_stats(processor)
+    )
     changed = (masked != pixel_values).any(dim=1).view(-1, 4)
     assert torch.all(changed.all(1) | ~changed.any(1))
     assert changed.all(1).sum().item() == 8 + 2
@@ -55,7 +63,9 @@ def test_merge_unit_mask_takes_whole_units(processed):
 
 def test_masks_are_seeded_and_reproducible(processed):
     processor, pixel_values, grid = processed
-    run = lambda seed: masking.mask_patches(pixel_values, grid, 0.6, generator=torch.Generator().manual_seed(seed), **_stats(processor))  # noqa: E731
+    run = lambda seed: masking.mask_patches(
+        pixel_values, grid, 0.6, generator=torch.Generator().manual_seed(seed), **_stats(processor)
+    )  # noqa: E731
     assert torch.equal(run(3), run(3))
     assert not torch.equal(run(3), run(4))
 
@@ -63,7 +73,9 @@ def test_masks_are_seeded_and_reproducible(processed):
 def test_random_element_mask(processed):
     processor, pixel_values, grid = processed
     original = pixel_values.clone()
-    masked = masking.mask_random_elements(pixel_values, 0.6, generator=torch.Generator().manual_seed(0), **_stats(processor))
+    masked = masking.mask_random_elements(
+        pixel_values, 0.6, generator=torch.Generator().manual_seed(0), **_stats(processor)
+    )
     assert torch.equal(pixel_values, original)
     fraction = (masked != pixel_values).float().mean().item()
     assert 0.55 < fraction < 0.65

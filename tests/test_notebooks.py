@@ -7,10 +7,10 @@ import nbformat
 import pytest
 from mlflow import MlflowClient
 
+from papo_nb.infra.notebooks import WorkbookError, run_workbook
 from papo_nb.papo.contract import PAPO_ADAPTER_VERSION
 from papo_nb.testbed.shapes import make_shapes_dataset
 from papo_nb.workbook.params import load_params
-from papo_nb.infra.notebooks import WorkbookError, run_workbook
 
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
@@ -29,13 +29,19 @@ def artifact_json(client, run_id, path):
 
 
 def test_notebooks_are_thin_and_committed_clean():
-    assert [p.name for p in NOTEBOOKS] == ["01_contract_verification.ipynb", "02_probe_calibration.ipynb", "03_training_run.ipynb"]
+    assert [p.name for p in NOTEBOOKS] == [
+        "01_contract_verification.ipynb",
+        "02_probe_calibration.ipynb",
+        "03_training_run.ipynb",
+    ]
     for path in NOTEBOOKS:
         book = nbformat.read(path, as_version=4)
         tagged = [c for c in book.cells if "parameters" in c.metadata.get("tags", [])]
         assert len(tagged) == 1, path
         for line in tagged[0].source.splitlines():
-            assert ": " in line and " = " in line and "  # " in line, f"{path.name}: undocumented parameter line {line!r}"
+            assert ": " in line and " = " in line and "  # " in line, (
+                f"{path.name}: undocumented parameter line {line!r}"
+            )
         assert not any(c.get("outputs") or c.get("execution_count") for c in book.cells if c.cell_type == "code"), path
 
 
@@ -72,11 +78,18 @@ def test_calibration_notebook_logged_points_margins_and_plot(workbook):
     params = load_params(SMOKE)
     points = artifact_json(client, run.info.run_id, "evidence/calibration_points.json")["points"]
     assert len(points) == 2 * len(params.calibration_precisions) * params.calibration_batches
-    assert {p["phase"] for p in points} == {"phase1", "phase2"} and {p["precision"] for p in points} == {"fp32", "bf16"}
+    assert {p["phase"] for p in points} == {"phase1", "phase2"} and {p["precision"] for p in points} == {
+        "fp32",
+        "bf16",
+    }
     assert all(p["grad_diff_norm"] <= p["tolerance"] < p["injected_leak_diff"] for p in points)
     metrics = run.data.metrics
     assert metrics["calibration/points"] == len(points)
-    assert metrics["calibration/max_roundoff_fraction_of_tolerance"] <= 1.0 < metrics["calibration/min_leak_multiple_of_tolerance"]
+    assert (
+        metrics["calibration/max_roundoff_fraction_of_tolerance"]
+        <= 1.0
+        < metrics["calibration/min_leak_multiple_of_tolerance"]
+    )
     assert metrics["calibration/separated"] == 1.0
     assert metrics["phase2_restore/equal"] == 1.0 and metrics["phase2_restore/trainable_parameters"] > 0
     assert [a.path for a in client.list_artifacts(run.info.run_id, "figures")] == ["figures/calibration.png"]
@@ -118,8 +131,13 @@ def test_a_notebook_failing_midway_leaves_its_executed_copy_in_a_failed_run(tmp_
     broken = tmp_path / "dataset_without_answers"
     make_shapes_dataset(8, seed=0).remove_columns("answer").save_to_disk(str(broken))
     uri = f"sqlite:///{tmp_path}/mlflow.db"
-    result = run_workbook([ROOT / "notebooks" / "03_training_run.ipynb"], SMOKE, [f"dataset={broken}", "max_steps=1"],
-                          run_root=tmp_path / "runs", tracking_uri=uri)
+    result = run_workbook(
+        [ROOT / "notebooks" / "03_training_run.ipynb"],
+        SMOKE,
+        [f"dataset={broken}", "max_steps=1"],
+        run_root=tmp_path / "runs",
+        tracking_uri=uri,
+    )
     assert not result.ok
     failed = result.notebooks[0]
     assert failed.status == "FAILED" and "ValueError" in failed.failed_cell and "answer" in failed.failed_cell
@@ -128,7 +146,11 @@ def test_a_notebook_failing_midway_leaves_its_executed_copy_in_a_failed_run(tmp_
     assert run.info.status == "FAILED" and run.data.tags["papo_nb.failed_cell"] == failed.failed_cell
     assert client.get_run(result.parent_run_id).info.status == "FAILED"
     executed = nbformat.read(client.download_artifacts(failed.run_id, "notebook/03_training_run.ipynb"), as_version=4)
-    failing = [c for c in executed.cells if c.cell_type == "code" and any(o.get("output_type") == "error" for o in c.get("outputs", []))]
+    failing = [
+        c
+        for c in executed.cells
+        if c.cell_type == "code" and any(o.get("output_type") == "error" for o in c.get("outputs", []))
+    ]
     assert len(failing) == 1 and "prepare_training(" in failing[0].source
-    later = executed.cells[executed.cells.index(failing[0]) + 1:]
+    later = executed.cells[executed.cells.index(failing[0]) + 1 :]
     assert not any(c.get("outputs") for c in later if c.cell_type == "code"), "cells after the failure must not run"

@@ -48,9 +48,7 @@ def _parse(lines: list[str], source: str) -> tuple[dict[str, Requirement], list[
         req = Requirement(line)
         key = normalize(req.name)
         if key in reqs:
-            problems.append(
-                f"{key}: listed twice in {source}: {_describe(reqs[key])} and {_describe(req)}"
-            )
+            problems.append(f"{key}: listed twice in {source}: {_describe(reqs[key])} and {_describe(req)}")
         reqs[key] = req
     return reqs, problems
 
@@ -73,9 +71,7 @@ def compare_requirements(pyproject_reqs: list[str], environment_reqs: list[str])
             or str(a.marker or "") != str(b.marker or "")
             or a.url != b.url
         ):
-            problems.append(
-                f"{key}: pyproject.toml has {_describe(a)}, environment.yml has {_describe(b)}"
-            )
+            problems.append(f"{key}: pyproject.toml has {_describe(a)}, environment.yml has {_describe(b)}")
     return problems
 
 
@@ -159,9 +155,9 @@ def test_environment_yml_shape():
     assert env["channels"] == ["conda-forge"]
     conda, _, options = split_environment(env)
     assert "pip" in conda, "environment.yml must install pip at the conda level"
-    assert any(
-        re.fullmatch(r"-e\s+\.(\[[\w,\s-]*\])?", o) for o in options
-    ), f"environment.yml must install the project itself with '-e .', pip options are {options!r}"
+    assert any(re.fullmatch(r"-e\s+\.(\[[\w,\s-]*\])?", o) for o in options), (
+        f"environment.yml must install the project itself with '-e .', pip options are {options!r}"
+    )
 
 
 def test_pip_requirements_agree_with_pyproject():
@@ -183,8 +179,7 @@ def test_running_interpreter_satisfies_requires_python():
     pyproject, _ = load()
     requires_python = pyproject["project"]["requires-python"]
     assert platform.python_version() in SpecifierSet(requires_python), (
-        f"tests run on Python {platform.python_version()}, "
-        f"pyproject.toml requires-python is {requires_python!r}"
+        f"tests run on Python {platform.python_version()}, pyproject.toml requires-python is {requires_python!r}"
     )
 
 
@@ -198,10 +193,9 @@ def test_readme_and_ci_share_the_test_command():
     ci = ROOT / ".ci" / "run"
     assert os.access(ci, os.X_OK), ".ci/run must be executable"
     ci_lines = [line.strip() for line in ci.read_text().splitlines()]
-    assert any(
-        line == "bash scripts/test.sh" or line.startswith("bash scripts/test.sh ")
-        for line in ci_lines
-    ), ".ci/run must run README's test command `bash scripts/test.sh`"
+    assert any(line == "bash scripts/test.sh" or line.startswith("bash scripts/test.sh ") for line in ci_lines), (
+        ".ci/run must run README's test command `bash scripts/test.sh`"
+    )
     for script in ("test.sh", "smoke.sh"):
         assert (ROOT / "scripts" / script).is_file(), script
 
@@ -240,10 +234,13 @@ def test_compare_detects_missing_extra_and_changed_packages():
 
 
 def test_compare_normalises_names_and_ignores_specifier_order():
-    assert compare_requirements(
-        ["PyYAML>=6.0,<7", "typing_extensions>=4", "Pillow==13.0.0", "zope.interface>=6"],
-        ["pyyaml<7,>=6.0", "typing-extensions>=4", "pillow==13.0.0", "Zope-Interface>=6"],
-    ) == []
+    assert (
+        compare_requirements(
+            ["PyYAML>=6.0,<7", "typing_extensions>=4", "Pillow==13.0.0", "zope.interface>=6"],
+            ["pyyaml<7,>=6.0", "typing-extensions>=4", "pillow==13.0.0", "Zope-Interface>=6"],
+        )
+        == []
+    )
 
 
 def test_compare_flags_duplicates_extras_and_markers():

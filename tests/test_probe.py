@@ -7,12 +7,12 @@ import pytest
 import torch
 from peft import get_peft_model
 
-from papo_nb.workbook.batches import rollout_batch
-from papo_nb.papo.contract import GAMMA_ZERO_GRADIENT_ABS_FLOOR, GAMMA_ZERO_GRADIENT_REL_TOL, PAPO_ADAPTER_VERSION
-from papo_nb.testbed.models import load_vlm, tiny_grpo_config, tiny_lora_config, vision_special_token_ids
-from papo_nb.papo.probe import PASS_RULE, PROBE_CALLS, GammaZeroProbe, ProbeFailure, probe_batch
-from papo_nb.testbed.rewards import accuracy_reward, format_reward
 from papo_nb.papo import PAPOGConfig, PAPOGTrainer
+from papo_nb.papo.contract import GAMMA_ZERO_GRADIENT_ABS_FLOOR, GAMMA_ZERO_GRADIENT_REL_TOL, PAPO_ADAPTER_VERSION
+from papo_nb.papo.probe import PASS_RULE, PROBE_CALLS, GammaZeroProbe, ProbeFailure, probe_batch
+from papo_nb.testbed.models import load_vlm, tiny_grpo_config, tiny_lora_config, vision_special_token_ids
+from papo_nb.testbed.rewards import accuracy_reward, format_reward
+from papo_nb.workbook.batches import rollout_batch
 
 
 class LeakyPAPOGTrainer(PAPOGTrainer):
@@ -33,8 +33,13 @@ def build(tiny_vlm_path, dataset, tmp_path, trainer_cls=PAPOGTrainer, zero_visio
     torch.manual_seed(0)
     model = get_peft_model(model, tiny_lora_config())
     args = tiny_grpo_config(tmp_path / "out", vision_special_token_ids(processor), config_cls=PAPOGConfig, **overrides)
-    trainer = trainer_cls(model=model, processing_class=processor, reward_funcs=[accuracy_reward, format_reward],
-                          args=args, train_dataset=dataset)
+    trainer = trainer_cls(
+        model=model,
+        processing_class=processor,
+        reward_funcs=[accuracy_reward, format_reward],
+        args=args,
+        train_dataset=dataset,
+    )
     return trainer, rollout_batch(trainer, dataset, n_prompts=2, seed=0)
 
 
@@ -48,7 +53,11 @@ def test_probe_passes_on_the_real_adapter_with_full_evidence(real):
     evidence = probe_batch(trainer, batch)
     assert evidence.passed, evidence.message
     assert evidence.loss_bit_equal and evidence.parent_loss == evidence.zero_gamma_loss
-    assert evidence.grad_diff_norm <= evidence.tolerance == max(GAMMA_ZERO_GRADIENT_REL_TOL * evidence.parent_grad_norm, GAMMA_ZERO_GRADIENT_ABS_FLOOR)
+    assert (
+        evidence.grad_diff_norm
+        <= evidence.tolerance
+        == max(GAMMA_ZERO_GRADIENT_REL_TOL * evidence.parent_grad_norm, GAMMA_ZERO_GRADIENT_ABS_FLOOR)
+    )
     assert evidence.perception_kl > 0 and evidence.perception_grad_norm > 0
     assert evidence.separation_ratio == pytest.approx(evidence.perception_grad_norm / evidence.tolerance)
     record = json.loads(json.dumps(evidence.to_dict()))
@@ -71,8 +80,14 @@ def test_probe_catches_a_leaking_adapter(tiny_vlm_path, shapes_dataset, tmp_path
 
 def test_image_invariant_model_fails_after_exactly_the_bound(tiny_vlm_path, shapes_dataset, tmp_path):
     bound = 20
-    trainer, batch = build(tiny_vlm_path, shapes_dataset, tmp_path, zero_vision=True, require_gpu_contract_probe=True,
-                           probe_max_degenerate_batches=bound)
+    trainer, batch = build(
+        tiny_vlm_path,
+        shapes_dataset,
+        tmp_path,
+        zero_vision=True,
+        require_gpu_contract_probe=True,
+        probe_max_degenerate_batches=bound,
+    )
     model = trainer.model
     for i in range(1, bound):
         trainer._compute_loss(model, batch)
@@ -85,7 +100,11 @@ def test_image_invariant_model_fails_after_exactly_the_bound(tiny_vlm_path, shap
 
 def test_text_only_batches_do_not_count_as_degenerate(real):
     trainer, batch = real
-    text_only = {k: v for k, v in batch.items() if k not in ("pixel_values", "image_grid_thw", "num_images", "mm_token_type_ids")}
+    text_only = {
+        k: v
+        for k, v in batch.items()
+        if k not in ("pixel_values", "image_grid_thw", "num_images", "mm_token_type_ids")
+    }
     text_only["prompt_ids"], text_only["prompt_mask"] = batch["prompt_ids"][:, -4:], batch["prompt_mask"][:, -4:]
     probe = GammaZeroProbe(max_degenerate_batches=1)
     for _ in range(3):
@@ -122,5 +141,5 @@ def test_no_probe_code_runs_when_not_required(tiny_vlm_path, shapes_dataset, tmp
     trainer, _ = build(tiny_vlm_path, shapes_dataset, tmp_path, require_gpu_contract_probe=False, max_steps=2)
     calls_before = dict(PROBE_CALLS)
     trainer.train()
-    assert trainer.probe is None and PROBE_CALLS == calls_before
+    assert trainer.probe is None and calls_before == PROBE_CALLS
     assert not any(k.startswith("probe/") for h in trainer.state.log_history for k in h)

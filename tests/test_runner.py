@@ -60,7 +60,9 @@ def notebook_a(folder: Path) -> Path:
 def notebook_b(folder: Path) -> Path:
     # declares only seed and the runtime keys: it must not be handed max_steps
     params = "\n".join(line for line in PARAMETERS_CELL.splitlines() if not line.startswith("max_steps"))
-    return write_notebook(folder / "b_second.ipynb", 'mlflow.log_metric("seed_times_ten", seed * 10)', parameters=params)
+    return write_notebook(
+        folder / "b_second.ipynb", 'mlflow.log_metric("seed_times_ten", seed * 10)', parameters=params
+    )
 
 
 def notebook_failing(folder: Path) -> Path:
@@ -85,8 +87,16 @@ def all_runs(uri: str):
 
 def run_cli(*args: str, uri: str, cwd: Path, **popen) -> subprocess.Popen:
     env = {**os.environ, "MLFLOW_TRACKING_URI": uri}
-    return subprocess.Popen([str(SCRIPT), *args], cwd=cwd, env=env, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, **popen)
+    return subprocess.Popen(
+        [str(SCRIPT), *args],
+        cwd=cwd,
+        env=env,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        stdin=subprocess.DEVNULL,
+        **popen,
+    )
 
 
 def children_of(runs, parent_id: str) -> dict[str, object]:
@@ -133,7 +143,9 @@ def test_two_notebook_workbook_logs_everything(tmp_path, store):
     assert run_b.data.metrics["seed_times_ten"] == 30
     assert run_a.data.metrics["a/seed"] == 3 and run_a.data.metrics["a/nested/ok"] == 1
     assert "a/nested/loss" not in run_a.data.metrics  # NaN stays out of metrics...
-    evidence = json.loads(Path(client.download_artifacts(run_a.info.run_id, "evidence/a.json", str(tmp_path))).read_text())
+    evidence = json.loads(
+        Path(client.download_artifacts(run_a.info.run_id, "evidence/a.json", str(tmp_path))).read_text()
+    )
     assert evidence["nested"]["loss"] == "nan" and evidence["note"] == "text"  # ...and is a string in the JSON
     assert (result.run_dir / "a_was_here.txt").read_text() == run_a.info.run_id
 
@@ -227,8 +239,7 @@ def test_two_workbooks_at_once_on_a_fresh_store(tmp_path, store):
     a = notebook_a(tmp_path)
     assert not (tmp_path / "mlflow.db").exists()
     procs = [
-        run_cli("run", str(a), "-p", f"seed={seed}", "--run-root", "runs", uri=store, cwd=tmp_path)
-        for seed in (1, 2)
+        run_cli("run", str(a), "-p", f"seed={seed}", "--run-root", "runs", uri=store, cwd=tmp_path) for seed in (1, 2)
     ]
     outputs = [p.communicate(timeout=300) for p in procs]
     for proc, (out, err) in zip(procs, outputs):

@@ -21,7 +21,6 @@ import trl  # noqa: E402
 from mlflow import MlflowClient  # noqa: E402
 
 import papo_nb  # noqa: E402
-from papo_nb.papo.contract import PAPO_ADAPTER_VERSION  # noqa: E402
 from papo_nb.infra.tracking import (  # noqa: E402
     EXPERIMENT_NAME,
     absolute_tracking_uri,
@@ -32,6 +31,7 @@ from papo_nb.infra.tracking import (  # noqa: E402
     search_workbook_runs,
     standard_tags,
 )
+from papo_nb.papo.contract import PAPO_ADAPTER_VERSION  # noqa: E402
 
 
 @pytest.fixture
@@ -92,7 +92,9 @@ def test_interactive_attach_then_evidence_figure_tags(tmp_path, store):
         "papo_nb.precision": "bf16",
     }
     assert all(finished.data.tags[k] == v for k, v in tags.items())
-    saved = json.loads(Path(client.download_artifacts(run.info.run_id, "evidence/probe.json", str(tmp_path))).read_text())
+    saved = json.loads(
+        Path(client.download_artifacts(run.info.run_id, "evidence/probe.json", str(tmp_path))).read_text()
+    )
     assert saved["gap"] == {"fp32": 1e-7, "bf16": "inf", "nan": "nan"} and saved["per_step"] == [1.0, "nan"]
     assert saved["steps"] == 4 and saved["passed"] is True and math.isclose(saved["loss"], 0.5)
     png = tmp_path / "mlartifacts" / EXPERIMENT_NAME / run.info.run_id / "artifacts" / "figures" / "loss_curve.png"
@@ -129,8 +131,12 @@ def test_fresh_store_opened_by_three_processes_at_once(tmp_path):
     barrier = tmp_path / "barrier"
     barrier.mkdir()
     procs = [
-        subprocess.Popen([sys.executable, "-c", RACER, uri, str(barrier), "3", f"p{i}"],
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        subprocess.Popen(
+            [sys.executable, "-c", RACER, uri, str(barrier), "3", f"p{i}"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         for i in range(3)
     ]
     results = [p.communicate(timeout=180) for p in procs]
@@ -139,4 +145,3 @@ def test_fresh_store_opened_by_three_processes_at_once(tmp_path):
     assert len({out.strip() for out, _ in results}) == 1  # one experiment
     runs = MlflowClient(uri).search_runs([results[0][0].strip()])
     assert sorted(r.info.run_name for r in runs) == ["p0", "p1", "p2"]
-

@@ -5,10 +5,10 @@ import torch
 from peft import get_peft_model
 from trl import GRPOConfig, GRPOTrainer
 
-from papo_nb.workbook.batches import clone_batch, rollout_batch
+from papo_nb.papo import PAPOGConfig, PAPOGTrainer
 from papo_nb.testbed.models import load_vlm, tiny_grpo_config, tiny_lora_config, vision_special_token_ids
 from papo_nb.testbed.rewards import accuracy_reward, format_reward
-from papo_nb.papo import PAPOGConfig, PAPOGTrainer
+from papo_nb.workbook.batches import clone_batch, rollout_batch
 
 
 @pytest.fixture(scope="module")
@@ -20,9 +20,16 @@ def policy(tiny_vlm_path):
 
 def make_trainer(policy, dataset, tmp_path, trainer_cls=PAPOGTrainer, config_cls=PAPOGConfig, **overrides):
     model, processor = policy
-    args = tiny_grpo_config(tmp_path / trainer_cls.__name__, vision_special_token_ids(processor), config_cls=config_cls, **overrides)
-    return trainer_cls(model=model, processing_class=processor, reward_funcs=[accuracy_reward, format_reward],
-                       args=args, train_dataset=dataset)
+    args = tiny_grpo_config(
+        tmp_path / trainer_cls.__name__, vision_special_token_ids(processor), config_cls=config_cls, **overrides
+    )
+    return trainer_cls(
+        model=model,
+        processing_class=processor,
+        reward_funcs=[accuracy_reward, format_reward],
+        args=args,
+        train_dataset=dataset,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -38,9 +45,18 @@ def trainable_grads(model, loss):
 
 @pytest.mark.parametrize("loss_type", ["grpo", "dapo"])
 def test_zero_gamma_zero_eta_is_the_parent_loss_bit_for_bit(policy, shapes_dataset, batch, tmp_path, loss_type):
-    papo = make_trainer(policy, shapes_dataset, tmp_path, loss_type=loss_type, perception_loss_weight=0.0,
-                        original_entropy_weight=0.0, masked_entropy_weight=0.0)
-    plain = make_trainer(policy, shapes_dataset, tmp_path, trainer_cls=GRPOTrainer, config_cls=GRPOConfig, loss_type=loss_type)
+    papo = make_trainer(
+        policy,
+        shapes_dataset,
+        tmp_path,
+        loss_type=loss_type,
+        perception_loss_weight=0.0,
+        original_entropy_weight=0.0,
+        masked_entropy_weight=0.0,
+    )
+    plain = make_trainer(
+        policy, shapes_dataset, tmp_path, trainer_cls=GRPOTrainer, config_cls=GRPOConfig, loss_type=loss_type
+    )
     for trainer in (papo, plain):
         trainer.current_gradient_accumulation_steps = 1
     papo_loss = papo._compute_loss(policy[0], batch)
@@ -101,7 +117,11 @@ def test_padding_changes_neither_perception_nor_entropy_terms(policy, shapes_dat
 
 def test_text_only_batch_has_zero_perception_term(policy, shapes_dataset, batch, tmp_path):
     trainer = make_trainer(policy, shapes_dataset, tmp_path)
-    text_only = {k: v for k, v in batch.items() if k not in ("pixel_values", "image_grid_thw", "num_images", "mm_token_type_ids")}
+    text_only = {
+        k: v
+        for k, v in batch.items()
+        if k not in ("pixel_values", "image_grid_thw", "num_images", "mm_token_type_ids")
+    }
     text_only["prompt_ids"] = text_only["prompt_ids"][:, -4:]  # drop the image tokens as well
     text_only["prompt_mask"] = text_only["prompt_mask"][:, -4:]
     parent, terms = trainer.papo_loss_parts(policy[0], text_only)
@@ -129,8 +149,17 @@ def test_entropy_weights_change_the_gradient(policy, shapes_dataset, batch, tmp_
 
 def test_gamma_pushes_the_gradient_and_linear_schedule_anneals(policy, shapes_dataset, batch, tmp_path):
     model = policy[0]
-    trainer = make_trainer(policy, shapes_dataset, tmp_path, original_entropy_weight=0.0, masked_entropy_weight=0.0,
-                           perception_loss_weight=0.5, perception_loss_schedule="linear", perception_loss_weight_final=0.1, max_steps=4)
+    trainer = make_trainer(
+        policy,
+        shapes_dataset,
+        tmp_path,
+        original_entropy_weight=0.0,
+        masked_entropy_weight=0.0,
+        perception_loss_weight=0.5,
+        perception_loss_schedule="linear",
+        perception_loss_weight_final=0.1,
+        max_steps=4,
+    )
     trainer.current_gradient_accumulation_steps = 1
     assert trainer.current_gamma() == 0.5
     trainer.state.global_step = 2
@@ -163,6 +192,11 @@ def test_config_rejects_bad_fields_by_name(tmp_path, field, value, allowed):
 
 def test_config_defaults_follow_the_paper(tmp_path):
     args = PAPOGConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False)
-    assert (args.perception_loss_weight, args.mask_ratio, args.original_entropy_weight, args.masked_entropy_weight) == (0.02, 0.6, 0.03, 0.03)
+    assert (
+        args.perception_loss_weight,
+        args.mask_ratio,
+        args.original_entropy_weight,
+        args.masked_entropy_weight,
+    ) == (0.02, 0.6, 0.03, 0.03)
     assert args.beta == 0.01 and args.masked_branch_grad is False and args.perception_kl_clamp is None
     assert args.require_gpu_contract_probe is False and args.probe_max_degenerate_batches == 20

@@ -37,9 +37,10 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -86,8 +87,9 @@ class StateSnapshot:
             p.grad = torch.zeros_like(p)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        self.saved_state = {id(p): {k: v.clone() for k, v in optimizer.state[p].items() if isinstance(v, torch.Tensor)}
-                            for p in params}
+        self.saved_state = {
+            id(p): {k: v.clone() for k, v in optimizer.state[p].items() if isinstance(v, torch.Tensor)} for p in params
+        }
         self.restore()
 
     @torch.no_grad()
@@ -137,22 +139,35 @@ def make_trainer(model, processor, dataset, work_dir: Path, name: str, trainer_c
     trainer_cls = trainer_cls or GRPOTrainer
     config_cls = config_cls or GRPOConfig
     args = tiny_grpo_config(work_dir / name, vision_special_token_ids(processor), config_cls=config_cls, **overrides)
-    trainer = trainer_cls(model=model, processing_class=processor, reward_funcs=[accuracy_reward, format_reward],
-                          args=args, train_dataset=dataset)
+    trainer = trainer_cls(
+        model=model,
+        processing_class=processor,
+        reward_funcs=[accuracy_reward, format_reward],
+        args=args,
+        train_dataset=dataset,
+    )
     trainer.current_gradient_accumulation_steps = args.gradient_accumulation_steps  # set by train(); needed before
     return trainer
 
 
-def build_setup(size: str, *, family: str = "qwen2_vl", seed: int = 0, cache_dir: str | Path | None = None,
-                work_dir: str | Path | None = None, n_prompts: int = 4, batch: dict[str, Any] | None = None) -> BenchSetup:
+def build_setup(
+    size: str,
+    *,
+    family: str = "qwen2_vl",
+    seed: int = 0,
+    cache_dir: str | Path | None = None,
+    work_dir: str | Path | None = None,
+    n_prompts: int = 4,
+    batch: dict[str, Any] | None = None,
+) -> BenchSetup:
     """The tiny-family model of ``size`` with LoRA, a GRPO and two PAPO-G trainers sharing it, and one batch."""
     from peft import get_peft_model
     from trl import GRPOConfig, GRPOTrainer
 
-    from papo_nb.workbook.batches import rollout_batch
-    from papo_nb.testbed.shapes import make_shapes_dataset
-    from papo_nb.testbed.models import build_tiny_vlm, load_vlm, tiny_lora_config
     from papo_nb.papo import PAPOGConfig, PAPOGTrainer
+    from papo_nb.testbed.models import build_tiny_vlm, load_vlm, tiny_lora_config
+    from papo_nb.testbed.shapes import make_shapes_dataset
+    from papo_nb.workbook.batches import rollout_batch
 
     start = time.perf_counter()
     work_dir = Path(work_dir or tempfile.mkdtemp(prefix="papo_bench_"))
@@ -166,11 +181,30 @@ def build_setup(size: str, *, family: str = "qwen2_vl", seed: int = 0, cache_dir
     trainers = {
         "grpo": make_trainer(model, processor, dataset, work_dir, "grpo", GRPOTrainer, GRPOConfig, **batch_size),
         "papo": make_trainer(model, processor, dataset, work_dir, "papo", PAPOGTrainer, PAPOGConfig, **batch_size),
-        "papo_grad": make_trainer(model, processor, dataset, work_dir, "papo_grad", PAPOGTrainer, PAPOGConfig,
-                                  masked_branch_grad=True, **batch_size),
+        "papo_grad": make_trainer(
+            model,
+            processor,
+            dataset,
+            work_dir,
+            "papo_grad",
+            PAPOGTrainer,
+            PAPOGConfig,
+            masked_branch_grad=True,
+            **batch_size,
+        ),
         # memory only: PAPO-G without the entropy terms, to separate eta1's entropy gradient from the masked branch
-        "papo_eta0": make_trainer(model, processor, dataset, work_dir, "papo_eta0", PAPOGTrainer, PAPOGConfig,
-                                  original_entropy_weight=0.0, masked_entropy_weight=0.0, **batch_size),
+        "papo_eta0": make_trainer(
+            model,
+            processor,
+            dataset,
+            work_dir,
+            "papo_eta0",
+            PAPOGTrainer,
+            PAPOGConfig,
+            original_entropy_weight=0.0,
+            masked_entropy_weight=0.0,
+            **batch_size,
+        ),
     }
     if batch is None:  # given: a batch this function made before (saved by the RSS measurement for its workers)
         batch = rollout_batch(trainers["papo"], dataset, n_prompts, seed=seed)
@@ -178,10 +212,24 @@ def build_setup(size: str, *, family: str = "qwen2_vl", seed: int = 0, cache_dir
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=trainers["grpo"].args.learning_rate)
     snapshot = StateSnapshot(params, optimizer)
-    return BenchSetup(size=size, family=family, seed=seed, model=model, processor=processor, dataset=dataset,
-                      trainers=trainers, batch=batch, params=params, optimizer=optimizer, snapshot=snapshot,
-                      work_dir=work_dir, n_params=n_params, n_trainable=sum(p.numel() for p in params),
-                      setup_s=time.perf_counter() - start, extra={"batch_size": batch_size})
+    return BenchSetup(
+        size=size,
+        family=family,
+        seed=seed,
+        model=model,
+        processor=processor,
+        dataset=dataset,
+        trainers=trainers,
+        batch=batch,
+        params=params,
+        optimizer=optimizer,
+        snapshot=snapshot,
+        work_dir=work_dir,
+        n_params=n_params,
+        n_trainable=sum(p.numel() for p in params),
+        setup_s=time.perf_counter() - start,
+        extra={"batch_size": batch_size},
+    )
 
 
 def batch_shape(batch: dict[str, Any], vocab_size: int) -> dict[str, Any]:
@@ -195,15 +243,24 @@ def batch_shape(batch: dict[str, Any], vocab_size: int) -> dict[str, Any]:
     )
 
 
-def synthetic_batch(processor, n_sequences: int, completion_tokens: int, *, vocab_size: int, image_size: int | None = None,
-                    group_size: int = 4, seed: int = 0, device: str | torch.device = "cpu") -> dict[str, Any]:
+def synthetic_batch(
+    processor,
+    n_sequences: int,
+    completion_tokens: int,
+    *,
+    vocab_size: int,
+    image_size: int | None = None,
+    group_size: int = 4,
+    seed: int = 0,
+    device: str | torch.device = "cpu",
+) -> dict[str, Any]:
     """A ``_compute_loss`` batch without generation: real shapes-task prompts and images through ``processor``
     (left-padded as TRL pads them), random completion ids (no vision placeholders) of full length
     ``completion_tokens``, group-centred random advantages. For models too large to sample from in a benchmark."""
     from trl.data_utils import prepare_multimodal_messages
 
-    from papo_nb.testbed.shapes import make_shapes_dataset
     from papo_nb.testbed.models import vision_special_token_ids
+    from papo_nb.testbed.shapes import make_shapes_dataset
 
     n_prompts = -(-n_sequences // group_size)
     dataset = make_shapes_dataset(max(n_prompts, 3), seed=seed)
@@ -212,8 +269,11 @@ def synthetic_batch(processor, n_sequences: int, completion_tokens: int, *, voca
         example = dataset[i // group_size]
         image = example["image"] if image_size is None else example["image"].resize((image_size, image_size))
         messages = prepare_multimodal_messages(example["prompt"], images=[image])
-        encoded.append(processor.apply_chat_template([messages], add_generation_prompt=True, tokenize=True,
-                                                     return_dict=True, return_tensors="pt"))
+        encoded.append(
+            processor.apply_chat_template(
+                [messages], add_generation_prompt=True, tokenize=True, return_dict=True, return_tensors="pt"
+            )
+        )
     length = max(e["input_ids"].shape[1] for e in encoded)
     pad_id = processor.tokenizer.pad_token_id
     prompt_ids = torch.cat([left_pad_one(e, "input_ids", pad_id, length) for e in encoded])
@@ -226,10 +286,16 @@ def synthetic_batch(processor, n_sequences: int, completion_tokens: int, *, voca
     completion_mask = torch.ones_like(completion_ids)
     advantages = torch.randn(n_sequences, generator=generator)
     groups = advantages[: (n_sequences // group_size) * group_size].view(-1, group_size)
-    advantages[: groups.numel()] = ((groups - groups.mean(1, keepdim=True)) / (groups.std(1, keepdim=True) + 1e-4)).reshape(-1)
+    advantages[: groups.numel()] = (
+        (groups - groups.mean(1, keepdim=True)) / (groups.std(1, keepdim=True) + 1e-4)
+    ).reshape(-1)
     batch = dict(
-        prompt_ids=prompt_ids, prompt_mask=prompt_mask, completion_ids=completion_ids, completion_mask=completion_mask,
-        advantages=advantages, num_items_in_batch=completion_mask.sum(),
+        prompt_ids=prompt_ids,
+        prompt_mask=prompt_mask,
+        completion_ids=completion_ids,
+        completion_mask=completion_mask,
+        advantages=advantages,
+        num_items_in_batch=completion_mask.sum(),
         pixel_values=torch.cat([e["pixel_values"] for e in encoded]),
         image_grid_thw=torch.cat([e["image_grid_thw"] for e in encoded]),
         num_images=[1] * n_sequences,
@@ -266,7 +332,9 @@ def extra_forward(trainer, model, batch):
 
     positional, vlm_kwargs = logp_call_arguments(batch)
     with torch.no_grad():
-        return GRPOTrainer._get_per_token_logps_and_entropies(trainer, model, *positional, compute_entropy=True, **vlm_kwargs)
+        return GRPOTrainer._get_per_token_logps_and_entropies(
+            trainer, model, *positional, compute_entropy=True, **vlm_kwargs
+        )
 
 
 @dataclass
@@ -276,7 +344,9 @@ class Variant:
     cleanup: Callable[[], None] = lambda: None
 
 
-def make_variants(setup: BenchSetup, names=VARIANTS, context: Callable[[], Any] = contextlib.nullcontext) -> dict[str, Variant]:
+def make_variants(
+    setup: BenchSetup, names=VARIANTS, context: Callable[[], Any] = contextlib.nullcontext
+) -> dict[str, Variant]:
     """The timed callables on ``setup``. ``context`` wraps every model call (e.g. bf16 autocast on a GPU)."""
     from papo_nb.papo.probe import GammaZeroProbe, ProbeFailure
 
@@ -287,6 +357,7 @@ def make_variants(setup: BenchSetup, names=VARIANTS, context: Callable[[], Any] 
         def run():
             with context():
                 return fn()
+
         return run
 
     def step(trainer):
@@ -321,9 +392,13 @@ def make_variants(setup: BenchSetup, names=VARIANTS, context: Callable[[], Any] 
     return {name: all_variants[name] for name in names}
 
 
-def time_interleaved(variants: dict[str, Variant], repeats: int, warmup: int = 1,
-                     sync: Callable[[], None] = lambda: None, cpu_out: dict[str, list[float]] | None = None
-                     ) -> dict[str, list[float]]:
+def time_interleaved(
+    variants: dict[str, Variant],
+    repeats: int,
+    warmup: int = 1,
+    sync: Callable[[], None] = lambda: None,
+    cpu_out: dict[str, list[float]] | None = None,
+) -> dict[str, list[float]]:
     """Round-robin: each variant once per round; ``warmup`` rounds are run and dropped. The collector is run
     before each call and kept off during it, so its pauses do not land on one variant. ``sync`` waits for the
     device (``torch.cuda.synchronize`` on a GPU) before the clock starts and stops. Returns wall-clock seconds;
@@ -355,8 +430,16 @@ def time_interleaved(variants: dict[str, Variant], repeats: int, warmup: int = 1
 def summarise(samples: list[float]) -> dict[str, float]:
     ordered = sorted(samples)
     q1, _, q3 = statistics.quantiles(ordered, n=4, method="inclusive") if len(ordered) > 1 else (ordered[0],) * 3
-    return dict(n=len(ordered), median=statistics.median(ordered), min=ordered[0], p25=q1, p75=q3, max=ordered[-1],
-                iqr=q3 - q1, mean=statistics.fmean(ordered))
+    return dict(
+        n=len(ordered),
+        median=statistics.median(ordered),
+        min=ordered[0],
+        p25=q1,
+        p75=q3,
+        max=ordered[-1],
+        iqr=q3 - q1,
+        mean=statistics.fmean(ordered),
+    )
 
 
 def ratios(times: dict[str, list[float]]) -> dict[str, float]:
@@ -423,7 +506,12 @@ class VocabTensorTracker(torch.utils._python_dispatch.TorchDispatchMode):
                 del self.live[key]
         is_matmul = str(func) in self.LOGITS_OPS
         for t in torch.utils._pytree.tree_leaves(out):
-            if isinstance(t, torch.Tensor) and t.dim() >= 2 and t.shape[-1] == self.vocab_size and t.is_floating_point():
+            if (
+                isinstance(t, torch.Tensor)
+                and t.dim() >= 2
+                and t.shape[-1] == self.vocab_size
+                and t.is_floating_point()
+            ):
                 storage = t.untyped_storage()
                 key = storage.data_ptr()
                 if key not in self.live and key not in self.exclude:
@@ -459,8 +547,11 @@ def allocation_peak(run: Callable[[], Any]) -> dict[str, float]:
         return dict(peak_bytes=0.0, net_bytes=0.0, allocations=0)
     events.sort()
     base = events[0][2] - events[0][1]
-    return dict(peak_bytes=float(max(e[2] for e in events) - base), net_bytes=float(events[-1][2] - base),
-                allocations=sum(1 for e in events if e[1] > 0))
+    return dict(
+        peak_bytes=float(max(e[2] for e in events) - base),
+        net_bytes=float(events[-1][2] - base),
+        allocations=sum(1 for e in events if e[1] > 0),
+    )
 
 
 def measure_memory(setup: BenchSetup, names=STEP_VARIANTS + ("papo_step_eta0", "extra_forward")) -> dict[str, Any]:
@@ -484,10 +575,16 @@ def measure_memory(setup: BenchSetup, names=STEP_VARIANTS + ("papo_step_eta0", "
         with tracker:
             variant.run()
         variant.cleanup()
-        out[name] = dict(alloc_peak_mib=alloc["peak_bytes"] / 2**20, alloc_net_mib=alloc["net_bytes"] / 2**20,
-                         vocab_bytes_peak=tracker.peak_bytes, vocab_bytes_peak_logits_equiv=tracker.peak_bytes / logits_bytes,
-                         vocab_bytes_peak_at=tracker.peak_op, full_logits_alive_peak=tracker.peak_full,
-                         full_logits_alive_peak_at=tracker.peak_full_op, lm_head_logits_alive_peak=tracker.peak_logits)
+        out[name] = dict(
+            alloc_peak_mib=alloc["peak_bytes"] / 2**20,
+            alloc_net_mib=alloc["net_bytes"] / 2**20,
+            vocab_bytes_peak=tracker.peak_bytes,
+            vocab_bytes_peak_logits_equiv=tracker.peak_bytes / logits_bytes,
+            vocab_bytes_peak_at=tracker.peak_op,
+            full_logits_alive_peak=tracker.peak_full,
+            full_logits_alive_peak_at=tracker.peak_full_op,
+            lm_head_logits_alive_peak=tracker.peak_logits,
+        )
     return out
 
 
@@ -504,15 +601,19 @@ def measure_work(setup: BenchSetup, names=STEP_VARIANTS + ("extra_forward",)) ->
             variant.run()
         variant.cleanup()
         events = prof.key_averages()
-        out[name] = dict(gflop=sum(e.flops for e in events) / 1e9,
-                         aten_ops=sum(e.count for e in events if e.key.startswith("aten::")))
+        out[name] = dict(
+            gflop=sum(e.flops for e in events) / 1e9,
+            aten_ops=sum(e.count for e in events if e.key.startswith("aten::")),
+        )
     if all(n in out for n in ("grpo_step", "papo_step", "extra_forward")):
         out["papo_extra_gflop"] = out["papo_step"]["gflop"] - out["grpo_step"]["gflop"] - out["extra_forward"]["gflop"]
-        out["papo_extra_aten_ops"] = (out["papo_step"]["aten_ops"] - out["grpo_step"]["aten_ops"]
-                                      - out["extra_forward"]["aten_ops"])
+        out["papo_extra_aten_ops"] = (
+            out["papo_step"]["aten_ops"] - out["grpo_step"]["aten_ops"] - out["extra_forward"]["aten_ops"]
+        )
     if all(n in out for n in ("grpo_step", "papo_step_grad", "extra_forward")):
-        out["papo_grad_extra_gflop_over_floor"] = (out["papo_step_grad"]["gflop"] - out["grpo_step"]["gflop"]
-                                                   - out["extra_forward"]["gflop"])
+        out["papo_grad_extra_gflop_over_floor"] = (
+            out["papo_step_grad"]["gflop"] - out["grpo_step"]["gflop"] - out["extra_forward"]["gflop"]
+        )
     return out
 
 
@@ -524,8 +625,15 @@ def _status_kib(field_name: str) -> int:
     raise KeyError(field_name)
 
 
-def rss_worker(size: str, variant: str, family: str, seed: int, cache_dir: str | None, n_prompts: int,
-               batch_file: str | None = None) -> dict[str, Any]:
+def rss_worker(
+    size: str,
+    variant: str,
+    family: str,
+    seed: int,
+    cache_dir: str | None,
+    n_prompts: int,
+    batch_file: str | None = None,
+) -> dict[str, Any]:
     """Run in a fresh process: set up, reset the RSS high-water mark, run ``variant`` once, report."""
     torch.set_num_threads(1)
     batch = torch.load(batch_file, weights_only=True) if batch_file else None
@@ -539,9 +647,14 @@ def rss_worker(size: str, variant: str, family: str, seed: int, cache_dir: str |
     rss_before = _status_kib("VmRSS")
     chosen.run()
     hwm = _status_kib("VmHWM")
-    return dict(variant=variant, size=size, rss_before_mib=rss_before / 1024, step_peak_rss_mib=hwm / 1024,
-                step_rss_increase_mib=(hwm - rss_before) / 1024,
-                process_max_rss_mib=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
+    return dict(
+        variant=variant,
+        size=size,
+        rss_before_mib=rss_before / 1024,
+        step_peak_rss_mib=hwm / 1024,
+        step_rss_increase_mib=(hwm - rss_before) / 1024,
+        process_max_rss_mib=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+    )
 
 
 # glibc settings the RSS workers run under: its defaults, and large blocks always mmap-ed (so freed tensors go back to
@@ -549,8 +662,9 @@ def rss_worker(size: str, variant: str, family: str, seed: int, cache_dir: str |
 MALLOC_MODES = {"glibc_default": {}, "mmap_threshold_128k": {"MALLOC_MMAP_THRESHOLD_": "131072"}}
 
 
-def measure_rss(setup: BenchSetup, cache_dir: str | None, n_prompts: int,
-                variants=("grpo_step", "papo_step", "papo_step_grad")) -> dict[str, Any]:
+def measure_rss(
+    setup: BenchSetup, cache_dir: str | None, n_prompts: int, variants=("grpo_step", "papo_step", "papo_step_grad")
+) -> dict[str, Any]:
     """Peak RSS increase of one step, one fresh process per variant and malloc mode, all on ``setup``'s batch."""
     if not Path("/proc/self/clear_refs").exists():
         return {"skipped": "no /proc/self/clear_refs (not Linux)"}
@@ -560,16 +674,32 @@ def measure_rss(setup: BenchSetup, cache_dir: str | None, n_prompts: int,
     for variant in variants:
         out[variant] = {}
         for mode, malloc_env in MALLOC_MODES.items():
-            cmd = [sys.executable, "-m", "papo_nb.bench.harness", "--rss-worker", variant, "--rss-batch", str(batch_file),
-                   "--sizes", setup.size, "--family", setup.family, "--seed", str(setup.seed), "--n-prompts", str(n_prompts)]
+            cmd = [
+                sys.executable,
+                "-m",
+                "papo_nb.bench.harness",
+                "--rss-worker",
+                variant,
+                "--rss-batch",
+                str(batch_file),
+                "--sizes",
+                setup.size,
+                "--family",
+                setup.family,
+                "--seed",
+                str(setup.seed),
+                "--n-prompts",
+                str(n_prompts),
+            ]
             cmd += ["--cache-dir", str(cache_dir)] if cache_dir else []
-            done = subprocess.run(cmd, capture_output=True, text=True,
-                                  env={**os.environ, "OMP_NUM_THREADS": "1", **malloc_env})
+            done = subprocess.run(
+                cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1", **malloc_env}
+            )
             lines = [line for line in done.stdout.splitlines() if line.startswith("RSS_JSON ")]
             if done.returncode != 0 or not lines:
                 out[variant][mode] = {"error": (done.stderr or done.stdout)[-2000:]}
             else:
-                out[variant][mode] = json.loads(lines[-1][len("RSS_JSON "):])
+                out[variant][mode] = json.loads(lines[-1][len("RSS_JSON ") :])
     return out
 
 
@@ -581,23 +711,44 @@ def measure_rss(setup: BenchSetup, cache_dir: str | None, n_prompts: int,
 def training_probe_checks(setup: BenchSetup, steps: int) -> dict[str, Any]:
     """Real ``trainer.train()`` runs (generation included) on the same model: with the probe off, count probe
     calls (must be 0); with it on, time every ``observe`` call. LoRA weights are restored afterwards."""
-    from papo_nb.papo import probe as probe_module
     from papo_nb.papo import PAPOGConfig, PAPOGTrainer
+    from papo_nb.papo import probe as probe_module
 
     out: dict[str, Any] = {"train_steps": steps}
     before = dict(probe_module.PROBE_CALLS)
-    off = make_trainer(setup.model, setup.processor, setup.dataset, setup.work_dir, "train_probe_off", PAPOGTrainer,
-                       PAPOGConfig, max_steps=steps, require_gpu_contract_probe=False,
-                       **setup.extra.get("batch_size", {}))
+    off = make_trainer(
+        setup.model,
+        setup.processor,
+        setup.dataset,
+        setup.work_dir,
+        "train_probe_off",
+        PAPOGTrainer,
+        PAPOGConfig,
+        max_steps=steps,
+        require_gpu_contract_probe=False,
+        **setup.extra.get("batch_size", {}),
+    )
     start = time.perf_counter()
     off.train()
-    out["probe_off"] = dict(train_s=time.perf_counter() - start, probe_object=off.probe is not None,
-                            probe_calls={k: probe_module.PROBE_CALLS[k] - before[k] for k in before})
+    out["probe_off"] = dict(
+        train_s=time.perf_counter() - start,
+        probe_object=off.probe is not None,
+        probe_calls={k: probe_module.PROBE_CALLS[k] - before[k] for k in before},
+    )
     setup.snapshot.restore()
 
-    on = make_trainer(setup.model, setup.processor, setup.dataset, setup.work_dir, "train_probe_on", PAPOGTrainer,
-                      PAPOGConfig, max_steps=steps, require_gpu_contract_probe=True,
-                      **setup.extra.get("batch_size", {}))
+    on = make_trainer(
+        setup.model,
+        setup.processor,
+        setup.dataset,
+        setup.work_dir,
+        "train_probe_on",
+        PAPOGTrainer,
+        PAPOGConfig,
+        max_steps=steps,
+        require_gpu_contract_probe=True,
+        **setup.extra.get("batch_size", {}),
+    )
     observe, observe_times, observe_cpu = on.probe.observe, [], []
 
     def timed_observe(*args, **kwargs):
@@ -615,13 +766,30 @@ def training_probe_checks(setup: BenchSetup, steps: int) -> dict[str, Any]:
     train_s = time.perf_counter() - start
     step_times = [h["step_time"] for h in on.state.log_history if "step_time" in h]
     evidence = on.probe.evidence.to_dict() if on.probe.evidence else None
-    out["probe_on"] = dict(train_s=train_s, evaluations=on.probe.evaluations, observe_s=observe_times,
-                           probe_total_s=sum(observe_times), observe_cpu_s=observe_cpu, probe_total_cpu_s=sum(observe_cpu), passed=bool(on.probe.evidence and on.probe.evidence.passed),
-                           probe_calls={k: probe_module.PROBE_CALLS[k] - before[k] for k in before},
-                           logged_step_time_s=step_times,
-                           evidence={k: evidence[k] for k in ("status", "parent_grad_norm", "grad_diff_norm",
-                                                              "grad_diff_relative", "perception_kl",
-                                                              "separation_ratio")} if evidence else None)
+    out["probe_on"] = dict(
+        train_s=train_s,
+        evaluations=on.probe.evaluations,
+        observe_s=observe_times,
+        probe_total_s=sum(observe_times),
+        observe_cpu_s=observe_cpu,
+        probe_total_cpu_s=sum(observe_cpu),
+        passed=bool(on.probe.evidence and on.probe.evidence.passed),
+        probe_calls={k: probe_module.PROBE_CALLS[k] - before[k] for k in before},
+        logged_step_time_s=step_times,
+        evidence={
+            k: evidence[k]
+            for k in (
+                "status",
+                "parent_grad_norm",
+                "grad_diff_norm",
+                "grad_diff_relative",
+                "perception_kl",
+                "separation_ratio",
+            )
+        }
+        if evidence
+        else None,
+    )
     setup.snapshot.restore()
     return out
 
@@ -631,15 +799,36 @@ def training_probe_checks(setup: BenchSetup, steps: int) -> dict[str, Any]:
 # ------------------------------------------------------------------------------------------------
 
 
-def bench_size(size: str, *, family: str, seed: int, cache_dir, repeats: int, warmup: int, train_steps: int,
-               memory: bool, rss: bool, n_prompts: int = 4, log=print) -> dict[str, Any]:
+def bench_size(
+    size: str,
+    *,
+    family: str,
+    seed: int,
+    cache_dir,
+    repeats: int,
+    warmup: int,
+    train_steps: int,
+    memory: bool,
+    rss: bool,
+    n_prompts: int = 4,
+    log=print,
+) -> dict[str, Any]:
     log(f"[{size}] building model, trainers and one rollout batch ...")
     setup = build_setup(size, family=family, seed=seed, cache_dir=cache_dir, n_prompts=n_prompts)
     vocab = setup.model.get_output_embeddings().weight.shape[0]
-    result: dict[str, Any] = dict(size=size, family=family, params=setup.n_params, trainable_params=setup.n_trainable,
-                                  batch=batch_shape(setup.batch, vocab), repeats=repeats, warmup=warmup,
-                                  setup_s=setup.setup_s)
-    log(f"[{size}] {setup.n_params / 1e6:.2f}M parameters; timing {repeats} interleaved rounds (+{warmup} warm-up) ...")
+    result: dict[str, Any] = dict(
+        size=size,
+        family=family,
+        params=setup.n_params,
+        trainable_params=setup.n_trainable,
+        batch=batch_shape(setup.batch, vocab),
+        repeats=repeats,
+        warmup=warmup,
+        setup_s=setup.setup_s,
+    )
+    log(
+        f"[{size}] {setup.n_params / 1e6:.2f}M parameters; timing {repeats} interleaved rounds (+{warmup} warm-up) ..."
+    )
     start = time.perf_counter()
     cpu_times: dict[str, list[float]] = {}
     times = time_interleaved(make_variants(setup), repeats, warmup, cpu_out=cpu_times)
@@ -651,9 +840,14 @@ def bench_size(size: str, *, family: str, seed: int, cache_dir, repeats: int, wa
     result["cpu_timings"] = {name: summarise(values) for name, values in cpu_times.items()}
     result["cpu_ratios"] = ratios(cpu_times)
     evidence = setup.extra["probe_state"].get("evidence")
-    result["probe_eval_evidence"] = ({k: evidence.to_dict()[k] for k in ("status", "parent_grad_norm", "grad_diff_norm",
-                                                                         "grad_diff_relative", "perception_kl")}
-                                     if evidence else None)
+    result["probe_eval_evidence"] = (
+        {
+            k: evidence.to_dict()[k]
+            for k in ("status", "parent_grad_norm", "grad_diff_norm", "grad_diff_relative", "perception_kl")
+        }
+        if evidence
+        else None
+    )
     log(f"[{size}] work: FLOPs and op counts per variant (torch.profiler) ...")
     result["work"] = measure_work(setup)
     if memory:
@@ -667,7 +861,9 @@ def bench_size(size: str, *, family: str, seed: int, cache_dir, repeats: int, wa
         checks = training_probe_checks(setup, train_steps)
         on = checks["probe_on"]
         on["fraction_of_100_steps"] = on["probe_total_s"] / (RUN_STEPS * result["timings"]["papo_step"]["median"])
-        on["cpu_fraction_of_100_steps"] = on["probe_total_cpu_s"] / (RUN_STEPS * result["cpu_timings"]["papo_step"]["median"])
+        on["cpu_fraction_of_100_steps"] = on["probe_total_cpu_s"] / (
+            RUN_STEPS * result["cpu_timings"]["papo_step"]["median"]
+        )
         result["probe_training"] = checks
     return result
 
@@ -680,77 +876,118 @@ def targets(result: dict[str, Any], clock: str = "cpu") -> dict[str, Any]:
     what remains of a slow spell lands on all three. Unpaired medians and fastest repeats are reported alongside."""
     r = result["cpu_ratios" if clock == "cpu" else "ratios"]
     checks = {
-        "papo_within_floor_plus_5pct": dict(value=r["paired_papo_over_grpo"], limit=r["paired_floor_ratio"] + FLOOR_MARGIN,
-                                            ok=r["paired_papo_over_grpo"] <= r["paired_floor_ratio"] + FLOOR_MARGIN,
-                                            unpaired_medians=dict(value=r["papo_over_grpo"], limit=r["floor_ratio"] + FLOOR_MARGIN),
-                                            fastest_repeats=dict(value=r["min_papo_over_grpo"], limit=r["min_floor_ratio"] + FLOOR_MARGIN)),
-        "masking_under_1pct_of_step": dict(value=r["masking_fraction_of_step"], limit=MASKING_MAX_FRACTION,
-                                           ok=r["masking_fraction_of_step"] <= MASKING_MAX_FRACTION),
-        "probe_eval_under_3pct_of_100_steps": dict(value=r["probe_fraction_of_100_steps"], limit=PROBE_MAX_FRACTION,
-                                                   ok=r["probe_fraction_of_100_steps"] <= PROBE_MAX_FRACTION),
+        "papo_within_floor_plus_5pct": dict(
+            value=r["paired_papo_over_grpo"],
+            limit=r["paired_floor_ratio"] + FLOOR_MARGIN,
+            ok=r["paired_papo_over_grpo"] <= r["paired_floor_ratio"] + FLOOR_MARGIN,
+            unpaired_medians=dict(value=r["papo_over_grpo"], limit=r["floor_ratio"] + FLOOR_MARGIN),
+            fastest_repeats=dict(value=r["min_papo_over_grpo"], limit=r["min_floor_ratio"] + FLOOR_MARGIN),
+        ),
+        "masking_under_1pct_of_step": dict(
+            value=r["masking_fraction_of_step"],
+            limit=MASKING_MAX_FRACTION,
+            ok=r["masking_fraction_of_step"] <= MASKING_MAX_FRACTION,
+        ),
+        "probe_eval_under_3pct_of_100_steps": dict(
+            value=r["probe_fraction_of_100_steps"],
+            limit=PROBE_MAX_FRACTION,
+            ok=r["probe_fraction_of_100_steps"] <= PROBE_MAX_FRACTION,
+        ),
     }
     training = result.get("probe_training")
     if training:
         calls = training["probe_off"]["probe_calls"]
-        checks["no_probe_code_when_not_required"] = dict(value=calls, limit={k: 0 for k in calls},
-                                                         ok=not any(calls.values()) and not training["probe_off"]["probe_object"])
+        checks["no_probe_code_when_not_required"] = dict(
+            value=calls,
+            limit=dict.fromkeys(calls, 0),
+            ok=not any(calls.values()) and not training["probe_off"]["probe_object"],
+        )
         frac = training["probe_on"]["cpu_fraction_of_100_steps" if clock == "cpu" else "fraction_of_100_steps"]
-        checks["in_training_probe_under_3pct_of_100_steps"] = dict(value=frac, limit=PROBE_MAX_FRACTION,
-                                                                   ok=frac <= PROBE_MAX_FRACTION and training["probe_on"]["evaluations"] >= 1)
+        checks["in_training_probe_under_3pct_of_100_steps"] = dict(
+            value=frac,
+            limit=PROBE_MAX_FRACTION,
+            ok=frac <= PROBE_MAX_FRACTION and training["probe_on"]["evaluations"] >= 1,
+        )
     for check in checks.values():
         check["clock"] = clock
     return checks
 
 
 def markdown_tables(report: dict[str, Any]) -> str:
-    lines = ["| model | variant | CPU median ms | min | p25 | p75 | max | wall median ms | wall p25-p75 | n |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = [
+        "| model | variant | CPU median ms | min | p25 | p75 | max | wall median ms | wall p25-p75 | n |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     for size, result in report["sizes"].items():
         name = f"{size} ({result['params'] / 1e6:.2f}M)"
         for variant in VARIANTS:
             t, w = result["cpu_timings"][variant], result["timings"][variant]
-            lines.append(f"| {name} | {LABELS[variant]} | {t['median'] * 1e3:.1f} | {t['min'] * 1e3:.1f} | "
-                         f"{t['p25'] * 1e3:.1f} | {t['p75'] * 1e3:.1f} | {t['max'] * 1e3:.1f} | {w['median'] * 1e3:.1f} | "
-                         f"{w['p25'] * 1e3:.1f}-{w['p75'] * 1e3:.1f} | {t['n']} |")
-    lines += ["", "| model | clock | PAPO-G / GRPO | floor ratio | PAPO-G - floor | paired PAPO-G / GRPO | paired floor | "
-                  "fastest PAPO-G / GRPO | fastest floor | PAPO-G (grad) / GRPO | overhead / floor | masking % of step | "
-                  "probe eval / step | probe % of 100 steps | in-training probe % of 100 steps | probe calls when off |",
-              "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+            lines.append(
+                f"| {name} | {LABELS[variant]} | {t['median'] * 1e3:.1f} | {t['min'] * 1e3:.1f} | "
+                f"{t['p25'] * 1e3:.1f} | {t['p75'] * 1e3:.1f} | {t['max'] * 1e3:.1f} | {w['median'] * 1e3:.1f} | "
+                f"{w['p25'] * 1e3:.1f}-{w['p75'] * 1e3:.1f} | {t['n']} |"
+            )
+    lines += [
+        "",
+        "| model | clock | PAPO-G / GRPO | floor ratio | PAPO-G - floor | paired PAPO-G / GRPO | paired floor | "
+        "fastest PAPO-G / GRPO | fastest floor | PAPO-G (grad) / GRPO | overhead / floor | masking % of step | "
+        "probe eval / step | probe % of 100 steps | in-training probe % of 100 steps | probe calls when off |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+    ]
     work_rows = [(size, result["work"]) for size, result in report["sizes"].items() if "work" in result]
     for (size, result), clock in [(item, clock) for item in report["sizes"].items() for clock in ("cpu", "wall")]:
         r = result["cpu_ratios" if clock == "cpu" else "ratios"]
         training = result.get("probe_training")
         fraction_key = "cpu_fraction_of_100_steps" if clock == "cpu" else "fraction_of_100_steps"
-        in_train = f"{training['probe_on'][fraction_key] * 100:.2f}% ({training['probe_on']['evaluations']} eval)" if training else "n/a"
+        in_train = (
+            f"{training['probe_on'][fraction_key] * 100:.2f}% ({training['probe_on']['evaluations']} eval)"
+            if training
+            else "n/a"
+        )
         off_calls = json.dumps(training["probe_off"]["probe_calls"]) if training else "n/a"
         lines.append(
             f"| {size} | {clock} | {r['papo_over_grpo']:.3f} | {r['floor_ratio']:.3f} | {r['papo_over_grpo_minus_floor']:+.3f} | "
             f"{r['paired_papo_over_grpo']:.3f} | {r['paired_floor_ratio']:.3f} | {r['min_papo_over_grpo']:.3f} | "
             f"{r['min_floor_ratio']:.3f} | {r['papo_grad_over_grpo']:.3f} | "
             f"{r['overhead_over_floor']:.3f} | {r['masking_fraction_of_step'] * 100:.2f}% | {r['probe_eval_over_step']:.2f} | "
-            f"{r['probe_fraction_of_100_steps'] * 100:.2f}% | {in_train} | {off_calls} |")
+            f"{r['probe_fraction_of_100_steps'] * 100:.2f}% | {in_train} | {off_calls} |"
+        )
     if work_rows:
-        lines += ["", "| model | GRPO step GFLOP | PAPO-G step GFLOP | extra forward GFLOP | PAPO-G - GRPO - forward GFLOP | "
-                      "PAPO-G (grad) - GRPO - forward GFLOP | PAPO-G - GRPO - forward aten ops |",
-                  "|---|---:|---:|---:|---:|---:|---:|"]
+        lines += [
+            "",
+            "| model | GRPO step GFLOP | PAPO-G step GFLOP | extra forward GFLOP | PAPO-G - GRPO - forward GFLOP | "
+            "PAPO-G (grad) - GRPO - forward GFLOP | PAPO-G - GRPO - forward aten ops |",
+            "|---|---:|---:|---:|---:|---:|---:|",
+        ]
         for size, w in work_rows:
-            lines.append(f"| {size} | {w['grpo_step']['gflop']:.2f} | {w['papo_step']['gflop']:.2f} | "
-                         f"{w['extra_forward']['gflop']:.2f} | {w['papo_extra_gflop']:+.3f} | "
-                         f"{w['papo_grad_extra_gflop_over_floor']:+.3f} | {w['papo_extra_aten_ops']:+d} |")
+            lines.append(
+                f"| {size} | {w['grpo_step']['gflop']:.2f} | {w['papo_step']['gflop']:.2f} | "
+                f"{w['extra_forward']['gflop']:.2f} | {w['papo_extra_gflop']:+.3f} | "
+                f"{w['papo_grad_extra_gflop_over_floor']:+.3f} | {w['papo_extra_aten_ops']:+d} |"
+            )
     memory_rows = [(size, result) for size, result in report["sizes"].items() if "memory" in result]
     if memory_rows:
-        lines += ["", "| model | variant | torch alloc peak MiB | lm_head logits alive at once | "
-                      "full-vocab bytes at peak (x one logits tensor) | whole-batch full-vocab tensors at once | "
-                      "peak RSS increase MiB (glibc default) | peak RSS increase MiB (mmap threshold 128 KiB) |",
-                  "|---|---|---:|---:|---:|---:|---:|---:|"]
+        lines += [
+            "",
+            "| model | variant | torch alloc peak MiB | lm_head logits alive at once | "
+            "full-vocab bytes at peak (x one logits tensor) | whole-batch full-vocab tensors at once | "
+            "peak RSS increase MiB (glibc default) | peak RSS increase MiB (mmap threshold 128 KiB) |",
+            "|---|---|---:|---:|---:|---:|---:|---:|",
+        ]
         for size, result in memory_rows:
             for variant in [v for v in result["memory"] if isinstance(result["memory"][v], dict)]:
                 m = result["memory"][variant]
                 rss = result.get("rss", {}).get(variant, {})
-                rss_text = " | ".join(f"{rss[mode]['step_rss_increase_mib']:.1f}" if "step_rss_increase_mib" in rss.get(mode, {})
-                                      else "n/a" for mode in MALLOC_MODES)
-                lines.append(f"| {size} | {LABELS[variant]} | {m['alloc_peak_mib']:.2f} | {m['lm_head_logits_alive_peak']} | "
-                             f"{m['vocab_bytes_peak_logits_equiv']:.2f} | {m['full_logits_alive_peak']} | {rss_text} |")
+                rss_text = " | ".join(
+                    f"{rss[mode]['step_rss_increase_mib']:.1f}"
+                    if "step_rss_increase_mib" in rss.get(mode, {})
+                    else "n/a"
+                    for mode in MALLOC_MODES
+                )
+                lines.append(
+                    f"| {size} | {LABELS[variant]} | {m['alloc_peak_mib']:.2f} | {m['lm_head_logits_alive_peak']} | "
+                    f"{m['vocab_bytes_peak_logits_equiv']:.2f} | {m['full_logits_alive_peak']} | {rss_text} |"
+                )
     return "\n".join(lines)
 
 
@@ -758,9 +995,16 @@ def environment() -> dict[str, Any]:
     import transformers
     import trl
 
-    return dict(python=platform.python_version(), torch=torch.__version__, transformers=transformers.__version__,
-                trl=trl.__version__, threads=torch.get_num_threads(), machine=platform.machine(),
-                processor=platform.processor(), cpu_count=os.cpu_count())
+    return dict(
+        python=platform.python_version(),
+        torch=torch.__version__,
+        transformers=transformers.__version__,
+        trl=trl.__version__,
+        threads=torch.get_num_threads(),
+        machine=platform.machine(),
+        processor=platform.processor(),
+        cpu_count=os.cpu_count(),
+    )
 
 
 def add_bench_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -773,14 +1017,24 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     parser.add_argument("--n-prompts", type=int, default=4, help="prompts in the fixed batch (x4 generations each)")
     parser.add_argument("--repeats", type=int, default=None, help="timed rounds per size (default: by mode and size)")
     parser.add_argument("--warmup", type=int, default=None, help="untimed warm-up rounds")
-    parser.add_argument("--train-steps", type=int, default=None, help="trainer.train() steps for the probe checks (0: skip)")
+    parser.add_argument(
+        "--train-steps", type=int, default=None, help="trainer.train() steps for the probe checks (0: skip)"
+    )
     parser.add_argument("--no-memory", action="store_true", help="skip the in-process memory measurement")
-    parser.add_argument("--rss", dest="rss", action="store_true", default=None, help="measure peak RSS in subprocesses")
+    parser.add_argument(
+        "--rss", dest="rss", action="store_true", default=None, help="measure peak RSS in subprocesses"
+    )
     parser.add_argument("--no-rss", dest="rss", action="store_false", help="skip the RSS subprocesses")
-    parser.add_argument("--cache-dir", default=None, help="model cache folder (default: PAPO_NB_CACHE or ~/.cache/papo_nb)")
+    parser.add_argument(
+        "--cache-dir", default=None, help="model cache folder (default: PAPO_NB_CACHE or ~/.cache/papo_nb)"
+    )
     parser.add_argument("--threads", type=int, default=1, help="torch threads (1: the benchmark's setting)")
-    parser.add_argument("--clock", choices=("cpu", "wall"), default="cpu",
-                        help="which clock judges the targets (both are reported): process CPU time or wall time")
+    parser.add_argument(
+        "--clock",
+        choices=("cpu", "wall"),
+        default="cpu",
+        help="which clock judges the targets (both are reported): process CPU time or wall time",
+    )
     parser.add_argument("--rss-worker", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--rss-batch", default=None, help=argparse.SUPPRESS)
     return parser
@@ -793,8 +1047,14 @@ def run_bench(args: argparse.Namespace) -> int:
     if unknown or not sizes:
         raise SystemExit(f"--sizes: unknown size(s) {unknown}; allowed: {list(SIZES)}")
     if args.rss_worker:
-        print("RSS_JSON " + json.dumps(rss_worker(sizes[0], args.rss_worker, args.family, args.seed, args.cache_dir, args.n_prompts,
-                                                    args.rss_batch)))
+        print(
+            "RSS_JSON "
+            + json.dumps(
+                rss_worker(
+                    sizes[0], args.rss_worker, args.family, args.seed, args.cache_dir, args.n_prompts, args.rss_batch
+                )
+            )
+        )
         return 0
     mode = "quick" if args.quick else "full"
     settings = MODES[mode]
@@ -806,9 +1066,19 @@ def run_bench(args: argparse.Namespace) -> int:
         repeats = args.repeats if args.repeats is not None else settings["repeats"][size]
         warmup = args.warmup if args.warmup is not None else settings["warmup"]
         train_steps = args.train_steps if args.train_steps is not None else settings["train_steps"]
-        result = bench_size(size, family=args.family, seed=args.seed, cache_dir=args.cache_dir, repeats=repeats,
-                            warmup=warmup, train_steps=train_steps, memory=not args.no_memory, rss=rss,
-                            n_prompts=args.n_prompts, log=log)
+        result = bench_size(
+            size,
+            family=args.family,
+            seed=args.seed,
+            cache_dir=args.cache_dir,
+            repeats=repeats,
+            warmup=warmup,
+            train_steps=train_steps,
+            memory=not args.no_memory,
+            rss=rss,
+            n_prompts=args.n_prompts,
+            log=log,
+        )
         result["targets"] = targets(result, args.clock)
         report["sizes"][size] = result
     report["target_size"] = TARGET_SIZE if TARGET_SIZE in report["sizes"] else sizes[-1]
@@ -819,16 +1089,22 @@ def run_bench(args: argparse.Namespace) -> int:
     print(tables)
     print()
     for name, check in report["targets"].items():
-        print(f"{'PASS' if check['ok'] else 'MISS'}  {report['target_size']}: {name}: {check['value']} "
-              f"(limit {check['limit']}; {check['clock']} time)")
+        print(
+            f"{'PASS' if check['ok'] else 'MISS'}  {report['target_size']}: {name}: {check['value']} "
+            f"(limit {check['limit']}; {check['clock']} time)"
+        )
     work = report["sizes"][report["target_size"]].get("work", {})
     if "papo_extra_gflop" in work:
-        print(f"work ({report['target_size']}): PAPO-G - GRPO - extra forward = {work['papo_extra_gflop']:+.3f} GFLOP "
-              f"(exact, noise-free: PAPO-G's only extra matmul work is the one masked forward)")
+        print(
+            f"work ({report['target_size']}): PAPO-G - GRPO - extra forward = {work['papo_extra_gflop']:+.3f} GFLOP "
+            f"(exact, noise-free: PAPO-G's only extra matmul work is the one masked forward)"
+        )
     if mode == "quick":
         rounds = report["sizes"][report["target_size"]]["repeats"]
-        print(f"note: quick mode times {rounds} rounds on the {report['target_size']} model; one step varies by about "
-              "20% on a shared machine, so the floor verdict is within noise here. Judge it with the full mode.")
+        print(
+            f"note: quick mode times {rounds} rounds on the {report['target_size']} model; one step varies by about "
+            "20% on a shared machine, so the floor verdict is within noise here. Judge it with the full mode."
+        )
     print(f"total {report['total_s']:.1f} s ({mode} mode)")
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -24,7 +24,6 @@ from mlflow import MlflowClient
 from mlflow.entities import Param
 from papermill.exceptions import PapermillExecutionError
 
-from papo_nb.workbook.params import ParamsError, WorkbookParams, load_params, preflight_problems
 from papo_nb.infra.tracking import (
     EXPERIMENT_NAME,
     absolute_tracking_uri,
@@ -32,6 +31,7 @@ from papo_nb.infra.tracking import (
     ensure_experiment,
     tracking_client,
 )
+from papo_nb.workbook.params import ParamsError, WorkbookParams, load_params, preflight_problems
 
 # Values the runner supplies to any notebook that declares them, on top of the WorkbookParams fields.
 RUNTIME_PARAMETERS = ("mlflow_tracking_uri", "mlflow_run_id", "run_dir")
@@ -179,7 +179,9 @@ def run_workbook(
         client.log_artifact(parent_id, str(params_yaml))
         runtime = {"mlflow_tracking_uri": tracking_uri, "run_dir": str(run_dir)}
         for nb in result.notebooks:
-            _run_notebook(nb, declared[nb.notebook], {**values, **runtime}, client, experiment_id, parent_id, log_output)
+            _run_notebook(
+                nb, declared[nb.notebook], {**values, **runtime}, client, experiment_id, parent_id, log_output
+            )
             if nb.status != FINISHED:
                 break
         else:

@@ -34,8 +34,9 @@ def _lab_answers(base: str, token: str) -> bool:
 
 def _shutdown(base: str, token: str) -> None:
     """Ask the server to stop its kernels and exit (kernels run in their own sessions, out of its group)."""
-    request = urllib.request.Request(f"{base}/api/shutdown", method="POST",
-                                     headers={"Authorization": f"token {token}"})
+    request = urllib.request.Request(
+        f"{base}/api/shutdown", method="POST", headers={"Authorization": f"token {token}"}
+    )
     try:
         urllib.request.urlopen(request, timeout=5).close()
     except OSError:
@@ -66,18 +67,27 @@ def serve_jupyterlab(
     token = token or secrets.token_hex(24)
     base = f"http://{host}:{port}"
     command = [
-        sys.executable, "-m", "jupyter", "lab", "--no-browser",
-        f"--ServerApp.ip={host}", f"--ServerApp.port={port}", "--ServerApp.port_retries=0",
-        f"--ServerApp.root_dir={notebook_dir}", f"--IdentityProvider.token={token}",
+        sys.executable,
+        "-m",
+        "jupyter",
+        "lab",
+        "--no-browser",
+        f"--ServerApp.ip={host}",
+        f"--ServerApp.port={port}",
+        "--ServerApp.port_retries=0",
+        f"--ServerApp.root_dir={notebook_dir}",
+        f"--IdentityProvider.token={token}",
         # Offline machines: no update check, no news feed, no "receive news?" prompt over the notebook.
-        "--LabApp.news_url=None", "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate",
+        "--LabApp.news_url=None",
+        "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate",
     ]
     if hasattr(os, "geteuid") and os.geteuid() == 0:
         command.append("--ServerApp.allow_root=True")  # containers and CI machines run as root
     full_env = {**os.environ, **(env or {})}
     # Its log goes to stderr (fd 2), as mlflow's does in serve_mlflow_ui; stdout keeps what the caller prints.
-    server = subprocess.Popen(command, cwd=notebook_dir, env=full_env, start_new_session=True,
-                              stdin=subprocess.DEVNULL, stdout=2)
+    server = subprocess.Popen(
+        command, cwd=notebook_dir, env=full_env, start_new_session=True, stdin=subprocess.DEVNULL, stdout=2
+    )
     try:
         deadline = time.monotonic() + startup_timeout
         while not _lab_answers(base, token):

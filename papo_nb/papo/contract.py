@@ -13,14 +13,13 @@ from __future__ import annotations
 import ast
 import inspect
 import textwrap
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 PAPO_ADAPTER_VERSION = "trl_0.29.1_papo_g_on_trl_1.9.1_v1"
 PAPO_UPSTREAM_TRL_VERSION = "0.29.1"
 PAPO_UPSTREAM_SOURCE_PATH = "trl/experimental/papo/papo_trainer.py"
-PAPO_UPSTREAM_SOURCE_URL = (
-    "https://github.com/huggingface/trl/blob/v0.29.1/trl/experimental/papo/papo_trainer.py"
-)
+PAPO_UPSTREAM_SOURCE_URL = "https://github.com/huggingface/trl/blob/v0.29.1/trl/experimental/papo/papo_trainer.py"
 PAPO_UPSTREAM_SOURCE_SHA256 = "9836f4505f7026c90cd5ca5b97151dd14c1bc27bcd2bc5a8fca6626c68279175"
 
 # Gamma-zero probe tolerance: ||g_zero - g_parent|| <= max(REL_TOL * ||g_parent||, ABS_FLOOR).
@@ -78,11 +77,15 @@ class ContractError(RuntimeError):
     """TRL's private API no longer matches what the adapter was audited against."""
 
 
-def contract_violations(loss_parameters: tuple[str, ...], logp_parameters: Iterable[str], logp_reads_gate: bool) -> list[str]:
+def contract_violations(
+    loss_parameters: tuple[str, ...], logp_parameters: Iterable[str], logp_reads_gate: bool
+) -> list[str]:
     """The contract's rules, shared by the live (inspect) and static (ast) checks."""
     problems = []
     if tuple(loss_parameters) != LOSS_PARAMETERS:
-        problems.append(f"{PARENT_CLASS}.{LOSS_METHOD} signature changed: {tuple(loss_parameters)} != {LOSS_PARAMETERS}")
+        problems.append(
+            f"{PARENT_CLASS}.{LOSS_METHOD} signature changed: {tuple(loss_parameters)} != {LOSS_PARAMETERS}"
+        )
     missing = sorted((LOGP_REQUIRED_PARAMETERS | set(VLM_FORWARD_KEYWORDS)) - set(logp_parameters))
     for name in missing:
         problems.append(f"{PARENT_CLASS}.{LOGP_METHOD} has no parameter {name!r}")

@@ -12,7 +12,8 @@ only handled 4-D/5-D tensors and left these unchanged (defect 1); patch masking 
 
 from __future__ import annotations
 
-from typing import Literal, Sequence
+from collections.abc import Sequence
+from typing import Literal
 
 import torch
 
@@ -79,7 +80,9 @@ def mask_patches(
 ) -> torch.Tensor:
     """Black out whole patches (or 2x2 merge units) of flattened Qwen-VL pixel_values."""
     if pixel_values.dim() != 2:
-        raise ValueError(f"patch masking expects 2-D (n_patches, C*T*P*P) pixel_values, got {tuple(pixel_values.shape)}")
+        raise ValueError(
+            f"patch masking expects 2-D (n_patches, C*T*P*P) pixel_values, got {tuple(pixel_values.shape)}"
+        )
     rows = select_patch_rows(image_grid_thw, ratio, unit=unit, merge_size=merge_size, generator=generator)
     if rows.numel() != pixel_values.shape[0]:
         raise ValueError(f"image_grid_thw covers {rows.numel()} rows but pixel_values has {pixel_values.shape[0]}")
@@ -111,6 +114,8 @@ def mask_random_elements(
     elif pixel_values.dim() in (4, 5) and pixel_values.shape[-3] == channels:
         fill = black[:, None, None]
     else:
-        raise ValueError(f"cannot find the {channels} colour channels in pixel_values of shape {tuple(pixel_values.shape)}")
+        raise ValueError(
+            f"cannot find the {channels} colour channels in pixel_values of shape {tuple(pixel_values.shape)}"
+        )
     coins = torch.rand(pixel_values.shape, generator=generator, device="cpu") < ratio
     return torch.where(coins.to(pixel_values.device), fill, pixel_values)

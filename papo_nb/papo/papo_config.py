@@ -58,13 +58,19 @@ class PAPOGConfig(GRPOConfig):
             before it fails as a wiring error.
     """
 
-    perception_loss_weight: float = field(default=0.02, metadata={"help": "gamma: weight of the maximised perception KL."})
-    perception_loss_weight_final: float = field(default=0.0, metadata={"help": "gamma at the last step for the linear schedule."})
+    perception_loss_weight: float = field(
+        default=0.02, metadata={"help": "gamma: weight of the maximised perception KL."}
+    )
+    perception_loss_weight_final: float = field(
+        default=0.0, metadata={"help": "gamma at the last step for the linear schedule."}
+    )
     perception_loss_schedule: str = field(default="fixed", metadata={"help": "'fixed' or 'linear' gamma schedule."})
     mask_type: str = field(default="patch", metadata={"help": "'patch', 'merge_unit' or 'random'."})
     mask_ratio: float = field(default=0.6, metadata={"help": "Fraction of the image blacked out, in [0, 1]."})
     mask_seed: int = field(default=0, metadata={"help": "Seed of the masking generator."})
-    perception_kl_clamp: float | None = field(default=None, metadata={"help": "Upper clamp of the per-token KL (None: off)."})
+    perception_kl_clamp: float | None = field(
+        default=None, metadata={"help": "Upper clamp of the per-token KL (None: off)."}
+    )
     original_entropy_weight: float = field(default=0.03, metadata={"help": "eta1: entropy weight, original images."})
     masked_entropy_weight: float = field(default=0.03, metadata={"help": "eta2: entropy weight, masked images."})
     masked_branch_grad: bool = field(default=False, metadata={"help": "Backpropagate through the masked forward."})
@@ -85,18 +91,44 @@ class PAPOGConfig(GRPOConfig):
             if not ok:
                 raise ValueError(f"PAPOGConfig.{name}={getattr(self, name)!r} is invalid: expected {allowed}")
 
-        finite = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and v == v and abs(v) != float("inf")  # noqa: E731
-        require(finite(self.perception_loss_weight) and self.perception_loss_weight >= 0, "perception_loss_weight", "a finite number >= 0")
-        require(finite(self.perception_loss_weight_final) and self.perception_loss_weight_final >= 0, "perception_loss_weight_final", "a finite number >= 0")
-        require(self.perception_loss_schedule in GAMMA_SCHEDULES, "perception_loss_schedule", f"one of {GAMMA_SCHEDULES}")
+        finite = lambda v: (
+            isinstance(v, (int, float)) and not isinstance(v, bool) and v == v and abs(v) != float("inf")
+        )  # noqa: E731
+        require(
+            finite(self.perception_loss_weight) and self.perception_loss_weight >= 0,
+            "perception_loss_weight",
+            "a finite number >= 0",
+        )
+        require(
+            finite(self.perception_loss_weight_final) and self.perception_loss_weight_final >= 0,
+            "perception_loss_weight_final",
+            "a finite number >= 0",
+        )
+        require(
+            self.perception_loss_schedule in GAMMA_SCHEDULES, "perception_loss_schedule", f"one of {GAMMA_SCHEDULES}"
+        )
         require(self.mask_type in MASK_TYPES, "mask_type", f"one of {MASK_TYPES}")
         require(finite(self.mask_ratio) and 0.0 < self.mask_ratio <= 1.0, "mask_ratio", "a number in (0, 1]")
         require(isinstance(self.mask_seed, int) and not isinstance(self.mask_seed, bool), "mask_seed", "an int")
-        require(self.perception_kl_clamp is None or (finite(self.perception_kl_clamp) and self.perception_kl_clamp > 0),
-                "perception_kl_clamp", "None or a finite number > 0")
-        require(finite(self.original_entropy_weight) and self.original_entropy_weight >= 0, "original_entropy_weight", "a finite number >= 0")
-        require(finite(self.masked_entropy_weight) and self.masked_entropy_weight >= 0, "masked_entropy_weight", "a finite number >= 0")
+        require(
+            self.perception_kl_clamp is None or (finite(self.perception_kl_clamp) and self.perception_kl_clamp > 0),
+            "perception_kl_clamp",
+            "None or a finite number > 0",
+        )
+        require(
+            finite(self.original_entropy_weight) and self.original_entropy_weight >= 0,
+            "original_entropy_weight",
+            "a finite number >= 0",
+        )
+        require(
+            finite(self.masked_entropy_weight) and self.masked_entropy_weight >= 0,
+            "masked_entropy_weight",
+            "a finite number >= 0",
+        )
         require(isinstance(self.masked_branch_grad, bool), "masked_branch_grad", "a bool")
         require(isinstance(self.require_gpu_contract_probe, bool), "require_gpu_contract_probe", "a bool")
-        require(isinstance(self.probe_max_degenerate_batches, int) and self.probe_max_degenerate_batches >= 1,
-                "probe_max_degenerate_batches", "an int >= 1")
+        require(
+            isinstance(self.probe_max_degenerate_batches, int) and self.probe_max_degenerate_batches >= 1,
+            "probe_max_degenerate_batches",
+            "an int >= 1",
+        )

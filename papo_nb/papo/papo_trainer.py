@@ -24,12 +24,15 @@ from papo_nb.papo import masking
 from papo_nb.papo.contract import ENTROPY_GRAD_GATE, VLM_FORWARD_KEYWORDS, validate_trl_parent_contract
 from papo_nb.papo.papo_config import PAPOGConfig
 
+
 def logp_call_arguments(inputs: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
     """``(input_ids, attention_mask, logits_to_keep)`` and the VLM keywords for ``_get_per_token_logps_and_entropies``
     on a ``_compute_loss`` batch, built as the parent builds them."""
     input_ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
     attention_mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
-    return (input_ids, attention_mask, inputs["completion_ids"].size(1)), {key: inputs.get(key) for key in VLM_FORWARD_KEYWORDS}
+    return (input_ids, attention_mask, inputs["completion_ids"].size(1)), {
+        key: inputs.get(key) for key in VLM_FORWARD_KEYWORDS
+    }
 
 
 @dataclass
@@ -67,7 +70,9 @@ class PAPOGTrainer(GRPOTrainer):
 
     # ---- the one place the total loss is assembled (the probe differentiates it at gamma = 0) ----
     @staticmethod
-    def assemble_loss(parent_loss: torch.Tensor, terms: PerceptionTerms, gamma: float, eta1: float, eta2: float) -> torch.Tensor:
+    def assemble_loss(
+        parent_loss: torch.Tensor, terms: PerceptionTerms, gamma: float, eta1: float, eta2: float
+    ) -> torch.Tensor:
         papo = -gamma * terms.perception_kl + eta1 * terms.original_entropy + eta2 * terms.masked_entropy
         return parent_loss + papo
 
@@ -76,7 +81,9 @@ class PAPOGTrainer(GRPOTrainer):
         if args.perception_loss_schedule == "fixed" or args.max_steps <= 0:
             return args.perception_loss_weight
         progress = min(self.state.global_step / args.max_steps, 1.0)
-        return args.perception_loss_weight + (args.perception_loss_weight_final - args.perception_loss_weight) * progress
+        return (
+            args.perception_loss_weight + (args.perception_loss_weight_final - args.perception_loss_weight) * progress
+        )
 
     # ---- hooks ----
     def _get_per_token_logps_and_entropies(self, *args, **kwargs):
@@ -93,7 +100,9 @@ class PAPOGTrainer(GRPOTrainer):
             self.probe.observe(self, model, parent_loss, terms, step=self.state.global_step)
             self._metrics["train"].update({f"probe/{k}": [v] for k, v in self.probe.metrics().items()})
         args = self.args
-        return self.assemble_loss(parent_loss, terms, self.current_gamma(), args.original_entropy_weight, args.masked_entropy_weight)
+        return self.assemble_loss(
+            parent_loss, terms, self.current_gamma(), args.original_entropy_weight, args.masked_entropy_weight
+        )
 
     # ---- pieces ----
     def _with_entropy_grad(self, want_grad: bool, *args, **kwargs):
@@ -129,12 +138,21 @@ class PAPOGTrainer(GRPOTrainer):
         image_processor = self.processing_class.image_processor
         stats = dict(image_mean=image_processor.image_mean, image_std=image_processor.image_std)
         if self.args.mask_type == "random":
-            return masking.mask_random_elements(inputs["pixel_values"], self.args.mask_ratio, generator=self.mask_generator, **stats)
+            return masking.mask_random_elements(
+                inputs["pixel_values"], self.args.mask_ratio, generator=self.mask_generator, **stats
+            )
         if inputs.get("image_grid_thw") is None:
-            raise ValueError(f"mask_type={self.args.mask_type!r} needs image_grid_thw (Qwen-VL layout); use mask_type='random'")
+            raise ValueError(
+                f"mask_type={self.args.mask_type!r} needs image_grid_thw (Qwen-VL layout); use mask_type='random'"
+            )
         return masking.mask_patches(
-            inputs["pixel_values"], inputs["image_grid_thw"], self.args.mask_ratio, unit=self.args.mask_type,
-            merge_size=getattr(image_processor, "merge_size", 2), generator=self.mask_generator, **stats,
+            inputs["pixel_values"],
+            inputs["image_grid_thw"],
+            self.args.mask_ratio,
+            unit=self.args.mask_type,
+            merge_size=getattr(image_processor, "merge_size", 2),
+            generator=self.mask_generator,
+            **stats,
         )
 
     def _perception_terms(self, model, inputs, logps, entropies, masked) -> PerceptionTerms:
@@ -153,7 +171,11 @@ class PAPOGTrainer(GRPOTrainer):
             per_token_kl = per_token_kl.clamp(0.0, self.args.perception_kl_clamp)
         mask_f = mask.to(per_token_kl.dtype)
         with torch.no_grad():
-            kl_sum, entropy_sum, token_count = (per_token_kl * mask_f).sum(), (masked_entropies * mask_f).sum(), mask_f.sum()
+            kl_sum, entropy_sum, token_count = (
+                (per_token_kl * mask_f).sum(),
+                (masked_entropies * mask_f).sum(),
+                mask_f.sum(),
+            )
         terms = PerceptionTerms(
             perception_kl=self._normalise_like_parent(per_token_kl, mask_f, inputs),
             original_entropy=self._normalise_like_parent(entropies, mask_f, inputs),
@@ -171,7 +193,9 @@ class PAPOGTrainer(GRPOTrainer):
             vlm_kwargs["pixel_values"] = self.masked_pixel_values(inputs)
         want_entropy_grad = self.args.masked_branch_grad and self.args.masked_entropy_weight > 0
         with torch.set_grad_enabled(self.args.masked_branch_grad and torch.is_grad_enabled()):
-            logps, entropies, _ = self._with_entropy_grad(want_entropy_grad, model, *positional, compute_entropy=True, **vlm_kwargs)
+            logps, entropies, _ = self._with_entropy_grad(
+                want_entropy_grad, model, *positional, compute_entropy=True, **vlm_kwargs
+            )
         return logps, entropies
 
     def _images_on_any_rank(self, has_images: bool) -> bool:
@@ -221,7 +245,9 @@ class PAPOGTrainer(GRPOTrainer):
 
     def _log_perception_metrics(self, kl_sum, entropy_sum, token_count) -> None:
         mode = "train" if self.model.training else "eval"
-        totals = self.accelerator.reduce(torch.stack([kl_sum, entropy_sum, token_count]).detach().float(), reduction="sum")
+        totals = self.accelerator.reduce(
+            torch.stack([kl_sum, entropy_sum, token_count]).detach().float(), reduction="sum"
+        )
         kl, masked_entropy = (totals[:2] / totals[2].clamp(min=1.0)).tolist()
         metrics = self._metrics[mode]
         metrics["perception_kl"].append(kl)

@@ -22,8 +22,9 @@ passes or fails together and no rank is left waiting in a collective. One proces
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -44,8 +45,11 @@ class ProbeFailure(RuntimeError):
     """The adapter failed the gamma-zero reduction or liveness check."""
 
 
-def gradient_tolerance(parent_grad_norm: float, rel_tol: float = GAMMA_ZERO_GRADIENT_REL_TOL,
-                       abs_floor: float = GAMMA_ZERO_GRADIENT_ABS_FLOOR) -> float:
+def gradient_tolerance(
+    parent_grad_norm: float,
+    rel_tol: float = GAMMA_ZERO_GRADIENT_REL_TOL,
+    abs_floor: float = GAMMA_ZERO_GRADIENT_ABS_FLOOR,
+) -> float:
     return max(rel_tol * parent_grad_norm, abs_floor)
 
 
@@ -100,7 +104,9 @@ def _autocast_state() -> tuple[bool, str | None]:
     return False, None
 
 
-def measure_gamma_zero(trainer, model, parent_loss: torch.Tensor, terms, assemble: Callable | None = None) -> dict[str, Any]:
+def measure_gamma_zero(
+    trainer, model, parent_loss: torch.Tensor, terms, assemble: Callable | None = None
+) -> dict[str, Any]:
     """The reduction and liveness numbers for one batch (no verdict). ``assemble`` defaults to the trainer's."""
     import trl
 
@@ -109,7 +115,9 @@ def measure_gamma_zero(trainer, model, parent_loss: torch.Tensor, terms, assembl
     zero_gamma_loss = assemble(parent_loss, terms, 0.0, 0.0, 0.0)
     params = [p for p in model.parameters() if p.requires_grad]
     if not params:
-        raise ProbeFailure("the model has no trainable parameters: nothing to probe (was the adapter loaded with is_trainable=False?)")
+        raise ProbeFailure(
+            "the model has no trainable parameters: nothing to probe (was the adapter loaded with is_trainable=False?)"
+        )
     g_parent = _flat_grad(parent_loss, params)
     g_zero = _flat_grad(zero_gamma_loss, params)
     g_perception = _flat_grad(terms.perception_kl, params)
@@ -120,16 +128,24 @@ def measure_gamma_zero(trainer, model, parent_loss: torch.Tensor, terms, assembl
         # Several processes: the gradient the optimizer applies is DDP's mean of the per-rank gradients, so the
         # norms and the verdict are those of the all-reduced (mean) gradients, identical on every rank; the losses
         # are rank means, and bit equality must hold on every rank. One process: nothing is reduced.
-        g_parent, g_zero, g_perception = trainer.accelerator.reduce(torch.stack([g_parent, g_zero, g_perception]), reduction="mean")
-        losses = trainer.accelerator.reduce(torch.tensor([parent_value, zero_value, float(not loss_bit_equal)],
-                                                         dtype=torch.float64, device=g_parent.device), reduction="sum")
+        g_parent, g_zero, g_perception = trainer.accelerator.reduce(
+            torch.stack([g_parent, g_zero, g_perception]), reduction="mean"
+        )
+        losses = trainer.accelerator.reduce(
+            torch.tensor(
+                [parent_value, zero_value, float(not loss_bit_equal)], dtype=torch.float64, device=g_parent.device
+            ),
+            reduction="sum",
+        )
         parent_value, zero_value = (losses[:2] / processes).tolist()
         loss_bit_equal = losses[2].item() == 0
     parent_norm = torch.linalg.vector_norm(g_parent).item()
     diff = torch.linalg.vector_norm(g_zero - g_parent).item()
     tolerance = gradient_tolerance(parent_norm)
     perception_norm = torch.linalg.vector_norm(g_perception).item()
-    kl_totals = trainer.accelerator.reduce(torch.stack([terms.kl_sum, terms.token_count]).detach().float(), reduction="sum")
+    kl_totals = trainer.accelerator.reduce(
+        torch.stack([terms.kl_sum, terms.token_count]).detach().float(), reduction="sum"
+    )
     autocast_enabled, autocast_dtype = _autocast_state()
     return dict(
         parent_loss=parent_value,
@@ -162,74 +178,136 @@ class GammaZeroProbe:
         self.evidence: ProbeEvidence | None = None
 
     def _record(self, status: str, message: str, step: int | None, **numbers) -> ProbeEvidence:
-        self.evidence = ProbeEvidence(status, message, step=step, degenerate_batches_skipped=self.degenerate_batches,
-                                      batches_without_images=self.batches_without_images, **numbers)
+        self.evidence = ProbeEvidence(
+            status,
+            message,
+            step=step,
+            degenerate_batches_skipped=self.degenerate_batches,
+            batches_without_images=self.batches_without_images,
+            **numbers,
+        )
         self.pending = status == "pending"
         if status == "failed":
             raise ProbeFailure(message)
         return self.evidence
 
-    def observe(self, trainer, model, parent_loss: torch.Tensor, terms, step: int | None = None,
-                assemble: Callable | None = None) -> ProbeEvidence:
+    def observe(
+        self,
+        trainer,
+        model,
+        parent_loss: torch.Tensor,
+        terms,
+        step: int | None = None,
+        assemble: Callable | None = None,
+    ) -> ProbeEvidence:
         """Look at one batch; returns the evidence (pending or passed) or raises ProbeFailure."""
         self.evaluations += 1
         PROBE_CALLS["observe"] += 1
-        values = torch.stack([parent_loss.detach().float(), terms.perception_kl.detach().float(),
-                              terms.original_entropy.detach().float(), terms.masked_entropy.detach().float()])
+        values = torch.stack(
+            [
+                parent_loss.detach().float(),
+                terms.perception_kl.detach().float(),
+                terms.original_entropy.detach().float(),
+                terms.masked_entropy.detach().float(),
+            ]
+        )
         finite = bool(torch.isfinite(values).all())
         # Same decision on every rank: finiteness, image presence and KL are reduced before any verdict or deferral,
         # so no rank raises, defers or stops probing while another waits in a collective.
-        flags = torch.stack([torch.tensor(float(not finite)), torch.tensor(float(terms.has_images)),
-                             terms.kl_sum.detach().float().cpu(), terms.token_count.detach().float().cpu()]).to(parent_loss.device)
+        flags = torch.stack(
+            [
+                torch.tensor(float(not finite)),
+                torch.tensor(float(terms.has_images)),
+                terms.kl_sum.detach().float().cpu(),
+                terms.token_count.detach().float().cpu(),
+            ]
+        ).to(parent_loss.device)
         flags = trainer.accelerator.reduce(flags, reduction="sum")
         if flags[0].item() > 0:
             ranks = trainer.accelerator.num_processes
             where = f" on {int(flags[0].item())} of {ranks} ranks; this rank's" if ranks > 1 else ""
-            return self._record("failed", f"probe: non-finite loss pieces{where} (parent, kl, H, H_masked) = {values.tolist()}", step)
+            return self._record(
+                "failed", f"probe: non-finite loss pieces{where} (parent, kl, H, H_masked) = {values.tolist()}", step
+            )
         flags = flags[1:]
         if flags[0].item() == 0:
             self.batches_without_images += 1
-            return self._record("pending", "probe deferred: batch has no images, so zero perception KL is correct", step)
+            return self._record(
+                "pending", "probe deferred: batch has no images, so zero perception KL is correct", step
+            )
         if flags[1].item() == 0.0:
             self.degenerate_batches += 1
             if self.degenerate_batches >= self.max_degenerate_batches:
-                return self._record("failed", (
-                    f"probe: {self.degenerate_batches} consecutive image-invariant batches (perception KL exactly 0). "
-                    "The masked forward never changes the completion log-probs. Likely causes: the mask does not "
-                    "reach pixel_values (wrong layout, e.g. 2-D Qwen tensors treated as 4-D), the masked pixel_values "
-                    "are not passed to the forward, the vision tower output is ignored or zeroed, or every probe "
-                    "batch is answerable without the image."), step)
-            return self._record("pending", f"probe deferred: image-invariant batch {self.degenerate_batches}/{self.max_degenerate_batches}", step)
+                return self._record(
+                    "failed",
+                    (
+                        f"probe: {self.degenerate_batches} consecutive image-invariant batches (perception KL exactly 0). "
+                        "The masked forward never changes the completion log-probs. Likely causes: the mask does not "
+                        "reach pixel_values (wrong layout, e.g. 2-D Qwen tensors treated as 4-D), the masked pixel_values "
+                        "are not passed to the forward, the vision tower output is ignored or zeroed, or every probe "
+                        "batch is answerable without the image."
+                    ),
+                    step,
+                )
+            return self._record(
+                "pending",
+                f"probe deferred: image-invariant batch {self.degenerate_batches}/{self.max_degenerate_batches}",
+                step,
+            )
         numbers = measure_gamma_zero(trainer, model, parent_loss, terms, assemble)
-        if not all(math.isfinite(numbers[k]) for k in ("parent_grad_norm", "zero_gamma_grad_norm", "grad_diff_norm", "perception_grad_norm")):
+        if not all(
+            math.isfinite(numbers[k])
+            for k in ("parent_grad_norm", "zero_gamma_grad_norm", "grad_diff_norm", "perception_grad_norm")
+        ):
             return self._record("failed", f"probe: non-finite gradient norms {numbers}", step, **numbers)
         problems = []
         if not numbers["loss_bit_equal"]:
-            problems.append(f"zero-gamma loss {numbers['zero_gamma_loss']!r} != parent loss {numbers['parent_loss']!r}")
+            problems.append(
+                f"zero-gamma loss {numbers['zero_gamma_loss']!r} != parent loss {numbers['parent_loss']!r}"
+            )
         if numbers["grad_diff_norm"] > numbers["tolerance"]:
             problems.append(
                 f"perception gradient leaks through the gamma=0 path: ||g_zero - g_parent|| = {numbers['grad_diff_norm']:.3e} "
-                f"> tolerance {numbers['tolerance']:.3e} ({PASS_RULE})")
+                f"> tolerance {numbers['tolerance']:.3e} ({PASS_RULE})"
+            )
         if not numbers["perception_kl"] > 0:
             problems.append(f"perception KL is {numbers['perception_kl']!r}, not > 0")
         if not numbers["perception_grad_norm"] > 0:
-            problems.append("the perception term has zero gradient: the masked branch does not reach the trainable weights")
+            problems.append(
+                "the perception term has zero gradient: the masked branch does not reach the trainable weights"
+            )
         if problems:
             return self._record("failed", "probe failed: " + "; ".join(problems), step, **numbers)
-        return self._record("passed", (
-            f"probe passed: ||g_zero - g_parent|| = {numbers['grad_diff_norm']:.3e} <= {numbers['tolerance']:.3e}; "
-            f"perception KL {numbers['perception_kl']:.3e}, perception gradient {numbers['separation_ratio']:.3g}x tolerance"), step, **numbers)
+        return self._record(
+            "passed",
+            (
+                f"probe passed: ||g_zero - g_parent|| = {numbers['grad_diff_norm']:.3e} <= {numbers['tolerance']:.3e}; "
+                f"perception KL {numbers['perception_kl']:.3e}, perception gradient {numbers['separation_ratio']:.3g}x tolerance"
+            ),
+            step,
+            **numbers,
+        )
 
     def metrics(self) -> dict[str, float]:
         """Numeric evidence for the trainer's metrics (and so MLflow)."""
         if self.evidence is None:
             return {}
-        return {k: float(v) for k, v in self.evidence.to_dict().items()
-                if isinstance(v, (int, float)) and k not in ("rel_tol", "abs_floor")}
+        return {
+            k: float(v)
+            for k, v in self.evidence.to_dict().items()
+            if isinstance(v, (int, float)) and k not in ("rel_tol", "abs_floor")
+        }
 
 
-def probe_batch(trainer, inputs, *, model=None, autocast_dtype: torch.dtype | None = None,
-                max_degenerate_batches: int = PAPO_PROBE_MAX_DEGENERATE_BATCHES, raise_on_failure: bool = True) -> ProbeEvidence:
+def probe_batch(
+    trainer,
+    inputs,
+    *,
+    model=None,
+    autocast_dtype: torch.dtype | None = None,
+    max_degenerate_batches: int = PAPO_PROBE_MAX_DEGENERATE_BATCHES,
+    raise_on_failure: bool = True,
+) -> ProbeEvidence:
     """Stand-alone probe on one prepared batch (``_compute_loss`` inputs), optionally under autocast.
 
     With ``raise_on_failure=False`` a failed verdict is returned (``status="failed"``) instead of raised.

@@ -13,7 +13,8 @@ import uuid
 from pathlib import Path
 
 import torch
-from tokenizers import Tokenizer, decoders, models as tok_models, pre_tokenizers, trainers
+from tokenizers import Tokenizer, decoders, pre_tokenizers, trainers
+from tokenizers import models as tok_models
 from transformers import (
     AutoConfig,
     AutoModelForImageTextToText,
@@ -131,10 +132,30 @@ def build_tiny_processor(family: str = "qwen2_vl") -> Qwen2VLProcessor:
 # Model sizes `build_tiny_vlm` can make. "tiny" (the default, a few hundred thousand parameters) is the test
 # model; "wide" (about 30 million) is for CPU benchmarks where the transformer's compute dominates the step.
 SIZES = {
-    "tiny": dict(hidden=64, intermediate=128, layers=2, heads=4, kv_heads=2, mrope=[2, 3, 3],
-                 vision_depth=2, vision_width=32, vision_heads=2, vision_mlp_ratio=2),
-    "wide": dict(hidden=512, intermediate=1536, layers=8, heads=8, kv_heads=4, mrope=[8, 12, 12],
-                 vision_depth=4, vision_width=256, vision_heads=4, vision_mlp_ratio=4),
+    "tiny": dict(
+        hidden=64,
+        intermediate=128,
+        layers=2,
+        heads=4,
+        kv_heads=2,
+        mrope=[2, 3, 3],
+        vision_depth=2,
+        vision_width=32,
+        vision_heads=2,
+        vision_mlp_ratio=2,
+    ),
+    "wide": dict(
+        hidden=512,
+        intermediate=1536,
+        layers=8,
+        heads=8,
+        kv_heads=4,
+        mrope=[8, 12, 12],
+        vision_depth=4,
+        vision_width=256,
+        vision_heads=4,
+        vision_mlp_ratio=4,
+    ),
 }
 
 
@@ -166,8 +187,13 @@ def tiny_config(family: str, tokenizer: PreTrainedTokenizerFast, size: str = "ti
     width, depth, heads = dims["vision_width"], dims["vision_depth"], dims["vision_heads"]
     if family == "qwen2_vl":
         # Qwen2-VL: `hidden_size` of the vision config is the merger's output = text hidden size.
-        vision_config = {"depth": depth, "embed_dim": width, "hidden_size": dims["hidden"], "num_heads": heads,
-                         "mlp_ratio": dims["vision_mlp_ratio"]}
+        vision_config = {
+            "depth": depth,
+            "embed_dim": width,
+            "hidden_size": dims["hidden"],
+            "num_heads": heads,
+            "mlp_ratio": dims["vision_mlp_ratio"],
+        }
     else:
         # Qwen2.5-VL: `hidden_size` is the vision width; `out_hidden_size` feeds the text model.
         vision_config = {
@@ -205,8 +231,9 @@ def _write_tiny_vlm(family: str, seed: int, folder: Path, size: str = "tiny") ->
     processor.save_pretrained(folder)
 
 
-def build_tiny_vlm(family: str = "qwen2_vl", seed: int = 0, cache_dir: str | Path | None = None,
-                   size: str = "tiny") -> Path:
+def build_tiny_vlm(
+    family: str = "qwen2_vl", seed: int = 0, cache_dir: str | Path | None = None, size: str = "tiny"
+) -> Path:
     """Build (or reuse) a tiny offline VLM and return its folder, loadable with `load_vlm`.
 
     ``size`` is ``"tiny"`` (default: the test model) or ``"wide"`` (about 30M parameters, for CPU benchmarks);

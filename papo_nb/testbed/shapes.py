@@ -111,9 +111,7 @@ def make_example(rng: random.Random, kind: str, image_size: int = 112) -> dict:
     else:
         raise ValueError(f"kind={kind!r} is not a question kind; expected one of {KINDS}")
 
-    prompt = [
-        {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": prompt_text(question)}]}
-    ]
+    prompt = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": prompt_text(question)}]}]
     return {"prompt": prompt, "image": image, "answer": answer, "kind": kind}
 
 
@@ -151,15 +149,15 @@ def load_vlm_dataset(name_or_path: str, split: str = "train") -> datasets.Datase
         # Fail here rather than let `load_dataset` try the hub (no network on the training machines).
         raise FileNotFoundError(f"name_or_path={name_or_path!r} is not an existing local folder or file")
     is_saved_dataset = path.is_dir() and (
-        (path / "dataset_info.json").exists() or (path / "dataset_dict.json").exists() or (path / "state.json").exists()
+        (path / "dataset_info.json").exists()
+        or (path / "dataset_dict.json").exists()
+        or (path / "state.json").exists()
     )
     if is_saved_dataset:
         loaded = datasets.load_from_disk(str(path))
         if isinstance(loaded, datasets.DatasetDict):
             if split not in loaded:
-                raise ValueError(
-                    f"name_or_path={name_or_path!r} holds splits {sorted(loaded)}, not split={split!r}"
-                )
+                raise ValueError(f"name_or_path={name_or_path!r} holds splits {sorted(loaded)}, not split={split!r}")
             loaded = loaded[split]
     else:
         loaded = datasets.load_dataset(name_or_path, split=split)

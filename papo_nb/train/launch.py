@@ -35,9 +35,9 @@ from typing import Any, TextIO
 
 import yaml
 
+from papo_nb.infra.tracking import _free_port, _stop_process_group
 from papo_nb.workbook.checkpoints import ADAPTER_FILE, CHECKPOINT_PREFIX, checkpoint_folders, checkpoint_step
 from papo_nb.workbook.params import ParamsError, WorkbookParams, load_params, preflight_problems
-from papo_nb.infra.tracking import _free_port, _stop_process_group
 
 PARAMS_FILE = "params.yaml"
 RUN_INFO_FILE = "run_info.json"
@@ -51,11 +51,21 @@ PROGRESS_PREFIX = "papo-nb train:"
 # must match the run's params.yaml unless --force-resume. max_steps matters: it sets the learning-rate (and a
 # linear gamma) schedule; num_processes and accelerate_config matter: they change the global batch and the
 # checkpoint format.
-RESUME_SAFE_KEYS = frozenset({
-    "device", "save_steps", "require_gpu_contract_probe", "n_eval_prompts",
-    "trl_releases", "upstream_wheel", "calibration_batches", "calibration_precisions",
-    "phase2_train_steps", "phase2_checkpoint", "injected_leak_scale",
-})
+RESUME_SAFE_KEYS = frozenset(
+    {
+        "device",
+        "save_steps",
+        "require_gpu_contract_probe",
+        "n_eval_prompts",
+        "trl_releases",
+        "upstream_wheel",
+        "calibration_batches",
+        "calibration_precisions",
+        "phase2_train_steps",
+        "phase2_checkpoint",
+        "injected_leak_scale",
+    }
+)
 
 CONFIG_DIR = Path("configs") / "accelerate"
 DEFAULT_GPU_CONFIG = "multi_gpu.yaml"
@@ -160,7 +170,9 @@ def checkpoint_problems(folder: str | Path) -> list[str]:
     """
     folder = Path(folder)
     problems: list[str] = []
-    adapters = [folder / ADAPTER_FILE] + sorted(p / ADAPTER_FILE for p in folder.iterdir() if p.is_dir() and (p / ADAPTER_FILE).is_file())
+    adapters = [folder / ADAPTER_FILE] + sorted(
+        p / ADAPTER_FILE for p in folder.iterdir() if p.is_dir() and (p / ADAPTER_FILE).is_file()
+    )
     if not adapters[0].is_file():
         problems.append(f"missing {ADAPTER_FILE}")
     for adapter in adapters:
@@ -186,7 +198,9 @@ def checkpoint_problems(folder: str | Path) -> list[str]:
     return problems
 
 
-def find_resume_checkpoint(output_dir: str | Path, *, warn: bool = True) -> tuple[Path | None, list[tuple[Path, list[str]]]]:
+def find_resume_checkpoint(
+    output_dir: str | Path, *, warn: bool = True
+) -> tuple[Path | None, list[tuple[Path, list[str]]]]:
     """The newest complete checkpoint (or None), and the newer ones skipped with their problems.
 
     Each skipped checkpoint is named in a ``CorruptCheckpointWarning`` (when ``warn``)."""
@@ -197,8 +211,11 @@ def find_resume_checkpoint(output_dir: str | Path, *, warn: bool = True) -> tupl
             return folder, skipped
         skipped.append((folder, problems))
         if warn:
-            warnings.warn(f"skipping corrupt or partial checkpoint {folder}: {'; '.join(problems)}",
-                          CorruptCheckpointWarning, stacklevel=2)
+            warnings.warn(
+                f"skipping corrupt or partial checkpoint {folder}: {'; '.join(problems)}",
+                CorruptCheckpointWarning,
+                stacklevel=2,
+            )
     return None, skipped
 
 
@@ -225,11 +242,15 @@ def resume_differences(saved: dict, params: WorkbookParams) -> list[tuple[str, A
 
 
 def mismatch_message(output_dir: Path, differences: list[tuple[str, Any, Any]]) -> str:
-    lines = [f"refusing to resume the run in {output_dir}: {len(differences)} parameter(s) differ from the ones it "
-             f"started with ({output_dir / PARAMS_FILE}):"]
+    lines = [
+        f"refusing to resume the run in {output_dir}: {len(differences)} parameter(s) differ from the ones it "
+        f"started with ({output_dir / PARAMS_FILE}):"
+    ]
     lines += [f"  {key}: {original!r} (original) -> {current!r} (now)" for key, original, current in differences]
-    lines.append("They change what is trained. Resume with the original values, train into a new --output-dir, or "
-                 "pass --force-resume to resume with the new values anyway.")
+    lines.append(
+        "They change what is trained. Resume with the original values, train into a new --output-dir, or "
+        "pass --force-resume to resume with the new values anyway."
+    )
     return "\n".join(lines)
 
 
@@ -256,7 +277,12 @@ def _max_difference(a: Any, b: Any) -> float:
         if len(a) != len(b):
             return float("inf")
         return max((_max_difference(x, y) for x, y in zip(a, b)), default=0.0)
-    if isinstance(a, (int, float)) and isinstance(b, (int, float)) and not isinstance(a, bool) and not isinstance(b, bool):
+    if (
+        isinstance(a, (int, float))
+        and isinstance(b, (int, float))
+        and not isinstance(a, bool)
+        and not isinstance(b, bool)
+    ):
         return abs(float(a) - float(b))
     return 0.0 if a == b else float("inf")
 
@@ -275,14 +301,21 @@ def _resume_callback(trainer, checkpoint: Path, is_main: bool, output_dir: Path)
 
         def on_train_begin(self, args, state, control, model=None, optimizer=None, lr_scheduler=None, **kwargs):
             saved_state = json.loads((checkpoint / TRAINER_STATE_FILE).read_text())
-            evidence: dict[str, Any] = {"checkpoint": str(checkpoint), "checkpoint_step": saved_state["global_step"],
-                                        "resumed_at_step": state.global_step}
+            evidence: dict[str, Any] = {
+                "checkpoint": str(checkpoint),
+                "checkpoint_step": saved_state["global_step"],
+                "resumed_at_step": state.global_step,
+            }
             saved_adapter = load_file(str(checkpoint / ADAPTER_FILE))
-            evidence["adapter_max_abs_difference"] = _max_difference(saved_adapter, get_peft_model_state_dict(trainer.accelerator.unwrap_model(trainer.model)))
+            evidence["adapter_max_abs_difference"] = _max_difference(
+                saved_adapter, get_peft_model_state_dict(trainer.accelerator.unwrap_model(trainer.model))
+            )
             if (checkpoint / "optimizer.pt").is_file() and optimizer is not None:
                 saved = torch.load(checkpoint / "optimizer.pt", map_location="cpu", weights_only=True)
                 evidence["optimizer_max_abs_difference"] = _max_difference(saved, optimizer.state_dict())
-                evidence["optimizer_steps"] = max((int(s["step"]) for s in saved["state"].values() if "step" in s), default=0)
+                evidence["optimizer_steps"] = max(
+                    (int(s["step"]) for s in saved["state"].values() if "step" in s), default=0
+                )
             if (checkpoint / "scheduler.pt").is_file() and lr_scheduler is not None:
                 saved = torch.load(checkpoint / "scheduler.pt", map_location="cpu", weights_only=True)
                 evidence["scheduler_max_abs_difference"] = _max_difference(saved, lr_scheduler.state_dict())
@@ -297,12 +330,16 @@ def _resume_callback(trainer, checkpoint: Path, is_main: bool, output_dir: Path)
             evidence = self.evidence
             mask_file = Path(trainer._mask_rng_file(str(checkpoint)))
             if mask_file.is_file():
-                evidence["mask_rng_restored"] = bool(torch.equal(torch.load(mask_file, weights_only=True), trainer.mask_generator.get_state()))
-            checks = {"step": evidence["resumed_at_step"] == evidence["checkpoint_step"],
-                      "adapter": evidence["adapter_max_abs_difference"] == 0.0,
-                      "optimizer": evidence.get("optimizer_max_abs_difference", 0.0) == 0.0,
-                      "scheduler": evidence.get("scheduler_max_abs_difference", 0.0) == 0.0,
-                      "mask_rng": evidence.get("mask_rng_restored", True)}
+                evidence["mask_rng_restored"] = bool(
+                    torch.equal(torch.load(mask_file, weights_only=True), trainer.mask_generator.get_state())
+                )
+            checks = {
+                "step": evidence["resumed_at_step"] == evidence["checkpoint_step"],
+                "adapter": evidence["adapter_max_abs_difference"] == 0.0,
+                "optimizer": evidence.get("optimizer_max_abs_difference", 0.0) == 0.0,
+                "scheduler": evidence.get("scheduler_max_abs_difference", 0.0) == 0.0,
+                "mask_rng": evidence.get("mask_rng_restored", True),
+            }
             evidence["restored"] = all(checks.values())
             if is_main:
                 _write_json(output_dir / RESUME_EVIDENCE_FILE, evidence)
@@ -314,8 +351,11 @@ def _resume_callback(trainer, checkpoint: Path, is_main: bool, output_dir: Path)
                 failed = ", ".join(k for k, ok in checks.items() if not ok)
                 raise RuntimeError(f"resume from {checkpoint} did not restore: {failed}; evidence {evidence}")
             if is_main:
-                print(f"{PROGRESS_PREFIX} resumed from {checkpoint.name} at step {state.global_step}: adapter, optimizer, "
-                      "scheduler and RNG states restored exactly", flush=True)
+                print(
+                    f"{PROGRESS_PREFIX} resumed from {checkpoint.name} at step {state.global_step}: adapter, optimizer, "
+                    "scheduler and RNG states restored exactly",
+                    flush=True,
+                )
 
     return ResumeCheck()
 
@@ -367,8 +407,11 @@ def _attach_mlflow(tracking_uri: str | None, run_id: str, output_dir: Path, para
     if run_id:
         return mlflow.start_run(run_id=run_id), True
     experiment_id = tracking.ensure_experiment(uri)
-    run = mlflow.start_run(experiment_id=experiment_id, run_name=f"train-{output_dir.name}",
-                           tags={"papo_nb.kind": "train", "papo_nb.output_dir": str(output_dir)})
+    run = mlflow.start_run(
+        experiment_id=experiment_id,
+        run_name=f"train-{output_dir.name}",
+        tags={"papo_nb.kind": "train", "papo_nb.output_dir": str(output_dir)},
+    )
     return run, True
 
 
@@ -395,8 +438,16 @@ class TrainOutcome:
         return [h for h in self.log_history if "reward" in h]
 
 
-def train(params: WorkbookParams, output_dir: str | Path, *, resume: bool = False, force_resume: bool = False,
-          mlflow_run_id: str = "", tracking_uri: str | None = None, report_to: str = "mlflow") -> TrainOutcome:
+def train(
+    params: WorkbookParams,
+    output_dir: str | Path,
+    *,
+    resume: bool = False,
+    force_resume: bool = False,
+    mlflow_run_id: str = "",
+    tracking_uri: str | None = None,
+    report_to: str = "mlflow",
+) -> TrainOutcome:
     """Train (or resume) one run into ``output_dir``. Runs in this process, or as one rank of a launched job.
 
     Raises LaunchError (nothing written) for an output folder that already holds a run without ``resume``, for
@@ -409,16 +460,20 @@ def train(params: WorkbookParams, output_dir: str | Path, *, resume: bool = Fals
     output_dir = Path(output_dir).resolve()
     is_main = process_rank() == 0
     if world_size() != params.num_processes:
-        raise LaunchError(f"parameter 'num_processes' = {params.num_processes} but this job has {world_size()} process(es); "
-                          "run papo-nb train with -p num_processes=N (it starts accelerate launch itself), or launch "
-                          "exactly num_processes processes")
+        raise LaunchError(
+            f"parameter 'num_processes' = {params.num_processes} but this job has {world_size()} process(es); "
+            "run papo-nb train with -p num_processes=N (it starts accelerate launch itself), or launch "
+            "exactly num_processes processes"
+        )
     resume = resume or force_resume
     saved_params, run_info = read_saved_params(output_dir), read_run_info(output_dir)
     checkpoint, skipped, forced = None, [], []
     if not resume:
         if saved_params is not None or run_info or checkpoint_folders(output_dir):
-            raise LaunchError(f"{output_dir} already holds a run ({PARAMS_FILE}, {RUN_INFO_FILE} or checkpoints); pass "
-                              "--resume to continue it, or choose a new --output-dir")
+            raise LaunchError(
+                f"{output_dir} already holds a run ({PARAMS_FILE}, {RUN_INFO_FILE} or checkpoints); pass "
+                "--resume to continue it, or choose a new --output-dir"
+            )
     else:
         if saved_params is not None:
             forced = resume_differences(saved_params, params)
@@ -431,20 +486,36 @@ def train(params: WorkbookParams, output_dir: str | Path, *, resume: bool = Fals
         state = json.loads((checkpoint / TRAINER_STATE_FILE).read_text())
         summary = json.loads((output_dir / SUMMARY_FILE).read_text()) if (output_dir / SUMMARY_FILE).is_file() else {}
         if is_main:
-            print(f"{PROGRESS_PREFIX} the run in {output_dir} is complete at step {state['global_step']} "
-                  f"(max_steps {params.max_steps}): nothing to train", flush=True)
-        return TrainOutcome(output_dir, run_info.get("mlflow_run_id"), checkpoint, skipped, state["global_step"], checkpoint,
-                            state["log_history"], summary.get("probe"), summary.get("reference_policy", ""))
+            print(
+                f"{PROGRESS_PREFIX} the run in {output_dir} is complete at step {state['global_step']} "
+                f"(max_steps {params.max_steps}): nothing to train",
+                flush=True,
+            )
+        return TrainOutcome(
+            output_dir,
+            run_info.get("mlflow_run_id"),
+            checkpoint,
+            skipped,
+            state["global_step"],
+            checkpoint,
+            state["log_history"],
+            summary.get("probe"),
+            summary.get("reference_policy", ""),
+        )
 
     # Everything above only read the folder, on every rank, so every rank decided alike. Below, rank 0 writes; the
     # other ranks wait for it at a barrier (the process group exists once the trainer is built).
     run_id = mlflow_run_id or run_info.get("mlflow_run_id", "")
     use_mlflow = report_to == "mlflow" and is_main
     reattached = bool(run_info.get("attempts"))
-    attempt = {"started": time.strftime("%Y-%m-%dT%H:%M:%S"), "resume": resume, "num_processes": params.num_processes,
-               "resumed_from": str(checkpoint) if checkpoint else None,
-               "skipped_checkpoints": {str(p): problems for p, problems in skipped},
-               "forced_parameter_changes": {k: [old, new] for k, old, new in forced}}
+    attempt = {
+        "started": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        "resume": resume,
+        "num_processes": params.num_processes,
+        "resumed_from": str(checkpoint) if checkpoint else None,
+        "skipped_checkpoints": {str(p): problems for p, problems in skipped},
+        "forced_parameter_changes": {k: [old, new] for k, old, new in forced},
+    }
     # transformers' MLflowCallback logs the TrainingArguments as params at setup; MLflow refuses to change a
     # logged value, and a re-attached run has them already.
     previous_max_params = os.environ.get("MLFLOW_MAX_LOG_PARAMS")
@@ -464,8 +535,14 @@ def train(params: WorkbookParams, output_dir: str | Path, *, resume: bool = Fals
                 active, owns_run = _attach_mlflow(tracking_uri, run_id, output_dir, params)
                 run_id = active.info.run_id
             if saved_params is None or forced:
-                _write_atomic(output_dir / PARAMS_FILE, yaml.safe_dump(params.model_dump(mode="json"), sort_keys=False))
-            run_info = {**run_info, "mlflow_run_id": run_id or None, "attempts": run_info.get("attempts", []) + [attempt]}
+                _write_atomic(
+                    output_dir / PARAMS_FILE, yaml.safe_dump(params.model_dump(mode="json"), sort_keys=False)
+                )
+            run_info = {
+                **run_info,
+                "mlflow_run_id": run_id or None,
+                "attempts": run_info.get("attempts", []) + [attempt],
+            }
             if use_mlflow:
                 import mlflow
 
@@ -481,13 +558,31 @@ def train(params: WorkbookParams, output_dir: str | Path, *, resume: bool = Fals
         probe = trainer.probe.evidence.to_dict() if trainer.probe is not None and trainer.probe.evidence else None
         probe_same, metrics_same = _same_on_all_ranks(trainer, probe)
         last = next(iter(checkpoint_folders(output_dir)), None)
-        outcome = TrainOutcome(output_dir, run_id or None, checkpoint, skipped, trainer.state.global_step, last,
-                               list(trainer.state.log_history), probe, reference, trainer)
+        outcome = TrainOutcome(
+            output_dir,
+            run_id or None,
+            checkpoint,
+            skipped,
+            trainer.state.global_step,
+            last,
+            list(trainer.state.log_history),
+            probe,
+            reference,
+            trainer,
+        )
         if is_main:
-            summary = {"global_step": outcome.global_step, "max_steps": params.max_steps, "num_processes": params.num_processes,
-                       "last_checkpoint": str(last) if last else None, "mlflow_run_id": outcome.mlflow_run_id,
-                       "reference_policy": reference, "probe": probe, "probe_same_on_all_ranks": probe_same,
-                       "metrics_same_on_all_ranks": metrics_same, "log_history": outcome.log_history}
+            summary = {
+                "global_step": outcome.global_step,
+                "max_steps": params.max_steps,
+                "num_processes": params.num_processes,
+                "last_checkpoint": str(last) if last else None,
+                "mlflow_run_id": outcome.mlflow_run_id,
+                "reference_policy": reference,
+                "probe": probe,
+                "probe_same_on_all_ranks": probe_same,
+                "metrics_same_on_all_ranks": metrics_same,
+                "log_history": outcome.log_history,
+            }
             _write_json(output_dir / SUMMARY_FILE, summary)
             if use_mlflow and probe is not None:
                 from papo_nb.infra.tracking import log_evidence
@@ -517,12 +612,22 @@ def _refuse_unsupported(trainer) -> None:
     """The gamma-zero probe differentiates the adapter's parameters directly: not with sharded parameters."""
     deepspeed = getattr(trainer.accelerator.state, "deepspeed_plugin", None)
     if trainer.probe is not None and (trainer.is_fsdp_enabled or getattr(deepspeed, "zero_stage", 0) == 3):
-        raise LaunchError("require_gpu_contract_probe is not supported with sharded parameters (DeepSpeed ZeRO-3, FSDP); "
-                          "set it false for this run and run the probe in a short DDP job (configs/accelerate/multi_gpu.yaml)")
+        raise LaunchError(
+            "require_gpu_contract_probe is not supported with sharded parameters (DeepSpeed ZeRO-3, FSDP); "
+            "set it false for this run and run the probe in a short DDP job (configs/accelerate/multi_gpu.yaml)"
+        )
 
 
 # Logged metrics that must be identical on every rank: reduced (or gathered) across processes before logging.
-RANK_INVARIANT_METRICS = ("reward", "reward_std", "entropy", "kl", "perception_kl", "perception_loss", "masked_entropy")
+RANK_INVARIANT_METRICS = (
+    "reward",
+    "reward_std",
+    "entropy",
+    "kl",
+    "perception_kl",
+    "perception_loss",
+    "masked_entropy",
+)
 
 
 def _same_on_all_ranks(trainer, probe: dict | None) -> tuple[bool, bool]:
@@ -532,7 +637,10 @@ def _same_on_all_ranks(trainer, probe: dict | None) -> tuple[bool, bool]:
         return True, True
     from accelerate.utils import gather_object
 
-    metrics = [{k: h[k] for k in sorted(h) if k in RANK_INVARIANT_METRICS or k.startswith("probe/")} for h in trainer.state.log_history]
+    metrics = [
+        {k: h[k] for k in sorted(h) if k in RANK_INVARIANT_METRICS or k.startswith("probe/")}
+        for h in trainer.state.log_history
+    ]
     probes, histories = zip(*gather_object([(json.dumps(probe, sort_keys=True), json.dumps(metrics, sort_keys=True))]))
     return len(set(probes)) == 1, len(set(histories)) == 1
 
@@ -541,19 +649,29 @@ def _log_start(params: WorkbookParams, trainer, restored, reference: str, attemp
     import mlflow
     import trl
 
-    from papo_nb.papo.contract import PAPO_ADAPTER_VERSION
     from papo_nb.infra.tracking import log_evidence
+    from papo_nb.papo.contract import PAPO_ADAPTER_VERSION
 
     trainable = sum(p.numel() for p in trainer.model.parameters() if p.requires_grad)
     if first:
-        start = {"phase": "phase2 (resumed adapter)" if params.init_adapter else "phase1 (fresh adapter)",
-                 "trainable_parameters": trainable, "reference_policy": reference,
-                 "restored_adapter": restored.to_dict() if restored else None, "num_processes": params.num_processes}
+        start = {
+            "phase": "phase2 (resumed adapter)" if params.init_adapter else "phase1 (fresh adapter)",
+            "trainable_parameters": trainable,
+            "reference_policy": reference,
+            "restored_adapter": restored.to_dict() if restored else None,
+            "num_processes": params.num_processes,
+        }
         log_evidence("start", start, prefix="start")
         mlflow.log_dict(params.model_dump(mode="json"), "train/params.json")
-        mlflow.set_tags({"papo_nb.adapter_version": PAPO_ADAPTER_VERSION, "papo_nb.trl_version": trl.__version__,
-                         "papo_nb.phase": start["phase"], "papo_nb.precision": params.precision,
-                         "papo_nb.num_processes": str(params.num_processes)})
+        mlflow.set_tags(
+            {
+                "papo_nb.adapter_version": PAPO_ADAPTER_VERSION,
+                "papo_nb.trl_version": trl.__version__,
+                "papo_nb.phase": start["phase"],
+                "papo_nb.precision": params.precision,
+                "papo_nb.num_processes": str(params.num_processes),
+            }
+        )
     else:
         n = len(read_run_info(trainer.args.output_dir).get("attempts", []))
         mlflow.log_dict(attempt, f"train/attempt-{n}.json")
@@ -570,21 +688,48 @@ def accelerate_config_path(params: WorkbookParams) -> Path:
     from papo_nb.infra.tracking import project_dir
     from papo_nb.workbook.builder import resolve_device
 
-    name = params.accelerate_config or str(CONFIG_DIR / (DEFAULT_GPU_CONFIG if resolve_device(params) == "cuda" else DEFAULT_CPU_CONFIG))
+    name = params.accelerate_config or str(
+        CONFIG_DIR / (DEFAULT_GPU_CONFIG if resolve_device(params) == "cuda" else DEFAULT_CPU_CONFIG)
+    )
     path = Path(name).expanduser()
     for candidate in (path, project_dir() / path):
         if candidate.is_file():
             return candidate.resolve()
-    raise LaunchError(f"accelerate config {name!r} not found (looked in {Path.cwd()} and {project_dir()}); "
-                      f"set parameter 'accelerate_config' to one of {project_dir() / CONFIG_DIR}/*.yaml or your own")
+    raise LaunchError(
+        f"accelerate config {name!r} not found (looked in {Path.cwd()} and {project_dir()}); "
+        f"set parameter 'accelerate_config' to one of {project_dir() / CONFIG_DIR}/*.yaml or your own"
+    )
 
 
-def accelerate_command(params: WorkbookParams, params_file: str | Path, output_dir: str | Path, *, resume: bool = False,
-                       force_resume: bool = False, mlflow_run_id: str = "", port: int | None = None) -> list[str]:
+def accelerate_command(
+    params: WorkbookParams,
+    params_file: str | Path,
+    output_dir: str | Path,
+    *,
+    resume: bool = False,
+    force_resume: bool = False,
+    mlflow_run_id: str = "",
+    port: int | None = None,
+) -> list[str]:
     """``python -m accelerate.commands.launch --config_file C --num_processes N -m papo_nb.cli train ...``."""
-    command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(accelerate_config_path(params)),
-               "--num_processes", str(params.num_processes), "--main_process_port", str(port or _free_port("127.0.0.1")),
-               "-m", "papo_nb.cli", "train", "--params", str(params_file), "--output-dir", str(output_dir)]
+    command = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--config_file",
+        str(accelerate_config_path(params)),
+        "--num_processes",
+        str(params.num_processes),
+        "--main_process_port",
+        str(port or _free_port("127.0.0.1")),
+        "-m",
+        "papo_nb.cli",
+        "train",
+        "--params",
+        str(params_file),
+        "--output-dir",
+        str(output_dir),
+    ]
     if resume:
         command.append("--resume")
     if force_resume:
@@ -610,7 +755,9 @@ class LaunchResult:
     def summary(self) -> dict:
         path = self.output_dir / SUMMARY_FILE
         if not path.is_file():
-            raise FileNotFoundError(f"{path} is missing: the launched run did not finish (exit code {self.returncode})")
+            raise FileNotFoundError(
+                f"{path} is missing: the launched run did not finish (exit code {self.returncode})"
+            )
         return json.loads(path.read_text())
 
     @property
@@ -628,12 +775,22 @@ class LaunchResult:
 
     def check(self) -> LaunchResult:
         if not self.ok:
-            raise RuntimeError(f"the launched training run failed with exit code {self.returncode}: {' '.join(self.command)}")
+            raise RuntimeError(
+                f"the launched training run failed with exit code {self.returncode}: {' '.join(self.command)}"
+            )
         return self
 
 
-def launch_distributed(params: WorkbookParams, output_dir: str | Path, *, resume: bool = False, force_resume: bool = False,
-                       mlflow_run_id: str = "", tracking_uri: str | None = None, stream: TextIO | None = None) -> LaunchResult:
+def launch_distributed(
+    params: WorkbookParams,
+    output_dir: str | Path,
+    *,
+    resume: bool = False,
+    force_resume: bool = False,
+    mlflow_run_id: str = "",
+    tracking_uri: str | None = None,
+    stream: TextIO | None = None,
+) -> LaunchResult:
     """Run ``papo-nb train`` on ``params.num_processes`` processes under ``accelerate launch``, streaming its output
     (to ``stream``, default stdout) line by line. Interrupting this call stops the whole launched job."""
     from papo_nb.infra.tracking import absolute_tracking_uri, default_tracking_uri
@@ -644,13 +801,25 @@ def launch_distributed(params: WorkbookParams, output_dir: str | Path, *, resume
     with tempfile.TemporaryDirectory(prefix="papo_nb-launch-") as folder:
         params_file = Path(folder) / "params.yaml"
         params_file.write_text(yaml.safe_dump(params.model_dump(mode="json"), sort_keys=False))
-        command = accelerate_command(params, params_file, output_dir, resume=resume, force_resume=force_resume,
-                                     mlflow_run_id=mlflow_run_id)
-        env = {**os.environ, "PYTHONUNBUFFERED": "1",
-               "MLFLOW_TRACKING_URI": absolute_tracking_uri(tracking_uri or default_tracking_uri())}
+        command = accelerate_command(
+            params, params_file, output_dir, resume=resume, force_resume=force_resume, mlflow_run_id=mlflow_run_id
+        )
+        env = {
+            **os.environ,
+            "PYTHONUNBUFFERED": "1",
+            "MLFLOW_TRACKING_URI": absolute_tracking_uri(tracking_uri or default_tracking_uri()),
+        }
         stream.write(f"{PROGRESS_PREFIX} launching {params.num_processes} processes: {' '.join(command)}\n")
-        process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
-                                   env=env, start_new_session=True, stdin=subprocess.DEVNULL)
+        process = subprocess.Popen(
+            command,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            bufsize=1,
+            env=env,
+            start_new_session=True,
+            stdin=subprocess.DEVNULL,
+        )
         try:
             for line in process.stdout:
                 stream.write(line)
@@ -665,8 +834,8 @@ def launch_distributed(params: WorkbookParams, output_dir: str | Path, *, resume
 def trained_policy(params: WorkbookParams, checkpoint: str | Path):
     """(model, processor, held-out eval dataset) with the adapter of ``checkpoint`` loaded, checked against its
     file, in this process: what a notebook evaluates after a launched run."""
-    from papo_nb.workbook.checkpoints import load_trainable_adapter
     from papo_nb.workbook.builder import load_datasets, load_policy
+    from papo_nb.workbook.checkpoints import load_trainable_adapter
 
     model, processor = load_policy(params)
     model, _ = load_trainable_adapter(model, checkpoint)
@@ -678,8 +847,15 @@ def trained_policy(params: WorkbookParams, checkpoint: str | Path):
 # --------------------------------------------------------------------------------------------
 
 
-def train_command(params_file: str | None, overrides: list[str], output_dir: str, *, resume: bool = False,
-                  force_resume: bool = False, mlflow_run_id: str = "") -> int:
+def train_command(
+    params_file: str | None,
+    overrides: list[str],
+    output_dir: str,
+    *,
+    resume: bool = False,
+    force_resume: bool = False,
+    mlflow_run_id: str = "",
+) -> int:
     """The body of ``papo-nb train``. Exit codes: 0 trained, 1 training failed, 2 bad parameters or a refused run."""
     try:
         params = load_params(params_file, overrides)
@@ -692,7 +868,9 @@ def train_command(params_file: str | None, overrides: list[str], output_dir: str
         return 2
     if params.num_processes > 1 and not under_launcher():
         try:
-            result = launch_distributed(params, output_dir, resume=resume, force_resume=force_resume, mlflow_run_id=mlflow_run_id)
+            result = launch_distributed(
+                params, output_dir, resume=resume, force_resume=force_resume, mlflow_run_id=mlflow_run_id
+            )
         except LaunchError as exc:
             print(f"papo-nb train: error: {exc}", file=sys.stderr)
             return 2
@@ -704,6 +882,9 @@ def train_command(params_file: str | None, overrides: list[str], output_dir: str
         print(f"papo-nb train: error: {exc}", file=sys.stderr)
         return 2
     if process_rank() == 0:
-        print(f"{PROGRESS_PREFIX} done at step {outcome.global_step}; last checkpoint {outcome.last_checkpoint}; "
-              f"MLflow run {outcome.mlflow_run_id}", flush=True)
+        print(
+            f"{PROGRESS_PREFIX} done at step {outcome.global_step}; last checkpoint {outcome.last_checkpoint}; "
+            f"MLflow run {outcome.mlflow_run_id}",
+            flush=True,
+        )
     return 0

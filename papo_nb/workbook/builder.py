@@ -6,11 +6,11 @@ from pathlib import Path
 
 import torch
 
-from papo_nb.testbed.shapes import load_vlm_dataset, make_shapes_dataset
-from papo_nb.testbed.models import build_tiny_vlm, load_vlm, vision_special_token_ids
-from papo_nb.workbook.params import WorkbookParams
-from papo_nb.testbed.rewards import accuracy_reward, format_reward
 from papo_nb.papo import PAPOGConfig, PAPOGTrainer
+from papo_nb.testbed.models import build_tiny_vlm, load_vlm, vision_special_token_ids
+from papo_nb.testbed.rewards import accuracy_reward, format_reward
+from papo_nb.testbed.shapes import load_vlm_dataset, make_shapes_dataset
+from papo_nb.workbook.params import WorkbookParams
 
 TINY_PREFIX = "tiny:"
 EVAL_SEED_OFFSET = 10_000  # held-out synthetic items come from a different stream than training items
@@ -27,7 +27,7 @@ def resolve_device(params: WorkbookParams) -> str:
 def resolve_model_path(params: WorkbookParams, cache_dir: str | Path | None = None) -> str:
     """``tiny:<family>`` builds the offline tiny model (cached); anything else is a hub id or local folder."""
     if params.model_name_or_path.startswith(TINY_PREFIX):
-        family = params.model_name_or_path[len(TINY_PREFIX):]
+        family = params.model_name_or_path[len(TINY_PREFIX) :]
         return str(build_tiny_vlm(family, seed=params.seed, cache_dir=cache_dir))
     return params.model_name_or_path
 
@@ -43,14 +43,20 @@ def load_policy(params: WorkbookParams, cache_dir: str | Path | None = None):
 def load_datasets(params: WorkbookParams):
     """(train, held-out eval) datasets: the synthetic shapes task, or a hub/local dataset's train/test splits."""
     if params.dataset == "synthetic":
-        return (make_shapes_dataset(params.n_train_prompts, seed=params.seed),
-                make_shapes_dataset(params.n_eval_prompts, seed=params.seed + EVAL_SEED_OFFSET))
+        return (
+            make_shapes_dataset(params.n_train_prompts, seed=params.seed),
+            make_shapes_dataset(params.n_eval_prompts, seed=params.seed + EVAL_SEED_OFFSET),
+        )
     train = load_vlm_dataset(params.dataset, split="train")
     evaluation = load_vlm_dataset(params.dataset, split="test")
-    return train.select(range(min(params.n_train_prompts, len(train)))), evaluation.select(range(min(params.n_eval_prompts, len(evaluation))))
+    return train.select(range(min(params.n_train_prompts, len(train)))), evaluation.select(
+        range(min(params.n_eval_prompts, len(evaluation)))
+    )
 
 
-def papo_config(params: WorkbookParams, output_dir: str | Path, processor, *, report_to: str = "none", **overrides) -> PAPOGConfig:
+def papo_config(
+    params: WorkbookParams, output_dir: str | Path, processor, *, report_to: str = "none", **overrides
+) -> PAPOGConfig:
     """A PAPOGConfig carrying every training parameter of the workbook."""
     on_gpu = resolve_device(params) == "cuda"
     settings = dict(
@@ -92,14 +98,27 @@ def lora_config(params: WorkbookParams):
     from peft import LoraConfig
 
     # q_proj/v_proj exist only in the language model of Qwen-VL (the vision tower has a fused qkv).
-    return LoraConfig(r=params.lora_r, lora_alpha=params.lora_alpha, lora_dropout=0.0,
-                      target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
+    return LoraConfig(
+        r=params.lora_r,
+        lora_alpha=params.lora_alpha,
+        lora_dropout=0.0,
+        target_modules=["q_proj", "v_proj"],
+        task_type="CAUSAL_LM",
+    )
 
 
-def build_trainer(params: WorkbookParams, args: PAPOGConfig, model, processor, train_dataset, *, trainer_cls=PAPOGTrainer):
+def build_trainer(
+    params: WorkbookParams, args: PAPOGConfig, model, processor, train_dataset, *, trainer_cls=PAPOGTrainer
+):
     """A PAPO-G trainer; a plain model gets a fresh LoRA adapter, a PeftModel is trained as it is."""
     from peft import PeftModel
 
     peft_config = None if isinstance(model, PeftModel) else lora_config(params)
-    return trainer_cls(model=model, processing_class=processor, reward_funcs=[accuracy_reward, format_reward],
-                       args=args, train_dataset=train_dataset, peft_config=peft_config)
+    return trainer_cls(
+        model=model,
+        processing_class=processor,
+        reward_funcs=[accuracy_reward, format_reward],
+        args=args,
+        train_dataset=train_dataset,
+        peft_config=peft_config,
+    )

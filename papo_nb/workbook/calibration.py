@@ -12,12 +12,12 @@ from dataclasses import asdict, dataclass
 
 import matplotlib
 import numpy as np
-from matplotlib.figure import Figure
 import torch
+from matplotlib.figure import Figure
 
-from papo_nb.workbook.batches import rollout_batch
 from papo_nb.papo.contract import GAMMA_ZERO_GRADIENT_ABS_FLOOR, GAMMA_ZERO_GRADIENT_REL_TOL
 from papo_nb.papo.probe import measure_gamma_zero
+from papo_nb.workbook.batches import rollout_batch
 
 PRECISIONS = {"fp32": None, "bf16": torch.bfloat16}
 
@@ -49,8 +49,17 @@ def leaking_assembly(trainer, scale: float):
     return assemble
 
 
-def calibrate_phase(trainer, dataset, phase: str, precisions, n_batches: int, *, leak_scale: float = 1.0,
-                    n_prompts: int = 2, seed: int = 0) -> list[CalibrationPoint]:
+def calibrate_phase(
+    trainer,
+    dataset,
+    phase: str,
+    precisions,
+    n_batches: int,
+    *,
+    leak_scale: float = 1.0,
+    n_prompts: int = 2,
+    seed: int = 0,
+) -> list[CalibrationPoint]:
     """Measure ``n_batches`` fresh rollout batches under each precision (autocast on the model's device)."""
     model = trainer.model
     device_type = next(model.parameters()).device.type
@@ -63,10 +72,23 @@ def calibrate_phase(trainer, dataset, phase: str, precisions, n_batches: int, *,
             with torch.autocast(device_type, dtype=dtype or torch.bfloat16, enabled=dtype is not None):
                 parent, terms = trainer.papo_loss_parts(model, batch)
                 clean = measure_gamma_zero(trainer, model, parent, terms)
-                leaky = measure_gamma_zero(trainer, model, parent, terms, assemble=leaking_assembly(trainer, leak_scale))
-            points.append(CalibrationPoint(
-                phase, precision, b, clean["parent_grad_norm"], clean["grad_diff_norm"], clean["tolerance"],
-                clean["perception_grad_norm"], leaky["grad_diff_norm"], clean["perception_kl"], clean["loss_bit_equal"]))
+                leaky = measure_gamma_zero(
+                    trainer, model, parent, terms, assemble=leaking_assembly(trainer, leak_scale)
+                )
+            points.append(
+                CalibrationPoint(
+                    phase,
+                    precision,
+                    b,
+                    clean["parent_grad_norm"],
+                    clean["grad_diff_norm"],
+                    clean["tolerance"],
+                    clean["perception_grad_norm"],
+                    leaky["grad_diff_norm"],
+                    clean["perception_kl"],
+                    clean["loss_bit_equal"],
+                )
+            )
     return points
 
 
@@ -85,7 +107,8 @@ def separation_margins(points: list[CalibrationPoint]) -> dict:
         "verdict": (
             f"{'SEPARATED' if separated else 'NOT SEPARATED'}: worst roundoff is {worst_roundoff:.3g} of tolerance, "
             f"weakest leak is {weakest_leak:.3g}x tolerance (REL_TOL={GAMMA_ZERO_GRADIENT_REL_TOL}, "
-            f"ABS_FLOOR={GAMMA_ZERO_GRADIENT_ABS_FLOOR})"),
+            f"ABS_FLOOR={GAMMA_ZERO_GRADIENT_ABS_FLOOR})"
+        ),
     }
 
 
@@ -100,7 +123,11 @@ def plot_calibration(points: list[CalibrationPoint]):
     fig = Figure(figsize=(12, 6))  # no pyplot: no global figure state, no backend choice forced on the caller
     ax = fig.subplots()
     x_all = [p.parent_grad_norm for p in points]
-    y_all = [p.grad_diff_norm for p in points] + [p.perception_grad_norm for p in points] + [p.injected_leak_diff for p in points]
+    y_all = (
+        [p.grad_diff_norm for p in points]
+        + [p.perception_grad_norm for p in points]
+        + [p.injected_leak_diff for p in points]
+    )
     floor = zero_floor(y_all + [GAMMA_ZERO_GRADIENT_ABS_FLOOR])
     phases = sorted({p.phase for p in points})
     colours = dict(zip(phases, matplotlib.colormaps["tab10"].colors))
@@ -113,15 +140,39 @@ def plot_calibration(points: list[CalibrationPoint]):
             x = [p.parent_grad_norm for p in sel]
             diffs = [p.grad_diff_norm for p in sel]
             c, m = colours[phase], markers.get(precision, "o")
-            ax.scatter(x, [d if d > 0 else floor for d in diffs], color=c, marker=m, s=50,
-                       label=f"roundoff ||g0 - g||, {phase}, {precision}")
-            ax.scatter(x, [p.perception_grad_norm for p in sel], color=c, marker="^", s=60, facecolors="none",
-                       label=f"leak: perception grad, {phase}, {precision}")
-            ax.scatter(x, [p.injected_leak_diff for p in sel], color=c, marker="x", s=60,
-                       label=f"leak: injected, {phase}, {precision}")
+            ax.scatter(
+                x,
+                [d if d > 0 else floor for d in diffs],
+                color=c,
+                marker=m,
+                s=50,
+                label=f"roundoff ||g0 - g||, {phase}, {precision}",
+            )
+            ax.scatter(
+                x,
+                [p.perception_grad_norm for p in sel],
+                color=c,
+                marker="^",
+                s=60,
+                facecolors="none",
+                label=f"leak: perception grad, {phase}, {precision}",
+            )
+            ax.scatter(
+                x,
+                [p.injected_leak_diff for p in sel],
+                color=c,
+                marker="x",
+                s=60,
+                label=f"leak: injected, {phase}, {precision}",
+            )
     xs = np.logspace(np.log10(min(x_all) / 3), np.log10(max(x_all) * 3), 200)
-    ax.plot(xs, np.maximum(GAMMA_ZERO_GRADIENT_REL_TOL * xs, GAMMA_ZERO_GRADIENT_ABS_FLOOR), "k-", lw=2,
-            label=f"tolerance boundary max({GAMMA_ZERO_GRADIENT_REL_TOL} x, {GAMMA_ZERO_GRADIENT_ABS_FLOOR:g})")
+    ax.plot(
+        xs,
+        np.maximum(GAMMA_ZERO_GRADIENT_REL_TOL * xs, GAMMA_ZERO_GRADIENT_ABS_FLOOR),
+        "k-",
+        lw=2,
+        label=f"tolerance boundary max({GAMMA_ZERO_GRADIENT_REL_TOL} x, {GAMMA_ZERO_GRADIENT_ABS_FLOOR:g})",
+    )
     ax.axhline(floor, color="grey", ls=":", lw=1.5, label=f"exact zero (drawn at {floor:.0e})")
     ax.set_xscale("log")
     ax.set_yscale("log")

@@ -26,13 +26,16 @@ class RestoredAdapter:
 
 
 def checkpoint_step(folder: str | Path) -> int:
-    return int(Path(folder).name[len(CHECKPOINT_PREFIX):])
+    return int(Path(folder).name[len(CHECKPOINT_PREFIX) :])
 
 
 def checkpoint_folders(output_dir: str | Path) -> list[Path]:
     """``checkpoint-N`` folders, newest (highest N) first."""
-    folders = [p for p in Path(output_dir).glob(f"{CHECKPOINT_PREFIX}*")
-               if p.is_dir() and p.name[len(CHECKPOINT_PREFIX):].isdigit()]
+    folders = [
+        p
+        for p in Path(output_dir).glob(f"{CHECKPOINT_PREFIX}*")
+        if p.is_dir() and p.name[len(CHECKPOINT_PREFIX) :].isdigit()
+    ]
     return sorted(folders, key=checkpoint_step, reverse=True)
 
 
@@ -51,7 +54,9 @@ def load_trainable_adapter(base_model, checkpoint: str | Path):
 
     checkpoint = Path(checkpoint)
     if not (checkpoint / ADAPTER_FILE).is_file():
-        raise FileNotFoundError(f"checkpoint {str(checkpoint)!r} has no {ADAPTER_FILE}; expected a PEFT adapter folder")
+        raise FileNotFoundError(
+            f"checkpoint {str(checkpoint)!r} has no {ADAPTER_FILE}; expected a PEFT adapter folder"
+        )
     model = PeftModel.from_pretrained(base_model, str(checkpoint), is_trainable=True)
     saved = load_file(str(checkpoint / ADAPTER_FILE))
     loaded = get_peft_model_state_dict(model)
@@ -103,9 +108,17 @@ def reference_evidence(trainer, inputs) -> dict:
     tokens = inputs["completion_mask"].bool()
     ref = inputs["ref_per_token_logps"]
     gap = lambda a, b: (a - b)[tokens].abs().max().item()  # noqa: E731
-    evidence = dict(reference_vs_base=gap(ref, base), reference_vs_start_policy=gap(ref, start),
-                    start_policy_vs_base=gap(start, base), tolerance=REFERENCE_MATCH_TOL, described=describe_reference(trainer))
-    if evidence["reference_vs_base"] <= REFERENCE_MATCH_TOL and evidence["start_policy_vs_base"] <= REFERENCE_MATCH_TOL:
+    evidence = dict(
+        reference_vs_base=gap(ref, base),
+        reference_vs_start_policy=gap(ref, start),
+        start_policy_vs_base=gap(start, base),
+        tolerance=REFERENCE_MATCH_TOL,
+        described=describe_reference(trainer),
+    )
+    if (
+        evidence["reference_vs_base"] <= REFERENCE_MATCH_TOL
+        and evidence["start_policy_vs_base"] <= REFERENCE_MATCH_TOL
+    ):
         evidence["matches"] = "base = start policy"
     elif evidence["reference_vs_base"] <= REFERENCE_MATCH_TOL:
         evidence["matches"] = "base"

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from papo_nb.workbook.raw_masks import mask_pil_squares
 from papo_nb.testbed.models import vision_special_token_ids
 from papo_nb.testbed.rewards import accuracy_reward
+from papo_nb.workbook.raw_masks import mask_pil_squares
 
 
 @torch.no_grad()
@@ -18,18 +18,32 @@ def generate_answers(model, processor, prompts, images, *, max_new_tokens: int =
     outputs = []
     try:
         for start in range(0, len(prompts), batch_size):
-            texts = [processor.apply_chat_template(p, add_generation_prompt=True, tokenize=False) for p in prompts[start:start + batch_size]]
-            batch = processor(text=texts, images=[[img] for img in images[start:start + batch_size]], return_tensors="pt", padding=True).to(device)
-            generated = model.generate(**batch, max_new_tokens=max_new_tokens, do_sample=False,
-                                       suppress_tokens=vision_special_token_ids(processor), pad_token_id=tokenizer.pad_token_id)
-            outputs += tokenizer.batch_decode(generated[:, batch["input_ids"].shape[1]:], skip_special_tokens=True)
+            texts = [
+                processor.apply_chat_template(p, add_generation_prompt=True, tokenize=False)
+                for p in prompts[start : start + batch_size]
+            ]
+            batch = processor(
+                text=texts,
+                images=[[img] for img in images[start : start + batch_size]],
+                return_tensors="pt",
+                padding=True,
+            ).to(device)
+            generated = model.generate(
+                **batch,
+                max_new_tokens=max_new_tokens,
+                do_sample=False,
+                suppress_tokens=vision_special_token_ids(processor),
+                pad_token_id=tokenizer.pad_token_id,
+            )
+            outputs += tokenizer.batch_decode(generated[:, batch["input_ids"].shape[1] :], skip_special_tokens=True)
     finally:
         tokenizer.padding_side = side
     return outputs
 
 
-def evaluate_image_reliance(model, processor, dataset, *, mask_ratio: float = 0.6, seed: int = 0,
-                            max_new_tokens: int = 16) -> dict:
+def evaluate_image_reliance(
+    model, processor, dataset, *, mask_ratio: float = 0.6, seed: int = 0, max_new_tokens: int = 16
+) -> dict:
     """Accuracy on original images, on images masked the official way (14x14 squares), and the gap."""
     was_training = model.training
     model.eval()
@@ -43,5 +57,10 @@ def evaluate_image_reliance(model, processor, dataset, *, mask_ratio: float = 0.
             scores[name] = sum(accuracy_reward(completions, answers)) / len(answers)
     finally:
         model.train(was_training)
-    return {"accuracy_original": scores["original"], "accuracy_masked": scores["masked"],
-            "image_reliance_gap": scores["original"] - scores["masked"], "items": len(answers), "mask_ratio": mask_ratio}
+    return {
+        "accuracy_original": scores["original"],
+        "accuracy_masked": scores["masked"],
+        "image_reliance_gap": scores["original"] - scores["masked"],
+        "items": len(answers),
+        "mask_ratio": mask_ratio,
+    }

@@ -7,10 +7,21 @@ from matplotlib.figure import Figure
 # (metric key, label, unit) per panel; healthy vs collapse values are from the PAPO paper.
 PANELS = [
     ([("reward", "mean reward")], "reward (0..2: accuracy + format)", "Reward (collapse: drops)"),
-    ([("perception_loss", "perception loss = -KL_prcp")], "nats per token", "Perception loss (collapse: ~-0.05 -> ~-1.0)"),
-    ([("entropy", "entropy, original images"), ("masked_entropy", "entropy, masked images")], "nats per token",
-     "Double entropy (collapse: both rise)"),
-    ([("clip_ratio/high_mean", "high clip ratio")], "fraction of tokens", "High clip ratio (healthy ~5e-4, collapse ~7e-3)"),
+    (
+        [("perception_loss", "perception loss = -KL_prcp")],
+        "nats per token",
+        "Perception loss (collapse: ~-0.05 -> ~-1.0)",
+    ),
+    (
+        [("entropy", "entropy, original images"), ("masked_entropy", "entropy, masked images")],
+        "nats per token",
+        "Double entropy (collapse: both rise)",
+    ),
+    (
+        [("clip_ratio/high_mean", "high clip ratio")],
+        "fraction of tokens",
+        "High clip ratio (healthy ~5e-4, collapse ~7e-3)",
+    ),
 ]
 
 

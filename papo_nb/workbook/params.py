@@ -23,28 +23,42 @@ class WorkbookParams(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, validate_assignment=True)
 
     # --- model, data, hardware ---
-    model_name_or_path: str = Field("tiny:qwen2_vl", description="hub id, local folder, or tiny:<family> to build the offline tiny model")
-    dataset: str = Field("synthetic", description="'synthetic' (shapes task) or a hub id / local folder with prompt, image, answer")
+    model_name_or_path: str = Field(
+        "tiny:qwen2_vl", description="hub id, local folder, or tiny:<family> to build the offline tiny model"
+    )
+    dataset: str = Field(
+        "synthetic", description="'synthetic' (shapes task) or a hub id / local folder with prompt, image, answer"
+    )
     seed: int = Field(0, ge=0, description="seed for data, model building, masks and training")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="where to run; auto picks cuda when present")
     precision: Literal["fp32", "bf16"] = Field("fp32", description="training precision (bf16 mixed precision on GPU)")
     n_train_prompts: int = Field(32, ge=1, le=1_000_000, description="synthetic training prompts")
-    n_eval_prompts: int = Field(24, ge=1, le=100_000, description="held-out synthetic prompts for the final evaluation")
+    n_eval_prompts: int = Field(
+        24, ge=1, le=100_000, description="held-out synthetic prompts for the final evaluation"
+    )
 
     # --- 01 contract verification ---
-    trl_releases: list[str] = Field(default_factory=lambda: ["0.29.1", "1.7.1", "1.8.0", "1.9.1"], description="TRL releases for the drift table")
+    trl_releases: list[str] = Field(
+        default_factory=lambda: ["0.29.1", "1.7.1", "1.8.0", "1.9.1"], description="TRL releases for the drift table"
+    )
     upstream_wheel: str = Field("", description="path to a trl-0.29.1 wheel; empty fetches it with pip")
 
     # --- 02 probe calibration ---
     calibration_batches: int = Field(3, ge=1, le=100, description="probe batches per phase and precision")
-    calibration_precisions: list[Literal["fp32", "bf16"]] = Field(default_factory=lambda: ["fp32", "bf16"], description="precisions compared")
+    calibration_precisions: list[Literal["fp32", "bf16"]] = Field(
+        default_factory=lambda: ["fp32", "bf16"], description="precisions compared"
+    )
     phase2_train_steps: int = Field(4, ge=1, le=10_000, description="training steps that make the phase-2 policy")
-    phase2_checkpoint: str = Field("", description="adapter checkpoint to resume into for phase 2; empty trains one here")
+    phase2_checkpoint: str = Field(
+        "", description="adapter checkpoint to resume into for phase 2; empty trains one here"
+    )
     injected_leak_scale: float = Field(1.0, gt=0, description="scale of the deliberately injected perception leak")
 
     # --- 03 training run (PAPO-G) ---
     max_steps: int = Field(6, ge=1, le=1_000_000, description="optimizer steps")
-    learning_rate: float = Field(5e-4, gt=0, le=1.0, description="AdamW learning rate (LoRA scale; paper full-FT lr is 1e-6)")
+    learning_rate: float = Field(
+        5e-4, gt=0, le=1.0, description="AdamW learning rate (LoRA scale; paper full-FT lr is 1e-6)"
+    )
     per_device_train_batch_size: int = Field(4, ge=1, le=4096, description="completions per device per step")
     num_generations: int = Field(4, ge=2, le=64, description="rollouts per prompt (paper: 5)")
     max_completion_length: int = Field(16, ge=1, le=32768, description="generated tokens per completion")
@@ -62,16 +76,28 @@ class WorkbookParams(BaseModel):
     lora_r: int = Field(8, ge=1, le=1024, description="LoRA rank")
     lora_alpha: int = Field(16, ge=1, le=4096, description="LoRA alpha")
     save_steps: int = Field(3, ge=1, le=1_000_000, description="checkpoint every this many steps")
-    init_adapter: str = Field("", description="phase 2: start from this trained adapter checkpoint; empty starts a fresh adapter")
+    init_adapter: str = Field(
+        "", description="phase 2: start from this trained adapter checkpoint; empty starts a fresh adapter"
+    )
     reference_policy: Literal["init_adapter", "base"] = Field(
-        "init_adapter", description="KL reference (beta > 0) with init_adapter set: a frozen copy of that adapter (TRL's "
-        "default) or the base model with adapters disabled; without init_adapter both are the base model")
+        "init_adapter",
+        description="KL reference (beta > 0) with init_adapter set: a frozen copy of that adapter (TRL's "
+        "default) or the base model with adapters disabled; without init_adapter both are the base model",
+    )
 
     # --- scale-out (papo-nb train) ---
-    num_processes: int = Field(1, ge=1, le=1024, description="training processes, one per GPU; > 1 runs papo-nb train under "
-                               "accelerate launch (DDP unless accelerate_config says otherwise)")
-    accelerate_config: str = Field("", description="accelerate config file for num_processes > 1 (see configs/accelerate/); "
-                                   "empty: multi_gpu.yaml (DDP) on GPU, cpu_gloo.yaml on the CPU")
+    num_processes: int = Field(
+        1,
+        ge=1,
+        le=1024,
+        description="training processes, one per GPU; > 1 runs papo-nb train under "
+        "accelerate launch (DDP unless accelerate_config says otherwise)",
+    )
+    accelerate_config: str = Field(
+        "",
+        description="accelerate config file for num_processes > 1 (see configs/accelerate/); "
+        "empty: multi_gpu.yaml (DDP) on GPU, cpu_gloo.yaml on the CPU",
+    )
 
     @classmethod
     def field_names(cls) -> set[str]:
@@ -121,7 +147,9 @@ def load_params(path: str | Path | None, overrides: list[str] | None = None) -> 
         except yaml.YAMLError as exc:
             raise ParamsError(f"{source}: not valid YAML: {exc}") from None
         if not isinstance(values, dict):
-            raise ParamsError(f"{source}: expected a mapping of parameter names to values, got {type(values).__name__}")
+            raise ParamsError(
+                f"{source}: expected a mapping of parameter names to values, got {type(values).__name__}"
+            )
     for item in overrides or []:
         key, value = parse_override(item)
         values[key] = value
@@ -130,7 +158,9 @@ def load_params(path: str | Path | None, overrides: list[str] | None = None) -> 
 
 def notebook_params(namespace: dict[str, Any]) -> WorkbookParams:
     """The params a notebook's ``parameters`` cell defined (its globals), validated; other fields default."""
-    return validate_params({k: namespace[k] for k in WorkbookParams.model_fields if k in namespace}, "notebook parameters")
+    return validate_params(
+        {k: namespace[k] for k in WorkbookParams.model_fields if k in namespace}, "notebook parameters"
+    )
 
 
 TINY_FAMILIES = ("qwen2_vl", "qwen2_5_vl")
@@ -145,23 +175,48 @@ def preflight_problems(params: WorkbookParams) -> list[str]:
     so that a GPU params file still validates on a laptop."""
     problems = []
     model = params.model_name_or_path
-    if model.startswith("tiny:") and model[len("tiny:"):] not in TINY_FAMILIES:
-        problems.append(f"parameter 'model_name_or_path' = {model!r}: unknown tiny family; allowed: "
-                        + ", ".join(f"tiny:{f}" for f in TINY_FAMILIES) + ", a hub id or a local folder")
-    for key in ("model_name_or_path", "dataset", "init_adapter", "phase2_checkpoint", "upstream_wheel", "accelerate_config"):
+    if model.startswith("tiny:") and model[len("tiny:") :] not in TINY_FAMILIES:
+        problems.append(
+            f"parameter 'model_name_or_path' = {model!r}: unknown tiny family; allowed: "
+            + ", ".join(f"tiny:{f}" for f in TINY_FAMILIES)
+            + ", a hub id or a local folder"
+        )
+    for key in (
+        "model_name_or_path",
+        "dataset",
+        "init_adapter",
+        "phase2_checkpoint",
+        "upstream_wheel",
+        "accelerate_config",
+    ):
         value = getattr(params, key)
-        if value and value != "synthetic" and not value.startswith("tiny:") and _looks_local(value) and not Path(value).expanduser().exists():
-            problems.append(f"parameter {key!r} = {value!r}: no such file or folder; allowed: an existing local path"
-                            + (" or a hub id" if key in ("model_name_or_path", "dataset") else "") + ", or ''")
+        if (
+            value
+            and value != "synthetic"
+            and not value.startswith("tiny:")
+            and _looks_local(value)
+            and not Path(value).expanduser().exists()
+        ):
+            problems.append(
+                f"parameter {key!r} = {value!r}: no such file or folder; allowed: an existing local path"
+                + (" or a hub id" if key in ("model_name_or_path", "dataset") else "")
+                + ", or ''"
+            )
     if params.device == "cuda":
         import torch
 
         if not torch.cuda.is_available():
-            problems.append("parameter 'device' = 'cuda': no CUDA device on this machine; allowed here: 'auto' or 'cpu'")
+            problems.append(
+                "parameter 'device' = 'cuda': no CUDA device on this machine; allowed here: 'auto' or 'cpu'"
+            )
         elif params.num_processes > torch.cuda.device_count():
-            problems.append(f"parameter 'num_processes' = {params.num_processes}: only {torch.cuda.device_count()} CUDA "
-                            f"device(s) on this machine; allowed here: 1..{torch.cuda.device_count()}")
+            problems.append(
+                f"parameter 'num_processes' = {params.num_processes}: only {torch.cuda.device_count()} CUDA "
+                f"device(s) on this machine; allowed here: 1..{torch.cuda.device_count()}"
+            )
     if params.per_device_train_batch_size % params.num_generations:
-        problems.append(f"parameter 'per_device_train_batch_size' = {params.per_device_train_batch_size}: must be a multiple "
-                        f"of num_generations = {params.num_generations}")
+        problems.append(
+            f"parameter 'per_device_train_batch_size' = {params.per_device_train_batch_size}: must be a multiple "
+            f"of num_generations = {params.num_generations}"
+        )
     return problems

@@ -8,9 +8,10 @@ import os
 import subprocess
 import sys
 import zipfile
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 from papo_nb.papo.contract import (
     PAPO_UPSTREAM_SOURCE_PATH,
@@ -38,8 +39,19 @@ def fetch_trl_wheel(version: str, cache_dir: str | Path | None = None, timeout_s
     existing = sorted(cache.glob(f"trl-{version}-*.whl"))
     if existing:
         return existing[0]
-    command = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--quiet",
-               "--disable-pip-version-check", f"trl=={version}", "-d", str(cache)]
+    command = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--no-deps",
+        "--only-binary=:all:",
+        "--quiet",
+        "--disable-pip-version-check",
+        f"trl=={version}",
+        "-d",
+        str(cache),
+    ]
     try:
         result = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s)
     except subprocess.TimeoutExpired as exc:
@@ -84,9 +96,15 @@ def verify_upstream_source(wheel: str | Path | None = None, cache_dir: str | Pat
         wheel_path = Path(wheel) if wheel else fetch_trl_wheel(PAPO_UPSTREAM_TRL_VERSION, cache_dir)
         actual = hashlib.sha256(read_wheel_member(wheel_path, PAPO_UPSTREAM_SOURCE_PATH)).hexdigest()
     except (WheelUnavailable, FileNotFoundError, zipfile.BadZipFile) as exc:
-        return SourceVerification(str(wheel or ""), PAPO_UPSTREAM_SOURCE_PATH, PAPO_UPSTREAM_SOURCE_SHA256, None, False, error=str(exc))
+        return SourceVerification(
+            str(wheel or ""), PAPO_UPSTREAM_SOURCE_PATH, PAPO_UPSTREAM_SOURCE_SHA256, None, False, error=str(exc)
+        )
     return SourceVerification(
-        str(wheel_path), PAPO_UPSTREAM_SOURCE_PATH, PAPO_UPSTREAM_SOURCE_SHA256, actual, actual == PAPO_UPSTREAM_SOURCE_SHA256
+        str(wheel_path),
+        PAPO_UPSTREAM_SOURCE_PATH,
+        PAPO_UPSTREAM_SOURCE_SHA256,
+        actual,
+        actual == PAPO_UPSTREAM_SOURCE_SHA256,
     )
 
 
@@ -111,8 +129,9 @@ def contract_drift_table(versions: Iterable[str], cache_dir: str | Path | None =
     return rows
 
 
-def contract_verdict(source: SourceVerification, live_violations: list[str], drift: list[DriftRow],
-                     probe: ProbeEvidence) -> dict:
+def contract_verdict(
+    source: SourceVerification, live_violations: list[str], drift: list[DriftRow], probe: ProbeEvidence
+) -> dict:
     """PASS needs the pinned SHA to match, the live contract to hold and the probe to pass.
 
     Drift in *other* releases is reported, not failed on: it tells you which upgrades would break the adapter.
@@ -125,7 +144,15 @@ def contract_verdict(source: SourceVerification, live_violations: list[str], dri
     passed = all(checks.values())
     drifted = [r.trl_version for r in drift if r.status == "drift"]
     unavailable = [r.trl_version for r in drift if r.status == "unavailable"]
-    line = (f"{'PASS' if passed else 'FAIL'}: upstream SHA {'verified' if source.match else 'NOT verified'}, "
-            f"live TRL contract {'holds' if not live_violations else 'BROKEN'}, gamma-zero probe {probe.status}"
-            f"; releases drifted: {', '.join(drifted) or 'none'}; not fetched: {', '.join(unavailable) or 'none'}")
-    return {"passed": passed, **checks, "drifted_releases": drifted, "unavailable_releases": unavailable, "verdict": line}
+    line = (
+        f"{'PASS' if passed else 'FAIL'}: upstream SHA {'verified' if source.match else 'NOT verified'}, "
+        f"live TRL contract {'holds' if not live_violations else 'BROKEN'}, gamma-zero probe {probe.status}"
+        f"; releases drifted: {', '.join(drifted) or 'none'}; not fetched: {', '.join(unavailable) or 'none'}"
+    )
+    return {
+        "passed": passed,
+        **checks,
+        "drifted_releases": drifted,
+        "unavailable_releases": unavailable,
+        "verdict": line,
+    }

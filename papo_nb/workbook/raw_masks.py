@@ -6,16 +6,14 @@ the images are still PIL images.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 import torch
 from PIL import Image
 
 
-def mask_pil_squares(
-    image: Image.Image, ratio: float, *, square: int = 14, seed: int | None = None
-) -> Image.Image:
+def mask_pil_squares(image: Image.Image, ratio: float, *, square: int = 14, seed: int | None = None) -> Image.Image:
     """The official PAPO mask: each ``square``x``square`` block of the raw image is blacked out
     independently with probability ``ratio``, before any processor runs. Returns a new image."""
     if not 0.0 <= ratio <= 1.0:

@@ -6,9 +6,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from papo_nb.workbook.builder import build_trainer, load_datasets, load_policy, papo_config
 from papo_nb.workbook.checkpoints import RestoredAdapter, describe_reference, latest_checkpoint, load_trainable_adapter
 from papo_nb.workbook.params import WorkbookParams
-from papo_nb.workbook.builder import build_trainer, load_datasets, load_policy, papo_config
 
 
 @dataclass
@@ -44,9 +44,18 @@ def prepare_training(params: WorkbookParams, output_dir: str | Path, *, report_t
     return trainer, eval_dataset, restored
 
 
-def run_training(params: WorkbookParams, output_dir: str | Path, *, report_to: str = "none", **config_overrides) -> TrainingResult:
+def run_training(
+    params: WorkbookParams, output_dir: str | Path, *, report_to: str = "none", **config_overrides
+) -> TrainingResult:
     trainer, eval_dataset, restored = prepare_training(params, output_dir, report_to=report_to, **config_overrides)
     trainer.train()
     output_dir = Path(output_dir)
-    return TrainingResult(trainer, eval_dataset, output_dir, latest_checkpoint(output_dir), restored,
-                          describe_reference(trainer), list(trainer.state.log_history))
+    return TrainingResult(
+        trainer,
+        eval_dataset,
+        output_dir,
+        latest_checkpoint(output_dir),
+        restored,
+        describe_reference(trainer),
+        list(trainer.state.log_history),
+    )
