@@ -1,0 +1,73 @@
+"""Every notebook's parameters-cell defaults equal the schema's (WorkbookParams): the schema is the one source.
+
+papermill parses the ``parameters`` cell (``name: type = default  # help``) exactly as it does before injecting
+values, so this reads what a notebook run by hand in JupyterLab really starts with.
+"""
+
+import ast
+from pathlib import Path
+
+import nbformat
+import papermill
+import pytest
+
+from papo_nb.infra.notebooks import RUNTIME_PARAMETERS
+from papo_nb.workbook.params import WorkbookParams
+
+ROOT = Path(__file__).resolve().parents[1]
+NOTEBOOKS = sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
+
+
+def default_drift(notebook: Path) -> list[str]:
+    """One line per parameter whose notebook default differs from the schema's (or is not a literal)."""
+    schema = WorkbookParams().model_dump()
+    problems = []
+    for name, spec in papermill.inspect_notebook(notebook).items():
+        if name not in schema:
+            if name not in RUNTIME_PARAMETERS:
+                problems.append(f"{notebook.name}: {name!r} is not a WorkbookParams field")
+            continue
+        try:
+            value = ast.literal_eval(spec["default"])
+        except (ValueError, SyntaxError):
+            problems.append(f"{notebook.name}: {name!r} default {spec['default']!r} is not a literal")
+            continue
+        if value != schema[name] or type(value) is not type(schema[name]):
+            problems.append(f"{notebook.name}: {name!r} notebook default {value!r} != schema default {schema[name]!r}")
+    return problems
+
+
+def test_notebooks_found():
+    assert len(NOTEBOOKS) >= 3, NOTEBOOKS
+
+
+@pytest.mark.parametrize("notebook", NOTEBOOKS, ids=lambda p: p.stem)
+def test_notebook_defaults_equal_schema(notebook):
+    assert default_drift(notebook) == []
+
+
+def test_runtime_parameters_default_to_empty():
+    """Run by hand, the runner's values are absent: each must default to '' (interactive run, temp folder)."""
+    for notebook in NOTEBOOKS:
+        declared = papermill.inspect_notebook(notebook)
+        for name in RUNTIME_PARAMETERS:
+            if name in declared:
+                assert ast.literal_eval(declared[name]["default"]) == "", (notebook.name, name)
+
+
+def test_drift_is_reported_with_notebook_key_and_both_values(tmp_path):
+    book = nbformat.v4.new_notebook(
+        metadata={"kernelspec": {"name": "python3", "display_name": "Python 3", "language": "python"}}
+    )
+    cell = nbformat.v4.new_code_cell(
+        "seed: int = 0  # ok\nmax_steps: int = 7  # drifted\nlearning_rate: float = 1  # an int, schema has a float"
+    )
+    cell.metadata["tags"] = ["parameters"]
+    book.cells.append(cell)
+    path = tmp_path / "99_drift.ipynb"
+    nbformat.write(book, path)
+    drift = default_drift(path)
+    assert drift == [
+        "99_drift.ipynb: 'max_steps' notebook default 7 != schema default 6",
+        "99_drift.ipynb: 'learning_rate' notebook default 1 != schema default 0.0005",
+    ]
