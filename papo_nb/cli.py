@@ -193,7 +193,8 @@ def _cmd_ui(subparsers: Subparsers) -> None:
     p.add_argument("--host", default="127.0.0.1", help="interface to bind (default: 127.0.0.1, local only)")
 
     def handler(args: argparse.Namespace) -> int:
-        from papo_nb.infra.tracking import default_tracking_uri, serve_mlflow_ui
+        from papo_nb.infra.servers import serve_mlflow_ui
+        from papo_nb.infra.tracking import default_tracking_uri
 
         uri = default_tracking_uri()
         return _serve_until_interrupted(
@@ -267,7 +268,7 @@ def _cmd_train(subparsers: Subparsers) -> None:
     )
 
     def handler(args: argparse.Namespace) -> int:
-        from papo_nb.train.launch import train_command
+        from papo_nb.train.runner import train_command
 
         return train_command(
             args.params,

@@ -2,8 +2,8 @@
 
 - the MLflow UI on the smoke workbook's store: the experiment, the workbook run with its nested notebook runs,
   the calibration plot rendered, the probe evidence JSON as text;
-- JupyterLab (``papo_nb.ui.serve_jupyterlab``) on a copy of the notebooks: 01 opened and run with Run > Run All
-  Cells until its verdict line shows.
+- JupyterLab (``papo_nb.infra.servers.serve_jupyterlab``) on a copy of the notebooks: 01 opened and run with
+  Run > Run All Cells until its verdict line shows.
 
 Each step is screenshotted to ``<pytest tmp>/screenshots/`` and copied to ``test-artifacts/browser/`` (git-ignored);
 the paths are printed. Without chromium (or playwright) the browser tests skip, except under CI (``CI`` set),
@@ -26,8 +26,8 @@ from pathlib import Path
 import pytest
 from mlflow import MlflowClient
 
-from papo_nb.infra.servers import serve_jupyterlab
-from papo_nb.infra.tracking import EXPERIMENT_NAME, serve_mlflow_ui
+from papo_nb.infra.servers import serve_jupyterlab, serve_mlflow_ui
+from papo_nb.infra.tracking import EXPERIMENT_NAME
 
 ROOT = Path(__file__).resolve().parents[1]
 ARTIFACTS = ROOT / "test-artifacts" / "browser"

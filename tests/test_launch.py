@@ -21,7 +21,17 @@ from mlflow import MlflowClient
 
 from papo_nb.cli import main
 from papo_nb.infra.tracking import EXPERIMENT_NAME
-from papo_nb.train import launch
+from papo_nb.train.integrity import CorruptCheckpointWarning, checkpoint_problems, find_resume_checkpoint
+from papo_nb.train.resume import ResumeMismatch
+from papo_nb.train.run_folder import (
+    PARAMS_FILE,
+    PROGRESS_PREFIX,
+    RESUME_EVIDENCE_FILE,
+    SUMMARY_FILE,
+    read_run_info,
+)
+from papo_nb.train.runner import train
+from papo_nb.workbook.checkpoints import checkpoint_step
 from papo_nb.workbook.params import load_params
 
 pytestmark = pytest.mark.slow
@@ -32,7 +42,7 @@ SCRIPT = Path(sys.executable).parent / "papo-nb"
 MAX_STEPS, SAVE_STEPS = 6, 2
 # A larger lr than the smoke run's, so that the trained adapter is far from the base model (phase-2 test).
 RUN = ["-p", f"max_steps={MAX_STEPS}", "-p", f"save_steps={SAVE_STEPS}", "-p", "learning_rate=0.005"]
-STEP_LINE = re.compile(rf"{launch.PROGRESS_PREFIX} step (\d+)/")
+STEP_LINE = re.compile(rf"{PROGRESS_PREFIX} step (\d+)/")
 
 
 def env_for(uri: str) -> dict[str, str]:
@@ -83,7 +93,7 @@ def test_two_gloo_processes_train_with_the_probe_and_log_one_set_of_metrics(tmp_
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     assert "accelerate.commands.launch" in result.stdout and "cpu_gloo.yaml" in result.stdout
 
-    summary = json.loads((out / launch.SUMMARY_FILE).read_text())
+    summary = json.loads((out / SUMMARY_FILE).read_text())
     assert summary["num_processes"] == 2 and summary["global_step"] == steps
     assert summary["probe"]["status"] == "passed" and summary["probe"]["perception_kl"] > 0
     # every rank logged the same perception KL, entropies, rewards and probe numbers: reduced, not rank-local
@@ -119,9 +129,9 @@ def killed_and_resumed(tmp_path_factory):
     deadline = time.monotonic() + 300
 
     def killable() -> bool:  # mid-way: a complete checkpoint, and a step done since it
-        checkpoint = launch.find_resume_checkpoint(out, warn=False)[0]
+        checkpoint = find_resume_checkpoint(out, warn=False)[0]
         steps = [int(m.group(1)) for m in map(STEP_LINE.search, list(lines)) if m]
-        return checkpoint is not None and max(steps) > launch.checkpoint_step(checkpoint)
+        return checkpoint is not None and max(steps) > checkpoint_step(checkpoint)
 
     while not killable():
         assert process.poll() is None, "".join(lines)[-4000:]
@@ -132,8 +142,8 @@ def killed_and_resumed(tmp_path_factory):
     reader.join(timeout=30)
     assert process.returncode == -signal.SIGKILL
     steps_done = max(int(m.group(1)) for m in map(STEP_LINE.search, lines) if m)
-    checkpoint_at_kill, _ = launch.find_resume_checkpoint(out, warn=False)
-    info_before = launch.read_run_info(out)
+    checkpoint_at_kill, _ = find_resume_checkpoint(out, warn=False)
+    info_before = read_run_info(out)
 
     resumed = subprocess.run(command + ["--resume"], env=env_for(uri), capture_output=True, text=True, timeout=600)
     assert resumed.returncode == 0, resumed.stdout[-4000:] + resumed.stderr[-4000:]
@@ -152,12 +162,12 @@ def test_a_killed_run_resumes_where_its_checkpoint_left_off(killed_and_resumed):
     k = killed_and_resumed
     out, checkpoint = k["out"], k["checkpoint_at_kill"]
     assert k["steps_done"] < MAX_STEPS, "the run was not killed mid-way"
-    evidence = json.loads((out / launch.RESUME_EVIDENCE_FILE).read_text())
+    evidence = json.loads((out / RESUME_EVIDENCE_FILE).read_text())
     resumed_at = evidence["resumed_at_step"]
     # the right step, with the checkpoint's optimizer, scheduler, adapter and masking RNG, exactly
-    assert evidence["checkpoint"] == str(checkpoint) and resumed_at == evidence[
-        "checkpoint_step"
-    ] == launch.checkpoint_step(checkpoint)
+    assert evidence["checkpoint"] == str(checkpoint) and resumed_at == evidence["checkpoint_step"] == checkpoint_step(
+        checkpoint
+    )
     assert evidence["restored"] and evidence["mask_rng_restored"]
     assert evidence["adapter_max_abs_difference"] == 0.0
     assert evidence["optimizer_max_abs_difference"] == 0.0 and evidence["optimizer_steps"] == resumed_at
@@ -170,9 +180,9 @@ def test_a_killed_run_resumes_where_its_checkpoint_left_off(killed_and_resumed):
         f"\nkilled after step {k['steps_done']}, resumed from step {resumed_at}: {lost} step(s) lost (save_steps {SAVE_STEPS})"
     )
 
-    summary = json.loads((out / launch.SUMMARY_FILE).read_text())
+    summary = json.loads((out / SUMMARY_FILE).read_text())
     assert summary["global_step"] == MAX_STEPS and summary["probe"]["status"] == "passed"
-    info = launch.read_run_info(out)
+    info = read_run_info(out)
     assert info["mlflow_run_id"] == k["info_before"]["mlflow_run_id"] == summary["mlflow_run_id"]
     assert [a["resumed_from"] for a in info["attempts"]] == [None, str(checkpoint)]
 
@@ -213,10 +223,10 @@ def test_a_corrupt_last_checkpoint_is_skipped_with_a_warning_naming_it(killed_an
     else:
         (last / target).unlink()
     with pytest.warns(
-        launch.CorruptCheckpointWarning,
+        CorruptCheckpointWarning,
         match=rf"skipping corrupt or partial checkpoint {re.escape(str(last))}: .*{expected}",
     ):
-        checkpoint, skipped = launch.find_resume_checkpoint(out)
+        checkpoint, skipped = find_resume_checkpoint(out)
     assert checkpoint == out / f"checkpoint-{MAX_STEPS - SAVE_STEPS}" and [s[0] for s in skipped] == [last]
 
 
@@ -233,9 +243,9 @@ def test_resume_past_a_truncated_checkpoint_trains_from_the_previous_one(killed_
         "CorruptCheckpointWarning" in result.stderr
         and f"checkpoint {out / f'checkpoint-{MAX_STEPS}'}" in result.stderr
     )
-    evidence = json.loads((out / launch.RESUME_EVIDENCE_FILE).read_text())
+    evidence = json.loads((out / RESUME_EVIDENCE_FILE).read_text())
     assert evidence["resumed_at_step"] == MAX_STEPS - SAVE_STEPS and evidence["restored"]
-    assert launch.checkpoint_problems(out / f"checkpoint-{MAX_STEPS}") == []  # saved again, complete
+    assert checkpoint_problems(out / f"checkpoint-{MAX_STEPS}") == []  # saved again, complete
     assert len(list(out.glob(f"corrupt-checkpoint-{MAX_STEPS}-*"))) == 1  # the damaged one set aside
 
 
@@ -284,16 +294,16 @@ def test_force_resume_accepts_and_records_the_changes(killed_and_resumed, tmp_pa
     out = copy_run(k, tmp_path)
     shutil.rmtree(out / f"checkpoint-{MAX_STEPS}")  # so that steps remain to be trained
     params = load_params(SMOKE, [o for o in RUN if o != "-p"] + ["mask_ratio=0.5"])
-    with pytest.raises(launch.ResumeMismatch, match=r"mask_ratio: 0.6 \(original\) -> 0.5 \(now\)"):
-        launch.train(params, out, resume=True, tracking_uri=k["uri"])
-    outcome = launch.train(params, out, force_resume=True, tracking_uri=k["uri"])
+    with pytest.raises(ResumeMismatch, match=r"mask_ratio: 0.6 \(original\) -> 0.5 \(now\)"):
+        train(params, out, resume=True, tracking_uri=k["uri"])
+    outcome = train(params, out, force_resume=True, tracking_uri=k["uri"])
     assert outcome.resumed_from == out / f"checkpoint-{MAX_STEPS - SAVE_STEPS}" and outcome.global_step == MAX_STEPS
     assert outcome.mlflow_run_id == k["info_before"]["mlflow_run_id"]
-    assert launch.read_run_info(out)["attempts"][-1]["forced_parameter_changes"] == {"mask_ratio": [0.6, 0.5]}
-    assert yaml.safe_load((out / launch.PARAMS_FILE).read_text())["mask_ratio"] == 0.5
+    assert read_run_info(out)["attempts"][-1]["forced_parameter_changes"] == {"mask_ratio": [0.6, 0.5]}
+    assert yaml.safe_load((out / PARAMS_FILE).read_text())["mask_ratio"] == 0.5
 
     # a complete run resumed stays complete (the Trainer alone would run one step past max_steps)
-    again = launch.train(params, out, resume=True, tracking_uri=k["uri"])
+    again = train(params, out, resume=True, tracking_uri=k["uri"])
     assert again.global_step == MAX_STEPS and again.trainer is None
 
 

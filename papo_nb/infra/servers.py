@@ -1,8 +1,10 @@
-"""JupyterLab on the workbook's notebooks, started and stopped like ``tracking.serve_mlflow_ui``.
+"""The workbook's two servers, the MLflow UI and JupyterLab, started as process groups and stopped cleanly.
 
-``papo-nb lab`` uses it; so do the browser tests. The server runs under this interpreter
-(``sys.executable -m jupyter lab``), so the default ``python3`` kernel (ipykernel's native spec, whose
-``python`` jupyter_client replaces by the server's interpreter) sees the installed ``papo_nb``.
+``papo-nb ui`` and ``papo-nb lab`` use them; so do the browser tests. Both yield their url once the server
+answers (``wait_until_answers``) and stop the whole process group on exit (``stop_process_group``).
+JupyterLab runs under this interpreter (``sys.executable -m jupyter lab``), so the default ``python3`` kernel
+(ipykernel's native spec, whose ``python`` jupyter_client replaces by the server's interpreter) sees the
+installed ``papo_nb``.
 """
 
 from __future__ import annotations
@@ -10,16 +12,105 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import signal
+import socket
 import subprocess
 import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager, suppress
 from pathlib import Path
 
-from papo_nb.infra.tracking import _free_port, _stop_process_group
+from papo_nb.infra.tracking import absolute_tracking_uri, artifacts_dir, default_tracking_uri, tracking_client
+
+
+def free_port(host: str) -> int:
+    """A port nobody listens on now (the OS picks it); the caller binds it soon after."""
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def stop_process_group(process: subprocess.Popen, grace: float = 10.0) -> None:
+    """SIGTERM the whole group (start_new_session made it one), SIGKILL what is left after ``grace`` s."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(process.pid, sig)
+        except ProcessLookupError:
+            break
+        deadline = time.monotonic() + grace
+        while time.monotonic() < deadline:
+            process.poll()  # reap the leader, else it lingers as a zombie group member
+            try:
+                os.killpg(process.pid, 0)  # is anyone of the group left?
+            except ProcessLookupError:
+                return
+            time.sleep(0.1)
+    process.wait()
+
+
+def wait_until_answers(server: subprocess.Popen, answers: Callable[[], bool], name: str, url: str, timeout: float):
+    """Poll ``answers()`` every 0.5 s until it is true; RuntimeError if ``server`` exits or ``timeout`` s pass."""
+    deadline = time.monotonic() + timeout
+    while not answers():
+        if server.poll() is not None:
+            raise RuntimeError(f"{name} exited with code {server.returncode} before answering on {url}")
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{name} did not answer on {url} within {timeout:.0f} s")
+        time.sleep(0.5)
+
+
+# --------------------------------------------------------------------------------------------
+# the MLflow UI
+# --------------------------------------------------------------------------------------------
+
+
+def _mlflow_answers(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(f"{url}/health", timeout=2) as response:
+            return response.status == 200
+    except OSError:
+        return False
+
+
+@contextmanager
+def serve_mlflow_ui(
+    port: int | None = None,
+    host: str = "127.0.0.1",
+    tracking_uri: str | None = None,
+    startup_timeout: float = 120.0,
+) -> Iterator[str]:
+    """Run ``mlflow server`` (what ``mlflow ui`` runs) on the workbook store; yield its url once it answers.
+
+    Bound to ``host`` (local only by default) on ``port`` or a free one, one worker. Artifacts uploaded
+    through the server land in the same ``mlartifacts/`` as the runner's. On exit the server's whole
+    process group (it starts uvicorn children) is terminated.
+    """
+    tracking_uri = absolute_tracking_uri(tracking_uri or default_tracking_uri())
+    tracking_client(tracking_uri)  # create a fresh schema under our lock, not racing a workbook run
+    port = port or free_port(host)
+    url = f"http://{host}:{port}"
+    command = [sys.executable, "-m", "mlflow", "server", "--backend-store-uri", tracking_uri]
+    command += ["--host", host, "--port", str(port), "--workers", "1"]
+    root = artifacts_dir(tracking_uri)
+    if root is not None:
+        command += ["--artifacts-destination", root.as_uri()]
+    # The job runner (8 huey processes for GenAI evaluation jobs) is of no use here and slow to start.
+    env = {"MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false", **os.environ}
+    # Its chatter goes to stderr (fd 2) so stdout keeps only what the caller prints, like the url.
+    server = subprocess.Popen(command, env=env, start_new_session=True, stdin=subprocess.DEVNULL, stdout=2)
+    try:
+        wait_until_answers(server, lambda: _mlflow_answers(url), "mlflow server", url, startup_timeout)
+        yield url
+    finally:
+        stop_process_group(server)
+
+
+# --------------------------------------------------------------------------------------------
+# JupyterLab
+# --------------------------------------------------------------------------------------------
 
 
 def _lab_answers(base: str, token: str) -> bool:
@@ -37,10 +128,8 @@ def _shutdown(base: str, token: str) -> None:
     request = urllib.request.Request(
         f"{base}/api/shutdown", method="POST", headers={"Authorization": f"token {token}"}
     )
-    try:
+    with suppress(OSError):
         urllib.request.urlopen(request, timeout=5).close()
-    except OSError:
-        pass
 
 
 @contextmanager
@@ -63,7 +152,7 @@ def serve_jupyterlab(
     notebook_dir = Path(notebook_dir).resolve()
     if not notebook_dir.is_dir():
         raise RuntimeError(f"notebook folder {notebook_dir} does not exist")
-    port = port or _free_port(host)
+    port = port or free_port(host)
     token = token or secrets.token_hex(24)
     base = f"http://{host}:{port}"
     command = [
@@ -89,19 +178,11 @@ def serve_jupyterlab(
         command, cwd=notebook_dir, env=full_env, start_new_session=True, stdin=subprocess.DEVNULL, stdout=2
     )
     try:
-        deadline = time.monotonic() + startup_timeout
-        while not _lab_answers(base, token):
-            if server.poll() is not None:
-                raise RuntimeError(f"jupyter lab exited with code {server.returncode} before answering on {base}")
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"jupyter lab did not answer on {base} within {startup_timeout:.0f} s")
-            time.sleep(0.5)
+        wait_until_answers(server, lambda: _lab_answers(base, token), "jupyter lab", base, startup_timeout)
         yield f"{base}/lab?token={token}"
     finally:
         if server.poll() is None:
             _shutdown(base, token)
-            try:
+            with suppress(subprocess.TimeoutExpired):
                 server.wait(timeout=stop_timeout)
-            except subprocess.TimeoutExpired:
-                pass
-        _stop_process_group(server)
+        stop_process_group(server)

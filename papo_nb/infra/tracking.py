@@ -16,14 +16,8 @@ import math
 import numbers
 import os
 import re
-import signal
-import socket
-import subprocess
-import sys
 import time
-import urllib.request
-from collections.abc import Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -123,6 +117,30 @@ def ensure_experiment(tracking_uri: str, name: str = EXPERIMENT_NAME) -> str:
 # --------------------------------------------------------------------------------------------
 
 
+def attach_run(
+    tracking_uri: str, run_id: str, *, run_name: str, tags: dict[str, str], reuse_active: bool = False
+) -> tuple[mlflow.ActiveRun, bool]:
+    """Make an MLflow run of the workbook store active; returns (the run, whether this call started it).
+
+    ``run_id`` given: that run (already active, or re-attached with ``start_run(run_id=...)``). Empty: the active
+    run when ``reuse_active`` (a notebook calling the runner in process), else a new run ``run_name`` with
+    ``tags`` in the workbook experiment. Any other active run is ended first.
+    """
+    tracking_uri = absolute_tracking_uri(tracking_uri or default_tracking_uri())
+    # This also exports MLFLOW_TRACKING_URI, which transformers' MLflowCallback re-reads: it must agree.
+    mlflow.set_tracking_uri(tracking_uri)
+    active = mlflow.active_run()
+    if active is not None:
+        if (run_id and active.info.run_id == run_id) or (reuse_active and not run_id):
+            return active, False
+        mlflow.end_run()
+    tracking_client(tracking_uri)
+    if run_id:
+        return mlflow.start_run(run_id=run_id), True
+    experiment_id = ensure_experiment(tracking_uri)
+    return mlflow.start_run(experiment_id=experiment_id, run_name=run_name, tags=tags), True
+
+
 def attach_notebook_run(tracking_uri: str, run_id: str) -> mlflow.ActiveRun:
     """Make the workbook's run for this notebook the active MLflow run; call it after the parameters cell.
 
@@ -130,33 +148,23 @@ def attach_notebook_run(tracking_uri: str, run_id: str) -> mlflow.ActiveRun:
     hand in JupyterLab) a new run is started in the workbook experiment instead. Running the cell again
     is harmless.
     """
-    tracking_uri = absolute_tracking_uri(tracking_uri or default_tracking_uri())
-    # This also exports MLFLOW_TRACKING_URI, which transformers' MLflowCallback re-reads: it must agree.
-    mlflow.set_tracking_uri(tracking_uri)
-    active = mlflow.active_run()
-    if active is not None:
-        if run_id and active.info.run_id == run_id:
-            return active
-        mlflow.end_run()
-    if run_id:
-        tracking_client(tracking_uri)
-        return mlflow.start_run(run_id=run_id)
-    experiment_id = ensure_experiment(tracking_uri)
-    return mlflow.start_run(
-        experiment_id=experiment_id,
+    run, _ = attach_run(
+        tracking_uri,
+        run_id,
         run_name=f"interactive-{time.strftime('%Y%m%d-%H%M%S')}",
         tags={"papo_nb.kind": "notebook", "papo_nb.interactive": "true"},
     )
+    return run
 
 
-def _plain(value: Any) -> Any:
+def json_safe(value: Any) -> Any:
     """JSON-safe copy: numpy/torch scalars unwrapped, non-finite floats as strings, unknowns as str()."""
     if isinstance(value, dict):
-        return {str(k): _plain(v) for k, v in value.items()}
+        return {str(k): json_safe(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return [_plain(v) for v in value]
+        return [json_safe(v) for v in value]
     if hasattr(value, "tolist") and not isinstance(value, (str, bytes)):  # numpy / torch values
-        return _plain(value.tolist())
+        return json_safe(value.tolist())
     if isinstance(value, bool) or value is None or isinstance(value, (str, int)):
         return value
     if isinstance(value, numbers.Real):
@@ -187,7 +195,7 @@ def log_evidence(name: str, evidence: dict, prefix: str | None = None, step: int
     Metric names are ``<prefix>/<key>[/<subkey>...]`` (prefix defaults to ``name``). NaN/inf values are
     kept, as strings, only in the JSON. Returns the metrics logged.
     """
-    plain = _plain(evidence)
+    plain = json_safe(evidence)
     mlflow.log_dict(plain, f"evidence/{name}.json")
     metrics = _metric_leaves(plain, _metric_safe(prefix or name))
     if metrics:
@@ -231,79 +239,3 @@ def search_workbook_runs(tracking_uri: str, experiment: str = EXPERIMENT_NAME, f
     tracking_client(tracking_uri)
     mlflow.set_tracking_uri(tracking_uri)
     return mlflow.search_runs(experiment_names=[experiment], filter_string=filter_string)
-
-
-# --------------------------------------------------------------------------------------------
-# the MLflow UI
-# --------------------------------------------------------------------------------------------
-
-
-def _free_port(host: str) -> int:
-    with socket.socket() as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
-
-
-def _answers(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(f"{url}/health", timeout=2) as response:
-            return response.status == 200
-    except OSError:
-        return False
-
-
-@contextmanager
-def serve_mlflow_ui(
-    port: int | None = None,
-    host: str = "127.0.0.1",
-    tracking_uri: str | None = None,
-    startup_timeout: float = 120.0,
-) -> Iterator[str]:
-    """Run ``mlflow server`` (what ``mlflow ui`` runs) on the workbook store; yield its url once it answers.
-
-    Bound to ``host`` (local only by default) on ``port`` or a free one, one worker. Artifacts uploaded
-    through the server land in the same ``mlartifacts/`` as the runner's. On exit the server's whole
-    process group (it starts uvicorn children) is terminated.
-    """
-    tracking_uri = absolute_tracking_uri(tracking_uri or default_tracking_uri())
-    tracking_client(tracking_uri)  # create a fresh schema under our lock, not racing a workbook run
-    port = port or _free_port(host)
-    url = f"http://{host}:{port}"
-    command = [sys.executable, "-m", "mlflow", "server", "--backend-store-uri", tracking_uri]
-    command += ["--host", host, "--port", str(port), "--workers", "1"]
-    root = artifacts_dir(tracking_uri)
-    if root is not None:
-        command += ["--artifacts-destination", root.as_uri()]
-    # The job runner (8 huey processes for GenAI evaluation jobs) is of no use here and slow to start.
-    env = {"MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false", **os.environ}
-    # Its chatter goes to stderr (fd 2) so stdout keeps only what the caller prints, like the url.
-    server = subprocess.Popen(command, env=env, start_new_session=True, stdin=subprocess.DEVNULL, stdout=2)
-    try:
-        deadline = time.monotonic() + startup_timeout
-        while not _answers(url):
-            if server.poll() is not None:
-                raise RuntimeError(f"mlflow server exited with code {server.returncode} before answering on {url}")
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"mlflow server did not answer on {url} within {startup_timeout:.0f} s")
-            time.sleep(0.5)
-        yield url
-    finally:
-        _stop_process_group(server)
-
-
-def _stop_process_group(process: subprocess.Popen, grace: float = 10.0) -> None:
-    """SIGTERM the whole group (start_new_session made it one), SIGKILL what is left after ``grace`` s."""
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        try:
-            os.killpg(process.pid, sig)
-        except ProcessLookupError:
-            break
-        deadline = time.monotonic() + grace
-        while time.monotonic() < deadline:
-            process.poll()  # reap the leader, else it lingers as a zombie group member
-            try:
-                os.killpg(process.pid, 0)  # is anyone of the group left?
-            except ProcessLookupError:
-                return
-            time.sleep(0.1)
-    process.wait()

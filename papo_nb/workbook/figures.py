@@ -25,6 +25,11 @@ PANELS = [
 ]
 
 
+def step_logs(log_history: list[dict]) -> list[dict]:
+    """The per-optimizer-step entries of a Trainer's ``log_history`` (the final train summary has no reward)."""
+    return [h for h in log_history if "reward" in h]
+
+
 def plot_training_curves(step_logs: list[dict]):
     fig = Figure(figsize=(11, 7))
     axes = fig.subplots(2, 2)

@@ -24,7 +24,9 @@ class TrainingResult:
     @property
     def step_logs(self) -> list[dict]:
         """Per-step training logs (the final summary entry excluded)."""
-        return [h for h in self.log_history if "reward" in h]
+        from papo_nb.workbook.figures import step_logs
+
+        return step_logs(self.log_history)
 
 
 def prepare_training(params: WorkbookParams, output_dir: str | Path, *, report_to: str = "none", **config_overrides):

@@ -1,0 +1,229 @@
+"""Several training processes: ranks, the ``accelerate launch`` command that starts them, and cross-rank checks.
+
+``num_processes > 1``: ``papo-nb train`` runs itself again under ``accelerate launch`` (``launch_distributed``),
+one process per device; every rank trains, only rank 0 writes files and MLflow (TRL's MLflow callback logs on
+the world's main process only).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TextIO
+
+import yaml
+
+from papo_nb.infra.servers import free_port, stop_process_group
+from papo_nb.train.run_folder import PROGRESS_PREFIX, SUMMARY_FILE, LaunchError
+from papo_nb.workbook.params import WorkbookParams
+
+CONFIG_DIR = Path("configs") / "accelerate"
+DEFAULT_GPU_CONFIG = "multi_gpu.yaml"
+DEFAULT_CPU_CONFIG = "cpu_gloo.yaml"
+
+
+# ranks are read from the launcher's environment: usable before torch.distributed is initialised
+
+
+def process_rank() -> int:
+    return int(os.environ.get("RANK", "0"))
+
+
+def world_size() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def under_launcher() -> bool:
+    """Started by ``accelerate launch`` / torchrun (one of several processes, or a launcher of one)."""
+    return "WORLD_SIZE" in os.environ and "LOCAL_RANK" in os.environ
+
+
+def refuse_unsupported(trainer) -> None:
+    """The gamma-zero probe differentiates the adapter's parameters directly: not with sharded parameters."""
+    deepspeed = getattr(trainer.accelerator.state, "deepspeed_plugin", None)
+    if trainer.probe is not None and (trainer.is_fsdp_enabled or getattr(deepspeed, "zero_stage", 0) == 3):
+        raise LaunchError(
+            "require_gpu_contract_probe is not supported with sharded parameters (DeepSpeed ZeRO-3, FSDP); "
+            "set it false for this run and run the probe in a short DDP job (configs/accelerate/multi_gpu.yaml)"
+        )
+
+
+# Logged metrics that must be identical on every rank: reduced (or gathered) across processes before logging.
+RANK_INVARIANT_METRICS = (
+    "reward",
+    "reward_std",
+    "entropy",
+    "kl",
+    "perception_kl",
+    "perception_loss",
+    "masked_entropy",
+)
+
+
+def same_on_all_ranks(trainer, probe: dict | None) -> tuple[bool, bool]:
+    """Whether every rank holds the same probe evidence, and the same per-step values of the metrics that are
+    reduced across processes (a rank-local value would differ: each rank sees other prompts). One process: True."""
+    if trainer.accelerator.num_processes == 1:
+        return True, True
+    from accelerate.utils import gather_object
+
+    metrics = [
+        {k: h[k] for k in sorted(h) if k in RANK_INVARIANT_METRICS or k.startswith("probe/")}
+        for h in trainer.state.log_history
+    ]
+    probes, histories = zip(*gather_object([(json.dumps(probe, sort_keys=True), json.dumps(metrics, sort_keys=True))]))
+    return len(set(probes)) == 1, len(set(histories)) == 1
+
+
+def accelerate_config_path(params: WorkbookParams) -> Path:
+    """``accelerate_config`` (relative to the cwd or the project folder), else the DDP default for the device."""
+    from papo_nb.infra.tracking import project_dir
+    from papo_nb.workbook.builder import resolve_device
+
+    name = params.accelerate_config or str(
+        CONFIG_DIR / (DEFAULT_GPU_CONFIG if resolve_device(params) == "cuda" else DEFAULT_CPU_CONFIG)
+    )
+    path = Path(name).expanduser()
+    for candidate in (path, project_dir() / path):
+        if candidate.is_file():
+            return candidate.resolve()
+    raise LaunchError(
+        f"accelerate config {name!r} not found (looked in {Path.cwd()} and {project_dir()}); "
+        f"set parameter 'accelerate_config' to one of {project_dir() / CONFIG_DIR}/*.yaml or your own"
+    )
+
+
+def accelerate_command(
+    params: WorkbookParams,
+    params_file: str | Path,
+    output_dir: str | Path,
+    *,
+    resume: bool = False,
+    force_resume: bool = False,
+    mlflow_run_id: str = "",
+    port: int | None = None,
+) -> list[str]:
+    """``python -m accelerate.commands.launch --config_file C --num_processes N -m papo_nb.cli train ...``."""
+    command = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--config_file",
+        str(accelerate_config_path(params)),
+        "--num_processes",
+        str(params.num_processes),
+        "--main_process_port",
+        str(port or free_port("127.0.0.1")),
+        "-m",
+        "papo_nb.cli",
+        "train",
+        "--params",
+        str(params_file),
+        "--output-dir",
+        str(output_dir),
+    ]
+    if resume:
+        command.append("--resume")
+    if force_resume:
+        command.append("--force-resume")
+    if mlflow_run_id:
+        command += ["--mlflow-run-id", mlflow_run_id]
+    return command
+
+
+@dataclass
+class LaunchResult:
+    """What ``launch_distributed`` ran and where its results are."""
+
+    returncode: int
+    command: list[str]
+    output_dir: Path
+    wall_seconds: float
+
+    @property
+    def ok(self) -> bool:
+        return self.returncode == 0
+
+    def summary(self) -> dict:
+        path = self.output_dir / SUMMARY_FILE
+        if not path.is_file():
+            raise FileNotFoundError(
+                f"{path} is missing: the launched run did not finish (exit code {self.returncode})"
+            )
+        return json.loads(path.read_text())
+
+    @property
+    def log_history(self) -> list[dict]:
+        return self.summary()["log_history"]
+
+    @property
+    def probe_evidence(self) -> dict | None:
+        return self.summary()["probe"]
+
+    @property
+    def last_checkpoint(self) -> Path | None:
+        last = self.summary()["last_checkpoint"]
+        return Path(last) if last else None
+
+    def check(self) -> LaunchResult:
+        if not self.ok:
+            raise RuntimeError(
+                f"the launched training run failed with exit code {self.returncode}: {' '.join(self.command)}"
+            )
+        return self
+
+
+def launch_distributed(
+    params: WorkbookParams,
+    output_dir: str | Path,
+    *,
+    resume: bool = False,
+    force_resume: bool = False,
+    mlflow_run_id: str = "",
+    tracking_uri: str | None = None,
+    stream: TextIO | None = None,
+) -> LaunchResult:
+    """Run ``papo-nb train`` on ``params.num_processes`` processes under ``accelerate launch``, streaming its output
+    (to ``stream``, default stdout) line by line. Interrupting this call stops the whole launched job."""
+    from papo_nb.infra.tracking import absolute_tracking_uri, default_tracking_uri
+
+    stream = stream or sys.stdout
+    output_dir = Path(output_dir).resolve()
+    started = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="papo_nb-launch-") as folder:
+        params_file = Path(folder) / "params.yaml"
+        params_file.write_text(yaml.safe_dump(params.model_dump(mode="json"), sort_keys=False))
+        command = accelerate_command(
+            params, params_file, output_dir, resume=resume, force_resume=force_resume, mlflow_run_id=mlflow_run_id
+        )
+        env = {
+            **os.environ,
+            "PYTHONUNBUFFERED": "1",
+            "MLFLOW_TRACKING_URI": absolute_tracking_uri(tracking_uri or default_tracking_uri()),
+        }
+        stream.write(f"{PROGRESS_PREFIX} launching {params.num_processes} processes: {' '.join(command)}\n")
+        process = subprocess.Popen(
+            command,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            bufsize=1,
+            env=env,
+            start_new_session=True,
+            stdin=subprocess.DEVNULL,
+        )
+        try:
+            for line in process.stdout:
+                stream.write(line)
+                stream.flush()
+            returncode = process.wait()
+        except BaseException:
+            stop_process_group(process)
+            raise
+    return LaunchResult(returncode, command, output_dir, time.monotonic() - started)
