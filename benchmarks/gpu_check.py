@@ -5,7 +5,7 @@ What it does, offline (no hub, no network, installs nothing):
      config (hidden 2048, MLP 11008, 16 heads / 2 KV heads, vocab 151936, tied embeddings) and the 3B vision
      tower (1280 wide), with ``--text-layers`` / ``--vision-depth`` (defaults 36 / 32: full 3B depth), in bf16,
      with LoRA on q_proj/v_proj (the notebooks' recipe), on the first CUDA device;
-  2. makes a fixed ``_compute_loss`` batch without generation (``papo_nb.bench.synthetic_batch``: shapes-task
+  2. makes a fixed ``_compute_loss`` batch without generation (``papo_nb.harness.synthetic_batch``: shapes-task
      prompts with ``--image-size`` px images through a Qwen2.5-VL processor, random completions);
   3. times interleaved rounds of a GRPO step, a PAPO-G step (masked branch no-grad), a PAPO-G step with gradient
      through the masked branch, the extra forward alone (the floor), masking alone and one probe evaluation, under
@@ -44,7 +44,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository r
 
 import torch  # noqa: E402
 
-from papo_nb.bench import harness as bench  # noqa: E402
+from papo_nb.bench import harness, timing  # noqa: E402
+from papo_nb.bench.report import environment as bench_environment  # noqa: E402
 
 # Qwen2.5-VL-3B shapes (text and vision); depth is a parameter.
 TEXT_3B = dict(
@@ -127,7 +128,7 @@ def model_config(processor, *, tiny: bool, text_layers: int, vision_depth: int):
         depth=vision_depth,
         fullatt_block_indexes=[i for i in range(vision_depth) if i % 8 == 7] or [vision_depth - 1],
     )
-    config = Qwen2_5_VLConfig(
+    return Qwen2_5_VLConfig(
         text_config=text,
         vision_config=vision,
         image_token_id=ids["<|image_pad|>"],
@@ -136,7 +137,6 @@ def model_config(processor, *, tiny: bool, text_layers: int, vision_depth: int):
         vision_end_token_id=ids["<|vision_end|>"],
         tie_word_embeddings=text["tie_word_embeddings"],
     )
-    return config
 
 
 def build_processor(image_size: int):
@@ -153,7 +153,7 @@ def build_processor(image_size: int):
     )
 
 
-def build_gpu_setup(args, device: torch.device, dtype: torch.dtype, work_dir: Path) -> bench.BenchSetup:
+def build_gpu_setup(args, device: torch.device, dtype: torch.dtype, work_dir: Path) -> harness.BenchSetup:
     from peft import get_peft_model
     from transformers import Qwen2_5_VLForConditionalGeneration
     from trl import GRPOConfig, GRPOTrainer
@@ -189,11 +189,13 @@ def build_gpu_setup(args, device: torch.device, dtype: torch.dtype, work_dir: Pa
         use_cpu=device.type == "cpu",
     )
     trainers = {
-        "grpo": bench.make_trainer(model, processor, dataset, work_dir, "grpo", GRPOTrainer, GRPOConfig, **overrides),
-        "papo": bench.make_trainer(
+        "grpo": harness.make_trainer(
+            model, processor, dataset, work_dir, "grpo", GRPOTrainer, GRPOConfig, **overrides
+        ),
+        "papo": harness.make_trainer(
             model, processor, dataset, work_dir, "papo", PAPOGTrainer, PAPOGConfig, **overrides
         ),
-        "papo_grad": bench.make_trainer(
+        "papo_grad": harness.make_trainer(
             model,
             processor,
             dataset,
@@ -205,7 +207,7 @@ def build_gpu_setup(args, device: torch.device, dtype: torch.dtype, work_dir: Pa
             **overrides,
         ),
     }
-    batch = bench.synthetic_batch(
+    batch = harness.synthetic_batch(
         processor,
         args.sequences,
         args.completion_tokens,
@@ -217,8 +219,8 @@ def build_gpu_setup(args, device: torch.device, dtype: torch.dtype, work_dir: Pa
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=1e-5)
-    snapshot = bench.StateSnapshot(params, optimizer)
-    return bench.BenchSetup(
+    snapshot = harness.StateSnapshot(params, optimizer)
+    return harness.BenchSetup(
         size="gpu",
         family="qwen2_5_vl",
         seed=args.seed,
@@ -248,7 +250,7 @@ def leaking_assembly(trainer, scale: float = 1.0):
     return assemble
 
 
-def probe_evidence(setup: bench.BenchSetup, args, context, device) -> list[dict]:
+def probe_evidence(setup: harness.BenchSetup, args, context, device) -> list[dict]:
     """The probe's numbers in real bf16 on ``--probe-batches`` batches (different seeds), clean and leaking."""
     from papo_nb.papo.probe import GammaZeroProbe, ProbeFailure, measure_gamma_zero
 
@@ -258,7 +260,7 @@ def probe_evidence(setup: bench.BenchSetup, args, context, device) -> list[dict]
         batch = (
             setup.batch
             if b == 0
-            else bench.synthetic_batch(
+            else harness.synthetic_batch(
                 setup.processor,
                 args.sequences,
                 args.completion_tokens,
@@ -272,10 +274,8 @@ def probe_evidence(setup: bench.BenchSetup, args, context, device) -> list[dict]
         with context():
             parent, terms = papo.papo_loss_parts(setup.model, batch)
             probe = GammaZeroProbe()
-            try:
+            with contextlib.suppress(ProbeFailure):
                 probe.observe(papo, setup.model, parent, terms)
-            except ProbeFailure:
-                pass
             leaky = measure_gamma_zero(papo, setup.model, parent, terms, assemble=leaking_assembly(papo))
         evidence = probe.evidence.to_dict()
         points.append(
@@ -308,12 +308,12 @@ def probe_evidence(setup: bench.BenchSetup, args, context, device) -> list[dict]
     return points
 
 
-def peak_memory(setup: bench.BenchSetup, context, device) -> dict:
+def peak_memory(setup: harness.BenchSetup, context, device) -> dict:
     """``max_memory_allocated`` above the pre-step level, per step variant (CUDA only)."""
     if device.type != "cuda":
         return {"skipped": "not on CUDA"}
     out = {}
-    for name, variant in bench.make_variants(setup, bench.STEP_VARIANTS + ("extra_forward",), context).items():
+    for name, variant in harness.make_variants(setup, harness.STEP_VARIANTS + ("extra_forward",), context).items():
         variant.prepare()
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
@@ -385,7 +385,7 @@ def main(argv=None) -> int:
     )
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
 
-    report: dict = dict(args={k: str(v) for k, v in vars(args).items()}, environment=bench.environment())
+    report: dict = dict(args={k: str(v) for k, v in vars(args).items()}, environment=bench_environment())
     if device.type == "cuda":
         report["environment"]["gpu"] = torch.cuda.get_device_name(0)
     with tempfile.TemporaryDirectory(prefix="papo_gpu_check_") as work:
@@ -398,33 +398,33 @@ def main(argv=None) -> int:
             dtype=args.dtype,
             setup_s=setup.setup_s,
         )
-        report["batch"] = bench.batch_shape(setup.batch, setup.model.config.text_config.vocab_size)
+        report["batch"] = harness.batch_shape(setup.batch, setup.model.config.text_config.vocab_size)
         tokens_per_step = int(setup.batch["prompt_mask"].sum() + setup.batch["completion_mask"].sum())
         report["batch"]["tokens_per_step"] = tokens_per_step
         log(f"batch: {report['batch']}")
 
-        variants = bench.make_variants(setup, bench.VARIANTS, context)
+        variants = harness.make_variants(setup, harness.VARIANTS, context)
         log("warm-up round ...")
         round_start = time.perf_counter()
-        bench.time_interleaved(variants, repeats=1, warmup=0, sync=sync)
+        timing.time_interleaved(variants, repeats=1, warmup=0, sync=sync)
         round_s = time.perf_counter() - round_start
         reserve = 60.0 + round_s * (2 + args.probe_batches)  # memory pass, probe evidence, writing
         left = args.time_budget - (time.perf_counter() - START) - reserve
         repeats = max(2, min(args.repeats, int(left // round_s)))
         log(f"one round {round_s:.1f}s; timing {repeats} rounds")
-        times = bench.time_interleaved(variants, repeats=repeats, warmup=0, sync=sync)
-        report["timings"] = {name: bench.summarise(values) for name, values in times.items()}
+        times = timing.time_interleaved(variants, repeats=repeats, warmup=0, sync=sync)
+        report["timings"] = {name: timing.summarise(values) for name, values in times.items()}
         report["samples_s"] = times
-        report["ratios"] = bench.ratios(times)
+        report["ratios"] = timing.ratios(times)
         report["tokens_per_s"] = {
             name: tokens_per_step / report["timings"][name]["median"]
-            for name in bench.STEP_VARIANTS + ("extra_forward",)
+            for name in harness.STEP_VARIANTS + ("extra_forward",)
         }
         report["completion_tokens_per_s"] = {
             name: report["batch"]["sequences"]
             * report["batch"]["completion_tokens"]
             / report["timings"][name]["median"]
-            for name in bench.STEP_VARIANTS
+            for name in harness.STEP_VARIANTS
         }
         log("peak memory per step variant ...")
         report["memory"] = peak_memory(setup, context, device)
@@ -443,16 +443,17 @@ def main(argv=None) -> int:
 
     r = report["ratios"]
     print(f"\n{'variant':<48} {'median ms':>10} {'p25':>9} {'p75':>9}  tokens/s")
-    for name in bench.VARIANTS:
+    for name in harness.VARIANTS:
         t = report["timings"][name]
         tps = report["tokens_per_s"].get(name)
         print(
-            f"{bench.LABELS[name]:<48} {t['median'] * 1e3:10.1f} {t['p25'] * 1e3:9.1f} {t['p75'] * 1e3:9.1f}  "
+            f"{harness.LABELS[name]:<48} {t['median'] * 1e3:10.1f} {t['p25'] * 1e3:9.1f} {t['p75'] * 1e3:9.1f}  "
             f"{'' if tps is None else f'{tps:,.0f}'}"
         )
     print(
         f"PAPO-G / GRPO {r['papo_over_grpo']:.3f}   floor ratio {r['floor_ratio']:.3f}   "
-        f"PAPO-G (grad) / GRPO {r['papo_grad_over_grpo']:.3f}   masking {r['masking_fraction_of_step'] * 100:.2f}% of a step   "
+        f"PAPO-G (grad) / GRPO {r['papo_grad_over_grpo']:.3f}   "
+        f"masking {r['masking_fraction_of_step'] * 100:.2f}% of a step   "
         f"probe {r['probe_fraction_of_100_steps'] * 100:.2f}% of 100 steps"
     )
     if "skipped" not in report["memory"]:
@@ -460,7 +461,7 @@ def main(argv=None) -> int:
             "peak memory above start (MiB): "
             + ", ".join(
                 f"{name} {report['memory'][name]['peak_above_start_mib']:.0f}"
-                for name in bench.STEP_VARIANTS + ("extra_forward",)
+                for name in harness.STEP_VARIANTS + ("extra_forward",)
             )
             + f"; one bf16 logits tensor {report['memory']['one_logits_tensor_mib']:.0f}"
         )

@@ -1,4 +1,4 @@
-"""PAPO-G step overhead against plain GRPO, side by side on the CPU (see ``papo_nb/bench.py``).
+"""PAPO-G step overhead against plain GRPO, side by side on the CPU (see ``papo_nb/bench/``).
 
     python benchmarks/step_overhead.py [--quick] [--out FILE.json] [--sizes tiny,wide] [--markdown FILE.md]
 
@@ -10,7 +10,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root, if papo_nb is not installed
 
-from papo_nb.bench.harness import main  # noqa: E402
+from papo_nb.bench.main import main  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -283,7 +283,7 @@ def _cmd_train(subparsers: Subparsers) -> None:
 
 
 def _cmd_bench(subparsers: Subparsers) -> None:
-    # Arguments pass through to papo_nb.bench.harness (which imports torch), so other subcommands stay fast to start.
+    # Arguments pass through to papo_nb.bench.main (which imports torch), so other subcommands stay fast to start.
     p = subparsers.add_parser(
         "bench",
         add_help=False,
@@ -291,7 +291,7 @@ def _cmd_bench(subparsers: Subparsers) -> None:
     )
 
     def handler(args: argparse.Namespace) -> int:
-        from papo_nb.bench.harness import main as bench_main
+        from papo_nb.bench.main import main as bench_main
 
         return bench_main(args.passthrough)
 

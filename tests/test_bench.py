@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from papo_nb.bench.harness import STEP_VARIANTS, VARIANTS, add_bench_arguments
+from papo_nb.bench.harness import STEP_VARIANTS, VARIANTS
+from papo_nb.bench.main import add_bench_arguments
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
