@@ -10,8 +10,29 @@ from papo_nb.workbook.raw_masks import mask_pil_squares
 
 
 @torch.no_grad()
-def generate_answers(model, processor, prompts, images, *, max_new_tokens: int = 16, batch_size: int = 8) -> list[str]:
-    """Greedy completions for chat prompts with one image each (left-padded batches)."""
+def generate_answers(
+    model,
+    processor,
+    prompts,
+    images,
+    *,
+    max_new_tokens: int = 16,
+    batch_size: int = 8,
+    samples: int = 1,
+    temperature: float | None = None,
+    top_p: float = 1.0,
+) -> list[str]:
+    """Completions for chat prompts, each with one image or a list of images (left-padded batches).
+
+    Greedy by default; with ``temperature`` set, ``samples`` sampled completions per prompt, returned prompt-major
+    (prompt 0's samples first), as the avg@k protocol needs them."""
+    if temperature is None and samples != 1:
+        raise ValueError(f"samples={samples} needs a sampling temperature; greedy decoding gives one completion")
+    decoding = (
+        {"do_sample": False}
+        if temperature is None
+        else {"do_sample": True, "temperature": temperature, "top_p": top_p, "num_return_sequences": samples}
+    )
     tokenizer = processor.tokenizer
     side, tokenizer.padding_side = tokenizer.padding_side, "left"
     device = next(model.parameters()).device
@@ -24,14 +45,14 @@ def generate_answers(model, processor, prompts, images, *, max_new_tokens: int =
             ]
             batch = processor(
                 text=texts,
-                images=[[img] for img in images[start : start + batch_size]],
+                images=[img if isinstance(img, list) else [img] for img in images[start : start + batch_size]],
                 return_tensors="pt",
                 padding=True,
             ).to(device)
             generated = model.generate(
                 **batch,
                 max_new_tokens=max_new_tokens,
-                do_sample=False,
+                **decoding,
                 suppress_tokens=vision_special_token_ids(processor),
                 pad_token_id=tokenizer.pad_token_id,
             )

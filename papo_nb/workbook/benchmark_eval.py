@@ -1,0 +1,165 @@
+"""The official evaluation protocol: avg@k at temperature 1.0 and greedy accuracy per benchmark, per group (general
+versus vision-dependent) and overall, each beside the same score on masked images (the perception-reliance gap).
+
+Sources (MikeWangWZHL/PAPO at fb63bf4 and its PAPO-Eval submodule, xhguo7/PAPO-Eval):
+
+- benchmarks: one split each of ``PAPO-Galaxy/PAPO_eval`` (README.md:76-78; split names from PAPO-Eval
+  ``papo_eval/preprocess/preprocess.sh:83-85``); groups from ``data/DATA.md:9-20``. PAPO-Eval's own
+  ``run_eval.py:17-28`` pools only three files for its vision-dependent number; the groups here follow DATA.md;
+- avg@8 at temperature 1.0 (README.md:92; ``config_grpo_papo.yaml:92-94``), top_p 1.0 and up to 2048 new tokens
+  (PAPO-Eval ``run_infer.sh:29-37``); the score is the mean over prompts of the mean over the k samples
+  (``run_eval.py:66-90``), graded with mathruler's boxed-answer check (``eval_utils.py:8-11``);
+- the masked condition uses the training mask on raw images (``raw_masks.mask_pil_squares``, 14-px squares).
+
+The PAPO_eval splits are stored in LLaMA-Factory's ShareGPT form (``messages`` + ``images`` paths; PAPO-Eval
+``data/dataset_info.json:72-85``); ``load_benchmark`` turns those, or rows already in the training schema, into the
+official ``problem``/``answer``/``images`` schema.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from statistics import mean
+
+import datasets
+import torch
+from PIL import Image
+
+from papo_nb.workbook.evaluation import generate_answers
+from papo_nb.workbook.math_reward import accuracy_score
+from papo_nb.workbook.raw_masks import mask_pil_squares
+from papo_nb.workbook.recipe_data import EVAL_DATASET, RecipeDataError, load_official_dataset
+
+GENERAL, VISION_DEPENDENT = "general", "vision_dependent"
+GROUPS = (GENERAL, VISION_DEPENDENT)
+# The eight benchmarks (split name -> group); PAPO_MMK12 is also a split there, and the training validation set.
+OFFICIAL_BENCHMARKS = {
+    "hiyouga_geometry3k": GENERAL,
+    "AI4Math_MathVista": GENERAL,
+    "We_Math": GENERAL,
+    "AI4Math_MathVerse": GENERAL,
+    "lscpku_LogicVista": VISION_DEPENDENT,
+    "BUAADreamer_clevr_count_70k": VISION_DEPENDENT,
+    "MMMU_MMMU_Pro": VISION_DEPENDENT,
+    "AI4Math_MathVerse_vision_dependent": VISION_DEPENDENT,
+}
+EVAL_TEMPERATURE = 1.0  # README.md:92
+EVAL_TOP_P = 1.0  # PAPO-Eval run_infer.sh:33
+
+
+def parse_benchmarks(entries: list[str]) -> dict[str, str]:
+    """``["split", "split:group", ...]`` -> {split: group}; a bare split must be one of the official eight."""
+    parsed = {}
+    for entry in entries:
+        name, _, group = entry.partition(":")
+        group = group or OFFICIAL_BENCHMARKS.get(name, "")
+        if group not in GROUPS:
+            raise RecipeDataError(
+                f"parameter 'eval_benchmarks' entry {entry!r}: give 'split:group' with group one of {GROUPS}, or one "
+                f"of the official splits {sorted(OFFICIAL_BENCHMARKS)}"
+            )
+        parsed[name] = group
+    if not parsed:
+        raise RecipeDataError("parameter 'eval_benchmarks' is empty; name at least one benchmark split")
+    return parsed
+
+
+def _sharegpt_to_official(dataset: datasets.Dataset, image_root: Path | None) -> datasets.Dataset:
+    def convert(row):
+        turns = {m["role"]: m["content"] for m in row["messages"]}
+        images = []
+        for item in row.get("images") or []:
+            if isinstance(item, str):
+                path = Path(item) if image_root is None else image_root / item
+                item = Image.open(path).convert("RGB")
+            images.append(item)
+        return {"problem": turns["user"], "answer": turns["assistant"], "images": images}
+
+    features = datasets.Features(
+        {"problem": datasets.Value("string"), "answer": datasets.Value("string"), "images": [datasets.Image()]}
+    )
+    return dataset.map(convert, remove_columns=dataset.column_names, features=features)
+
+
+def load_benchmark(source: str, split: str, image_dir: str = "") -> datasets.Dataset:
+    """One benchmark split in the official schema, from ``PAPO-Galaxy/PAPO_eval`` (or any hub id / local
+    ``save_to_disk`` folder) in either the training schema or the ShareGPT form; ``image_dir`` resolves image
+    paths (PAPO-Eval unzips them to ``data/images``)."""
+    source = source or EVAL_DATASET
+    try:
+        return load_official_dataset(source, split, parameter="eval_dataset")
+    except RecipeDataError as exc:
+        if "lacks column" not in str(exc):
+            raise
+    path = Path(source).expanduser()
+    raw = datasets.load_from_disk(str(path))[split] if path.is_dir() else datasets.load_dataset(source, split=split)
+    if "messages" not in raw.column_names:
+        raise RecipeDataError(
+            f"parameter 'eval_dataset' = {source!r} split {split!r}: neither the official schema (problem, answer, "
+            f"images) nor ShareGPT (messages, images); it has {raw.column_names}"
+        )
+    return _sharegpt_to_official(raw, Path(image_dir).expanduser() if image_dir else None)
+
+
+def _accuracies(completions: list[str], answers: list[str], samples: int) -> list[float]:
+    """Per-prompt mean accuracy over its ``samples`` completions (prompt-major order)."""
+    return [
+        mean(accuracy_score(c, gold) for c in completions[i * samples : (i + 1) * samples])
+        for i, gold in enumerate(answers)
+    ]
+
+
+@torch.no_grad()
+def evaluate_benchmark(
+    model, processor, rows: datasets.Dataset, *, samples: int, max_new_tokens: int, mask_ratio: float, seed: int,
+    batch_size: int = 8,
+) -> dict:  # fmt: skip
+    """avg@``samples`` (temperature 1.0, top_p 1.0) and greedy accuracy, on original and on masked images."""
+    prompts, answers = list(rows["prompt"]), [str(a) for a in rows["answer"]]
+    originals = [list(images) for images in rows["images"]]
+    masked = [
+        [mask_pil_squares(img, mask_ratio, seed=seed + 1000 * i + j) for j, img in enumerate(images)]
+        for i, images in enumerate(originals)
+    ]
+    was_training = model.training
+    model.eval()
+    scores: dict[str, float] = {"items": len(answers), "samples": samples}
+    try:
+        for condition, images in (("", originals), ("_masked", masked)):
+            torch.manual_seed(seed)  # the same sampling noise for both conditions
+            sampled = generate_answers(
+                model, processor, prompts, images, max_new_tokens=max_new_tokens, batch_size=batch_size,
+                samples=samples, temperature=EVAL_TEMPERATURE, top_p=EVAL_TOP_P,
+            )  # fmt: skip
+            greedy = generate_answers(
+                model, processor, prompts, images, max_new_tokens=max_new_tokens, batch_size=batch_size
+            )
+            scores[f"avg_at_k{condition}"] = mean(_accuracies(sampled, answers, samples))
+            scores[f"greedy{condition}"] = mean(_accuracies(greedy, answers, 1))
+    finally:
+        model.train(was_training)
+    scores["gap_avg_at_k"] = scores["avg_at_k"] - scores["avg_at_k_masked"]
+    scores["gap_greedy"] = scores["greedy"] - scores["greedy_masked"]
+    return scores
+
+
+SCORE_KEYS = ("avg_at_k", "avg_at_k_masked", "gap_avg_at_k", "greedy", "greedy_masked", "gap_greedy")
+
+
+def summarise(per_benchmark: dict[str, dict], groups: dict[str, str]) -> list[dict]:
+    """Rows for a table: each benchmark, then each group's and the overall mean over benchmarks (the paper
+    averages benchmark scores, not items)."""
+    rows = [
+        {"name": name, "group": groups[name], **{k: s[k] for k in SCORE_KEYS}} for name, s in per_benchmark.items()
+    ]
+    pools = {group: [r for r in rows if r["group"] == group] for group in GROUPS}
+    pools["overall"] = list(rows)
+    for name, members in pools.items():
+        if members:
+            rows.append({"name": name, "group": "summary", **{k: mean(r[k] for r in members) for k in SCORE_KEYS}})
+    return rows
+
+
+def mlflow_metrics(table: list[dict]) -> dict[str, float]:
+    """``eval/<name>/<score>`` for every row of :func:`summarise`."""
+    return {f"eval/{row['name']}/{key}": float(row[key]) for row in table for key in SCORE_KEYS}
