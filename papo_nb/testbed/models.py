@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import shutil
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -104,7 +105,7 @@ def build_tiny_tokenizer() -> PreTrainedTokenizerFast:
         show_progress=False,
     )
     backend.train_from_iterator(corpus, trainer)
-    tokenizer = PreTrainedTokenizerFast(
+    return PreTrainedTokenizerFast(
         tokenizer_object=backend,
         pad_token="<|endoftext|>",
         eos_token="<|im_end|>",
@@ -112,7 +113,6 @@ def build_tiny_tokenizer() -> PreTrainedTokenizerFast:
         padding_side="left",
         chat_template=CHAT_TEMPLATE,
     )
-    return tokenizer
 
 
 def build_tiny_processor(family: str = "qwen2_vl") -> Qwen2VLProcessor:
@@ -245,14 +245,26 @@ def build_tiny_vlm(
     _check_size(size)
     root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_root()
     folder = root / f"{size}-{family}-seed{seed}-v{BUILDER_VERSION}"
+    return build_cached(
+        folder,
+        lambda staging: _write_tiny_vlm(family, seed, staging, size=size),
+        f"family={family} seed={seed} size={size} version={BUILDER_VERSION}",
+    )
+
+
+def build_cached(folder: Path, write: Callable[[Path], None], marker_text: str) -> Path:
+    """Return ``folder`` if complete, else ``write`` it under a temporary name and rename it into place.
+
+    The marker file is written last; a folder without it is half-written (an interrupted build) and rebuilt.
+    """
     if (folder / COMPLETE_MARKER).exists():
         return folder
-
-    root.mkdir(parents=True, exist_ok=True)
-    staging = root / f".{folder.name}.building-{uuid.uuid4().hex[:8]}"
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    staging = folder.parent / f".{folder.name}.building-{uuid.uuid4().hex[:8]}"
     try:
-        _write_tiny_vlm(family, seed, staging, size=size)
-        (staging / COMPLETE_MARKER).write_text(f"family={family} seed={seed} size={size} version={BUILDER_VERSION}\n")
+        staging.mkdir()
+        write(staging)
+        (staging / COMPLETE_MARKER).write_text(marker_text + "\n")
         if folder.exists() and not (folder / COMPLETE_MARKER).exists():
             shutil.rmtree(folder)  # a half-written folder from an interrupted build
         try:
