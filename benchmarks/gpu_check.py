@@ -156,11 +156,10 @@ def build_processor(image_size: int):
 def build_gpu_setup(args, device: torch.device, dtype: torch.dtype, work_dir: Path) -> harness.BenchSetup:
     from peft import get_peft_model
     from transformers import Qwen2_5_VLForConditionalGeneration
-    from trl import GRPOConfig, GRPOTrainer
+    from trl import GRPOTrainer
 
-    from papo_nb.papo import PAPOGConfig, PAPOGTrainer
-    from papo_nb.testbed.models import tiny_lora_config
     from papo_nb.testbed.shapes import make_shapes_dataset
+    from papo_nb.workbook.builder import lora_config
 
     start = time.perf_counter()
     processor = build_processor(args.image_size)
@@ -174,7 +173,9 @@ def build_gpu_setup(args, device: torch.device, dtype: torch.dtype, work_dir: Pa
     model.generation_config.eos_token_id = config.text_config.eos_token_id
     model.generation_config.pad_token_id = config.text_config.pad_token_id
     n_params = sum(p.numel() for p in model.parameters())
-    model = get_peft_model(model, tiny_lora_config(r=args.lora_r, lora_alpha=2 * args.lora_r))
+    # the benchmark's trainer settings, with this check's LoRA rank; batch, length and precision are set below
+    settings = harness.bench_params(args.seed, lora_r=args.lora_r, lora_alpha=2 * args.lora_r)
+    model = get_peft_model(model, lora_config(settings))
     model.to(device)
     log(
         f"model: {n_params / 1e6:.1f}M parameters ({args.text_layers} text layers, vision depth {args.vision_depth}), "
@@ -189,22 +190,10 @@ def build_gpu_setup(args, device: torch.device, dtype: torch.dtype, work_dir: Pa
         use_cpu=device.type == "cpu",
     )
     trainers = {
-        "grpo": harness.make_trainer(
-            model, processor, dataset, work_dir, "grpo", GRPOTrainer, GRPOConfig, **overrides
-        ),
-        "papo": harness.make_trainer(
-            model, processor, dataset, work_dir, "papo", PAPOGTrainer, PAPOGConfig, **overrides
-        ),
+        "grpo": harness.make_trainer(settings, model, processor, dataset, work_dir, "grpo", GRPOTrainer, **overrides),
+        "papo": harness.make_trainer(settings, model, processor, dataset, work_dir, "papo", **overrides),
         "papo_grad": harness.make_trainer(
-            model,
-            processor,
-            dataset,
-            work_dir,
-            "papo_grad",
-            PAPOGTrainer,
-            PAPOGConfig,
-            masked_branch_grad=True,
-            **overrides,
+            settings, model, processor, dataset, work_dir, "papo_grad", masked_branch_grad=True, **overrides
         ),
     }
     batch = harness.synthetic_batch(

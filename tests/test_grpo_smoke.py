@@ -6,8 +6,10 @@ import pytest
 import torch
 from trl import GRPOTrainer
 
-from papo_nb.testbed.models import load_vlm, tiny_grpo_config, tiny_lora_config, vision_special_token_ids
-from papo_nb.testbed.rewards import accuracy_reward, format_reward
+from papo_nb.testbed.models import load_vlm
+from papo_nb.workbook.builder import build_trainer, papo_config
+from papo_nb.workbook.figures import step_logs
+from papo_nb.workbook.params import WorkbookParams
 
 
 def lora_tensors(model) -> dict[str, torch.Tensor]:
@@ -17,15 +19,11 @@ def lora_tensors(model) -> dict[str, torch.Tensor]:
 @pytest.mark.slow
 def test_grpo_lora_trains_tiny_vlm(tiny_vlm_path, shapes_dataset, tmp_path):
     model, processor = load_vlm(tiny_vlm_path)
-    args = tiny_grpo_config(tmp_path / "grpo", suppress_tokens=vision_special_token_ids(processor), max_steps=4)
-    trainer = GRPOTrainer(
-        model=model,
-        reward_funcs=[accuracy_reward, format_reward],
-        args=args,
-        train_dataset=shapes_dataset,
-        processing_class=processor,
-        peft_config=tiny_lora_config(),
-    )
+    # the workbook's one builder makes the plain GRPO trainer too (a fresh LoRA: model is not a PeftModel yet)
+    # no reference model (beta 0) and a LoRA-scale learning rate: 4 steps move the adapter
+    params = WorkbookParams(beta=0.0, learning_rate=1e-3, per_device_train_batch_size=8, max_steps=4)
+    args = papo_config(params, tmp_path / "grpo", processor, save_strategy="no")
+    trainer = build_trainer(params, args, model, processor, shapes_dataset, trainer_cls=GRPOTrainer)
     before = lora_tensors(trainer.model)
     base_before = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if "lora_" not in n}
     assert before, "LoRA produced no adapter tensors"
@@ -40,7 +38,7 @@ def test_grpo_lora_trains_tiny_vlm(tiny_vlm_path, shapes_dataset, tmp_path):
     base_after = dict(trainer.model.named_parameters())
     assert all(torch.equal(base_before[n], base_after[n]) for n in base_before), "the frozen base model moved"
 
-    step_logs = [log for log in trainer.state.log_history if "loss" in log and "reward_std" in log]
-    assert len(step_logs) == 4
-    assert all(math.isfinite(log["loss"]) for log in step_logs)
-    assert any(log["reward_std"] > 0 for log in step_logs), [log["reward_std"] for log in step_logs]
+    steps = step_logs(trainer.state.log_history)
+    assert len(steps) == 4
+    assert all(math.isfinite(log["loss"]) for log in steps)
+    assert any(log["reward_std"] > 0 for log in steps), [log["reward_std"] for log in steps]

@@ -12,8 +12,6 @@ from papo_nb.testbed.models import (
     VISION_SPECIAL_TOKENS,
     build_tiny_vlm,
     load_vlm,
-    tiny_grpo_config,
-    tiny_lora_config,
     vision_special_token_ids,
 )
 
@@ -160,15 +158,20 @@ def test_suppressed_generation_never_samples_vision_tokens(tiny_vlm_path, shapes
     assert not sample(suppress_tokens=suppressed)
 
 
-def test_lora_and_grpo_presets(tiny_vlm_path, tmp_path):
+def test_the_builder_lora_and_config_fit_the_tiny_model(tiny_vlm_path, tmp_path):
     from peft import get_peft_model
 
+    from papo_nb.workbook.builder import lora_config, papo_config
+    from papo_nb.workbook.params import WorkbookParams
+
+    params = WorkbookParams(max_steps=2)
     model, processor = load_vlm(tiny_vlm_path)
-    peft_model = get_peft_model(model, tiny_lora_config())
+    peft_model = get_peft_model(model, lora_config(params))
     lora_names = [n for n, _ in peft_model.named_parameters() if "lora_" in n]
     assert lora_names and all("language_model" in n for n in lora_names)
 
-    args = tiny_grpo_config(tmp_path, suppress_tokens=vision_special_token_ids(processor), max_steps=2)
+    args = papo_config(params, tmp_path, processor)
+    # TRL's defaults that hurt a CPU run of the tiny model are undone: bf16, activation checkpointing
     assert args.bf16 is False and args.activation_checkpointing is False
     assert args.num_generations == 4 and args.max_completion_length == 16 and args.report_to == []
     assert args.generation_kwargs == {"suppress_tokens": vision_special_token_ids(processor)}

@@ -26,6 +26,9 @@ from typing import Any
 
 import torch
 
+from papo_nb.papo import PAPOGTrainer
+from papo_nb.workbook.params import WorkbookParams
+
 VARIANTS = ("grpo_step", "papo_step", "papo_step_grad", "extra_forward", "masking", "probe_eval")
 STEP_VARIANTS = ("grpo_step", "papo_step", "papo_step_grad")
 LABELS = {
@@ -89,6 +92,7 @@ class BenchSetup:
     n_params: int = 0
     n_trainable: int = 0
     setup_s: float = 0.0
+    settings: WorkbookParams | None = None  # what the builder made the trainers from (bench_params)
     extra: dict[str, Any] = field(default_factory=dict)
 
     def reset(self) -> None:
@@ -100,22 +104,48 @@ class BenchSetup:
                 mode_metrics.clear()
 
 
-def make_trainer(model, processor, dataset, work_dir: Path, name: str, trainer_cls=None, config_cls=None, **overrides):
-    from trl import GRPOConfig, GRPOTrainer
+def bench_params(seed: int = 0, n_prompts: int = 4, **fields) -> WorkbookParams:
+    """The settings every benchmark trainer shares, as workbook parameters: the one builder turns them into configs.
 
-    from papo_nb.testbed.models import tiny_grpo_config, vision_special_token_ids
-    from papo_nb.testbed.rewards import accuracy_reward, format_reward
-
-    trainer_cls = trainer_cls or GRPOTrainer
-    config_cls = config_cls or GRPOConfig
-    args = tiny_grpo_config(work_dir / name, vision_special_token_ids(processor), config_cls=config_cls, **overrides)
-    trainer = trainer_cls(
-        model=model,
-        processing_class=processor,
-        reward_funcs=[accuracy_reward, format_reward],
-        args=args,
-        train_dataset=dataset,
+    The fixed batch (``n_prompts`` x 4 completions) is also the trainers' own batch, so the in-training probe check
+    sees the same size. lr 1e-3 moves a fresh LoRA within a few steps; beta 0 (no reference forward) and TRL's
+    default loss aggregation (dapo) keep the GRPO step what TRL's defaults make it; the PAPO-G terms are at the
+    paper's values (gamma 0.02, eta1 = eta2 = 0.03, patch mask at 0.6), stated here so that the benchmark measures
+    the same step whatever the workbook's defaults become. ``fields`` change any of these.
+    """
+    settings = dict(
+        model_name_or_path="tiny:qwen2_vl",
+        seed=seed,
+        learning_rate=1e-3,
+        beta=0.0,
+        loss_type="dapo",
+        max_steps=4,
+        per_device_train_batch_size=4 * n_prompts,
+        num_generations=4,
+        max_completion_length=16,
+        perception_loss_weight=0.02,
+        perception_loss_schedule="fixed",
+        mask_type="patch",
+        mask_ratio=0.6,
+        original_entropy_weight=0.03,
+        masked_entropy_weight=0.03,
+        masked_branch_grad=False,
+        require_gpu_contract_probe=False,
     )
+    return WorkbookParams(**{**settings, **fields})
+
+
+def make_trainer(
+    params: WorkbookParams, model, processor, dataset, work_dir: Path, name: str, trainer_cls=None, **overrides
+):
+    """A trainer on the shared (LoRA) ``model`` through the workbook's builder; ``overrides`` are config fields.
+
+    ``trainer_cls`` GRPOTrainer is the baseline: it reads the GRPO fields of the same config and ignores PAPO-G's.
+    """
+    from papo_nb.workbook.builder import build_trainer, papo_config
+
+    args = papo_config(params, work_dir / name, processor, save_strategy="no", **overrides)
+    trainer = build_trainer(params, args, model, processor, dataset, trainer_cls=trainer_cls or PAPOGTrainer)
     trainer.current_gradient_accumulation_steps = args.gradient_accumulation_steps  # set by train(); needed before
     return trainer
 
@@ -130,51 +160,33 @@ def build_setup(
     n_prompts: int = 4,
     batch: dict[str, Any] | None = None,
 ) -> BenchSetup:
-    """The tiny-family model of ``size`` with LoRA, a GRPO and two PAPO-G trainers sharing it, and one batch."""
+    """The tiny-family model of ``size`` with LoRA, a GRPO and three PAPO-G trainers sharing it, and one batch."""
     from peft import get_peft_model
-    from trl import GRPOConfig, GRPOTrainer
+    from trl import GRPOTrainer
 
-    from papo_nb.papo import PAPOGConfig, PAPOGTrainer
-    from papo_nb.testbed.models import build_tiny_vlm, load_vlm, tiny_lora_config
+    from papo_nb.testbed.models import build_tiny_vlm, load_vlm
     from papo_nb.testbed.shapes import make_shapes_dataset
     from papo_nb.workbook.batches import rollout_batch
+    from papo_nb.workbook.builder import lora_config
 
     start = time.perf_counter()
     work_dir = Path(work_dir or tempfile.mkdtemp(prefix="papo_bench_"))
+    settings = bench_params(seed, n_prompts, model_name_or_path=f"tiny:{family}")
     model, processor = load_vlm(build_tiny_vlm(family, seed=seed, cache_dir=cache_dir, size=size))
     n_params = sum(p.numel() for p in model.parameters())
     torch.manual_seed(seed)
-    model = get_peft_model(model, tiny_lora_config())
+    model = get_peft_model(model, lora_config(settings))
     dataset = make_shapes_dataset(max(8, n_prompts), seed=seed)
-    # the trainers' own batch is the benchmark's batch, so the in-training probe check sees the same size
-    batch_size = dict(per_device_train_batch_size=n_prompts * 4, num_generations=4)
+
+    def trainer(name, trainer_cls=PAPOGTrainer, **overrides):
+        return make_trainer(settings, model, processor, dataset, work_dir, name, trainer_cls, **overrides)
+
     trainers = {
-        "grpo": make_trainer(model, processor, dataset, work_dir, "grpo", GRPOTrainer, GRPOConfig, **batch_size),
-        "papo": make_trainer(model, processor, dataset, work_dir, "papo", PAPOGTrainer, PAPOGConfig, **batch_size),
-        "papo_grad": make_trainer(
-            model,
-            processor,
-            dataset,
-            work_dir,
-            "papo_grad",
-            PAPOGTrainer,
-            PAPOGConfig,
-            masked_branch_grad=True,
-            **batch_size,
-        ),
+        "grpo": trainer("grpo", GRPOTrainer),
+        "papo": trainer("papo"),
+        "papo_grad": trainer("papo_grad", masked_branch_grad=True),
         # memory only: PAPO-G without the entropy terms, to separate eta1's entropy gradient from the masked branch
-        "papo_eta0": make_trainer(
-            model,
-            processor,
-            dataset,
-            work_dir,
-            "papo_eta0",
-            PAPOGTrainer,
-            PAPOGConfig,
-            original_entropy_weight=0.0,
-            masked_entropy_weight=0.0,
-            **batch_size,
-        ),
+        "papo_eta0": trainer("papo_eta0", original_entropy_weight=0.0, masked_entropy_weight=0.0),
     }
     if batch is None:  # given: a batch this function made before (saved by the RSS measurement for its workers)
         batch = rollout_batch(trainers["papo"], dataset, n_prompts, seed=seed)
@@ -198,7 +210,7 @@ def build_setup(
         n_params=n_params,
         n_trainable=sum(p.numel() for p in params),
         setup_s=time.perf_counter() - start,
-        extra={"batch_size": batch_size},
+        settings=settings,
     )
 
 

@@ -91,22 +91,19 @@ def ratios(times: dict[str, list[float]]) -> dict[str, float]:
 def training_probe_checks(setup: BenchSetup, steps: int) -> dict[str, Any]:
     """Real ``trainer.train()`` runs (generation included) on the same model: with the probe off, count probe
     calls (must be 0); with it on, time every ``observe`` call. LoRA weights are restored afterwards."""
-    from papo_nb.papo import PAPOGConfig, PAPOGTrainer
     from papo_nb.papo import probe as probe_module
 
     out: dict[str, Any] = {"train_steps": steps}
     before = dict(probe_module.PROBE_CALLS)
     off = make_trainer(
+        setup.settings,
         setup.model,
         setup.processor,
         setup.dataset,
         setup.work_dir,
         "train_probe_off",
-        PAPOGTrainer,
-        PAPOGConfig,
         max_steps=steps,
         require_gpu_contract_probe=False,
-        **setup.extra.get("batch_size", {}),
     )
     start = time.perf_counter()
     off.train()
@@ -118,16 +115,14 @@ def training_probe_checks(setup: BenchSetup, steps: int) -> dict[str, Any]:
     setup.snapshot.restore()
 
     on = make_trainer(
+        setup.settings,
         setup.model,
         setup.processor,
         setup.dataset,
         setup.work_dir,
         "train_probe_on",
-        PAPOGTrainer,
-        PAPOGConfig,
         max_steps=steps,
         require_gpu_contract_probe=True,
-        **setup.extra.get("batch_size", {}),
     )
     observe, observe_times, observe_cpu = on.probe.observe, [], []
 
