@@ -8,6 +8,7 @@ import torch
 
 from papo_nb.papo import PAPOGConfig, PAPOGTrainer
 from papo_nb.testbed.models import build_tiny_vlm, load_vlm, vision_special_token_ids
+from papo_nb.testbed.perception import build_testbed, make_perception_dataset, testbed_name
 from papo_nb.testbed.rewards import accuracy_reward, format_reward
 from papo_nb.testbed.shapes import load_vlm_dataset, make_shapes_dataset
 from papo_nb.workbook.params import WorkbookParams
@@ -25,7 +26,12 @@ def resolve_device(params: WorkbookParams) -> str:
 
 
 def resolve_model_path(params: WorkbookParams, cache_dir: str | Path | None = None) -> str:
-    """``tiny:<family>`` builds the offline tiny model (cached); anything else is a hub id or local folder."""
+    """``tiny:<family>`` builds the offline tiny model (cached); ``testbed:<name>`` builds the warm-started
+    perception testbed (cached; always its build seed 0, so every run seed starts from the same policy); anything
+    else is a hub id or local folder."""
+    testbed = testbed_name(params.model_name_or_path)
+    if testbed is not None:
+        return str(build_testbed(testbed, seed=0, cache_dir=cache_dir))
     if params.model_name_or_path.startswith(TINY_PREFIX):
         family = params.model_name_or_path[len(TINY_PREFIX) :]
         return str(build_tiny_vlm(family, seed=params.seed, cache_dir=cache_dir))
@@ -41,7 +47,13 @@ def load_policy(params: WorkbookParams, cache_dir: str | Path | None = None):
 
 
 def load_datasets(params: WorkbookParams):
-    """(train, held-out eval) datasets: the synthetic shapes task, or a hub/local dataset's train/test splits."""
+    """(train, held-out eval) datasets: the synthetic shapes task, a testbed's task (``testbed:<name>``), or a
+    hub/local dataset's train/test splits."""
+    if testbed_name(params.dataset) is not None:
+        return (
+            make_perception_dataset(params.n_train_prompts, seed=params.seed),
+            make_perception_dataset(params.n_eval_prompts, seed=params.seed + EVAL_SEED_OFFSET),
+        )
     if params.dataset == "synthetic":
         return (
             make_shapes_dataset(params.n_train_prompts, seed=params.seed),

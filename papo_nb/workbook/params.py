@@ -175,6 +175,15 @@ def preflight_problems(params: WorkbookParams) -> list[str]:
     so that a GPU params file still validates on a laptop."""
     problems = []
     model = params.model_name_or_path
+    from papo_nb.testbed.perception import TESTBED_PREFIX, TESTBEDS
+
+    for key in ("model_name_or_path", "dataset"):
+        value = getattr(params, key)
+        if value.startswith(TESTBED_PREFIX) and value[len(TESTBED_PREFIX) :] not in TESTBEDS:
+            problems.append(
+                f"parameter {key!r} = {value!r}: unknown testbed; allowed: "
+                + ", ".join(TESTBED_PREFIX + t for t in TESTBEDS)
+            )
     if model.startswith("tiny:") and model[len("tiny:") :] not in TINY_FAMILIES:
         problems.append(
             f"parameter 'model_name_or_path' = {model!r}: unknown tiny family; allowed: "
