@@ -1,28 +1,13 @@
 """Step-overhead benchmark: what PAPO-G adds to a GRPO optimizer step, measured side by side.
 
-In one process, on one model, one fixed rollout batch and one seed, it times interleaved repeats
-(round-robin: every variant once, then again) of
-
-    grpo_step       a plain ``GRPOTrainer`` optimizer step: loss + backward + clip + AdamW step + zero_grad
-    papo_step       the same step with ``PAPOGTrainer`` (masked branch under no-grad: the official default)
-    papo_step_grad  the same with gradient through the masked branch (``masked_branch_grad=True``)
-    extra_forward   one more forward alone: the parent's ``_get_per_token_logps_and_entropies`` under no_grad,
-                    the floor of what PAPO-G must add to a step
-    masking         ``PAPOGTrainer.masked_pixel_values`` alone
-    probe_eval      one gamma-zero probe evaluation (``GammaZeroProbe.observe``) on the live batch's loss parts
-
-Generation is excluded on purpose: it is identical for GRPO and PAPO-G and would drown the signal. Before each
-timed call the LoRA weights and the AdamW state are restored from one snapshot (and the mask generator is
-reseeded), so every repeat of every variant does the same math from the same state.
-
-Memory is measured two ways, both described in ``benchmarks/README.md``: torch's own CPU allocation events
-(profiler ``profile_memory``; exact tensor bytes, peak above the pre-step level) plus a count of live
-full-vocabulary tensors, in-process; and peak RSS in one fresh subprocess per variant (Linux ``VmHWM``, reset
-through ``/proc/self/clear_refs`` just before the step).
+In one process, on one model, one fixed rollout batch and one seed, it times interleaved repeats (round-robin:
+every variant once, then again) of the variants ``harness`` defines: a GRPO step, a PAPO-G step (masked branch
+with and without gradient), the extra forward that is PAPO-G's floor, masking alone and one probe evaluation.
+Generation is excluded on purpose: it is identical for GRPO and PAPO-G and would drown the signal. ``memory``
+measures each step's memory, ``report`` judges the targets and writes the tables (``benchmarks/README.md``).
 
 Run ``python benchmarks/step_overhead.py [--quick] [--out FILE.json]`` or ``papo-nb bench``. This module is the
-entry point (arguments, one size after another, the printed verdicts); setup and variants are in ``harness``,
-then ``timing``, ``memory`` and ``report``.
+entry point: the arguments, one size after another, the printed verdicts.
 """
 
 from __future__ import annotations
