@@ -12,6 +12,7 @@ only handled 4-D/5-D tensors and left these unchanged (defect 1); patch masking 
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence
 from typing import Literal
 
@@ -119,3 +120,65 @@ def mask_random_elements(
         )
     coins = torch.rand(pixel_values.shape, generator=generator, device="cpu") < ratio
     return torch.where(coins.to(pixel_values.device), fill, pixel_values)
+
+
+def sample_row_ranges(image_grid_thw: torch.Tensor, num_images: Sequence[int]) -> list[tuple[int, int]]:
+    """``(start, end)`` rows of each sample's images in flattened Qwen-VL ``pixel_values`` (TRL's ``num_images``
+    lists how many images each sample has, in order)."""
+    rows = image_grid_thw.prod(dim=-1).long().cpu().tolist()
+    ranges, image, row = [], 0, 0
+    for count in num_images:
+        n = sum(rows[image : image + count])
+        ranges.append((row, row + n))
+        image, row = image + count, row + n
+    return ranges
+
+
+def _tensor_bytes(t: torch.Tensor) -> bytes:
+    return t.detach().contiguous().reshape(-1).view(torch.uint8).cpu().numpy().tobytes()
+
+
+def prompt_keys(
+    prompt_ids: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    pixel_values: torch.Tensor,
+    image_grid_thw: torch.Tensor,
+    num_images: Sequence[int],
+) -> list[str]:
+    """One key per completion, equal exactly when two completions share their prompt tokens and their images.
+
+    TRL 1.9.1 shuffles a generation batch before splitting it into device batches (grpo_trainer.py:1576-1577), so
+    the rollouts of one prompt are neither adjacent nor all in the same batch; their content is what they share."""
+    keys = []
+    image_offsets = [0]
+    for count in num_images:
+        image_offsets.append(image_offsets[-1] + count)
+    for i, (start, end) in enumerate(sample_row_ranges(image_grid_thw, num_images)):
+        digest = hashlib.blake2b(digest_size=16)
+        digest.update(_tensor_bytes(prompt_ids[i][prompt_mask[i].bool()]))
+        digest.update(_tensor_bytes(image_grid_thw[image_offsets[i] : image_offsets[i + 1]]))
+        digest.update(_tensor_bytes(pixel_values[start:end]))
+        keys.append(digest.hexdigest())
+    return keys
+
+
+def apply_mask(
+    pixel_values: torch.Tensor,
+    selected: torch.Tensor,
+    *,
+    image_mean: Sequence[float],
+    image_std: Sequence[float],
+) -> torch.Tensor:
+    """Black out the rows (1-D ``selected``: whole patches) or values (2-D ``selected``) of 2-D Qwen-VL
+    ``pixel_values`` chosen by ``selected``; returns a new tensor."""
+    if pixel_values.dim() != 2:
+        raise ValueError(f"apply_mask expects 2-D (n_patches, C*T*P*P) pixel_values, got {tuple(pixel_values.shape)}")
+    if selected.shape[0] != pixel_values.shape[0] or (selected.dim() == 2 and selected.shape != pixel_values.shape):
+        raise ValueError(
+            f"mask of shape {tuple(selected.shape)} does not fit pixel_values {tuple(pixel_values.shape)}"
+        )
+    black = black_pixel_values(image_mean, image_std)
+    black_row = black.repeat_interleave(pixel_values.shape[1] // black.numel())
+    black_row = black_row.to(device=pixel_values.device, dtype=pixel_values.dtype)[None, :]
+    selected = selected.to(pixel_values.device)
+    return torch.where(selected[:, None] if selected.dim() == 1 else selected, black_row, pixel_values)

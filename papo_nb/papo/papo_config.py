@@ -1,84 +1,172 @@
-"""PAPO-G configuration: every GRPOConfig field plus the perception and double-entropy fields."""
+"""PAPO-G configuration: every GRPOConfig field plus the perception and double-entropy fields.
+
+Every PAPO field carries its rule (``papo_field_problem``) and, where it has a closed set of values, its choices in
+``field.metadata["choices"]``: the workbook derives its params schema from this dataclass, so nothing is typed twice.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import math
+from dataclasses import dataclass, field, fields
+from typing import Any
 
 from trl import GRPOConfig
 
 from papo_nb.papo.contract import PAPO_PROBE_MAX_DEGENERATE_BATCHES
 
 MASK_TYPES = ("patch", "merge_unit", "random")
+MASK_SHARING = ("prompt", "completion")
 GAMMA_SCHEDULES = ("fixed", "linear")
+ENTROPY_ESTIMATORS = ("sampled", "full")
+# Every loss_type TRL 1.9.1's GRPOTrainer._compute_loss aggregates (grpo_trainer.py:3122-3150).
+LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo")
+
+
+def _finite(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+# name -> (rule, what is allowed); one table serves PAPOGConfig.__post_init__ and the workbook's params schema.
+FIELD_RULES = {
+    "perception_loss_weight": (lambda v: _finite(v) and v >= 0, "a finite number >= 0"),
+    "perception_loss_weight_final": (lambda v: _finite(v) and v >= 0, "a finite number >= 0"),
+    "perception_loss_schedule": (lambda v: v in GAMMA_SCHEDULES, f"one of {GAMMA_SCHEDULES}"),
+    "perception_annealing_ratio": (lambda v: _finite(v) and 0 < v <= 1, "a number in (0, 1]"),
+    "perception_kl_clamp": (lambda v: v is None or (_finite(v) and v > 0), "None or a finite number > 0"),
+    "mask_type": (lambda v: v in MASK_TYPES, f"one of {MASK_TYPES}"),
+    "mask_ratio": (lambda v: _finite(v) and 0.0 < v <= 1.0, "a number in (0, 1]"),
+    "mask_sharing": (lambda v: v in MASK_SHARING, f"one of {MASK_SHARING}"),
+    "mask_seed": (_int, "an int"),
+    "entropy_estimator": (lambda v: v in ENTROPY_ESTIMATORS, f"one of {ENTROPY_ESTIMATORS}"),
+    "original_entropy_weight": (lambda v: _finite(v) and v >= 0, "a finite number >= 0"),
+    "masked_entropy_weight": (lambda v: _finite(v) and v >= 0, "a finite number >= 0"),
+    "masked_branch_grad": (lambda v: isinstance(v, bool), "a bool"),
+    "require_gpu_contract_probe": (lambda v: isinstance(v, bool), "a bool"),
+    "probe_max_degenerate_batches": (lambda v: _int(v) and v >= 1, "an int >= 1"),
+    "beta": (lambda v: _finite(v) and v >= 0, "a finite number >= 0"),
+    "loss_type": (lambda v: v in LOSS_TYPES, f"one of {LOSS_TYPES}"),
+}
+
+
+def papo_field_problem(name: str, value: Any) -> str | None:
+    """What is wrong with ``value`` for PAPO field ``name`` (the allowed values), or None when it is valid."""
+    rule, allowed = FIELD_RULES[name]
+    return None if rule(value) else f"expected {allowed}"
 
 
 @dataclass
 class PAPOGConfig(GRPOConfig):
     r"""Configuration for [`PAPOGTrainer`]: every [`~trl.GRPOConfig`] field, plus the PAPO-G ones below.
 
-    Defaults follow the PAPO paper for PAPO-G (arXiv 2507.06448), not TRL 0.29.1's experimental trainer
-    (which used gamma 0.1 and mask ratio 0.3).
+    Defaults are the official PAPO-G 3B recipe (MikeWangWZHL/PAPO `examples/papo_grpo/qwen2_5_vl_3b_grpo_papo.sh`
+    with `examples/configs/config_grpo_papo.yaml`), not TRL 0.29.1's experimental trainer (gamma 0.1, mask 0.3).
+    `papo_nb.papo.recipes` holds the official recipes as named presets. docs/FIDELITY.md compares every component.
 
     Parameters:
         perception_loss_weight (`float`, defaults to `0.02`):
-            gamma, the weight of the perception KL that is *maximised* (subtracted from the loss). The paper
-            uses 0.02 for PAPO-G 3B; 0.04 collapsed at 3B ("KL_prcp hacking").
+            gamma, the weight of the perception KL that is *maximised* (subtracted from the loss). Official PAPO-G
+            3B and 7B: 0.02; 0.04 collapsed at 3B ("KL_prcp hacking").
         perception_loss_weight_final (`float`, defaults to `0.0`):
-            gamma at the last step when `perception_loss_schedule="linear"`; ignored for `"fixed"`.
+            gamma at the end of the annealing when `perception_loss_schedule="linear"`; ignored for `"fixed"`.
         perception_loss_schedule (`str`, defaults to `"fixed"`):
-            `"fixed"` keeps gamma constant; `"linear"` anneals it linearly from `perception_loss_weight` to
-            `perception_loss_weight_final` over `max_steps` optimizer steps.
+            `"fixed"` keeps gamma constant (official recipes); `"linear"` anneals it linearly from
+            `perception_loss_weight` to `perception_loss_weight_final` over the first
+            `perception_annealing_ratio` of the run's optimizer steps (the official `annealing` schedule), then holds.
+        perception_annealing_ratio (`float`, defaults to `0.5`):
+            Fraction of the run's total optimizer steps (as the Trainer resolves them, epochs included) over which
+            the linear schedule anneals (official `kl_prcp_schedule_args.annealing_ratio`, default 0.5).
+        perception_kl_clamp (`float` or `None`, defaults to `None`):
+            Optional extra clamp of the per-token KL to `[0, perception_kl_clamp]` (official
+            `use_kl_prcp_clipping`, off; value 0.2). The official bounds (log-ratio in [-20, 20], k3 <= 10, fp32)
+            always apply.
         mask_type (`str`, defaults to `"patch"`):
             How the masked image is made from `pixel_values`: `"patch"` blacks out whole 14x14 vision patches
-            (the processed-tensor equivalent of the official raw-image square mask), `"merge_unit"` whole 2x2
+            (the processed-tensor equivalent of the official raw-image 14-px squares), `"merge_unit"` whole 2x2
             merge units, `"random"` single pixel values. Masked values are black after normalisation.
         mask_ratio (`float`, defaults to `0.6`):
             Fraction of patches/units (or probability per value for `"random"`) that are blacked out.
-            Paper ablation at 3B: 0.6 best; 1.0 raises collapse risk.
+            Official `black_prob` 0.6; paper ablation at 3B: 0.6 best; 1.0 raises collapse risk.
+        mask_sharing (`str`, defaults to `"prompt"`):
+            `"prompt"`: one mask per prompt, shared by all its rollouts (official: the image is masked once before
+            the rollouts are repeated); `"completion"`: an independent mask per completion.
         mask_seed (`int`, defaults to `0`):
-            Seed of the adapter's own `torch.Generator` for masks, so masking never touches global RNG.
-        perception_kl_clamp (`float` or `None`, defaults to `None`):
-            If set, clamp the per-token KL to `[0, perception_kl_clamp]` (official option: 0.2). Off by
-            default, as in the official code.
-        original_entropy_weight (`float`, defaults to `0.03`):
-            eta1, weight of the entropy of the policy on original images (kept low; added to the loss). Its
-            gradient is real: the adapter asks the parent for differentiable entropies when it is non-zero.
-        masked_entropy_weight (`float`, defaults to `0.03`):
-            eta2, weight of the entropy on masked images. With `masked_branch_grad=False` (official default)
-            this term is a constant and contributes no gradient, as the official author confirmed (their issue
-            20); set `masked_branch_grad=True` for it to regularise.
+            Seed of the adapter's own `torch.Generator` for masks; each process seeds it with
+            `mask_seed + process_index`, so ranks draw different masks. Saved and restored with checkpoints.
+        entropy_estimator (`str`, defaults to `"sampled"`):
+            `"sampled"`: the official estimator `-mean(log pi(o_t))` over completion tokens, built from the log-probs
+            the step already has (no vocabulary-sized tensor kept for backward); `"full"`: the exact
+            full-vocabulary entropy (TRL 0.29.1's choice), which keeps the softmax alive for backward when eta1 > 0.
+        original_entropy_weight (`float`, defaults to `0.0`):
+            eta1, weight of the entropy on original images (kept low: added to the loss), scaled by the same
+            annealing discount as gamma. Official 3B PAPO-G: off; 7B: 0.05.
+        masked_entropy_weight (`float`, defaults to `0.0`):
+            eta2, weight of the entropy on masked images, scaled by the discount. With `masked_branch_grad=False`
+            (official default) this term is a constant and contributes no gradient, as the official author confirmed
+            (their issue 20); set `masked_branch_grad=True` for it to regularise. Official 3B: off; 7B: 0.05.
         masked_branch_grad (`bool`, defaults to `False`):
-            Backpropagate through the masked forward. Off by default (official): the masked branch is a
-            no-grad target, which halves the extra memory.
+            Backpropagate through the masked forward (official `RECOMPUTE_AUG_LOG_PROBS=False`: no).
         require_gpu_contract_probe (`bool`, defaults to `False`):
             Run the gamma-zero reduction probe inside training until it has evidence (smoke and CI runs set
             this true; main runs leave it false so no probe code runs at all).
         probe_max_degenerate_batches (`int`, defaults to `20`):
-            How many consecutive image-invariant batches (mean perception KL exactly 0) the probe may defer on
-            before it fails as a wiring error.
+            How many image-invariant batches (mean perception KL exactly 0), and separately how many underpowered
+            batches (leak-detection power < 1), the probe may defer on before it ends.
+        beta (`float`, defaults to `0.01`):
+            Reference KL coefficient (official `kl_coef` 1e-2, low_var_kl; the no-KL-reference recipes use 0).
+        loss_type (`str`, defaults to `"bnpo"`):
+            GRPO loss aggregation, stated rather than inherited (TRL's default is `"dapo"`). `"bnpo"` is the official
+            `loss_avg_mode: token`: a token mean over each micro-batch divided by the accumulation steps. The PAPO
+            terms are normalised exactly like the policy term for every loss type.
     """
 
     perception_loss_weight: float = field(
-        default=0.02, metadata={"help": "gamma: weight of the maximised perception KL."}
+        default=0.02, metadata={"help": "gamma: weight of the maximised perception KL (official PAPO-G: 0.02)."}
     )
     perception_loss_weight_final: float = field(
-        default=0.0, metadata={"help": "gamma at the last step for the linear schedule."}
+        default=0.0, metadata={"help": "gamma at the end of the annealing for the linear schedule."}
     )
-    perception_loss_schedule: str = field(default="fixed", metadata={"help": "'fixed' or 'linear' gamma schedule."})
-    mask_type: str = field(default="patch", metadata={"help": "'patch', 'merge_unit' or 'random'."})
-    mask_ratio: float = field(default=0.6, metadata={"help": "Fraction of the image blacked out, in [0, 1]."})
-    mask_seed: int = field(default=0, metadata={"help": "Seed of the masking generator."})
+    perception_loss_schedule: str = field(
+        default="fixed", metadata={"help": "'fixed' or 'linear' gamma schedule.", "choices": GAMMA_SCHEDULES}
+    )
+    perception_annealing_ratio: float = field(
+        default=0.5, metadata={"help": "Fraction of the total steps the linear schedule anneals over (official 0.5)."}
+    )
     perception_kl_clamp: float | None = field(
-        default=None, metadata={"help": "Upper clamp of the per-token KL (None: off)."}
+        default=None, metadata={"help": "Extra upper clamp of the per-token KL (None: off; official option 0.2)."}
     )
-    original_entropy_weight: float = field(default=0.03, metadata={"help": "eta1: entropy weight, original images."})
-    masked_entropy_weight: float = field(default=0.03, metadata={"help": "eta2: entropy weight, masked images."})
+    mask_type: str = field(
+        default="patch", metadata={"help": "'patch', 'merge_unit' or 'random'.", "choices": MASK_TYPES}
+    )
+    mask_ratio: float = field(default=0.6, metadata={"help": "Fraction of the image blacked out, in (0, 1]."})
+    mask_sharing: str = field(
+        default="prompt",
+        metadata={"help": "One mask per 'prompt' (official) or per 'completion'.", "choices": MASK_SHARING},
+    )
+    mask_seed: int = field(default=0, metadata={"help": "Seed of the masking generator (plus the process index)."})
+    entropy_estimator: str = field(
+        default="sampled",
+        metadata={
+            "help": "'sampled' -mean(log p) (official) or 'full' vocabulary entropy.",
+            "choices": ENTROPY_ESTIMATORS,
+        },
+    )
+    original_entropy_weight: float = field(default=0.0, metadata={"help": "eta1: entropy weight, original images."})
+    masked_entropy_weight: float = field(default=0.0, metadata={"help": "eta2: entropy weight, masked images."})
     masked_branch_grad: bool = field(default=False, metadata={"help": "Backpropagate through the masked forward."})
     require_gpu_contract_probe: bool = field(default=False, metadata={"help": "Run the gamma-zero probe in training."})
     probe_max_degenerate_batches: int = field(
-        default=PAPO_PROBE_MAX_DEGENERATE_BATCHES, metadata={"help": "Image-invariant batches the probe may defer on."}
+        default=PAPO_PROBE_MAX_DEGENERATE_BATCHES,
+        metadata={"help": "Image-invariant (and, apart, underpowered) batches the probe may defer on."},
     )
-    beta: float = field(default=0.01, metadata={"help": "Reference KL coefficient (paper: 0.01)."})
+    beta: float = field(default=0.01, metadata={"help": "Reference KL coefficient (official: 0.01)."})
+    loss_type: str = field(
+        default="bnpo",
+        metadata={"help": "Loss aggregation; 'bnpo' is the official token mean.", "choices": LOSS_TYPES},
+    )
 
     def __post_init__(self):
         self.validate_papo_fields()
@@ -86,49 +174,12 @@ class PAPOGConfig(GRPOConfig):
 
     def validate_papo_fields(self) -> None:
         """Raise ValueError naming the field, its value and what is allowed, before any model loads."""
+        for name in FIELD_RULES:
+            problem = papo_field_problem(name, getattr(self, name))
+            if problem:
+                raise ValueError(f"PAPOGConfig.{name}={getattr(self, name)!r} is invalid: {problem}")
 
-        def require(ok: bool, name: str, allowed: str) -> None:
-            if not ok:
-                raise ValueError(f"PAPOGConfig.{name}={getattr(self, name)!r} is invalid: expected {allowed}")
 
-        finite = lambda v: (
-            isinstance(v, (int, float)) and not isinstance(v, bool) and v == v and abs(v) != float("inf")
-        )  # noqa: E731
-        require(
-            finite(self.perception_loss_weight) and self.perception_loss_weight >= 0,
-            "perception_loss_weight",
-            "a finite number >= 0",
-        )
-        require(
-            finite(self.perception_loss_weight_final) and self.perception_loss_weight_final >= 0,
-            "perception_loss_weight_final",
-            "a finite number >= 0",
-        )
-        require(
-            self.perception_loss_schedule in GAMMA_SCHEDULES, "perception_loss_schedule", f"one of {GAMMA_SCHEDULES}"
-        )
-        require(self.mask_type in MASK_TYPES, "mask_type", f"one of {MASK_TYPES}")
-        require(finite(self.mask_ratio) and 0.0 < self.mask_ratio <= 1.0, "mask_ratio", "a number in (0, 1]")
-        require(isinstance(self.mask_seed, int) and not isinstance(self.mask_seed, bool), "mask_seed", "an int")
-        require(
-            self.perception_kl_clamp is None or (finite(self.perception_kl_clamp) and self.perception_kl_clamp > 0),
-            "perception_kl_clamp",
-            "None or a finite number > 0",
-        )
-        require(
-            finite(self.original_entropy_weight) and self.original_entropy_weight >= 0,
-            "original_entropy_weight",
-            "a finite number >= 0",
-        )
-        require(
-            finite(self.masked_entropy_weight) and self.masked_entropy_weight >= 0,
-            "masked_entropy_weight",
-            "a finite number >= 0",
-        )
-        require(isinstance(self.masked_branch_grad, bool), "masked_branch_grad", "a bool")
-        require(isinstance(self.require_gpu_contract_probe, bool), "require_gpu_contract_probe", "a bool")
-        require(
-            isinstance(self.probe_max_degenerate_batches, int) and self.probe_max_degenerate_batches >= 1,
-            "probe_max_degenerate_batches",
-            "an int >= 1",
-        )
+def papo_fields() -> tuple:
+    """The dataclass fields PAPOGConfig declares itself (the PAPO ones and the GRPO defaults it restates)."""
+    return tuple(f for f in fields(PAPOGConfig) if f.name in FIELD_RULES)

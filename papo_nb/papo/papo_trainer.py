@@ -2,18 +2,21 @@
 
 The parent computes the GRPO loss untouched (``super()._compute_loss``); the adapter adds
 
-    - gamma * KL_prcp(pi(.|q,I) || pi(.|q,I_mask)) + eta1 * H[pi(.|q,I)] + eta2 * H[pi(.|q,I_mask)]
+    - gamma_t * KL_prcp(pi(.|q,I) || pi(.|q,I_mask)) + d_t * (eta1 * H[pi(.|q,I)] + eta2 * H[pi(.|q,I_mask)])
 
-with the per-token k3 estimator for KL_prcp, restricted to completion tokens and normalised the way the
-parent normalises its policy term. The unmasked log-probs and entropies are the parent's own: a thin
-override of ``_get_per_token_logps_and_entropies`` captures them while the parent computes its loss, so
-only one extra (masked) forward runs per step. It runs before the parent's, so that under no-grad its logits
-are gone before the parent's (kept for backward) exist.
+with the official bounded k3 estimator for KL_prcp (log-ratio in [-20, 20], k3 <= 10, fp32: ``terms.py``), restricted
+to completion tokens and normalised the way the parent normalises its policy term; d_t = gamma_t / gamma_0 is the
+official annealing discount of the entropy terms (dp_actor.py:364-381). H is the official sampled-token estimator
+-mean(log pi(o_t)) by default, or the full-vocabulary entropy. The unmasked log-probs are the parent's own: a thin
+override of ``_get_per_token_logps_and_entropies`` captures them while the parent computes its loss, so only one extra
+(masked) forward runs per step. It runs before the parent's, so that under no-grad its logits are gone before the
+parent's (kept for backward) exist. docs/FIDELITY.md compares every component with the official code.
 """
 
 from __future__ import annotations
 
 import os
+import textwrap
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,6 +26,9 @@ from trl import GRPOTrainer
 from papo_nb.papo import masking
 from papo_nb.papo.contract import ENTROPY_GRAD_GATE, VLM_FORWARD_KEYWORDS, validate_trl_parent_contract
 from papo_nb.papo.papo_config import PAPOGConfig
+from papo_nb.papo.terms import bounded_k3, normalise_like_parent, zero_outside
+
+MASK_CACHE_LIMIT = 4096  # prompt masks remembered within one generation round (bounds memory outside train())
 
 
 def logp_call_arguments(inputs: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
@@ -37,7 +43,7 @@ def logp_call_arguments(inputs: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
 
 @dataclass
 class PerceptionTerms:
-    """The adapter's differentiable pieces for one batch, each normalised like the parent's policy term."""
+    """The adapter's differentiable pieces for one batch (fp32), each normalised like the parent's policy term."""
 
     perception_kl: torch.Tensor  # normalised mean k3 KL, to be maximised
     original_entropy: torch.Tensor
@@ -47,13 +53,53 @@ class PerceptionTerms:
     has_images: bool
 
 
+# As TRL 0.29.1 credited them (trl/experimental/papo/papo_trainer.py:96-112).
+PAPO_AUTHORS = (
+    "Zhenhailong Wang",
+    "Xuehang Guo",
+    "Sofia Stoica",
+    "Haiyang Xu",
+    "Hongru Wang",
+    "Hyeonjeong Ha",
+    "Xiusi Chen",
+    "Yangyi Chen",
+    "Ming Yan",
+    "Fei Huang",
+    "Heng Ji",
+)
+
+
 class PAPOGTrainer(GRPOTrainer):
     """GRPOTrainer plus the PAPO-G perception and double-entropy terms. See the module docstring."""
 
-    _tag_names = ["trl", "grpo", "papo"]
+    _tag_names = ["trl", "grpo", "papo", "papo-g"]
+    _name = "PAPO-G"
+    _paper = {
+        "title": "Perception-Aware Policy Optimization for Multimodal Reasoning",
+        "id": "2507.06448",
+        # docstyle-ignore
+        "citation": textwrap.dedent("""\
+            @misc{wang2025perceptionawarepolicyoptimizationmultimodal,
+                title        = {{Perception-Aware Policy Optimization for Multimodal Reasoning}},
+                author       = {AUTHORS},
+                year         = 2025,
+                url          = {https://arxiv.org/abs/2507.06448},
+                archivePrefix= {arXiv},
+                eprint       = {2507.06448},
+                primaryClass = {cs.CL}
+            }""").replace("AUTHORS", " and ".join(PAPO_AUTHORS)),
+    }
 
     def __init__(self, *args, **kwargs):
         validate_trl_parent_contract(GRPOTrainer)
+        config = kwargs.get("args", args[2] if len(args) > 2 else None)
+        if getattr(config, "use_liger_kernel", False):
+            # GRPOTrainer.compute_loss sends a Liger run to compute_liger_loss and never calls _compute_loss
+            # (grpo_trainer.py:2913-2917): the PAPO terms and the probe would vanish without a word.
+            raise ValueError(
+                "PAPOGConfig.use_liger_kernel=True is invalid: GRPOTrainer's Liger loss bypasses _compute_loss, so "
+                "the perception and entropy terms would silently not be trained; allowed: False"
+            )
         super().__init__(*args, **kwargs)
         if not isinstance(self.args, PAPOGConfig):
             raise TypeError(f"PAPOGTrainer needs args=PAPOGConfig(...), got {type(self.args).__name__}")
@@ -61,7 +107,9 @@ class PAPOGTrainer(GRPOTrainer):
         self.current_gradient_accumulation_steps = self.args.gradient_accumulation_steps
         self._capture_parent_logps = False
         self._captured_parent_logps = None
-        self.mask_generator = torch.Generator().manual_seed(self.args.mask_seed)
+        self.mask_generator = torch.Generator().manual_seed(self.args.mask_seed + self.args.process_index)
+        self._mask_cache: dict[str, torch.Tensor] = {}
+        self._mask_cache_round: int | None = None
         self.probe = None
         if self.args.require_gpu_contract_probe:
             from papo_nb.papo.probe import GammaZeroProbe
@@ -73,24 +121,38 @@ class PAPOGTrainer(GRPOTrainer):
     def assemble_loss(
         parent_loss: torch.Tensor, terms: PerceptionTerms, gamma: float, eta1: float, eta2: float
     ) -> torch.Tensor:
+        """``eta1``/``eta2`` here are the effective weights, the annealing discount already applied."""
         papo = -gamma * terms.perception_kl + eta1 * terms.original_entropy + eta2 * terms.masked_entropy
         return parent_loss + papo
 
+    def schedule_steps(self) -> int:
+        """Total optimizer steps of the run: the Trainer's resolved ``state.max_steps`` (set from epochs too), else
+        ``args.max_steps`` before train(); <= 0 when unknown."""
+        return self.state.max_steps if self.state.max_steps > 0 else self.args.max_steps
+
     def current_gamma(self) -> float:
+        """gamma_t: fixed, or the official linear annealing (core_algos.py:75-90, ray_trainer.py:327-338) over
+        ``int(total_steps * perception_annealing_ratio)`` steps, counted in optimizer steps (``state.global_step``)."""
         args = self.args
-        if args.perception_loss_schedule == "fixed" or args.max_steps <= 0:
+        total = self.schedule_steps()
+        if args.perception_loss_schedule == "fixed" or total <= 0:
             return args.perception_loss_weight
-        progress = min(self.state.global_step / args.max_steps, 1.0)
-        return (
-            args.perception_loss_weight + (args.perception_loss_weight_final - args.perception_loss_weight) * progress
-        )
+        span = max(1, int(total * args.perception_annealing_ratio))
+        progress = min(self.state.global_step / span, 1.0)
+        start, end = args.perception_loss_weight, args.perception_loss_weight_final
+        return start + (end - start) * progress
+
+    def annealing_discount(self) -> float:
+        """gamma_t / gamma_0, the factor the official code applies to both entropy terms (dp_actor.py:364-381)."""
+        gamma0 = self.args.perception_loss_weight
+        return self.current_gamma() / gamma0 if gamma0 > 0 else 1.0
 
     # ---- hooks ----
     def _get_per_token_logps_and_entropies(self, *args, **kwargs):
         if not self._capture_parent_logps:
             return super()._get_per_token_logps_and_entropies(*args, **kwargs)
         self._capture_parent_logps = False  # only the parent's main forward of this loss call
-        outputs = self._with_entropy_grad(self.args.original_entropy_weight > 0, *args, **kwargs)
+        outputs = self._with_entropy_grad(self._full_entropy_grad(self.args.original_entropy_weight), *args, **kwargs)
         self._captured_parent_logps = outputs
         return outputs
 
@@ -99,12 +161,20 @@ class PAPOGTrainer(GRPOTrainer):
         if self.probe is not None and self.probe.pending and self.model.training:
             self.probe.observe(self, model, parent_loss, terms, step=self.state.global_step)
             self._metrics["train"].update({f"probe/{k}": [v] for k, v in self.probe.metrics().items()})
+        discount = self.annealing_discount()
         args = self.args
         return self.assemble_loss(
-            parent_loss, terms, self.current_gamma(), args.original_entropy_weight, args.masked_entropy_weight
+            parent_loss,
+            terms,
+            self.current_gamma(),
+            args.original_entropy_weight * discount,
+            args.masked_entropy_weight * discount,
         )
 
     # ---- pieces ----
+    def _full_entropy_grad(self, weight: float) -> bool:
+        return self.args.entropy_estimator == "full" and weight > 0
+
     def _with_entropy_grad(self, want_grad: bool, *args, **kwargs):
         """Call the parent's log-prob method; with ``want_grad`` its entropies keep their graph."""
         gate = getattr(self, ENTROPY_GRAD_GATE)
@@ -119,7 +189,7 @@ class PAPOGTrainer(GRPOTrainer):
 
         The masked forward runs *before* the parent's: under no-grad (the default) its full-vocabulary logits are
         freed before the parent's forward creates the logits autograd keeps for backward, so the two never coexist
-        and PAPO-G's peak memory stays that of the parent step (it is the same math in either order)."""
+        (it is the same math in either order)."""
         has_images = inputs.get("pixel_values") is not None
         masked = self._masked_forward(model, inputs) if has_images else None
         if not has_images and self._images_on_any_rank(has_images):
@@ -131,70 +201,129 @@ class PAPOGTrainer(GRPOTrainer):
             self._capture_parent_logps = False
         logps, entropies, _ = self._captured_parent_logps
         self._captured_parent_logps = None
-        terms = self._perception_terms(model, inputs, logps, entropies, masked)
+        terms = self._perception_terms(inputs, logps, entropies, masked, parent_loss)
         return parent_loss, terms
+
+    # ---- masks ----
+    def _mask_round(self) -> int | None:
+        """Which generation round the current batch belongs to (masks are shared within it); None in eval."""
+        if not self.model.training:
+            return None
+        return self._step // (self.args.steps_per_generation * self.num_iterations)
+
+    def _draw_mask(self, reference: torch.Tensor, grid: torch.Tensor | None) -> torch.Tensor:
+        """A fresh row mask (patch, merge_unit) or element mask (random) for one sample's pixel rows."""
+        args = self.args
+        if args.mask_type == "random":
+            return torch.rand(reference.shape, generator=self.mask_generator) < args.mask_ratio
+        merge_size = getattr(self.processing_class.image_processor, "merge_size", 2)
+        return masking.select_patch_rows(
+            grid, args.mask_ratio, unit=args.mask_type, merge_size=merge_size, generator=self.mask_generator
+        )
+
+    def _prompt_shared_masks(self, inputs: dict[str, Any]) -> torch.Tensor:
+        """One mask per prompt (content key), drawn once per generation round and reused by every rollout of that
+        prompt, in this device batch or a later one of the same round (TRL shuffles rollouts across them)."""
+        pixel_values, grid, num_images = inputs["pixel_values"], inputs["image_grid_thw"], inputs["num_images"]
+        round_ = self._mask_round()
+        if round_ is None or round_ != self._mask_cache_round or len(self._mask_cache) > MASK_CACHE_LIMIT:
+            self._mask_cache, self._mask_cache_round = {}, round_
+        keys = masking.prompt_keys(inputs["prompt_ids"], inputs["prompt_mask"], pixel_values, grid, num_images)
+        image_offsets = torch.tensor([0, *num_images]).cumsum(0).tolist()
+        pieces = []
+        for i, (start, end) in enumerate(masking.sample_row_ranges(grid, num_images)):
+            if keys[i] not in self._mask_cache:
+                sample_grid = grid[image_offsets[i] : image_offsets[i + 1]]
+                self._mask_cache[keys[i]] = self._draw_mask(pixel_values[start:end], sample_grid)
+            pieces.append(self._mask_cache[keys[i]])
+        return torch.cat(pieces)
 
     def masked_pixel_values(self, inputs: dict[str, Any]) -> torch.Tensor:
         image_processor = self.processing_class.image_processor
         stats = dict(image_mean=image_processor.image_mean, image_std=image_processor.image_std)
-        if self.args.mask_type == "random":
-            return masking.mask_random_elements(
-                inputs["pixel_values"], self.args.mask_ratio, generator=self.mask_generator, **stats
-            )
+        args = self.args
         if inputs.get("image_grid_thw") is None:
-            raise ValueError(
-                f"mask_type={self.args.mask_type!r} needs image_grid_thw (Qwen-VL layout); use mask_type='random'"
+            if args.mask_type != "random":
+                raise ValueError(
+                    f"mask_type={args.mask_type!r} needs image_grid_thw (Qwen-VL layout); use mask_type='random'"
+                )
+            # Without a per-sample row layout, masks cannot be matched to prompts: one per completion.
+            return masking.mask_random_elements(
+                inputs["pixel_values"], args.mask_ratio, generator=self.mask_generator, **stats
+            )
+        if args.mask_sharing == "prompt":
+            selected = self._prompt_shared_masks(inputs)
+            return masking.apply_mask(inputs["pixel_values"], selected, **stats)
+        if args.mask_type == "random":
+            return masking.mask_random_elements(
+                inputs["pixel_values"], args.mask_ratio, generator=self.mask_generator, **stats
             )
         return masking.mask_patches(
             inputs["pixel_values"],
             inputs["image_grid_thw"],
-            self.args.mask_ratio,
-            unit=self.args.mask_type,
+            args.mask_ratio,
+            unit=args.mask_type,
             merge_size=getattr(image_processor, "merge_size", 2),
             generator=self.mask_generator,
             **stats,
         )
 
-    def _perception_terms(self, model, inputs, logps, entropies, masked) -> PerceptionTerms:
-        """``masked``: the ``(logps, entropies)`` of ``_masked_forward``, or None for a text-only batch."""
+    # ---- terms ----
+    def _normalise(self, per_token: torch.Tensor, mask: torch.Tensor, inputs) -> torch.Tensor:
+        training = self.model.training
+        return normalise_like_parent(
+            per_token,
+            mask,
+            loss_type=self.loss_type,
+            accumulation=self.current_gradient_accumulation_steps if training else 1.0,
+            max_completion_length=self.max_completion_length,
+            num_items_in_batch=inputs.get("num_items_in_batch"),
+            num_processes=self.accelerator.num_processes,
+            steps_per_generation=self.args.steps_per_generation,
+            training=training,
+        )
+
+    def _perception_terms(self, inputs, logps, entropies, masked, parent_loss=None) -> PerceptionTerms:
+        """``masked``: the ``(logps, entropies)`` of ``_masked_forward``, or None for a text-only batch. All fp32."""
         mask = inputs["completion_mask"]
         if "tool_mask" in inputs:
             mask = mask * inputs["tool_mask"]
+        mask = mask.float()
         has_images = inputs.get("pixel_values") is not None
         if has_images:
             masked_logps, masked_entropies = masked
         else:  # the masked branch of a text-only batch is the original branch: KL 0, no forward needed
-            masked_logps, masked_entropies = logps.detach(), entropies.detach()
-        log_ratio = masked_logps - logps
-        per_token_kl = torch.exp(log_ratio) - log_ratio - 1.0
-        if self.args.perception_kl_clamp is not None:
-            per_token_kl = per_token_kl.clamp(0.0, self.args.perception_kl_clamp)
-        mask_f = mask.to(per_token_kl.dtype)
+            masked_logps, masked_entropies = logps.detach(), None if entropies is None else entropies.detach()
+        per_token_kl = bounded_k3(masked_logps, logps, self.args.perception_kl_clamp)
+        if self.args.entropy_estimator == "sampled":  # -log pi(o_t): its mean is the sampled entropy estimate
+            original_h, masked_h = -logps.float(), -masked_logps.float()
+        else:
+            original_h, masked_h = entropies.float(), masked_entropies.float()
         with torch.no_grad():
-            kl_sum, entropy_sum, token_count = (
-                (per_token_kl * mask_f).sum(),
-                (masked_entropies * mask_f).sum(),
-                mask_f.sum(),
-            )
+            sums = torch.stack([(zero_outside(x, mask) * mask).sum() for x in (per_token_kl, original_h, masked_h)])
+            token_count = mask.sum()
         terms = PerceptionTerms(
-            perception_kl=self._normalise_like_parent(per_token_kl, mask_f, inputs),
-            original_entropy=self._normalise_like_parent(entropies, mask_f, inputs),
-            masked_entropy=self._normalise_like_parent(masked_entropies, mask_f, inputs),
-            kl_sum=kl_sum,
+            perception_kl=self._normalise(per_token_kl, mask, inputs),
+            original_entropy=self._normalise(original_h, mask, inputs),
+            masked_entropy=self._normalise(masked_h, mask, inputs),
+            kl_sum=sums[0],
             token_count=token_count,
             has_images=has_images,
         )
-        self._log_perception_metrics(kl_sum, entropy_sum, token_count)
+        self._log_perception_metrics(sums, token_count, parent_loss)
         return terms
 
     def _masked_forward(self, model, inputs):
         positional, vlm_kwargs = logp_call_arguments(inputs)
         if inputs.get("pixel_values") is not None:  # else a text-only batch's parity forward (see _images_on_any_rank)
             vlm_kwargs["pixel_values"] = self.masked_pixel_values(inputs)
-        want_entropy_grad = self.args.masked_branch_grad and self.args.masked_entropy_weight > 0
-        with torch.set_grad_enabled(self.args.masked_branch_grad and torch.is_grad_enabled()):
+        args = self.args
+        want_entropy_grad = args.masked_branch_grad and self._full_entropy_grad(args.masked_entropy_weight)
+        # The sampled estimator needs only log-probs; the full one asks the parent for vocabulary entropies.
+        compute_entropy = args.entropy_estimator == "full"
+        with torch.set_grad_enabled(args.masked_branch_grad and torch.is_grad_enabled()):
             logps, entropies, _ = self._with_entropy_grad(
-                want_entropy_grad, model, *positional, compute_entropy=True, **vlm_kwargs
+                want_entropy_grad, model, *positional, compute_entropy=compute_entropy, **vlm_kwargs
             )
         return logps, entropies
 
@@ -221,36 +350,31 @@ class PAPOGTrainer(GRPOTrainer):
         super()._load_rng_state(checkpoint)
         if checkpoint is not None and os.path.isfile(self._mask_rng_file(checkpoint)):
             self.mask_generator.set_state(torch.load(self._mask_rng_file(checkpoint), weights_only=True))
+            self._mask_cache, self._mask_cache_round = {}, None  # TRL regenerates rollouts after a resume
 
-    def _normalise_like_parent(self, per_token: torch.Tensor, mask: torch.Tensor, inputs) -> torch.Tensor:
-        """Reduce a (B, T) per-token quantity exactly as GRPOTrainer 1.9.1 reduces its policy term."""
-        training = self.model.training
-        accumulation = self.current_gradient_accumulation_steps if training else 1.0
-        masked = per_token * mask
-        loss_type = self.loss_type
-        if loss_type in ("grpo", "sapo"):
-            return (masked.sum(-1) / mask.sum(-1).clamp(min=1.0)).mean() / accumulation
-        if loss_type == "bnpo":
-            return masked.sum() / mask.sum().clamp(min=1.0) / accumulation
-        if loss_type == "dr_grpo":
-            return masked.sum() / (per_token.size(0) * self.max_completion_length) / accumulation
-        if loss_type in ("cispo", "dapo", "vespo"):
-            normaliser = inputs["num_items_in_batch"].clamp(min=1.0) / self.accelerator.num_processes
-            if training:
-                normaliser = normaliser * self.current_gradient_accumulation_steps / self.args.steps_per_generation
-            return masked.sum() / normaliser
-        if loss_type == "luspo":  # per-sequence mean times length = per-sequence sum
-            return masked.sum(-1).mean() / accumulation
-        raise ValueError(f"PAPOGTrainer does not know how to normalise for loss_type={loss_type!r}")
-
-    def _log_perception_metrics(self, kl_sum, entropy_sum, token_count) -> None:
+    def _log_perception_metrics(self, sums, token_count, parent_loss) -> None:
+        """Every term on its own, as token means over all ranks (so comparable with the official actor/* logs):
+        KL, both entropies, gamma * KL, each weighted entropy term, gamma, the discount and the parent's loss."""
         mode = "train" if self.model.training else "eval"
-        totals = self.accelerator.reduce(
-            torch.stack([kl_sum, entropy_sum, token_count]).detach().float(), reduction="sum"
-        )
-        kl, masked_entropy = (totals[:2] / totals[2].clamp(min=1.0)).tolist()
+        totals = self.accelerator.reduce(torch.cat([sums, token_count[None]]).detach().float(), reduction="sum")
+        kl, original_h, masked_h = (totals[:3] / totals[3].clamp(min=1.0)).tolist()
+        gamma, discount = self.current_gamma(), self.annealing_discount()
+        eta1, eta2 = self.args.original_entropy_weight * discount, self.args.masked_entropy_weight * discount
         metrics = self._metrics[mode]
-        metrics["perception_kl"].append(kl)
-        metrics["perception_loss"].append(-kl)
-        metrics["masked_entropy"].append(masked_entropy)
-        metrics["perception_gamma"].append(self.current_gamma())
+        values = {
+            "perception_kl": kl,
+            "perception_loss": -kl,
+            "masked_entropy": masked_h,
+            "original_entropy": original_h,
+            "perception_gamma": gamma,
+            "papo/gamma_kl": gamma * kl,
+            "papo/original_entropy_term": eta1 * original_h,
+            "papo/masked_entropy_term": eta2 * masked_h,
+            "papo/discount": discount,
+        }
+        if parent_loss is not None:
+            values["papo/parent_loss"] = self.accelerator.reduce(
+                parent_loss.detach().float().reshape(1), reduction="mean"
+            ).item()
+        for key, value in values.items():
+            metrics[key].append(value)

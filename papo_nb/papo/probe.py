@@ -14,6 +14,12 @@ reaches the logits. A batch whose log-probs do not move under masking (mean KL e
 but shows nothing, so the probe defers on it without paying for gradients; after
 ``max_degenerate_batches`` such batches in a row it fails. A batch without images is not counted.
 
+Power. A leak adds about ``||grad perception_kl||`` to the gradient difference, so the check can only see a leak
+when ``leak_detection_power = ||grad perception_kl|| / tolerance`` is at least 1. A batch below that is not a pass:
+the probe defers it (counted apart from image-invariant batches) and looks at the next; after
+``max_degenerate_batches`` such batches it ends with status ``"underpowered"`` (neither passed nor failed: the run
+goes on, and the notebook verdict and an MLflow tag warn).
+
 Several processes. Every input to a decision is reduced across ranks first (finiteness, images, KL sums, and
 the three gradients, all-reduced to DDP's mean: the gradient the optimizer applies), so every rank defers,
 passes or fails together and no rank is left waiting in a collective. One process reduces nothing.
@@ -57,7 +63,7 @@ def gradient_tolerance(
 class ProbeEvidence:
     """Every number behind one probe verdict; ``to_dict()`` is JSON-ready."""
 
-    status: str  # "passed", "failed" or "pending"
+    status: str  # "passed", "failed", "pending" or "underpowered"
     message: str
     rule: str = PASS_RULE
     step: int | None = None
@@ -73,8 +79,10 @@ class ProbeEvidence:
     abs_floor: float = GAMMA_ZERO_GRADIENT_ABS_FLOOR
     perception_kl: float | None = None
     perception_grad_norm: float | None = None
-    separation_ratio: float | None = None
+    separation_ratio: float | None = None  # the same number as leak_detection_power (older name)
+    leak_detection_power: float | None = None  # ||grad perception term|| / tolerance; < 1: a leak could hide
     degenerate_batches_skipped: int = 0
+    underpowered_batches_skipped: int = 0
     batches_without_images: int = 0
     dtype: str | None = None
     autocast_enabled: bool | None = None
@@ -86,8 +94,12 @@ class ProbeEvidence:
     def passed(self) -> bool:
         return self.status == "passed"
 
+    @property
+    def underpowered(self) -> bool:
+        return self.status == "underpowered"
+
     def to_dict(self) -> dict[str, Any]:
-        return {**asdict(self), "passed": self.passed}
+        return {**asdict(self), "passed": self.passed, "underpowered": self.underpowered}
 
 
 def _flat_grad(loss: torch.Tensor, params: list[torch.Tensor]) -> torch.Tensor:
@@ -122,7 +134,8 @@ def measure_gamma_zero(
     g_zero = _flat_grad(zero_gamma_loss, params)
     g_perception = _flat_grad(terms.perception_kl, params)
     parent_value, zero_value = parent_loss.item(), zero_gamma_loss.item()
-    loss_bit_equal = bool(torch.equal(zero_gamma_loss.detach(), parent_loss.detach()))
+    # In float64 so that a bf16 parent loss and its fp32 sum with the (fp32) PAPO terms compare by value, exactly.
+    loss_bit_equal = bool(torch.equal(zero_gamma_loss.detach().double(), parent_loss.detach().double()))
     processes = trainer.accelerator.num_processes
     if processes > 1:
         # Several processes: the gradient the optimizer applies is DDP's mean of the per-rank gradients, so the
@@ -159,6 +172,7 @@ def measure_gamma_zero(
         perception_kl=(kl_totals[0] / kl_totals[1].clamp(min=1.0)).item(),
         perception_grad_norm=perception_norm,
         separation_ratio=perception_norm / tolerance,
+        leak_detection_power=perception_norm / tolerance,
         dtype=str(parent_loss.dtype).replace("torch.", ""),
         autocast_enabled=autocast_enabled,
         autocast_dtype=autocast_dtype,
@@ -173,6 +187,7 @@ class GammaZeroProbe:
         self.max_degenerate_batches = max_degenerate_batches
         self.pending = True
         self.degenerate_batches = 0
+        self.underpowered_batches = 0
         self.batches_without_images = 0
         self.evaluations = 0  # batches looked at; benchmarks count probe work with it
         self.evidence: ProbeEvidence | None = None
@@ -183,6 +198,7 @@ class GammaZeroProbe:
             message,
             step=step,
             degenerate_batches_skipped=self.degenerate_batches,
+            underpowered_batches_skipped=self.underpowered_batches,
             batches_without_images=self.batches_without_images,
             **numbers,
         )
@@ -241,11 +257,11 @@ class GammaZeroProbe:
                 return self._record(
                     "failed",
                     (
-                        f"probe: {self.degenerate_batches} consecutive image-invariant batches (perception KL exactly 0). "
-                        "The masked forward never changes the completion log-probs. Likely causes: the mask does not "
-                        "reach pixel_values (wrong layout, e.g. 2-D Qwen tensors treated as 4-D), the masked pixel_values "
-                        "are not passed to the forward, the vision tower output is ignored or zeroed, or every probe "
-                        "batch is answerable without the image."
+                        f"probe: {self.degenerate_batches} consecutive image-invariant batches (perception KL "
+                        "exactly 0). The masked forward never changes the completion log-probs. Likely causes: the "
+                        "mask does not reach pixel_values (wrong layout, e.g. 2-D Qwen tensors treated as 4-D), the "
+                        "masked pixel_values are not passed to the forward, the vision tower output is ignored or "
+                        "zeroed, or every probe batch is answerable without the image."
                     ),
                     step,
                 )
@@ -267,8 +283,9 @@ class GammaZeroProbe:
             )
         if numbers["grad_diff_norm"] > numbers["tolerance"]:
             problems.append(
-                f"perception gradient leaks through the gamma=0 path: ||g_zero - g_parent|| = {numbers['grad_diff_norm']:.3e} "
-                f"> tolerance {numbers['tolerance']:.3e} ({PASS_RULE})"
+                "perception gradient leaks through the gamma=0 path: "
+                f"||g_zero - g_parent|| = {numbers['grad_diff_norm']:.3e} > tolerance {numbers['tolerance']:.3e} "
+                f"({PASS_RULE})"
             )
         if not numbers["perception_kl"] > 0:
             problems.append(f"perception KL is {numbers['perception_kl']!r}, not > 0")
@@ -278,11 +295,25 @@ class GammaZeroProbe:
             )
         if problems:
             return self._record("failed", "probe failed: " + "; ".join(problems), step, **numbers)
+        power = numbers["leak_detection_power"]
+        if power < 1.0:
+            self.underpowered_batches += 1
+            weak = (
+                f"leak-detection power {power:.3g} < 1: the perception gradient "
+                f"({numbers['perception_grad_norm']:.3e}) is below the tolerance ({numbers['tolerance']:.3e}), "
+                "so a leak that large would pass unseen"
+            )
+            if self.underpowered_batches >= self.max_degenerate_batches:
+                message = f"probe UNDERPOWERED after {self.underpowered_batches} batches, none powered; last: {weak}"
+                return self._record("underpowered", message, step, **numbers)
+            message = f"probe deferred: underpowered batch {self.underpowered_batches}/{self.max_degenerate_batches}"
+            return self._record("pending", f"{message}; {weak}", step, **numbers)
         return self._record(
             "passed",
             (
-                f"probe passed: ||g_zero - g_parent|| = {numbers['grad_diff_norm']:.3e} <= {numbers['tolerance']:.3e}; "
-                f"perception KL {numbers['perception_kl']:.3e}, perception gradient {numbers['separation_ratio']:.3g}x tolerance"
+                f"probe passed: ||g_zero - g_parent|| = {numbers['grad_diff_norm']:.3e} <= "
+                f"{numbers['tolerance']:.3e}; perception KL {numbers['perception_kl']:.3e}, "
+                f"leak-detection power {power:.3g}"
             ),
             step,
             **numbers,

@@ -11,7 +11,7 @@ from papo_nb.testbed.models import build_tiny_vlm, load_vlm, vision_special_toke
 from papo_nb.testbed.perception import build_testbed, make_perception_dataset, testbed_name
 from papo_nb.testbed.rewards import accuracy_reward, format_reward
 from papo_nb.testbed.shapes import load_vlm_dataset, make_shapes_dataset
-from papo_nb.workbook.params import WorkbookParams
+from papo_nb.workbook.params import PAPO_PARAM_FIELDS, WorkbookParams
 
 TINY_PREFIX = "tiny:"
 EVAL_SEED_OFFSET = 10_000  # held-out synthetic items come from a different stream than training items
@@ -69,7 +69,8 @@ def load_datasets(params: WorkbookParams):
 def papo_config(
     params: WorkbookParams, output_dir: str | Path, processor, *, report_to: str = "none", **overrides
 ) -> PAPOGConfig:
-    """A PAPOGConfig carrying every training parameter of the workbook."""
+    """A PAPOGConfig carrying every training parameter of the workbook; the PAPO-G fields pass through by name
+    (``PAPO_PARAM_FIELDS`` is derived from PAPOGConfig), so none is lost on the way."""
     on_gpu = resolve_device(params) == "cuda"
     settings = dict(
         output_dir=str(output_dir),
@@ -80,17 +81,8 @@ def papo_config(
         num_generations=params.num_generations,
         max_completion_length=params.max_completion_length,
         temperature=params.temperature,
-        loss_type=params.loss_type,
-        beta=params.beta,
-        perception_loss_weight=params.perception_loss_weight,
-        perception_loss_schedule=params.perception_loss_schedule,
-        mask_type=params.mask_type,
-        mask_ratio=params.mask_ratio,
+        **{name: getattr(params, name) for name in PAPO_PARAM_FIELDS},
         mask_seed=params.seed,
-        original_entropy_weight=params.original_entropy_weight,
-        masked_entropy_weight=params.masked_entropy_weight,
-        masked_branch_grad=params.masked_branch_grad,
-        require_gpu_contract_probe=params.require_gpu_contract_probe,
         bf16=params.precision == "bf16" and on_gpu,
         use_cpu=not on_gpu,
         activation_checkpointing=False,

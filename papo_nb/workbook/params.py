@@ -2,22 +2,73 @@
 
 A params file (``params/*.yaml``) sets any of these fields; ``-p key=value`` overrides them. Each notebook
 declares the subset it uses in its ``parameters`` cell, and the runner passes it exactly that subset.
+
+The PAPO-G fields are not typed here: they are derived from the ``PAPOGConfig`` dataclass (type, default, help,
+choices and rule), so a field added to the config is a parameter at once and the two cannot disagree.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_type_hints
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator
+
+from papo_nb.papo.papo_config import PAPOGConfig, papo_field_problem, papo_fields
 
 
 class ParamsError(ValueError):
     """A params file or override is invalid; the message names the key, the value and what is allowed."""
 
 
-class WorkbookParams(BaseModel):
+# PAPOGConfig fields the workbook sets from another parameter instead of exposing them: name -> why.
+DERIVED_PAPO_FIELDS = {"mask_seed": "set from 'seed' (the trainer adds the process index)"}
+# Where the workbook's default differs from PAPOGConfig's: the workbook runs the probe unless told otherwise.
+WORKBOOK_PAPO_DEFAULTS = {"require_gpu_contract_probe": True}
+
+
+def _papo_param_fields() -> dict[str, tuple]:
+    """``name -> (annotation, Field)`` for every PAPOGConfig field a run sets, read off the dataclass."""
+    hints = get_type_hints(PAPOGConfig)
+    derived = {}
+    for f in papo_fields():
+        if f.name in DERIVED_PAPO_FIELDS:
+            continue
+        choices = f.metadata.get("choices")
+        annotation = Literal[choices] if choices else hints[f.name]
+        derived[f.name] = (
+            annotation,
+            Field(WORKBOOK_PAPO_DEFAULTS.get(f.name, f.default), description=f.metadata["help"]),
+        )
+    return derived
+
+
+PAPO_PARAM_FIELDS = _papo_param_fields()
+
+
+class _StrictParams(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, validate_assignment=True)
+
+
+def _papo_rule(cls, value, info):
+    """PAPOGConfig's own rule for the field (one table: papo_config.FIELD_RULES)."""
+    problem = papo_field_problem(info.field_name, value)
+    if problem:
+        raise ValueError(problem)
+    return value
+
+
+PAPOParams = create_model(
+    "PAPOParams",
+    __base__=_StrictParams,
+    __doc__="The PAPO-G parameters, derived from PAPOGConfig.",
+    __validators__={"papo_rule": field_validator(*PAPO_PARAM_FIELDS)(_papo_rule)},
+    **PAPO_PARAM_FIELDS,
+)
+
+
+class WorkbookParams(PAPOParams):
     """Every workbook parameter, documented; defaults are the CPU smoke run on the tiny offline model."""
 
     model_config = ConfigDict(extra="forbid", strict=True, validate_assignment=True)
@@ -63,16 +114,7 @@ class WorkbookParams(BaseModel):
     num_generations: int = Field(4, ge=2, le=64, description="rollouts per prompt (paper: 5)")
     max_completion_length: int = Field(16, ge=1, le=32768, description="generated tokens per completion")
     temperature: float = Field(1.0, gt=0, le=10.0, description="sampling temperature (paper: 1.0)")
-    loss_type: Literal["grpo", "dapo", "bnpo", "dr_grpo"] = Field("grpo", description="GRPO loss aggregation")
-    beta: float = Field(0.01, ge=0, le=10.0, description="reference KL weight (paper: 0.01)")
-    perception_loss_weight: float = Field(0.02, ge=0, le=1.0, description="gamma (paper PAPO-G 3B: 0.02)")
-    perception_loss_schedule: Literal["fixed", "linear"] = Field("fixed", description="gamma schedule")
-    mask_type: Literal["patch", "merge_unit", "random"] = Field("patch", description="how images are masked")
-    mask_ratio: float = Field(0.6, gt=0, le=1.0, description="fraction of the image blacked out (paper: 0.6)")
-    original_entropy_weight: float = Field(0.03, ge=0, le=1.0, description="eta1 (paper: 0.03)")
-    masked_entropy_weight: float = Field(0.03, ge=0, le=1.0, description="eta2 (paper: 0.03)")
-    masked_branch_grad: bool = Field(False, description="backpropagate through the masked branch (official: no)")
-    require_gpu_contract_probe: bool = Field(True, description="run the gamma-zero probe inside training")
+    # loss_type, beta and the PAPO-G fields come from PAPOParams (derived from PAPOGConfig).
     lora_r: int = Field(8, ge=1, le=1024, description="LoRA rank")
     lora_alpha: int = Field(16, ge=1, le=4096, description="LoRA alpha")
     save_steps: int = Field(3, ge=1, le=1_000_000, description="checkpoint every this many steps")

@@ -1,0 +1,63 @@
+"""The PAPO-G per-token maths, free of the trainer: the bounded k3 perception KL and the GRPO-style reductions.
+
+Everything here runs in fp32 whatever the model dtype, as the official code does (verl's ``compute_kl`` upcasts both
+log-probs, core_algos.py:585); the masks and token counts are fp32 too, so a bf16 step cannot round a count.
+"""
+
+from __future__ import annotations
+
+import torch
+
+# verl's low_var_kl (core_algos.py:597-601): the log-ratio clamped to [-20, 20] and the k3 value to at most 10, so one
+# token whose masked branch is far more confident cannot produce a gradient that grows like exp(r).
+LOG_RATIO_BOUND = 20.0
+K3_BOUND = 10.0
+
+
+def bounded_k3(masked_logps: torch.Tensor, logps: torch.Tensor, extra_clamp: float | None = None) -> torch.Tensor:
+    """Per-token k3 estimate of KL(pi(.|I) || pi(.|I_mask)), in fp32: ``exp(d) - d - 1``, d = logp_masked - logp.
+
+    ``extra_clamp`` is the official optional ``use_kl_prcp_clipping``: clamp the value to ``[0, extra_clamp]``
+    (dp_actor.py:353-354)."""
+    log_ratio = (masked_logps.float() - logps.float()).clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
+    per_token = (torch.exp(log_ratio) - log_ratio - 1.0).clamp(max=K3_BOUND)
+    if extra_clamp is not None:
+        per_token = per_token.clamp(0.0, extra_clamp)
+    return per_token
+
+
+def zero_outside(per_token: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``per_token`` where ``mask`` is set, exactly 0 elsewhere: a non-finite value at a padded position (where the
+    model was never asked to be sensible) then cannot reach the sum as ``inf * 0 = nan``."""
+    return torch.where(mask > 0, per_token, torch.zeros((), dtype=per_token.dtype, device=per_token.device))
+
+
+def normalise_like_parent(
+    per_token: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    loss_type: str,
+    accumulation: float,
+    max_completion_length: int,
+    num_items_in_batch: torch.Tensor | None,
+    num_processes: int,
+    steps_per_generation: int,
+    training: bool,
+) -> torch.Tensor:
+    """Reduce a (B, T) per-token quantity exactly as GRPOTrainer 1.9.1 reduces its policy term
+    (grpo_trainer.py:3122-3150); ``accumulation`` is 1 outside training, as there."""
+    masked = zero_outside(per_token, mask) * mask
+    if loss_type in ("grpo", "sapo"):
+        return (masked.sum(-1) / mask.sum(-1).clamp(min=1.0)).mean() / accumulation
+    if loss_type == "bnpo":
+        return masked.sum() / mask.sum().clamp(min=1.0) / accumulation
+    if loss_type == "dr_grpo":
+        return masked.sum() / (per_token.size(0) * max_completion_length) / accumulation
+    if loss_type in ("cispo", "dapo", "vespo"):
+        normaliser = num_items_in_batch.float().clamp(min=1.0) / num_processes
+        if training:
+            normaliser = normaliser * accumulation / steps_per_generation
+        return masked.sum() / normaliser
+    if loss_type == "luspo":  # per-sequence mean times length = per-sequence sum
+        return masked.sum(-1).mean() / accumulation
+    raise ValueError(f"PAPOGTrainer does not know how to normalise for loss_type={loss_type!r}")
