@@ -1,0 +1,115 @@
+"""The package's layers, read from every module's imports (``ast``; lazy imports inside functions count too).
+
+Bottom to top: papo (the adapter) < testbed < workbook < infra < train < bench < cli. A module imports its own
+layer and the layers below, never one above, so data flows down the tree. The adapter alone may import only the
+standard library, torch, transformers, trl and peft: it is the part a TRL user lifts into their own project.
+"""
+
+from __future__ import annotations
+
+import ast
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "papo_nb"
+LAYERS = ("papo", "testbed", "workbook", "infra", "train", "bench", "cli")
+ADAPTER_THIRD_PARTY = frozenset({"torch", "transformers", "trl", "peft"})
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def layer(module: str) -> str | None:
+    """``papo_nb.<layer>[...]`` -> layer; the root package (only its version) belongs to none."""
+    parts = module.split(".")
+    return parts[1] if parts[0] == "papo_nb" and len(parts) > 1 else None
+
+
+def imported_modules(source: str, module: str, is_package: bool = False) -> list[tuple[int, str]]:
+    """(line, absolute module name) of every import in ``source``, relative ones resolved against ``module``."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = module.split(".")[: len(module.split(".")) - node.level + (1 if is_package else 0)]
+                name = ".".join(base + ([node.module] if node.module else []))
+            else:
+                name = node.module
+            found.append((node.lineno, name))
+    return found
+
+
+def violations(source: str, module: str, is_package: bool = False) -> list[str]:
+    """Why ``module`` (with this ``source``) breaks the layering; empty when it does not."""
+    own = layer(module)
+    if own is None:
+        return []
+    problems = []
+    for line, name in imported_modules(source, module, is_package):
+        top = name.split(".")[0]
+        target = layer(name)
+        if own == "papo" and top != "papo_nb" and top not in sys.stdlib_module_names | ADAPTER_THIRD_PARTY:
+            problems.append(
+                f"{module}:{line} imports {name}: the adapter may import only the standard library, "
+                f"{', '.join(sorted(ADAPTER_THIRD_PARTY))}"
+            )
+        if target is not None and LAYERS.index(target) > LAYERS.index(own):
+            problems.append(
+                f"{module}:{line} imports {name}: layer {own!r} is below {target!r} ({' < '.join(LAYERS)})"
+            )
+    return problems
+
+
+MODULES = sorted(PACKAGE.rglob("*.py"))
+
+
+def test_every_module_belongs_to_a_layer():
+    assert {layer(module_name(p)) for p in MODULES} - {None} == set(LAYERS)
+    assert [p for p in PACKAGE.iterdir() if p.suffix == ".py"] and all(
+        p.stem in ("__init__", "cli") for p in PACKAGE.iterdir() if p.suffix == ".py"
+    ), "a module directly under papo_nb/ other than cli.py: put it in its layer's subpackage"
+
+
+@pytest.mark.parametrize("path", MODULES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_module_imports_respect_the_layers(path):
+    assert violations(path.read_text(), module_name(path), path.name == "__init__.py") == []
+
+
+@pytest.mark.parametrize(
+    ("module", "source", "expected"),
+    [
+        ("papo_nb.papo.x", "import mlflow", "imports mlflow: the adapter may import only"),
+        ("papo_nb.papo.x", "def f():\n    import papermill.utils", "imports papermill.utils: the adapter"),
+        ("papo_nb.papo.x", "from matplotlib.figure import Figure", "imports matplotlib.figure"),
+        ("papo_nb.papo.x", "from papo_nb.workbook import params", "layer 'papo' is below 'workbook'"),
+        (
+            "papo_nb.testbed.x",
+            "def f():\n    from papo_nb.workbook.raw_masks import m",
+            "'testbed' is below 'workbook'",
+        ),
+        ("papo_nb.workbook.x", "from papo_nb.infra.tracking import log_evidence", "'workbook' is below 'infra'"),
+        ("papo_nb.infra.x", "import papo_nb.train.runner", "'infra' is below 'train'"),
+        ("papo_nb.train.x", "from papo_nb.bench.harness import make_trainer", "'train' is below 'bench'"),
+        ("papo_nb.bench.x", "from papo_nb.cli import main", "'bench' is below 'cli'"),
+        ("papo_nb.workbook.x", "from ..infra import tracking", "imports papo_nb.infra: layer 'workbook'"),
+    ],
+)
+def test_a_violation_is_caught_and_named(module, source, expected):
+    found = violations(source, module)
+    assert len(found) == 1 and expected in found[0], found
+
+
+def test_allowed_imports_pass():
+    adapter = (
+        "import torch\nfrom trl import GRPOTrainer\nfrom peft import PeftModel\nimport json\nfrom . import masking"
+    )
+    assert violations(adapter, "papo_nb.papo.x") == []
+    assert violations("from papo_nb.papo import PAPOGConfig\nimport mlflow", "papo_nb.infra.x") == []
+    assert violations("from papo_nb.cli import main", "papo_nb.cli") == []
