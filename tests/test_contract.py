@@ -105,3 +105,17 @@ def test_drift_table_marks_unfetchable_releases(upstream_wheel, tmp_path):
     assert [r.status for r in rows] == ["drift", "unavailable"]
     assert any("compute_aux_loss" in v for v in rows[0].violations)
     assert "0.0.0.dev999" in rows[1].violations[0]
+
+
+@pytest.mark.parametrize(
+    ("status", "passed", "warned"),
+    [("passed", True, False), ("underpowered", True, True), ("pending", False, False), ("failed", False, False)],
+)
+def test_verdict_warns_on_an_underpowered_probe_and_fails_an_unfinished_one(status, passed, warned):
+    from papo_nb.papo.probe import ProbeEvidence
+
+    source = provenance.SourceVerification("w.whl", "m", "a" * 64, "a" * 64, True)
+    verdict = provenance.contract_verdict(source, [], [], ProbeEvidence(status, f"probe {status}"))
+    assert verdict["passed"] is passed and verdict["probe_status"] == status
+    assert bool(verdict["warnings"]) is warned and ("WARNING" in verdict["verdict"]) is warned
+    assert verdict["probe_passed"] is (status == "passed")

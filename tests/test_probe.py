@@ -9,7 +9,7 @@ from peft import get_peft_model
 
 from papo_nb.papo import PAPOGConfig, PAPOGTrainer
 from papo_nb.papo.contract import GAMMA_ZERO_GRADIENT_ABS_FLOOR, GAMMA_ZERO_GRADIENT_REL_TOL, PAPO_ADAPTER_VERSION
-from papo_nb.papo.probe import PASS_RULE, PROBE_CALLS, GammaZeroProbe, ProbeFailure, probe_batch
+from papo_nb.papo.probe import PASS_RULE, PROBE_CALLS, GammaZeroProbe, ProbeFailure, probe_batch, probe_batches
 from papo_nb.testbed.models import load_vlm, tiny_grpo_config, tiny_lora_config, vision_special_token_ids
 from papo_nb.testbed.rewards import accuracy_reward, format_reward
 from papo_nb.workbook.batches import rollout_batch
@@ -60,6 +60,7 @@ def test_probe_passes_on_the_real_adapter_with_full_evidence(real):
     )
     assert evidence.perception_kl > 0 and evidence.perception_grad_norm > 0
     assert evidence.separation_ratio == pytest.approx(evidence.perception_grad_norm / evidence.tolerance)
+    assert evidence.leak_detection_power == evidence.separation_ratio and evidence.leak_detection_power >= 1
     record = json.loads(json.dumps(evidence.to_dict()))
     assert record["rule"] == PASS_RULE and record["adapter_version"] == PAPO_ADAPTER_VERSION
     assert record["trl_version"] == "1.9.1" and record["dtype"] == "float32" and record["autocast_enabled"] is False
@@ -143,3 +144,56 @@ def test_no_probe_code_runs_when_not_required(tiny_vlm_path, shapes_dataset, tmp
     trainer.train()
     assert trainer.probe is None and calls_before == PROBE_CALLS
     assert not any(k.startswith("probe/") for h in trainer.state.log_history for k in h)
+
+
+def _weakened(terms, factor):
+    """The same batch with its perception term scaled down: KL stays > 0, its gradient drops below tolerance."""
+    return dataclasses.replace(terms, perception_kl=terms.perception_kl * factor)
+
+
+def test_underpowered_batches_are_deferred_then_end_underpowered_not_passed(real):
+    trainer, batch = real
+    probe = GammaZeroProbe(max_degenerate_batches=3)
+    for i in (1, 2):
+        parent, terms = trainer.papo_loss_parts(trainer.model, batch)
+        evidence = probe.observe(trainer, trainer.model, parent, _weakened(terms, 1e-6))
+        assert evidence.status == "pending" and "underpowered batch" in evidence.message
+        assert evidence.leak_detection_power < 1 and not evidence.passed
+        assert probe.underpowered_batches == i and probe.degenerate_batches == 0
+    parent, terms = trainer.papo_loss_parts(trainer.model, batch)
+    evidence = probe.observe(trainer, trainer.model, parent, _weakened(terms, 1e-6))
+    assert evidence.status == "underpowered" and evidence.underpowered and not evidence.passed
+    assert not probe.pending, "an underpowered verdict ends probing: the run goes on"
+    assert evidence.to_dict()["underpowered"] and evidence.underpowered_batches_skipped == 3
+
+
+def test_a_powered_batch_after_underpowered_ones_passes(real):
+    trainer, batch = real
+    probe = GammaZeroProbe(max_degenerate_batches=3)
+    parent, terms = trainer.papo_loss_parts(trainer.model, batch)
+    assert probe.observe(trainer, trainer.model, parent, _weakened(terms, 1e-6)).status == "pending"
+    parent, terms = trainer.papo_loss_parts(trainer.model, batch)
+    evidence = probe.observe(trainer, trainer.model, parent, terms)
+    assert evidence.passed and evidence.underpowered_batches_skipped == 1
+
+
+def test_a_leak_below_tolerance_is_reported_underpowered_never_passed(real):
+    """The case the power exists for: a leak too small to see must not read as a pass."""
+    trainer, batch = real
+
+    def leaky(parent_loss, terms, gamma, eta1, eta2):
+        return trainer.assemble_loss(parent_loss, terms, gamma, eta1, eta2) + (
+            terms.perception_kl - terms.perception_kl.detach()
+        )
+
+    probe = GammaZeroProbe(max_degenerate_batches=1)
+    parent, terms = trainer.papo_loss_parts(trainer.model, batch)
+    evidence = probe.observe(trainer, trainer.model, parent, _weakened(terms, 1e-6), assemble=leaky)
+    assert evidence.grad_diff_norm > 0 and evidence.grad_diff_norm <= evidence.tolerance
+    assert evidence.status == "underpowered"
+
+
+def test_probe_batches_looks_at_the_next_batch(real):
+    trainer, batch = real
+    evidence = probe_batches(trainer, [batch, batch], max_degenerate_batches=5)
+    assert evidence.passed and evidence.leak_detection_power >= 1

@@ -28,7 +28,7 @@ passes or fails together and no rank is left waiting in a collective. One proces
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -330,27 +330,39 @@ class GammaZeroProbe:
         }
 
 
-def probe_batch(
+def probe_batches(
     trainer,
-    inputs,
+    batches: Iterable[dict[str, Any]],
     *,
     model=None,
     autocast_dtype: torch.dtype | None = None,
     max_degenerate_batches: int = PAPO_PROBE_MAX_DEGENERATE_BATCHES,
     raise_on_failure: bool = True,
 ) -> ProbeEvidence:
-    """Stand-alone probe on one prepared batch (``_compute_loss`` inputs), optionally under autocast.
+    """Feed prepared batches (``_compute_loss`` inputs) to one probe, optionally under autocast, until it reaches a
+    verdict ("passed", "failed" or "underpowered") or the batches run out (then its last evidence, "pending").
 
     With ``raise_on_failure=False`` a failed verdict is returned (``status="failed"``) instead of raised.
     """
     model = model or trainer.model
     device_type = next(model.parameters()).device.type
     probe = GammaZeroProbe(max_degenerate_batches)
-    with torch.autocast(device_type, dtype=autocast_dtype or torch.bfloat16, enabled=autocast_dtype is not None):
-        parent_loss, terms = trainer.papo_loss_parts(model, inputs)
-        try:
-            return probe.observe(trainer, model, parent_loss, terms)
-        except ProbeFailure:
-            if raise_on_failure:
-                raise
-            return probe.evidence
+    for inputs in batches:
+        with torch.autocast(device_type, dtype=autocast_dtype or torch.bfloat16, enabled=autocast_dtype is not None):
+            parent_loss, terms = trainer.papo_loss_parts(model, inputs)
+            try:
+                probe.observe(trainer, model, parent_loss, terms)
+            except ProbeFailure:
+                if raise_on_failure:
+                    raise
+        if not probe.pending:
+            break
+    if probe.evidence is None:
+        raise ValueError("probe_batches got no batch")
+    return probe.evidence
+
+
+def probe_batch(trainer, inputs, **options) -> ProbeEvidence:
+    """The probe on one prepared batch (see ``probe_batches`` for the options); an underpowered or image-invariant
+    batch gives a "pending" verdict, which is not a pass."""
+    return probe_batches(trainer, [inputs], **options)
