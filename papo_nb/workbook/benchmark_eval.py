@@ -163,3 +163,69 @@ def summarise(per_benchmark: dict[str, dict], groups: dict[str, str]) -> list[di
 def mlflow_metrics(table: list[dict]) -> dict[str, float]:
     """``eval/<name>/<score>`` for every row of :func:`summarise`."""
     return {f"eval/{row['name']}/{key}": float(row[key]) for row in table for key in SCORE_KEYS}
+
+
+# --------------------------------------------------------------------------------------------
+# the notebook's body: policy, benchmarks, scores
+# --------------------------------------------------------------------------------------------
+
+SYNTHETIC_SUITE = {"shapes_one_figure": GENERAL, "shapes_two_figures": VISION_DEPENDENT}
+
+
+def synthetic_suite(n: int, seed: int) -> datasets.DatasetDict:
+    """The local CPU test set in the official schema: one-figure and two-figure counting problems."""
+    from papo_nb.testbed.official_schema import make_official_schema_dataset
+
+    return datasets.DatasetDict(
+        {
+            "shapes_one_figure": make_official_schema_dataset(n, seed=seed, two_image_every=0),
+            "shapes_two_figures": make_official_schema_dataset(n, seed=seed + 1, two_image_every=1),
+        }
+    )
+
+
+def load_eval_policy(params):
+    """(model, processor, description): the base model, or ``eval_checkpoint`` (a LoRA adapter folder on the base, or
+    a full model folder), in eval mode, with the recipe's pixel bounds on the processor."""
+    from papo_nb.testbed.models import load_vlm
+    from papo_nb.workbook.builder import load_policy, resolve_device
+    from papo_nb.workbook.recipe_data import set_processor_pixel_bounds
+
+    checkpoint = Path(params.eval_checkpoint).expanduser() if params.eval_checkpoint else None
+    if checkpoint is not None and not checkpoint.is_dir():
+        raise RecipeDataError(f"parameter 'eval_checkpoint' = {params.eval_checkpoint!r}: no such folder")
+    if checkpoint is not None and (checkpoint / "config.json").exists():
+        model, processor = load_vlm(checkpoint)
+        model, described = model.to(resolve_device(params)), f"full checkpoint {checkpoint}"
+    else:
+        model, processor = load_policy(params)
+        described = f"base model {params.model_name_or_path}"
+        if checkpoint is not None:
+            from peft import PeftModel
+
+            model = PeftModel.from_pretrained(model, str(checkpoint)).merge_and_unload()
+            described = f"LoRA adapter {checkpoint} merged into {params.model_name_or_path}"
+    set_processor_pixel_bounds(processor, params.min_pixels, params.max_pixels)
+    return model.eval(), processor, described
+
+
+def benchmark_rows(params, processor) -> dict[str, tuple[datasets.Dataset, str, dict]]:
+    """{benchmark: (TRL-ready rows, group, filter report)} for ``eval_benchmarks`` of ``eval_dataset``
+    (``synthetic``: the local test set)."""
+    from papo_nb.workbook.recipe_data import prepare_split
+
+    groups = parse_benchmarks(params.eval_benchmarks)
+    suite = synthetic_suite(params.n_eval_prompts, params.seed) if params.eval_dataset == "synthetic" else None
+    out = {}
+    for name, group in groups.items():
+        if suite is not None and name not in suite:
+            raise RecipeDataError(
+                f"parameter 'eval_benchmarks' names {name!r}; eval_dataset 'synthetic' has {sorted(suite)}"
+            )
+        raw = suite[name] if suite is not None else load_benchmark(params.eval_dataset, name)
+        rows, report = prepare_split(
+            raw, processor, format_prompt=params.format_prompt, min_pixels=params.min_pixels,
+            max_pixels=params.max_pixels, max_prompt_length=params.max_prompt_length, limit=params.n_eval_prompts,
+        )  # fmt: skip
+        out[name] = (rows, group, report.to_dict())
+    return out

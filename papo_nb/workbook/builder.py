@@ -11,7 +11,9 @@ from papo_nb.testbed.models import build_tiny_vlm, load_vlm, vision_special_toke
 from papo_nb.testbed.perception import build_testbed, make_perception_dataset, testbed_name
 from papo_nb.testbed.rewards import accuracy_reward, format_reward
 from papo_nb.testbed.shapes import load_vlm_dataset, make_shapes_dataset
+from papo_nb.workbook import math_reward, recipe_presets
 from papo_nb.workbook.params import PAPO_PARAM_FIELDS, WorkbookParams
+from papo_nb.workbook.recipe_data import official_datasets, set_processor_pixel_bounds
 
 TINY_PREFIX = "tiny:"
 EVAL_SEED_OFFSET = 10_000  # held-out synthetic items come from a different stream than training items
@@ -43,12 +45,16 @@ def load_policy(params: WorkbookParams, cache_dir: str | Path | None = None):
     device = resolve_device(params)
     dtype = "bfloat16" if params.precision == "bf16" and device == "cuda" else "float32"
     model, processor = load_vlm(resolve_model_path(params, cache_dir), dtype=dtype)
+    if params.dataset_schema == "official":  # the trainer's processor keeps images within the recipe's bounds
+        set_processor_pixel_bounds(processor, params.min_pixels, params.max_pixels)
     return model.to(device), processor
 
 
 def load_datasets(params: WorkbookParams):
     """(train, held-out eval) datasets: the synthetic shapes task, a testbed's task (``testbed:<name>``), or a
-    hub/local dataset's train/test splits."""
+    hub/local dataset's train/test splits; ``dataset_schema='official'``: PAPO's data (``recipe_data``)."""
+    if params.dataset_schema == "official":
+        return official_datasets(params, resolve_model_path(params))
     if testbed_name(params.dataset) is not None:
         return (
             make_perception_dataset(params.n_train_prompts, seed=params.seed),
@@ -94,6 +100,16 @@ def papo_config(
         dataloader_num_workers=0,
         generation_kwargs={"suppress_tokens": vision_special_token_ids(processor)},
     )
+    # A named recipe supplies the preset fields the params do not expose (clip range, weight decay, top_p...).
+    settings.update(recipe_presets.config_fields(params))
+    settings.update(
+        gradient_accumulation_steps=params.gradient_accumulation_steps,
+        steps_per_generation=params.steps_per_generation or None,
+        # The official actor checkpoints activations (config_grpo_papo.yaml:65); full fine-tuning on a GPU needs it.
+        activation_checkpointing=params.finetuning == "full" and on_gpu,
+    )
+    if params.dataset_schema == "official":
+        settings["reward_weights"] = list(math_reward.REWARD_WEIGHTS)  # 0.9 accuracy + 0.1 format (math.py:43)
     settings.update(overrides)
     return PAPOGConfig(**settings)
 
@@ -114,15 +130,30 @@ def lora_config(params: WorkbookParams):
 def build_trainer(
     params: WorkbookParams, args: PAPOGConfig, model, processor, train_dataset, *, trainer_cls=PAPOGTrainer
 ):
-    """A PAPO-G trainer; a plain model gets a fresh LoRA adapter, a PeftModel is trained as it is."""
+    """A PAPO-G trainer; a plain model gets a fresh LoRA adapter (or, ``finetuning='full'``, trains every weight,
+    the vision tower too unless ``freeze_vision_tower``), a PeftModel is trained as it is."""
     from peft import PeftModel
 
-    peft_config = None if isinstance(model, PeftModel) else lora_config(params)
+    if params.finetuning == "full" and not isinstance(model, PeftModel):
+        peft_config = None
+        if params.freeze_vision_tower:
+            vision_tower(model).requires_grad_(False)
+    else:
+        peft_config = None if isinstance(model, PeftModel) else lora_config(params)
+    official = params.dataset_schema == "official"
     return trainer_cls(
         model=model,
         processing_class=processor,
-        reward_funcs=[accuracy_reward, format_reward],
+        reward_funcs=list(math_reward.REWARD_FUNCS) if official else [accuracy_reward, format_reward],
         args=args,
         train_dataset=train_dataset,
         peft_config=peft_config,
     )
+
+
+def vision_tower(model):
+    """The vision encoder of a Qwen-VL model (``model.model.visual`` in transformers 5, ``model.visual`` before)."""
+    for owner in (model, getattr(model, "model", None)):
+        if owner is not None and hasattr(owner, "visual"):
+            return owner.visual
+    raise ValueError(f"parameter 'freeze_vision_tower': {type(model).__name__} has no 'visual' vision tower")

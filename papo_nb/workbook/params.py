@@ -141,6 +141,62 @@ class WorkbookParams(PAPOParams):
         "empty: multi_gpu.yaml (DDP) on GPU, cpu_gloo.yaml on the CPU",
     )
 
+    # --- the official recipe (params/recipes/*.yaml; papo_nb.workbook.recipe_data, recipe_presets) ---
+    recipe: str = Field(
+        "",
+        description="official recipe whose preset supplies the PAPOGConfig fields not exposed here (papo_g_3b, "
+        "papo_g_7b, papo_g_no_kl_ref, grpo_3b, grpo_7b); empty: none",
+    )
+    dataset_schema: Literal["shapes", "official"] = Field(
+        "shapes",
+        description="'shapes': prompt/image/answer rows and the shapes reward; 'official': PAPO's problem/answer/"
+        "images rows, format prompt, pixel bounds, over-long filter and math reward (0.9 boxed accuracy + 0.1 format)",
+    )
+    validation_dataset: str = Field(
+        "", description="official schema: held-out set (hub id, id@split or local folder); empty only with 'synthetic'"
+    )
+    format_prompt: str = Field(
+        "math_perception", description="official schema: 'math_perception', 'none' or a jinja file with {{ content }}"
+    )
+    min_pixels: int = Field(200704, ge=784, description="official schema: fewest pixels per image (256 28x28 patches)")
+    max_pixels: int = Field(1003520, ge=784, description="official schema: most pixels per image (1280 28x28 patches)")
+    max_prompt_length: int = Field(
+        4096, ge=1, le=262144, description="official schema: longer prompts (image tokens included) are dropped"
+    )
+    finetuning: Literal["lora", "full"] = Field(
+        "lora", description="'lora' (adapters on q_proj/v_proj) or 'full' (every weight, as the official recipe)"
+    )
+    freeze_vision_tower: bool = Field(
+        False, description="full fine-tuning: keep the vision tower frozen (official: no)"
+    )
+    gradient_accumulation_steps: int = Field(1, ge=1, le=100_000, description="micro-batches per optimizer step")
+    steps_per_generation: int = Field(
+        0, ge=0, le=1_000_000, description="micro-batches per rollout batch; 0: gradient_accumulation_steps (TRL's)"
+    )
+    eval_dataset: str = Field(
+        "synthetic",
+        description="05 evaluation: benchmark source (PAPO-Galaxy/PAPO_eval, a local save_to_disk DatasetDict, or "
+        "'synthetic': the local official-schema test set)",
+    )
+    eval_benchmarks: list[str] = Field(
+        default_factory=lambda: ["shapes_one_figure:general", "shapes_two_figures:vision_dependent"],
+        description="05 evaluation: benchmark splits as 'split' (an official one) or 'split:group' "
+        "(group general or vision_dependent)",
+    )
+    eval_samples: int = Field(8, ge=1, le=64, description="05 evaluation: k of avg@k at temperature 1.0 (official: 8)")
+    eval_checkpoint: str = Field(
+        "", description="05 evaluation: a trained checkpoint (LoRA adapter or full model folder); empty: base model"
+    )
+
+    @field_validator("recipe")
+    @classmethod
+    def _known_recipe(cls, value: str) -> str:
+        from papo_nb.workbook.recipe_presets import RECIPE_NAMES
+
+        if value not in RECIPE_NAMES:
+            raise ValueError(f"unknown recipe; allowed: {', '.join(repr(n) for n in RECIPE_NAMES)}")
+        return value
+
     @classmethod
     def field_names(cls) -> set[str]:
         return set(cls.model_fields)

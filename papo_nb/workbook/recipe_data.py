@@ -202,3 +202,49 @@ def prepare_split(
         raw = raw.select(range(min(limit, len(raw))))
     rows = to_trl_rows(raw, format_prompt, min_pixels, max_pixels)
     return filter_overlong_prompts(rows, processor, max_prompt_length)
+
+
+EVAL_SEED_OFFSET = 10_000  # as builder: held-out synthetic rows come from their own stream
+
+
+def official_datasets(params, model_path: str):
+    """(train rows, held-out rows) for ``dataset_schema='official'``: ``dataset`` (a hub id such as
+    ``PAPOGalaxy/PAPO_ViRL39K_train``, a local copy, or ``synthetic`` for the local official-schema set) and
+    ``validation_dataset`` (empty only with ``synthetic``, which draws held-out rows from another seed). The filter
+    counts are printed and, inside an MLflow run, logged as ``data/<split>/...`` metrics."""
+    import mlflow
+    from transformers import AutoProcessor
+
+    from papo_nb.testbed.official_schema import make_official_schema_dataset
+
+    if not params.validation_dataset and params.dataset != "synthetic":
+        raise RecipeDataError(
+            f"parameter 'validation_dataset' is empty with dataset = {params.dataset!r}: name the held-out set "
+            f"(official: {VALIDATION_DATASET}); only dataset 'synthetic' draws held-out rows of its own"
+        )
+    processor = AutoProcessor.from_pretrained(model_path)
+    set_processor_pixel_bounds(processor, params.min_pixels, params.max_pixels)
+    options = dict(
+        format_prompt=params.format_prompt,
+        min_pixels=params.min_pixels,
+        max_pixels=params.max_pixels,
+        max_prompt_length=params.max_prompt_length,
+    )
+    sources = {
+        "train": (params.dataset, params.n_train_prompts, params.seed, "dataset"),
+        "validation": (
+            params.validation_dataset or params.dataset,
+            params.n_eval_prompts,
+            params.seed + EVAL_SEED_OFFSET,
+            "validation_dataset",
+        ),
+    }
+    prepared = []
+    for split, (source, limit, seed, parameter) in sources.items():
+        if source == "synthetic":
+            source = make_official_schema_dataset(limit, seed=seed)
+        rows, report = prepare_split(source, processor, limit=limit, parameter=parameter, **options)
+        if mlflow.active_run() is not None:
+            mlflow.log_metrics({f"data/{split}/{k}": float(v) for k, v in report.to_dict().items()})
+        prepared.append(rows)
+    return tuple(prepared)
