@@ -6,6 +6,7 @@ import torch
 
 from papo_nb.testbed.models import vision_special_token_ids
 from papo_nb.testbed.rewards import accuracy_reward
+from papo_nb.workbook.math_reward import math_accuracy_reward
 from papo_nb.workbook.raw_masks import mask_pil_squares
 
 
@@ -65,17 +66,27 @@ def generate_answers(
 def evaluate_image_reliance(
     model, processor, dataset, *, mask_ratio: float = 0.6, seed: int = 0, max_new_tokens: int = 16
 ) -> dict:
-    """Accuracy on original images, on images masked the official way (14x14 squares), and the gap."""
+    """Accuracy on original images, on images masked the official way (14x14 squares), and the gap.
+
+    Shapes rows (one ``image``) are graded by the shapes reward; official-schema rows (``images`` lists, from
+    ``recipe_data``) by the official boxed-answer grader."""
+    official = "images" in dataset.column_names
+    grade = math_accuracy_reward if official else accuracy_reward
     was_training = model.training
     model.eval()
     try:
         prompts, answers = list(dataset["prompt"]), list(dataset["answer"])
-        originals = list(dataset["image"])
-        masked = [mask_pil_squares(img, mask_ratio, seed=seed + i) for i, img in enumerate(originals)]
+        originals = [list(images) for images in dataset["images"]] if official else list(dataset["image"])
+        masked = [
+            [mask_pil_squares(im, mask_ratio, seed=seed + 1000 * i + j) for j, im in enumerate(img)]
+            if official
+            else mask_pil_squares(img, mask_ratio, seed=seed + i)
+            for i, img in enumerate(originals)
+        ]
         scores = {}
         for name, images in (("original", originals), ("masked", masked)):
             completions = generate_answers(model, processor, prompts, images, max_new_tokens=max_new_tokens)
-            scores[name] = sum(accuracy_reward(completions, answers)) / len(answers)
+            scores[name] = sum(grade(completions, answers)) / len(answers)
     finally:
         model.train(was_training)
     return {

@@ -20,11 +20,10 @@ from papo_nb.papo.recipes import RECIPES, recipe
 # (use_kl_prcp true, coef 0.01) off, so the 7B baseline script as published is not plain GRPO; grpo_7b here is.
 GRPO_OFF = {"perception_loss_weight": 0.0, "original_entropy_weight": 0.0, "masked_entropy_weight": 0.0}
 BASELINES = {"grpo_3b": "papo_g_3b", "grpo_7b": "papo_g_7b"}
-# Optimiser settings of the official actor that the PAPO-G presets do not carry yet (not PAPO values):
-# constant learning rate (actor:52 warmup_style "constant", no decay) where TRL defaults to linear decay to 0, and
-# the dual clip C = 3 (actor:91 clip_ratio_dual), which TRL's `delta` reproduces (it caps the ratio at 3; with
-# advantage > 0 the 1 + epsilon_high clip already binds first).
-ACTOR_EXTRAS = {"lr_scheduler_type": "constant", "delta": 3.0}
+# An optimiser setting of the official actor the PAPO-G presets do not carry (not a PAPO value): the dual clip
+# C = 3 (actor:91 clip_ratio_dual, applied for negative advantages, core_algos.py compute_policy_loss), which TRL's
+# `delta` reproduces (it caps the ratio at 3; with advantage > 0 the 1 + epsilon_high clip binds first anyway).
+ACTOR_EXTRAS = {"delta": 3.0}
 RECIPE_NAMES = ("", *RECIPES, *BASELINES)
 
 
