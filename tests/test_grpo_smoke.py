@@ -4,12 +4,11 @@ import math
 
 import pytest
 import torch
+from tiny_trainers import tiny_trainer
 from trl import GRPOTrainer
 
 from papo_nb.testbed.models import load_vlm
-from papo_nb.workbook.builder import build_trainer, papo_config
 from papo_nb.workbook.figures import step_logs
-from papo_nb.workbook.params import WorkbookParams
 
 
 def lora_tensors(model) -> dict[str, torch.Tensor]:
@@ -20,10 +19,7 @@ def lora_tensors(model) -> dict[str, torch.Tensor]:
 def test_grpo_lora_trains_tiny_vlm(tiny_vlm_path, shapes_dataset, tmp_path):
     model, processor = load_vlm(tiny_vlm_path)
     # the workbook's one builder makes the plain GRPO trainer too (a fresh LoRA: model is not a PeftModel yet)
-    # no reference model (beta 0) and a LoRA-scale learning rate: 4 steps move the adapter
-    params = WorkbookParams(beta=0.0, learning_rate=1e-3, per_device_train_batch_size=8, max_steps=4)
-    args = papo_config(params, tmp_path / "grpo", processor, save_strategy="no")
-    trainer = build_trainer(params, args, model, processor, shapes_dataset, trainer_cls=GRPOTrainer)
+    trainer = tiny_trainer(model, processor, shapes_dataset, tmp_path / "grpo", GRPOTrainer, max_steps=4)
     before = lora_tensors(trainer.model)
     base_before = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if "lora_" not in n}
     assert before, "LoRA produced no adapter tensors"

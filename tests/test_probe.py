@@ -6,13 +6,14 @@ import json
 import pytest
 import torch
 from peft import get_peft_model
+from tiny_trainers import tiny_trainer, unit_params
 
-from papo_nb.papo import PAPOGConfig, PAPOGTrainer
+from papo_nb.papo import PAPOGTrainer
 from papo_nb.papo.contract import GAMMA_ZERO_GRADIENT_ABS_FLOOR, GAMMA_ZERO_GRADIENT_REL_TOL, PAPO_ADAPTER_VERSION
 from papo_nb.papo.probe import PASS_RULE, PROBE_CALLS, GammaZeroProbe, ProbeFailure, probe_batch, probe_batches
-from papo_nb.testbed.models import load_vlm, tiny_grpo_config, tiny_lora_config, vision_special_token_ids
-from papo_nb.testbed.rewards import accuracy_reward, format_reward
+from papo_nb.testbed.models import load_vlm
 from papo_nb.workbook.batches import rollout_batch
+from papo_nb.workbook.builder import lora_config
 
 
 class LeakyPAPOGTrainer(PAPOGTrainer):
@@ -31,15 +32,8 @@ def build(tiny_vlm_path, dataset, tmp_path, trainer_cls=PAPOGTrainer, zero_visio
             for p in model.model.visual.merger.parameters():
                 p.zero_()
     torch.manual_seed(0)
-    model = get_peft_model(model, tiny_lora_config())
-    args = tiny_grpo_config(tmp_path / "out", vision_special_token_ids(processor), config_cls=PAPOGConfig, **overrides)
-    trainer = trainer_cls(
-        model=model,
-        processing_class=processor,
-        reward_funcs=[accuracy_reward, format_reward],
-        args=args,
-        train_dataset=dataset,
-    )
+    model = get_peft_model(model, lora_config(unit_params()))
+    trainer = tiny_trainer(model, processor, dataset, tmp_path / "out", trainer_cls, **overrides)
     return trainer, rollout_batch(trainer, dataset, n_prompts=2, seed=0)
 
 

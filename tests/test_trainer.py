@@ -5,35 +5,27 @@ import dataclasses
 import pytest
 import torch
 from peft import get_peft_model
+from tiny_trainers import tiny_trainer, unit_params
 from trl import GRPOConfig, GRPOTrainer
 
 from papo_nb.papo import PAPOGConfig, PAPOGTrainer, masking, recipes
 from papo_nb.papo.papo_trainer import logp_call_arguments
 from papo_nb.papo.terms import K3_BOUND, bounded_k3
-from papo_nb.testbed.models import load_vlm, tiny_grpo_config, tiny_lora_config, vision_special_token_ids
-from papo_nb.testbed.rewards import accuracy_reward, format_reward
+from papo_nb.testbed.models import load_vlm
 from papo_nb.workbook.batches import clone_batch, rollout_batch
+from papo_nb.workbook.builder import lora_config
 
 
 @pytest.fixture(scope="module")
 def policy(tiny_vlm_path):
     model, processor = load_vlm(str(tiny_vlm_path))
     torch.manual_seed(0)
-    return get_peft_model(model, tiny_lora_config()), processor
+    return get_peft_model(model, lora_config(unit_params())), processor
 
 
-def make_trainer(policy, dataset, tmp_path, trainer_cls=PAPOGTrainer, config_cls=PAPOGConfig, **overrides):
+def make_trainer(policy, dataset, tmp_path, trainer_cls=PAPOGTrainer, **overrides):
     model, processor = policy
-    args = tiny_grpo_config(
-        tmp_path / trainer_cls.__name__, vision_special_token_ids(processor), config_cls=config_cls, **overrides
-    )
-    return trainer_cls(
-        model=model,
-        processing_class=processor,
-        reward_funcs=[accuracy_reward, format_reward],
-        args=args,
-        train_dataset=dataset,
-    )
+    return tiny_trainer(model, processor, dataset, tmp_path / trainer_cls.__name__, trainer_cls, **overrides)
 
 
 @pytest.fixture(scope="module")
@@ -58,9 +50,7 @@ def test_zero_gamma_zero_eta_is_the_parent_loss_bit_for_bit(policy, shapes_datas
         original_entropy_weight=0.0,
         masked_entropy_weight=0.0,
     )
-    plain = make_trainer(
-        policy, shapes_dataset, tmp_path, trainer_cls=GRPOTrainer, config_cls=GRPOConfig, loss_type=loss_type
-    )
+    plain = make_trainer(policy, shapes_dataset, tmp_path, trainer_cls=GRPOTrainer, loss_type=loss_type)
     for trainer in (papo, plain):
         trainer.current_gradient_accumulation_steps = 1
     papo_loss = papo._compute_loss(policy[0], batch)
@@ -330,9 +320,7 @@ def test_official_annealing_ratio_and_discount(policy, shapes_dataset, batch, tm
     assert trainer.current_gamma() == pytest.approx(0.3) and trainer.annealing_discount() == pytest.approx(0.6)
     trainer.state.global_step = 5
     assert trainer.current_gamma() == 0.0 and trainer.annealing_discount() == 0.0
-    plain = make_trainer(
-        policy, shapes_dataset, tmp_path, trainer_cls=GRPOTrainer, config_cls=GRPOConfig, loss_type="bnpo"
-    )
+    plain = make_trainer(policy, shapes_dataset, tmp_path, trainer_cls=GRPOTrainer, loss_type="bnpo")
     for t in (trainer, plain):
         t.current_gradient_accumulation_steps = 1
     # gamma and the discounted etas all reach 0: the loss is the parent's again, bit for bit

@@ -1,4 +1,4 @@
-"""Tiny offline Qwen-VL models for CPU tests, the real-checkpoint loader, and GRPO/LoRA presets.
+"""Tiny offline Qwen-VL models for CPU tests and the real-checkpoint loader (LoRA and trainer configs: the builder).
 
 `build_tiny_vlm` makes a Qwen2-VL / Qwen2.5-VL of a few hundred thousand parameters with a BPE
 tokenizer trained on the shapes task, entirely offline, and caches it on disk. `load_vlm` is the one
@@ -318,53 +318,3 @@ def vision_special_token_ids(processor_or_tokenizer) -> list[int]:
     tokenizer = getattr(processor_or_tokenizer, "tokenizer", processor_or_tokenizer)
     vocab = tokenizer.get_vocab()
     return sorted(vocab[t] for t in VISION_SPECIAL_TOKENS if t in vocab)
-
-
-def tiny_lora_config(r: int = 8, lora_alpha: int = 16):
-    """LoRA on q_proj/v_proj: in Qwen-VL that lands only in the language model (the vision tower uses fused qkv)."""
-    from peft import LoraConfig
-
-    return LoraConfig(
-        r=r,
-        lora_alpha=lora_alpha,
-        lora_dropout=0.0,
-        target_modules=["q_proj", "v_proj"],
-        task_type="CAUSAL_LM",
-    )
-
-
-def tiny_grpo_config(
-    output_dir: str | Path, suppress_tokens: list[int] | None = None, config_cls: type | None = None, **overrides
-):
-    """A GRPOConfig that trains the tiny model on CPU in a fraction of a second per step.
-
-    It undoes TRL defaults that hurt here: bf16=True, activation (gradient) checkpointing on, logging every 10
-    steps, and lr 1e-6 (too small to move a randomly initialised LoRA in a few steps).
-    `suppress_tokens` should be `vision_special_token_ids(processor)`; `config_cls` may be a
-    GRPOConfig subclass (e.g. a PAPO-G config), `overrides` any of its fields.
-    """
-    from trl import GRPOConfig
-
-    config_cls = config_cls or GRPOConfig
-
-    settings = {
-        "output_dir": str(output_dir),
-        "per_device_train_batch_size": 8,
-        "num_generations": 4,
-        "max_completion_length": 16,
-        "temperature": 1.0,
-        "learning_rate": 1e-3,
-        "beta": 0.0,
-        "max_steps": 4,
-        "logging_steps": 1,
-        "bf16": False,
-        "activation_checkpointing": False,  # TRL defaults the deprecated alias gradient_checkpointing to True
-        "use_cpu": not torch.cuda.is_available(),
-        "report_to": "none",
-        "save_strategy": "no",
-        "dataloader_num_workers": 0,
-        "seed": 0,
-        "generation_kwargs": {"suppress_tokens": list(suppress_tokens)} if suppress_tokens else None,
-    }
-    settings.update(overrides)
-    return config_cls(**settings)
