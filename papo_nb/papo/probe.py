@@ -81,6 +81,8 @@ class ProbeEvidence:
     perception_grad_norm: float | None = None
     separation_ratio: float | None = None  # the same number as leak_detection_power (older name)
     leak_detection_power: float | None = None  # ||grad perception term|| / tolerance; < 1: a leak could hide
+    gamma: float | None = None  # the run's gamma_t when measured
+    gamma_leak_detection_power: float | None = None  # gamma_t * power: for a leak of the gamma-weighted term
     degenerate_batches_skipped: int = 0
     underpowered_batches_skipped: int = 0
     batches_without_images: int = 0
@@ -160,6 +162,7 @@ def measure_gamma_zero(
         torch.stack([terms.kl_sum, terms.token_count]).detach().float(), reduction="sum"
     )
     autocast_enabled, autocast_dtype = _autocast_state()
+    gamma = float(trainer.current_gamma()) if hasattr(trainer, "current_gamma") else 0.0
     return dict(
         parent_loss=parent_value,
         zero_gamma_loss=zero_value,
@@ -173,6 +176,8 @@ def measure_gamma_zero(
         perception_grad_norm=perception_norm,
         separation_ratio=perception_norm / tolerance,
         leak_detection_power=perception_norm / tolerance,
+        gamma=gamma,
+        gamma_leak_detection_power=gamma * perception_norm / tolerance,
         dtype=str(parent_loss.dtype).replace("torch.", ""),
         autocast_enabled=autocast_enabled,
         autocast_dtype=autocast_dtype,

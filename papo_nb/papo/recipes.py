@@ -44,9 +44,9 @@ _PAPO_G_3B: dict[str, Any] = {
 
 RECIPES: dict[str, dict[str, Any]] = {
     "papo_g_3b": _PAPO_G_3B,
-    # sh7b:30-35 and :51-54: both entropy terms on at 0.05; everything else as 3B.
+    # sh7b:31-34 and :51-54: both entropy terms on at 0.05; everything else as 3B.
     "papo_g_7b": {**_PAPO_G_3B, "original_entropy_weight": 0.05, "masked_entropy_weight": 0.05},
-    # shnokl:28-34 and :51-55: gamma 0.01, disable_kl (no reference KL), both entropy terms at 0.03.
+    # shnokl:28-34 and :50-55: gamma 0.01, disable_kl (no reference KL), both entropy terms at 0.03.
     "papo_g_no_kl_ref": {
         **_PAPO_G_3B,
         "perception_loss_weight": 0.01,

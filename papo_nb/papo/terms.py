@@ -45,7 +45,7 @@ def normalise_like_parent(
     training: bool,
 ) -> torch.Tensor:
     """Reduce a (B, T) per-token quantity exactly as GRPOTrainer 1.9.1 reduces its policy term
-    (grpo_trainer.py:3122-3150); ``accumulation`` is 1 outside training, as there."""
+    (grpo_trainer.py:3124-3153); ``accumulation`` is 1 outside training, as there."""
     masked = zero_outside(per_token, mask) * mask
     if loss_type in ("grpo", "sapo"):
         return (masked.sum(-1) / mask.sum(-1).clamp(min=1.0)).mean() / accumulation

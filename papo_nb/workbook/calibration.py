@@ -34,6 +34,7 @@ class CalibrationPoint:
     injected_leak_diff: float  # ||g_zero - g_parent|| measured with a leaking assembly
     perception_kl: float
     loss_bit_equal: bool
+    leak_detection_power: float  # perception gradient / tolerance: < 1 means a leak that size would pass unseen
 
     def to_dict(self):
         return asdict(self)
@@ -87,6 +88,7 @@ def calibrate_phase(
                     leaky["grad_diff_norm"],
                     clean["perception_kl"],
                     clean["loss_bit_equal"],
+                    clean["leak_detection_power"],
                 )
             )
     return points
@@ -181,5 +183,54 @@ def plot_calibration(points: list[CalibrationPoint]):
     ax.set_title("Gamma-zero probe calibration: roundoff below the boundary, leaks above")
     ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
     ax.grid(True, which="both", alpha=0.3)
+    fig.tight_layout()
+    return fig
+
+
+def weakest_power(points: list[CalibrationPoint]) -> dict:
+    """The point with the smallest leak-detection power, and a sentence saying whether every point is powered."""
+    weakest = min(points, key=lambda p: p.leak_detection_power)
+    underpowered = [p for p in points if p.leak_detection_power < 1.0]
+    where = f"{weakest.phase}, {weakest.precision}, batch {weakest.batch}"
+    return {
+        "min_leak_detection_power": weakest.leak_detection_power,
+        "weakest_point": where,
+        "underpowered_points": len(underpowered),
+        "statement": (
+            f"weakest leak-detection power {weakest.leak_detection_power:.3g} ({where}); "
+            + (
+                f"{len(underpowered)} of {len(points)} points are UNDERPOWERED (< 1): there a leak as large as the "
+                "perception gradient would pass the gamma-zero check unseen"
+                if underpowered
+                else f"all {len(points)} points are powered (>= 1): a leak as large as the perception gradient shows"
+            )
+        ),
+    }
+
+
+def plot_power(points: list[CalibrationPoint]):
+    """Leak-detection power of every calibration point (log scale), with the power-1 line and the weakest marked."""
+    fig = Figure(figsize=(10, 4.5))
+    ax = fig.subplots()
+    labels = [f"{p.phase}\n{p.precision} b{p.batch}" for p in points]
+    powers = [p.leak_detection_power for p in points]
+    colours = ["tab:red" if v < 1.0 else "tab:blue" for v in powers]
+    ax.bar(range(len(points)), powers, color=colours)
+    ax.axhline(1.0, color="k", lw=1.5, label="power 1: a leak the size of the perception gradient just shows")
+    weakest = int(np.argmin(powers))
+    ax.annotate(
+        f"weakest {powers[weakest]:.3g}",
+        (weakest, powers[weakest]),
+        textcoords="offset points",
+        xytext=(0, 6),
+        ha="center",
+        fontsize=8,
+    )
+    ax.set_yscale("log")
+    ax.set_xticks(range(len(points)), labels, fontsize=7)
+    ax.set_ylabel("leak-detection power = ||grad perception|| / tolerance")
+    ax.set_title("Gamma-zero probe power per calibration point (red: underpowered, < 1)")
+    ax.legend(fontsize=8)
+    ax.grid(True, which="both", axis="y", alpha=0.3)
     fig.tight_layout()
     return fig
