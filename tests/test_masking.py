@@ -107,3 +107,32 @@ def test_bad_ratio_is_refused(processed, ratio):
     processor, pixel_values, grid = processed
     with pytest.raises(ValueError, match="mask ratio"):
         masking.mask_patches(pixel_values, grid, ratio, **_stats(processor))
+
+
+def test_apply_mask_blackens_rows_or_values_and_checks_the_shape(processed):
+    processor, pixel_values, grid = processed
+    rows = torch.zeros(pixel_values.shape[0], dtype=torch.bool)
+    rows[:3] = True
+    out = masking.apply_mask(pixel_values, rows, **_stats(processor))
+    black = masking.black_pixel_values(processor.image_mean, processor.image_std)
+    assert torch.allclose(out[:3, 0], black[0].expand(3)) and torch.equal(out[3:], pixel_values[3:])
+    values = torch.zeros(pixel_values.shape, dtype=torch.bool)
+    values[5, 7] = True
+    assert (masking.apply_mask(pixel_values, values, **_stats(processor)) != pixel_values).sum() <= 1
+    with pytest.raises(ValueError, match="does not fit"):
+        masking.apply_mask(pixel_values, rows[:-1], **_stats(processor))
+
+
+def test_prompt_keys_match_exactly_equal_prompts_and_images(processed):
+    _, pixel_values, grid = processed
+    n0 = int(grid[0].prod())
+    pv = torch.cat([pixel_values, pixel_values[:n0]])  # images: A, B, A again
+    grids = torch.cat([grid, grid[:1]])
+    ids = torch.tensor([[0, 5, 6], [0, 5, 6], [0, 5, 6]])
+    mask = torch.tensor([[0, 1, 1], [0, 1, 1], [1, 1, 1]])  # third: same tokens after padding? no: an extra 0
+    keys = masking.prompt_keys(ids, mask, pv, grids, [1, 1, 1])
+    assert keys[0] != keys[1], "different images"
+    assert keys[0] != keys[2], "same image but a different prompt (the unpadded tokens differ)"
+    same = masking.prompt_keys(ids, torch.tensor([[0, 1, 1]] * 3), pv, grids, [1, 1, 1])
+    assert same[0] == same[2] != same[1]
+    assert masking.sample_row_ranges(grids, [1, 1, 1])[2] == (pv.shape[0] - n0, pv.shape[0])

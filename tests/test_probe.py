@@ -191,3 +191,38 @@ def test_probe_batches_looks_at_the_next_batch(real):
     trainer, batch = real
     evidence = probe_batches(trainer, [batch, batch], max_degenerate_batches=5)
     assert evidence.passed and evidence.leak_detection_power >= 1
+
+
+def test_calibration_power_names_the_weakest_point_and_flags_underpowered_ones():
+    from papo_nb.workbook.calibration import CalibrationPoint, plot_power, weakest_power
+
+    points = [
+        CalibrationPoint("phase1", "fp32", 0, 0.1, 0.0, 5e-3, 5e-2, 5e-2, 1e-2, True),
+        CalibrationPoint("phase2", "bf16", 1, 0.1, 1e-5, 5e-3, 2e-3, 2e-3, 1e-2, True),
+    ]
+    assert points[1].leak_detection_power == pytest.approx(0.4)
+    power = weakest_power(points)
+    assert power["weakest_point"] == "phase2, bf16, batch 1" and power["underpowered_points"] == 1
+    assert "UNDERPOWERED" in power["statement"] and "0.4" in power["statement"]
+    (ax,) = plot_power(points).axes
+    assert ax.get_yscale() == "log" and len(ax.patches) == 2 and "power" in ax.get_ylabel()
+
+
+def test_underpowered_status_becomes_an_mlflow_tag(real, tmp_path):
+    import mlflow
+
+    from papo_nb.papo.probe import ProbeEvidence
+    from papo_nb.workbook.training import tag_probe_status
+
+    trainer, _ = real
+    probe = GammaZeroProbe()
+    probe.evidence = ProbeEvidence("underpowered", "probe UNDERPOWERED after 20 batches")
+    trainer.probe, saved = probe, trainer.probe
+    try:
+        mlflow.set_tracking_uri(f"sqlite:///{tmp_path}/mlflow.db")
+        with mlflow.start_run() as run:
+            assert tag_probe_status(trainer) == "underpowered"
+        tags = mlflow.get_run(run.info.run_id).data.tags
+    finally:
+        trainer.probe = saved
+    assert tags["papo_nb.probe_status"] == "underpowered" and "UNDERPOWERED" in tags["papo_nb.probe_warning"]

@@ -34,7 +34,12 @@ class CalibrationPoint:
     injected_leak_diff: float  # ||g_zero - g_parent|| measured with a leaking assembly
     perception_kl: float
     loss_bit_equal: bool
-    leak_detection_power: float  # perception gradient / tolerance: < 1 means a leak that size would pass unseen
+    # perception gradient / tolerance: < 1 means a leak that size would pass unseen (computed when not given)
+    leak_detection_power: float | None = None
+
+    def __post_init__(self):
+        if self.leak_detection_power is None:
+            self.leak_detection_power = self.perception_grad_norm / self.tolerance
 
     def to_dict(self):
         return asdict(self)

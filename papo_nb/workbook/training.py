@@ -46,11 +46,27 @@ def prepare_training(params: WorkbookParams, output_dir: str | Path, *, report_t
     return trainer, eval_dataset, restored
 
 
+def tag_probe_status(trainer) -> str | None:
+    """Tag the active MLflow run ``papo_nb.probe_status`` with the in-training probe's status ("passed",
+    "underpowered", "pending", ...) so an underpowered probe shows as a warning next to the run; returns it."""
+    evidence = getattr(getattr(trainer, "probe", None), "evidence", None)
+    if evidence is None:
+        return None
+    import mlflow
+
+    if mlflow.active_run() is not None:
+        mlflow.set_tag("papo_nb.probe_status", evidence.status)
+        if evidence.status == "underpowered":
+            mlflow.set_tag("papo_nb.probe_warning", evidence.message[:5000])
+    return evidence.status
+
+
 def run_training(
     params: WorkbookParams, output_dir: str | Path, *, report_to: str = "none", **config_overrides
 ) -> TrainingResult:
     trainer, eval_dataset, restored = prepare_training(params, output_dir, report_to=report_to, **config_overrides)
     trainer.train()
+    tag_probe_status(trainer)
     output_dir = Path(output_dir)
     return TrainingResult(
         trainer,
