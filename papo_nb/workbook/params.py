@@ -158,10 +158,17 @@ class WorkbookParams(PAPOParams):
     format_prompt: str = Field(
         "math_perception", description="official schema: 'math_perception', 'none' or a jinja file with {{ content }}"
     )
-    min_pixels: int = Field(200704, ge=784, description="official schema: fewest pixels per image (256 28x28 patches)")
-    max_pixels: int = Field(1003520, ge=784, description="official schema: most pixels per image (1280 28x28 patches)")
+    min_pixels: int = Field(
+        3136, ge=784, description="official schema: fewest pixels per image (official: 200704 = 256 28x28 patches)"
+    )
+    max_pixels: int = Field(
+        12544, ge=784, description="official schema: most pixels per image (official: 1003520 = 1280 28x28 patches)"
+    )
     max_prompt_length: int = Field(
-        4096, ge=1, le=262144, description="official schema: longer prompts (image tokens included) are dropped"
+        1024,
+        ge=1,
+        le=262144,
+        description="official schema: longer prompts (image tokens included) are dropped (official: 4096)",
     )
     finetuning: Literal["lora", "full"] = Field(
         "lora", description="'lora' (adapters on q_proj/v_proj) or 'full' (every weight, as the official recipe)"
@@ -183,7 +190,7 @@ class WorkbookParams(PAPOParams):
         description="05 evaluation: benchmark splits as 'split' (an official one) or 'split:group' "
         "(group general or vision_dependent)",
     )
-    eval_samples: int = Field(8, ge=1, le=64, description="05 evaluation: k of avg@k at temperature 1.0 (official: 8)")
+    eval_samples: int = Field(4, ge=1, le=64, description="05 evaluation: k of avg@k at temperature 1.0 (official: 8)")
     eval_checkpoint: str = Field(
         "", description="05 evaluation: a trained checkpoint (LoRA adapter or full model folder); empty: base model"
     )

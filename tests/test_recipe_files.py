@@ -1,0 +1,115 @@
+"""The recipe files validate, agree with the PAPO-G presets, reproduce the official batches, and the preflight
+names the parameter to change when a run cannot fit."""
+
+from pathlib import Path
+
+import pytest
+
+from papo_nb.papo.recipes import RECIPES
+from papo_nb.testbed.models import build_tiny_processor
+from papo_nb.testbed.official_schema import make_official_schema_dataset
+from papo_nb.workbook import recipe_data as rd
+from papo_nb.workbook import recipe_preflight as pf
+from papo_nb.workbook.params import load_params
+from papo_nb.workbook.recipe_presets import config_fields, recipe_deviations, recipe_fields
+
+ROOT = Path(__file__).resolve().parents[1]
+GPU_RECIPES = ("papo_g_3b", "grpo_3b", "papo_g_7b", "grpo_7b")
+GIB = 1024**3
+
+
+@pytest.mark.parametrize("name", GPU_RECIPES)
+def test_gpu_recipe_validates_and_matches_its_preset(name):
+    params = load_params(ROOT / "params" / "recipes" / f"{name}.yaml")
+    assert params.recipe == name
+    assert recipe_deviations(params) == {}  # every exposed preset field is in the file, unchanged
+    assert params.dataset == rd.TRAIN_DATASET and params.validation_dataset == rd.VALIDATION_DATASET
+    assert params.dataset_schema == "official" and params.format_prompt == "math_perception"
+    assert (params.min_pixels, params.max_pixels, params.max_prompt_length) == (200704, 1003520, 4096)
+    assert params.finetuning == "full" and not params.freeze_vision_tower
+    layout = pf.batch_layout(params)
+    assert layout["prompts_per_generation"] == 384 and layout["prompts_per_optimizer_step"] == 128
+    assert layout["optimizer_steps_per_generation"] == 3
+    assert pf.check_batches(params, layout) == [] and pf.batch_deviations(params, layout) == []
+    assert params.eval_samples == 8 and len(params.eval_benchmarks) == 8
+    assert params.model_name_or_path == f"Qwen/Qwen2.5-VL-{name[-2:].upper()}-Instruct"
+
+
+def test_baselines_switch_the_perception_terms_off_and_papo_keeps_them():
+    assert recipe_fields("grpo_3b")["perception_loss_weight"] == 0.0
+    assert recipe_fields("grpo_7b")["original_entropy_weight"] == 0.0
+    assert recipe_fields("papo_g_3b")["perception_loss_weight"] == RECIPES["papo_g_3b"]["perception_loss_weight"]
+    assert recipe_fields("papo_g_7b")["masked_entropy_weight"] == 0.05
+    # fields the params do not expose reach the config from the preset
+    params = load_params(ROOT / "params" / "recipes" / "papo_g_3b.yaml")
+    hidden = config_fields(params)
+    assert hidden["epsilon_high"] == 0.3 and hidden["top_p"] == 0.99 and hidden["weight_decay"] == 0.01
+    assert hidden["delta"] == 3.0 and hidden["lr_scheduler_type"] == "constant"
+
+
+def test_tiny_recipe_reports_its_deviations():
+    params = load_params(ROOT / "params" / "recipes" / "tiny_cpu.yaml")
+    assert set(recipe_deviations(params)) == {"learning_rate", "max_completion_length"}
+    assert len(pf.batch_deviations(params, pf.batch_layout(params))) == 2
+
+
+def test_unknown_recipe_is_refused_naming_the_choices():
+    from papo_nb.workbook.params import ParamsError
+
+    with pytest.raises(ParamsError, match=r"'recipe' = 'papo_g_13b'.*allowed: '', 'papo_g_3b'"):
+        load_params(ROOT / "params" / "recipes" / "papo_g_3b.yaml", ["recipe=papo_g_13b"])
+
+
+@pytest.fixture(scope="module")
+def rows_and_processor():
+    processor = build_tiny_processor("qwen2_vl")
+    rd.set_processor_pixel_bounds(processor, 3136, 12544)
+    raw = make_official_schema_dataset(6, seed=0)
+    rows = rd.to_trl_rows(raw, "math_perception", 3136, 12544)
+    return raw, rows, processor
+
+
+def test_preflight_passes_the_3b_recipe_on_two_80gb_gpus(rows_and_processor):
+    raw, rows, processor = rows_and_processor
+    params = load_params(
+        ROOT / "params" / "recipes" / "papo_g_3b.yaml",
+        ["min_pixels=3136", "max_pixels=12544", "max_prompt_length=512"],
+    )
+    report = pf.preflight(
+        params, rows, processor, raw, n_params=3_754_622_976, vocab_size=151_936, gpus=[80 * GIB] * 2
+    )
+    assert report.ok, report.problems
+    # 3.75e9 params x 2 bytes x 4 (weights, grads, 2 AdamW states) / 2 FSDP shards + a bf16 reference / 2
+    # + 5 x 2048 x 151936 x 6 bytes of logits
+    expected = (3_754_622_976 * 2 * 4 / 2 + 3_754_622_976 * 2 / 2 + 5 * 2048 * 151_936 * 6) / GIB
+    assert report.estimates["memory_lower_bound_gib"] == pytest.approx(expected)
+    assert report.estimates["optimizer_steps_per_epoch"] == 3  # 6 rows -> one round of 384 prompts (ceil) x 3
+    assert report.estimates["completion_tokens_at_most"] == 606 * 128 * 5 * 2048
+
+
+def test_preflight_names_what_to_change(rows_and_processor):
+    raw, rows, processor = rows_and_processor
+    params = load_params(ROOT / "params" / "recipes" / "papo_g_7b.yaml", ["accelerate_config=''"])
+    report = pf.preflight(params, rows, processor, raw, n_params=8_292_166_656, vocab_size=152_064, gpus=[80 * GIB])
+    text = "\n".join(report.problems)
+    assert "parameter 'num_processes' = 4: 1 GPU(s) here" in text
+    assert "parameter 'per_device_train_batch_size' = 5 (finetuning = 'full')" in text and "FSDP" in text
+    assert "processor pixel bounds (3136, 12544) differ from parameters 'min_pixels'/'max_pixels'" in text
+    with pytest.raises(ValueError, match="recipe preflight failed"):
+        report.raise_if_failed()
+
+
+def test_preflight_checks_columns_and_image_tokens(rows_and_processor):
+    import datasets
+
+    _, rows, processor = rows_and_processor
+    params = load_params(ROOT / "params" / "recipes" / "tiny_cpu.yaml", ["max_prompt_length=20"])
+    bad = datasets.Dataset.from_dict({"question": ["q"], "answer": ["1"]})
+    report = pf.preflight(params, rows, processor, bad, n_params=1000, vocab_size=384, gpus=[])
+    text = "\n".join(report.problems)
+    assert "parameter 'dataset' = 'synthetic': missing column(s) ['problem', 'images']" in text
+    assert "parameter 'max_pixels' = 12544: 2 image(s) of that size take 32 tokens" in text
+    layout_problem = load_params(ROOT / "params" / "recipes" / "tiny_cpu.yaml", ["steps_per_generation=3"])
+    assert "must be a multiple of gradient_accumulation_steps" in "\n".join(
+        pf.check_batches(layout_problem, pf.batch_layout(layout_problem))
+    )
