@@ -5,6 +5,16 @@ Imports sit inside the fixtures so test files that need neither skip loading tra
 
 import pytest
 
+# What a test uses decides its tier (markers registered in pyproject.toml): the fast tier deselects these.
+TIER_OF_FIXTURE = {"tiny_vlm_path": "model", "smoke_workbook": "notebook"}
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        for fixture, marker in TIER_OF_FIXTURE.items():
+            if fixture in item.fixturenames:  # the closure: fixtures used through other fixtures count
+                item.add_marker(marker)
+
 
 @pytest.fixture(scope="session")
 def tiny_vlm_path(tmp_path_factory):

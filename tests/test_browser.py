@@ -29,6 +29,8 @@ from mlflow import MlflowClient
 from papo_nb.infra.servers import serve_jupyterlab, serve_mlflow_ui
 from papo_nb.infra.tracking import EXPERIMENT_NAME
 
+pytestmark = pytest.mark.browser
+
 ROOT = Path(__file__).resolve().parents[1]
 ARTIFACTS = ROOT / "test-artifacts" / "browser"
 CHROMIUM = os.environ.get("PAPO_NB_CHROMIUM", "/usr/bin/chromium")
@@ -130,7 +132,6 @@ def _hide_mlflow_assistant(context) -> None:
     )
 
 
-@pytest.mark.slow
 def test_mlflow_ui_shows_the_workbook_its_notebook_runs_the_calibration_plot_and_evidence(
     chromium, smoke_workbook, browser, shoot
 ):
@@ -240,7 +241,6 @@ VERDICT_OR_ERROR = r"""() => {
 }"""
 
 
-@pytest.mark.slow
 def test_jupyterlab_runs_the_contract_notebook_to_its_verdict(browser, shoot, tmp_path):
     expect = _expect()
     notebooks = tmp_path / "notebooks"

@@ -47,6 +47,7 @@ def test_version():
     assert proc.stdout.strip() == f"papo_nb {papo_nb.__version__}"
 
 
+@pytest.mark.slow  # a subprocess that imports torch
 def test_env_prints_name_value_lines(report):
     proc = run_cli("env")
     assert proc.returncode == 0, proc.stderr
@@ -61,6 +62,7 @@ def test_env_prints_name_value_lines(report):
         assert parsed["cuda_device"] == report["cuda_device"]
 
 
+@pytest.mark.slow  # a subprocess that imports torch
 def test_env_json_matches_report(report):
     proc = run_cli("env", "--json")
     assert proc.returncode == 0, proc.stderr

@@ -177,7 +177,8 @@ def test_a_killed_run_resumes_where_its_checkpoint_left_off(killed_and_resumed):
     first_new_step = min(int(m.group(1)) for m in map(STEP_LINE.search, k["resumed"].stdout.splitlines()) if m)
     assert first_new_step == resumed_at + 1
     print(
-        f"\nkilled after step {k['steps_done']}, resumed from step {resumed_at}: {lost} step(s) lost (save_steps {SAVE_STEPS})"
+        f"\nkilled after step {k['steps_done']}, resumed from step {resumed_at}: {lost} step(s) lost "
+        f"(save_steps {SAVE_STEPS})"
     )
 
     summary = json.loads((out / SUMMARY_FILE).read_text())

@@ -29,11 +29,9 @@ def artifact_json(client, run_id, path):
 
 
 def test_notebooks_are_thin_and_committed_clean():
-    assert [p.name for p in NOTEBOOKS] == [
-        "01_contract_verification.ipynb",
-        "02_probe_calibration.ipynb",
-        "03_training_run.ipynb",
-    ]
+    names = [p.name for p in NOTEBOOKS]
+    assert names[:3] == ["01_contract_verification.ipynb", "02_probe_calibration.ipynb", "03_training_run.ipynb"]
+    assert len({n[:2] for n in names}) == len(names), f"two notebooks share a number: {names}"
     for path in NOTEBOOKS:
         book = nbformat.read(path, as_version=4)
         tagged = [c for c in book.cells if "parameters" in c.metadata.get("tags", [])]
@@ -45,6 +43,7 @@ def test_notebooks_are_thin_and_committed_clean():
         assert not any(c.get("outputs") or c.get("execution_count") for c in book.cells if c.cell_type == "code"), path
 
 
+@pytest.mark.notebook
 def test_parent_and_nested_runs(workbook):
     result, client, runs = workbook
     parent = client.get_run(result.parent_run_id)
@@ -59,6 +58,7 @@ def test_parent_and_nested_runs(workbook):
         assert run.data.tags["papo_nb.upstream_sha_verified"] == "yes"
 
 
+@pytest.mark.notebook
 def test_contract_notebook_logged_a_passing_probe_and_verdict(workbook):
     _, client, runs = workbook
     run = runs["01_contract_verification"]
@@ -72,6 +72,7 @@ def test_contract_notebook_logged_a_passing_probe_and_verdict(workbook):
     assert rows["1.9.1"] == "ok" and rows["0.29.1"] == "drift"
 
 
+@pytest.mark.notebook
 def test_calibration_notebook_logged_points_margins_and_plot(workbook):
     _, client, runs = workbook
     run = runs["02_probe_calibration"]
@@ -95,6 +96,7 @@ def test_calibration_notebook_logged_points_margins_and_plot(workbook):
     assert [a.path for a in client.list_artifacts(run.info.run_id, "figures")] == ["figures/calibration.png"]
 
 
+@pytest.mark.notebook
 def test_training_notebook_logged_every_step(workbook):
     _, client, runs = workbook
     run = runs["03_training_run"]
@@ -127,6 +129,7 @@ def test_bad_parameters_fail_before_anything_runs(tmp_path, override, expected):
     assert not (tmp_path / "runs").exists() and not (tmp_path / "mlflow.db").exists()
 
 
+@pytest.mark.notebook
 def test_a_notebook_failing_midway_leaves_its_executed_copy_in_a_failed_run(tmp_path):
     broken = tmp_path / "dataset_without_answers"
     make_shapes_dataset(8, seed=0).remove_columns("answer").save_to_disk(str(broken))

@@ -19,7 +19,7 @@ from mlflow import MlflowClient
 from papo_nb.infra.notebooks import FAILED, FINISHED, NOT_RUN, WorkbookError, run_workbook
 from papo_nb.infra.tracking import EXPERIMENT_NAME, ensure_experiment
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.notebook
 
 SCRIPT = Path(sys.executable).parent / "papo-nb"
 

@@ -124,6 +124,7 @@ RACER = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 def test_fresh_store_opened_by_three_processes_at_once(tmp_path):
     # Unguarded, MLflow's schema creation fails here with "duplicate column name" (or the experiment
     # with "already exists") in all but one process.
@@ -140,7 +141,7 @@ def test_fresh_store_opened_by_three_processes_at_once(tmp_path):
         for i in range(3)
     ]
     results = [p.communicate(timeout=180) for p in procs]
-    for proc, (out, err) in zip(procs, results):
+    for proc, (_out, err) in zip(procs, results):
         assert proc.returncode == 0, err
     assert len({out.strip() for out, _ in results}) == 1  # one experiment
     runs = MlflowClient(uri).search_runs([results[0][0].strip()])
