@@ -141,6 +141,9 @@ def build_trainer(
     else:
         peft_config = None if isinstance(model, PeftModel) else lora_config(params)
     official = params.dataset_schema == "official"
+    # TRL draws a fresh LoRA adapter from the global RNG before Trainer.__init__ seeds it: seed here, or phase 1 of
+    # every workbook starts from a different adapter in every process.
+    torch.manual_seed(params.seed)
     return trainer_cls(
         model=model,
         processing_class=processor,
