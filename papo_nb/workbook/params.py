@@ -127,6 +127,23 @@ class WorkbookParams(PAPOParams):
         "default) or the base model with adapters disabled; without init_adapter both are the base model",
     )
 
+    # --- 04 method study (GRPO vs PAPO-G; defaults: the reduced study the smoke run executes) ---
+    study_seeds: list[int] = Field(
+        default_factory=lambda: [0],
+        min_length=1,
+        description="seeds of every study arm (paired: the same seeds, data and masks in each arm); paper-style "
+        "evidence needs at least 3",
+    )
+    study_collapse_gammas: list[float] = Field(
+        default_factory=lambda: [1.0],
+        min_length=1,
+        description="gammas swept (ascending, first seed) for the collapse arm: the first flagged by the collapse "
+        "detector is used, or the largest when none collapses",
+    )
+    study_eval_samples: int = Field(
+        4, ge=1, le=64, description="k of the held-out avg@k at temperature 1.0 (paper: avg@8)"
+    )
+
     # --- scale-out (papo-nb train) ---
     num_processes: int = Field(
         1,
