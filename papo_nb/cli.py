@@ -236,11 +236,12 @@ def _cmd_train(subparsers: Subparsers) -> None:
     p = subparsers.add_parser(
         "train",
         help="one PAPO-G training run: resumable, on one or several processes",
-        description="Train PAPO-G with the workbook parameters into --output-dir, logging to MLflow (MLFLOW_TRACKING_URI, "
-        "else mlflow.db in the project folder). With num_processes > 1 it runs itself under accelerate launch; it can "
-        "also be started by accelerate launch (-m papo_nb.cli train ...). A killed run continues with --resume from its "
-        "last complete checkpoint, in the same MLflow run. Exit codes: 0 trained, 1 training failed, 2 bad parameters "
-        "or a refused run (an existing run without --resume, or a resume whose parameters differ).",
+        description="Train PAPO-G with the workbook parameters into --output-dir, logging to MLflow "
+        "(MLFLOW_TRACKING_URI, else mlflow.db in the project folder). With num_processes > 1 it runs itself under "
+        "accelerate launch; it can also be started by accelerate launch (-m papo_nb.cli train ...). A killed run "
+        "continues with --resume from its last complete checkpoint, in the same MLflow run. Exit codes: 0 trained, "
+        "1 training failed, 2 bad parameters or a refused run (an existing run without --resume, or a resume whose "
+        "parameters differ).",
     )
     p.add_argument("--params", metavar="FILE", help="YAML params file (default: built-in defaults)")
     p.add_argument(

@@ -200,6 +200,22 @@ def test_readme_and_ci_share_the_test_command():
         assert (ROOT / "scripts" / script).is_file(), script
 
 
+def test_ci_lints_after_install_and_before_the_tests():
+    """.ci/run installs (ruff is in the [test] extra), runs both ruff checks, then the tests; set -e fails it."""
+    lines = [line.strip() for line in (ROOT / ".ci" / "run").read_text().splitlines()]
+    assert "set -euo pipefail" in lines
+    order = [
+        lines.index("bash scripts/test.sh --setup-only"),
+        lines.index(".venv/bin/ruff check ."),
+        lines.index(".venv/bin/ruff format --check ."),
+        lines.index("bash scripts/test.sh"),
+    ]
+    assert order == sorted(order), order
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    assert any(req.startswith("ruff") for req in project["project"]["optional-dependencies"]["test"])
+    assert project["tool"]["ruff"]["line-length"] == 119
+
+
 # --------------------------------------------------------------------------------------------
 # the checker itself
 # --------------------------------------------------------------------------------------------

@@ -1,1 +1,2 @@
-"""The library behind the notebooks: parameters, the one trainer builder, batches, provenance, calibration, evaluation, figures."""
+"""The library behind the notebooks: parameters and preflight, the one trainer builder, rollout batches,
+provenance, calibration, evaluation, figures."""
