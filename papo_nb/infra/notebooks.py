@@ -5,7 +5,7 @@ Layout of one workbook run:
   executed notebooks;
 - an MLflow parent run ``workbook-<timestamp>`` (all parameters, ``params.yaml``) with one nested child
   run per notebook. The runner injects the child's id as ``mlflow_run_id`` and the notebook attaches to
-  it with ``papo_nb.tracking.attach_notebook_run``; the executed notebook, failed or not, is logged to
+  it with ``papo_nb.infra.notebook_start.start``; the executed notebook, failed or not, is logged to
   the child as ``notebook/<name>.ipynb``.
 """
 

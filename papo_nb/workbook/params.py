@@ -13,7 +13,15 @@ from pathlib import Path
 from typing import Any, Literal, get_type_hints
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    NonNegativeFloat,
+    ValidationError,
+    create_model,
+    field_validator,
+)
 
 from papo_nb.papo.papo_config import PAPOGConfig, papo_field_problem, papo_fields
 
@@ -134,7 +142,7 @@ class WorkbookParams(PAPOParams):
         description="seeds of every study arm (paired: the same seeds, data and masks in each arm); paper-style "
         "evidence needs at least 3",
     )
-    study_collapse_gammas: list[float] = Field(
+    study_collapse_gammas: list[NonNegativeFloat] = Field(
         default_factory=lambda: [1.0],
         min_length=1,
         description="gammas swept (ascending, first seed) for the collapse arm: the first flagged by the collapse "
