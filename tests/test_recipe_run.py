@@ -18,6 +18,8 @@ from papo_nb.workbook.training import run_training
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY_RECIPE = ROOT / "params" / "recipes" / "tiny_cpu.yaml"
+# Every test here trains the tiny model for real steps (the module fixture) or uses what it trained.
+pytestmark = [pytest.mark.slow, pytest.mark.model]
 
 
 def full_checkpoint(result):
@@ -42,7 +44,6 @@ def trained(local_data, tmp_path_factory):
     return params, result
 
 
-@pytest.mark.slow
 def test_recipe_trains_every_weight_with_the_official_reward(trained):
     params, result = trained
     trainer = result.trainer
@@ -67,7 +68,6 @@ def test_recipe_trains_every_weight_with_the_official_reward(trained):
     ).exists()
 
 
-@pytest.mark.slow
 def test_sampled_generation_returns_k_completions_per_prompt(trained):
     _, result = trained
     rows = result.eval_dataset.select(range(2))
@@ -82,7 +82,7 @@ def test_sampled_generation_returns_k_completions_per_prompt(trained):
         generate_answers(model, processor, [], [], samples=2)
 
 
-@pytest.mark.slow
+@pytest.mark.notebook
 def test_evaluation_notebook_scores_the_trained_checkpoint(trained, local_data, tmp_path):
     from papo_nb.infra.notebooks import run_workbook
 
