@@ -113,3 +113,22 @@ def test_preflight_checks_columns_and_image_tokens(rows_and_processor):
     assert "must be a multiple of gradient_accumulation_steps" in "\n".join(
         pf.check_batches(layout_problem, pf.batch_layout(layout_problem))
     )
+
+
+def test_runner_preflight_refuses_split_optimizer_steps_before_anything_runs():
+    from papo_nb.workbook.params import preflight_problems
+
+    assert preflight_problems(load_params(ROOT / "params" / "recipes" / "tiny_cpu.yaml")) == []
+    problems = preflight_problems(
+        load_params(ROOT / "params" / "recipes" / "tiny_cpu.yaml", ["steps_per_generation=3"])
+    )
+    assert problems == [
+        "parameter 'steps_per_generation' = 3: must be a multiple of gradient_accumulation_steps = 2 "
+        "(whole optimizer steps per rollout)"
+    ]
+
+
+def test_a_real_dataset_needs_its_validation_set_named(tmp_path):
+    params = load_params(ROOT / "params" / "recipes" / "tiny_cpu.yaml", [f"dataset={tmp_path}"])
+    with pytest.raises(rd.RecipeDataError, match="parameter 'validation_dataset' is empty"):
+        rd.official_datasets(params, "unused: the check comes first")

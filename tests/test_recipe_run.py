@@ -12,7 +12,7 @@ from mlflow import MlflowClient
 from papo_nb.testbed.official_schema import make_official_schema_dataset
 from papo_nb.workbook import benchmark_eval
 from papo_nb.workbook.checkpoints import checkpoint_folders
-from papo_nb.workbook.evaluation import generate_answers
+from papo_nb.workbook.evaluation import evaluate_image_reliance, generate_answers
 from papo_nb.workbook.params import load_params
 from papo_nb.workbook.training import run_training
 
@@ -78,6 +78,10 @@ def test_sampled_generation_returns_k_completions_per_prompt(trained):
         temperature=1.0,
     )  # fmt: skip
     assert len(out) == 6 and all(isinstance(text, str) for text in out)
+    reliance = evaluate_image_reliance(model, processor, rows, max_new_tokens=3)  # notebook 03's check, official rows
+    assert reliance["items"] == 2 and reliance["image_reliance_gap"] == pytest.approx(
+        reliance["accuracy_original"] - reliance["accuracy_masked"]
+    )
     with pytest.raises(ValueError, match="needs a sampling temperature"):
         generate_answers(model, processor, [], [], samples=2)
 

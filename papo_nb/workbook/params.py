@@ -358,4 +358,9 @@ def preflight_problems(params: WorkbookParams) -> list[str]:
             f"parameter 'per_device_train_batch_size' = {params.per_device_train_batch_size}: must be a multiple "
             f"of num_generations = {params.num_generations}"
         )
+    # The batch arithmetic TRL would refuse later (rollout rounds of whole prompt groups and whole optimizer steps);
+    # the heavier recipe checks (memory, columns, pixel bounds) are papo_nb.workbook.recipe_preflight.run.
+    from papo_nb.workbook.recipe_preflight import batch_layout, check_batches
+
+    problems += check_batches(params, batch_layout(params))
     return problems
