@@ -155,3 +155,26 @@ def test_benchmark_groups_and_summary():
     assert by_name["vision_dependent"]["avg_at_k"] == pytest.approx(0.3)
     assert by_name["overall"]["avg_at_k"] == pytest.approx(0.3)  # mean over benchmarks, not over groups
     assert be.mlflow_metrics(table)["eval/overall/avg_at_k"] == pytest.approx(0.3)
+
+
+def test_format_prompt_is_the_official_file_byte_for_byte():
+    import hashlib
+
+    text = rd.FORMAT_PROMPTS["math_perception"]
+    assert hashlib.sha256(text.encode()).hexdigest() == rd.FORMAT_PROMPT_SHA256
+
+
+def test_hub_ids_go_to_the_hub_through_datasets():
+    """A hub id (with @split) reaches datasets.load_dataset for real: offline, datasets itself refuses it by name."""
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "from papo_nb.workbook.recipe_data import load_official_dataset\n"
+        "load_official_dataset('PAPOGalaxy/PAPO_ViRL39K_train@train')\n"
+    )
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode != 0
+    assert "Couldn't reach 'PAPOGalaxy/PAPO_ViRL39K_train' on the Hub" in done.stderr

@@ -36,12 +36,13 @@ MIN_PIXELS = 256 * PATCH_PIXELS  # cfg:20, 200704
 MAX_PIXELS = 1280 * PATCH_PIXELS  # cfg:19, 1003520
 MAX_PROMPT_LENGTH = 4096  # *_grpo_papo.sh:17 MAX_PROMPT_LENGTH=4096 (also cfg:10)
 
-# examples/format_prompt/math_perception.jinja, verbatim (3 lines).
+# examples/format_prompt/math_perception.jinja, verbatim (3 lines; the file's SHA-256 is FORMAT_PROMPT_SHA256).
 FORMAT_PROMPTS = {
     "math_perception": "{{ content | trim }}\n\nYou first think through the reasoning process as an internal "
     "monologue, enclosed within <think> </think> tags. Then, provide your final answer enclosed within \\boxed{}.",
     "none": "{{ content }}",
 }
+FORMAT_PROMPT_SHA256 = "4b204150d4cf07cdc787390b4fc8a494150c417dc386990c4f456e792318fa60"
 
 
 class RecipeDataError(ValueError):
