@@ -1,0 +1,221 @@
+"""The method study behind notebook 04: GRPO against PAPO-G, paired over seeds, on a policy that reads its images.
+
+Three arms, each trained through the real ``PAPOGTrainer`` (TRL's GRPOTrainer, LoRA) built by ``workbook.builder``,
+with everything but gamma equal: GRPO (gamma = 0), PAPO-G at the recipe's gamma (``perception_loss_weight``), and
+PAPO-G at the smallest gamma of a logged sweep (``study_collapse_gammas``) whose run the collapse detector flags.
+Every (arm, seed) is an MLflow run nested under the notebook's run, with its per-step training metrics, its
+held-out evaluation and the collapse verdict. Seeds pair the arms: the same seed gives the same training data,
+sampling and masks in every arm, and all runs are scored on one held-out set.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from statistics import mean
+
+import mlflow
+import torch
+
+from papo_nb.testbed.rewards import accuracy_reward
+from papo_nb.workbook.builder import load_datasets
+from papo_nb.workbook.evaluation import generate_answers
+from papo_nb.workbook.params import WorkbookParams
+from papo_nb.workbook.raw_masks import mask_pil_squares
+from papo_nb.workbook.study_stats import CollapseRule, detect_collapse
+from papo_nb.workbook.training import prepare_training
+
+GRPO, PAPO_G, PAPO_G_COLLAPSE = "grpo", "papo_g", "papo_g_collapse"
+SWEEP = "sweep"
+EVAL_TEMPERATURE = 1.0  # the paper's avg_at_k protocol: sampling at temperature 1.0, top_p 1.0
+SPLITS = ("all", "vision", "text")
+# Metrics logged per training step (TRL's and the adapter's names).
+STEP_METRICS = (
+    "reward",
+    "rewards/accuracy_reward/mean",
+    "perception_kl",
+    "entropy",
+    "masked_entropy",
+    "clip_ratio/high_mean",
+    "perception_gamma",
+)
+
+
+@dataclass
+class StudyRun:
+    """One trained (arm, seed): its MLflow run, per-step logs, held-out scores and collapse verdict."""
+
+    arm: str
+    seed: int
+    gamma: float
+    run_id: str
+    step_logs: list[dict]
+    scores: dict[str, float]
+    collapse: dict
+    seconds: float
+
+
+@dataclass
+class Study:
+    """Everything the notebook shows: the sweep, the chosen collapse gamma and the arms' runs."""
+
+    sweep: list[StudyRun] = field(default_factory=list)
+    collapse_gamma: float | None = None
+    collapse_found: bool = False
+    runs: list[StudyRun] = field(default_factory=list)
+
+    def by_arm(self) -> dict[str, dict[int, StudyRun]]:
+        arms: dict[str, dict[int, StudyRun]] = {}
+        for run in self.runs:
+            arms.setdefault(run.arm, {})[run.seed] = run
+        return arms
+
+    def scores(self) -> dict[str, dict[int, dict]]:
+        return {arm: {s: r.scores for s, r in runs.items()} for arm, runs in self.by_arm().items()}
+
+    def collapses(self) -> dict[str, dict[int, dict]]:
+        return {arm: {s: r.collapse for s, r in runs.items()} for arm, runs in self.by_arm().items()}
+
+
+# --------------------------------------------------------------------------------------------
+# held-out evaluation
+# --------------------------------------------------------------------------------------------
+
+
+def eval_dataset(params: WorkbookParams):
+    """The one held-out set every run is scored on (from the notebook's seed, not the run's)."""
+    return load_datasets(params)[1]
+
+
+def evaluate_policy(model, processor, data, *, samples: int, mask_ratio: float, seed: int, max_new_tokens: int):
+    """Greedy and avg@``samples`` (temperature 1.0) accuracy, with original and masked images (the official 14x14
+    squares at ``mask_ratio``, one fixed mask per item), per split (all, vision-dependent, text-answerable), and
+    the perception-reliance gap (original - masked). Keys: ``<greedy|avg_at_k>/<original|masked|gap>/<split>``.
+
+    Datasets without a ``vision_dependent`` column (the shapes task) count every item as vision-dependent."""
+    prompts, answers, originals = list(data["prompt"]), list(data["answer"]), list(data["image"])
+    vision = list(data["vision_dependent"]) if "vision_dependent" in data.column_names else [True] * len(answers)
+    masked = [mask_pil_squares(img, mask_ratio, seed=seed + i) for i, img in enumerate(originals)]
+    was_training = model.training
+    model.eval()
+    per_item: dict[str, list[float]] = {}
+    try:
+        for condition, images in (("original", originals), ("masked", masked)):
+            greedy = generate_answers(model, processor, prompts, images, max_new_tokens=max_new_tokens, batch_size=64)
+            per_item[f"greedy/{condition}"] = accuracy_reward(greedy, answers)
+            torch.manual_seed(seed)  # the same sampling noise in every run and condition
+            sampled = generate_answers(
+                model, processor, prompts, images, max_new_tokens=max_new_tokens, batch_size=64,
+                samples=samples, temperature=EVAL_TEMPERATURE, top_p=1.0,
+            )  # fmt: skip
+            rewards = accuracy_reward(sampled, [a for a in answers for _ in range(samples)])
+            per_item[f"avg_at_k/{condition}"] = [
+                mean(rewards[i * samples : (i + 1) * samples]) for i in range(len(answers))
+            ]
+    finally:
+        model.train(was_training)
+    scores = {}
+    for split in SPLITS:
+        keep = [i for i, v in enumerate(vision) if split == "all" or v == (split == "vision")]
+        if not keep:
+            continue
+        for name, values in per_item.items():
+            scores[f"{name}/{split}"] = mean(values[i] for i in keep)
+        for kind in ("greedy", "avg_at_k"):
+            scores[f"{kind}/gap/{split}"] = scores[f"{kind}/original/{split}"] - scores[f"{kind}/masked/{split}"]
+    return scores
+
+
+# --------------------------------------------------------------------------------------------
+# one run
+# --------------------------------------------------------------------------------------------
+
+
+def _step_rows(log_history: list[dict]) -> list[dict]:
+    """Per-step metrics; with several optimizer steps per rollout batch TRL logs reward only on the first."""
+    return [
+        {"step": h["step"], **{k: float(h[k]) for k in STEP_METRICS if k in h}}
+        for h in log_history
+        if "step" in h and any(k in h for k in STEP_METRICS)
+    ]
+
+
+def run_one(
+    params: WorkbookParams,
+    arm: str,
+    seed: int,
+    gamma: float,
+    data,
+    work_dir: Path,
+    rule: CollapseRule,
+) -> StudyRun:
+    """Train one (arm, seed) from the notebook's params with only seed and gamma changed, score it, log it as an
+    MLflow run nested under the active run."""
+    run_params = params.model_copy(update={"seed": seed, "perception_loss_weight": gamma})
+    start = time.perf_counter()
+    with mlflow.start_run(run_name=f"{arm}-gamma{gamma:g}-seed{seed}", nested=True) as run:
+        mlflow.set_tags({"papo_nb.kind": "study_run", "papo_nb.study_arm": arm, "papo_nb.study_seed": str(seed)})
+        mlflow.log_params({"arm": arm, "seed": seed, "gamma": gamma, "max_steps": params.max_steps})
+        trainer, _, _ = prepare_training(
+            run_params, work_dir / f"{arm}-g{gamma:g}-s{seed}", save_strategy="no", require_gpu_contract_probe=False
+        )
+        trainer.train()
+        step_logs = _step_rows(trainer.state.log_history)
+        for row in step_logs:
+            mlflow.log_metrics({f"train/{k}": v for k, v in row.items() if k != "step"}, step=int(row["step"]))
+        scores = evaluate_policy(
+            trainer.model,
+            trainer.processing_class,
+            data,
+            samples=params.study_eval_samples,
+            mask_ratio=params.mask_ratio,
+            seed=params.seed,
+            max_new_tokens=params.max_completion_length,
+        )
+        mlflow.log_metrics({f"eval/{k}": v for k, v in scores.items()})
+        collapse = detect_collapse(step_logs, rule)
+        mlflow.log_dict(collapse, "evidence/collapse.json")
+        mlflow.log_metrics({"collapse/flagged": float(collapse["collapsed"]), "collapse/step": collapse["step"] or -1})
+        seconds = time.perf_counter() - start
+        mlflow.log_metric("study/run_seconds", seconds)
+        del trainer
+    return StudyRun(arm, seed, gamma, run.info.run_id, step_logs, scores, collapse, seconds)
+
+
+# --------------------------------------------------------------------------------------------
+# the study
+# --------------------------------------------------------------------------------------------
+
+
+def run_study(params: WorkbookParams, work_dir: str | Path, rule: CollapseRule | None = None, log=print) -> Study:
+    """The sweep (first seed, ascending gammas, stopping at the first flagged run), then the three arms over
+    ``study_seeds``. The sweep's run at the chosen gamma is the collapse arm's first-seed run (same seed, data and
+    settings), so it is not trained twice."""
+    rule = rule or CollapseRule()
+    work_dir = Path(work_dir)
+    data = eval_dataset(params)
+    seeds = list(params.study_seeds)
+    study = Study()
+    for gamma in sorted(params.study_collapse_gammas):
+        run = run_one(params, SWEEP, seeds[0], gamma, data, work_dir, rule)
+        study.sweep.append(run)
+        log(f"sweep gamma={gamma:g}: collapsed={run.collapse['collapsed']} at step {run.collapse['step']}")
+        if run.collapse["collapsed"]:
+            break
+    flagged = [r for r in study.sweep if r.collapse["collapsed"]]
+    study.collapse_found = bool(flagged)
+    chosen = flagged[0] if flagged else study.sweep[-1]
+    study.collapse_gamma = chosen.gamma
+    mlflow.log_metrics({"study/collapse_gamma": chosen.gamma, "study/collapse_found": float(study.collapse_found)})
+    arms = ((GRPO, 0.0), (PAPO_G, params.perception_loss_weight), (PAPO_G_COLLAPSE, chosen.gamma))
+    for seed in seeds:
+        for arm, gamma in arms:
+            if arm == PAPO_G_COLLAPSE and seed == chosen.seed:
+                study.runs.append(StudyRun(arm, seed, gamma, chosen.run_id, chosen.step_logs, chosen.scores,
+                                           chosen.collapse, chosen.seconds))  # fmt: skip
+                continue
+            run = run_one(params, arm, seed, gamma, data, work_dir, rule)
+            study.runs.append(run)
+            log(f"{arm} seed={seed}: avg_at_k {run.scores['avg_at_k/original/all']:.3f}, {run.seconds:.0f} s")
+    return study

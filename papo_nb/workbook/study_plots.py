@@ -1,0 +1,103 @@
+"""Figures of the method study: learning curves per arm with seed bands, held-out accuracy per arm, the sweep."""
+
+from __future__ import annotations
+
+import math
+from statistics import mean
+
+from matplotlib.figure import Figure
+
+from papo_nb.workbook.study import PAPO_G_COLLAPSE, Study, StudyRun
+from papo_nb.workbook.study_stats import mean_ci
+
+# (metric, panel title); the symptom each should show on collapse is the paper's.
+CURVES = (
+    ("rewards/accuracy_reward/mean", "accuracy reward (collapse: drops)"),
+    ("perception_kl", "perception KL, nats/token (collapse: ~0.05 -> ~1)"),
+    ("entropy", "entropy, original images (collapse: rises)"),
+    ("masked_entropy", "entropy, masked images (collapse: rises)"),
+    ("clip_ratio/high_mean", "high clip ratio (collapse: ~7e-3)"),
+)
+COLOURS = {"grpo": "tab:blue", "papo_g": "tab:green", PAPO_G_COLLAPSE: "tab:red", "sweep": "tab:gray"}
+
+
+def _label(run: StudyRun) -> str:
+    return f"{run.arm} (gamma {run.gamma:g})"
+
+
+def _band(runs: list[StudyRun], key: str):
+    """Steps, mean, min and max over the runs' seeds (steps every run logged)."""
+    per_run = [{int(h["step"]): h[key] for h in r.step_logs if key in h} for r in runs]
+    steps = sorted(set.intersection(*(set(p) for p in per_run))) if per_run else []
+    values = [[p[s] for p in per_run] for s in steps]
+    return steps, [mean(v) for v in values], [min(v) for v in values], [max(v) for v in values]
+
+
+def plot_learning_curves(study: Study) -> Figure:
+    """One panel per collapse symptom; per arm the mean over seeds and a band from the lowest to the highest seed."""
+    fig = Figure(figsize=(15, 7.5), layout="constrained")
+    axes = fig.subplots(2, 3).flat
+    for ax, (key, title) in zip(axes, CURVES):
+        for arm, by_seed in study.by_arm().items():
+            runs = list(by_seed.values())
+            steps, centre, low, high = _band(runs, key)
+            if not steps:
+                continue
+            ax.plot(steps, centre, color=COLOURS.get(arm), label=f"{_label(runs[0])}, {len(runs)} seeds")
+            ax.fill_between(steps, low, high, color=COLOURS.get(arm), alpha=0.2)
+            for run in runs:
+                if run.collapse["collapsed"]:
+                    ax.axvline(run.collapse["step"], color=COLOURS.get(arm), linestyle=":", linewidth=1)
+        ax.set_title(title, fontsize=10)
+        ax.set_xlabel("optimizer step")
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=8)
+    sweep_ax = list(fig.axes)[-1]
+    plot_sweep(study, sweep_ax)
+    fig.suptitle("Training per arm: mean over seeds, band = min..max over seeds, dotted = collapse detector fired")
+    return fig
+
+
+def plot_sweep(study: Study, ax) -> None:
+    """Perception KL per step of every sweep run, one line per gamma, the flagged ones marked."""
+    for run in study.sweep:
+        points = [(h["step"], h["perception_kl"]) for h in run.step_logs if "perception_kl" in h]
+        if not points:
+            continue
+        flag = f", collapsed at step {run.collapse['step']}" if run.collapse["collapsed"] else ""
+        ax.plot(*zip(*points), label=f"gamma {run.gamma:g}{flag}")
+    ax.set_yscale("symlog", linthresh=0.1)
+    ax.set_title(f"sweep (seed {study.sweep[0].seed if study.sweep else '-'}): perception KL", fontsize=10)
+    ax.set_xlabel("optimizer step")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+
+
+def plot_accuracy(study: Study, kind: str = "avg_at_k") -> Figure:
+    """Held-out accuracy per arm and split, original vs masked images, with 95% CI over seeds."""
+    scores = study.scores()
+    arms = list(scores)
+    splits = [
+        s
+        for s in ("all", "vision", "text")
+        if any(f"{kind}/original/{s}" in v for r in scores.values() for v in r.values())
+    ]
+    fig = Figure(figsize=(4.5 * len(splits), 4), layout="constrained")
+    axes = fig.subplots(1, len(splits), squeeze=False)[0]
+    width = 0.38
+    for ax, split in zip(axes, splits):
+        for offset, condition in ((-width / 2, "original"), (width / 2, "masked")):
+            centres, halves = [], []
+            for arm in arms:
+                values = [v[f"{kind}/{condition}/{split}"] for v in scores[arm].values()]
+                centre, half = mean_ci(values)
+                centres.append(centre)
+                halves.append(0.0 if math.isnan(half) else half)
+            ax.bar([i + offset for i in range(len(arms))], centres, width, yerr=halves, capsize=3, label=condition,
+                   alpha=1.0 if condition == "original" else 0.5)  # fmt: skip
+        ax.set_xticks(range(len(arms)), arms, fontsize=8)
+        ax.set_ylim(0, 1)
+        ax.set_title(f"{kind} accuracy, {split} items", fontsize=10)
+        ax.grid(axis="y", alpha=0.3)
+    axes[0].legend(fontsize=8)
+    return fig
