@@ -226,3 +226,11 @@ def test_underpowered_status_becomes_an_mlflow_tag(real, tmp_path):
     finally:
         trainer.probe = saved
     assert tags["papo_nb.probe_status"] == "underpowered" and "UNDERPOWERED" in tags["papo_nb.probe_warning"]
+
+
+def test_probe_rollouts_starts_with_notebook_01s_batch(real, shapes_dataset):
+    from papo_nb.workbook.calibration import probe_rollouts
+
+    trainer, batch = real  # built from rollout_batch(trainer, dataset, n_prompts=2, seed=0)
+    evidence = probe_rollouts(trainer, shapes_dataset, seed=0)
+    assert evidence.passed and evidence == probe_batch(trainer, batch)

@@ -15,8 +15,12 @@ import numpy as np
 import torch
 from matplotlib.figure import Figure
 
-from papo_nb.papo.contract import GAMMA_ZERO_GRADIENT_ABS_FLOOR, GAMMA_ZERO_GRADIENT_REL_TOL
-from papo_nb.papo.probe import measure_gamma_zero
+from papo_nb.papo.contract import (
+    GAMMA_ZERO_GRADIENT_ABS_FLOOR,
+    GAMMA_ZERO_GRADIENT_REL_TOL,
+    PAPO_PROBE_MAX_DEGENERATE_BATCHES,
+)
+from papo_nb.papo.probe import measure_gamma_zero, probe_batches
 from papo_nb.workbook.batches import rollout_batch
 
 PRECISIONS = {"fp32": None, "bf16": torch.bfloat16}
@@ -97,6 +101,34 @@ def calibrate_phase(
                 )
             )
     return points
+
+
+def probe_rollouts(
+    trainer,
+    dataset,
+    *,
+    n_prompts: int = 2,
+    seed: int = 0,
+    autocast_dtype: torch.dtype | None = None,
+    raise_on_failure: bool = False,
+):
+    """The gamma-zero probe over fresh rollout batches (drawn as ``calibrate_phase`` draws them, the first one being
+    notebook 01's single batch) until it reaches a verdict: an image-invariant or underpowered batch makes it look at
+    the next, up to ``trainer.args.probe_max_degenerate_batches`` of each."""
+    bound = getattr(trainer.args, "probe_max_degenerate_batches", PAPO_PROBE_MAX_DEGENERATE_BATCHES)
+
+    def batches():
+        for b in range(2 * bound):
+            start = (b * n_prompts) % max(len(dataset) - n_prompts + 1, 1)
+            yield rollout_batch(trainer, dataset, n_prompts, start=start, seed=seed + b)
+
+    return probe_batches(
+        trainer,
+        batches(),
+        autocast_dtype=autocast_dtype,
+        max_degenerate_batches=bound,
+        raise_on_failure=raise_on_failure,
+    )
 
 
 def separation_margins(points: list[CalibrationPoint]) -> dict:
