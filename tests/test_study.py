@@ -1,0 +1,200 @@
+"""The method study: the collapse detector, the statistics, the claims table, and the reduced study run end to end
+through papermill with its evidence read back from MLflow."""
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+from mlflow import MlflowClient
+from scipy import stats
+
+from papo_nb.workbook.study_stats import (
+    CollapseRule,
+    claims_table,
+    comparison_table,
+    detect_collapse,
+    markdown_table,
+    mean_ci,
+    paired_test,
+    summary_rows,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def logs(n=30, *, kl=lambda s: 0.2, entropy=lambda s: 0.1, masked=lambda s: 0.3, clip=lambda s: 0.0, acc=None):
+    acc = acc or (lambda s: 0.6)
+    return [
+        {
+            "step": s,
+            "perception_kl": kl(s),
+            "entropy": entropy(s),
+            "masked_entropy": masked(s),
+            "clip_ratio/high_mean": clip(s),
+            "rewards/accuracy_reward/mean": acc(s),
+        }
+        for s in range(1, n + 1)
+    ]
+
+
+# ---- collapse detector ----
+
+
+def test_a_healthy_run_is_not_flagged():
+    noisy = logs(kl=lambda s: 0.2 + 0.1 * (s % 3), acc=lambda s: 0.5 + 0.1 * (s % 2))
+    verdict = detect_collapse(noisy)
+    assert not verdict["collapsed"] and verdict["step"] is None and verdict["mode"] is None
+
+
+def test_kl_prcp_hacking_fires_at_the_step_the_paper_symptoms_join():
+    # perception loss -0.05 -> -1.2 and both entropies rising from step 15: the paper's picture
+    hacked = logs(
+        kl=lambda s: 0.05 if s < 15 else 1.2,
+        entropy=lambda s: 0.1 if s < 15 else 0.6,
+        masked=lambda s: 0.3 if s < 15 else 1.0,
+    )
+    verdict = detect_collapse(hacked, CollapseRule(window=3))
+    assert verdict["collapsed"] and verdict["mode"] == "KL_prcp hacking (paper)"
+    # window 3: at step 16 the KL's mean is (0.05 + 1.2 + 1.2) / 3 = 0.82 < 1.0 nats; at step 17 it is 1.2
+    assert verdict["step"] == 17
+    assert {"perception_kl_blowup", "entropy_rise", "masked_entropy_rise"} <= set(verdict["symptoms"])
+
+
+def test_one_symptom_alone_does_not_fire():
+    assert not detect_collapse(logs(kl=lambda s: 0.05 if s < 10 else 2.0))["collapsed"]  # KL up, nothing else
+    assert not detect_collapse(logs(acc=lambda s: 0.6 if s < 10 else 0.2))["collapsed"]  # reward down alone
+
+
+def test_an_image_blind_collapse_is_flagged_as_not_the_papers():
+    blind = logs(kl=lambda s: 0.3 if s < 12 else 0.0, acc=lambda s: 0.7 if s < 12 else 0.15)
+    verdict = detect_collapse(blind)
+    assert verdict["collapsed"] and verdict["mode"] == "image-blind collapse (not the paper's)"
+    assert set(verdict["symptoms"]) == {"perception_kl_vanished", "reward_drop"}
+    assert 12 < verdict["step"] <= 12 + CollapseRule().window
+
+
+def test_sparse_reward_logs_still_work():
+    """With two optimizer steps per rollout batch TRL logs the reward on every other step only."""
+    sparse = [
+        {k: v for k, v in row.items() if k != "rewards/accuracy_reward/mean" or row["step"] % 2}
+        for row in logs(kl=lambda s: 0.3 if s < 12 else 0.0, acc=lambda s: 0.7 if s < 12 else 0.15)
+    ]
+    assert detect_collapse(sparse)["collapsed"]
+
+
+# ---- statistics ----
+
+
+def test_mean_ci_is_the_student_t_interval():
+    centre, half = mean_ci([1.0, 2.0, 3.0])
+    assert centre == 2.0 and half == pytest.approx(stats.t.ppf(0.975, 2) * 1.0 / math.sqrt(3))
+    assert math.isnan(mean_ci([0.5])[1]) and math.isnan(mean_ci([])[0])
+
+
+def test_paired_test_matches_a_hand_computed_t_test():
+    result = paired_test([2.0, 4.0, 6.0], [1.0, 2.0, 3.0])  # differences 1, 2, 3: t = 2 / (1 / sqrt 3)
+    assert result["diff"] == 2.0 and result["pairs"] == 3
+    assert result["p_value"] == pytest.approx(2 * stats.t.sf(2 * math.sqrt(3), 2))
+    assert math.isnan(paired_test([1.0], [0.0])["p_value"])
+    with pytest.raises(ValueError, match="equal lengths"):
+        paired_test([1.0, 2.0], [1.0])
+
+
+def fake_results(gain):
+    base = {"avg_at_k/original/all": 0.5, "avg_at_k/original/vision": 0.4, "avg_at_k/original/text": 0.7}
+    base["avg_at_k/gap/vision"] = 0.1
+    noise = {0: 0.0, 1: 0.01, 2: -0.01}
+    spread = {0: 1.0, 1: 1.2, 2: 0.8}  # the paired gain varies a little across seeds, as real gains do
+    return {
+        "grpo": {s: {k: v + n for k, v in base.items()} for s, n in noise.items()},
+        "papo_g": {
+            s: {k: v + n + spread[s] * (gain * 2 if "vision" in k else gain) for k, v in base.items()}
+            for s, n in noise.items()
+        },
+        "papo_g_collapse": {s: {k: v - 0.2 for k, v in base.items()} for s in noise},
+    }
+
+
+def test_summary_rows_pair_each_arm_with_grpo():
+    rows = summary_rows(fake_results(0.05), ["avg_at_k/original/all"], control="grpo")
+    papo = next(r for r in rows if r["arm"] == "papo_g")
+    assert papo["diff_vs_grpo"] == pytest.approx(0.05) and papo["seeds"] == 3
+    assert "diff_vs_grpo" not in next(r for r in rows if r["arm"] == "grpo")
+    table = comparison_table(rows, control="grpo")
+    assert table[0]["papo_g - grpo"] == "0.050 ± 0.025 (p=0.013)"  # diffs 0.05, 0.06, 0.04
+    assert markdown_table(table).splitlines()[0].startswith("| metric | grpo | papo_g | papo_g - grpo |")
+
+
+def test_claims_table_says_plainly_what_holds():
+    collapse = {
+        "grpo": {s: {"collapsed": False} for s in range(3)},
+        "papo_g": {s: {"collapsed": False} for s in range(3)},
+        "papo_g_collapse": {s: {"collapsed": True} for s in range(3)},
+    }
+    arms = {"control": "grpo", "treatment": "papo_g", "collapse": "papo_g_collapse"}
+    better = {r["claim"]: r["verdict"] for r in claims_table(fake_results(0.05), collapse, arms)}
+    assert better == {
+        "overall": "holds here",
+        "vision": "holds here",
+        "perception_errors": "holds here",
+        "reliance": "holds here",
+        "collapse": "holds here",
+    }
+    collapse["papo_g_collapse"] = {s: {"collapsed": False} for s in range(3)}
+    worse = {r["claim"]: r["verdict"] for r in claims_table(fake_results(-0.05), collapse, arms)}
+    assert worse["overall"] == "does not hold here" and worse["collapse"] == "does not hold here"
+
+
+# ---- the reduced study, end to end ----
+
+
+@pytest.fixture(scope="module")
+def reduced_study(tmp_path_factory):
+    from papo_nb.infra.notebooks import run_workbook
+
+    folder = tmp_path_factory.mktemp("study")
+    result = run_workbook(
+        [ROOT / "notebooks" / "04_method_study.ipynb"],
+        ROOT / "params" / "study_reduced.yaml",
+        run_root=folder / "runs",
+        tracking_uri=f"sqlite:///{folder}/mlflow.db",
+    )
+    assert result.ok, result.failure_message
+    return result
+
+
+@pytest.mark.slow
+@pytest.mark.notebook
+@pytest.mark.model
+def test_reduced_study_logs_nested_runs_figures_and_tables(reduced_study):
+    client = MlflowClient(reduced_study.tracking_uri)
+    notebook_run = client.get_run(reduced_study.notebooks[0].run_id)
+    children = client.search_runs(
+        [notebook_run.info.experiment_id], filter_string=f"tags.mlflow.parentRunId = '{notebook_run.info.run_id}'"
+    )
+    arms = sorted(r.data.tags["papo_nb.study_arm"] for r in children)
+    assert arms == ["grpo", "papo_g", "sweep"]  # the collapse arm's one seed is the sweep's run, not trained twice
+    for child in children:
+        metrics = child.data.metrics
+        for key in ("eval/avg_at_k/original/vision", "eval/greedy/masked/text", "eval/avg_at_k/gap/vision"):
+            assert 0.0 <= abs(metrics[key]) <= 1.0, (key, metrics)
+        history = client.get_metric_history(child.info.run_id, "train/perception_kl")
+        assert len(history) == 4 and all(math.isfinite(m.value) for m in history)
+        assert client.get_metric_history(child.info.run_id, "train/entropy")
+        assert client.get_metric_history(child.info.run_id, "train/clip_ratio/high_mean")
+        collapse = json.loads(Path(client.download_artifacts(child.info.run_id, "evidence/collapse.json")).read_text())
+        assert set(collapse) >= {"collapsed", "step", "mode", "symptoms"}
+    gammas = {r.data.tags["papo_nb.study_arm"]: float(r.data.params["gamma"]) for r in children}
+    assert gammas == {"grpo": 0.0, "papo_g": 0.02, "sweep": 20.0}
+    assert notebook_run.data.metrics["study/collapse_gamma"] == 20.0
+    assert notebook_run.data.metrics["testbed/greedy_accuracy/original/vision"] > 0.25
+    artifacts = {
+        a.path for folder in ("figures", "evidence") for a in client.list_artifacts(notebook_run.info.run_id, folder)
+    }
+    assert {"figures/study_curves.png", "figures/study_accuracy.png"} <= artifacts
+    assert {"evidence/study_table.json", "evidence/paper_claims.json", "evidence/collapse_sweep.json"} <= artifacts
+    claims = json.loads(
+        Path(client.download_artifacts(notebook_run.info.run_id, "evidence/paper_claims.json")).read_text()
+    )
+    assert len(claims["data"]) == 5

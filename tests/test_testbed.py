@@ -1,0 +1,139 @@
+"""The perception testbed: a task split by vision dependency, and a warm-started tiny Qwen2-VL that reads its images.
+
+The build (about 1-2 minutes on 2 CPU cores) happens once per test session into a tmp cache.
+"""
+
+from collections import Counter
+
+import pytest
+import torch
+
+from papo_nb.testbed import perception
+from papo_nb.testbed.models import COMPLETE_MARKER, build_cached
+from papo_nb.testbed.shapes import COLOURS
+from papo_nb.workbook.params import preflight_problems, validate_params
+
+
+@pytest.fixture(scope="session")
+def testbed_path(tmp_path_factory):
+    return perception.build_testbed("shapes", seed=0, cache_dir=tmp_path_factory.mktemp("testbed_cache"))
+
+
+# ---- the task ----
+
+
+def test_dataset_is_deterministic_and_split_two_to_one():
+    first, again = perception.make_perception_dataset(30, seed=3), perception.make_perception_dataset(30, seed=3)
+    assert first["answer"] == again["answer"] and first["prompt"] == again["prompt"]
+    assert [a.tobytes() for a in first["image"]] == [b.tobytes() for b in again["image"]]
+    assert perception.make_perception_dataset(30, seed=4)["answer"] != first["answer"]
+    assert Counter(first["vision_dependent"]) == {True: 20, False: 10}
+
+
+def test_text_alone_gives_chance_on_vision_items_and_the_answer_on_text_items():
+    data = perception.make_perception_dataset(600, seed=0)
+    vision = [i for i, v in enumerate(data["vision_dependent"]) if v]
+    text = [i for i, v in enumerate(data["vision_dependent"]) if not v]
+    # every vision-dependent item asks the same words, so the text carries no information about the answer...
+    assert {data["prompt"][i][0]["content"][1]["text"] for i in vision} == {
+        f"{perception.VISION_QUESTION} {perception.ANSWER_INSTRUCTION}"
+    }
+    counts = Counter(data["answer"][i] for i in vision)
+    assert set(counts) == set(COLOURS) and min(counts.values()) > 0.2 * len(vision)
+    # ...while a text-answerable item names its answer, and its image shows an unrelated square
+    assert all(data["answer"][i] in data["prompt"][i][0]["content"][1]["text"] for i in text)
+    assert data["image"][0].size == (perception.IMAGE_SIZE, perception.IMAGE_SIZE)
+
+
+def test_the_square_fills_exactly_one_mask_square():
+    image = perception.make_perception_dataset(1, seed=5)["image"][0]
+    pixels = torch.tensor(list(image.getdata())).reshape(perception.IMAGE_SIZE, perception.IMAGE_SIZE, 3)
+    lit = pixels.sum(-1).nonzero()
+    rows, cols = lit[:, 0], lit[:, 1]
+    assert len(lit) == perception.CELL**2
+    assert rows.min() % perception.CELL == 0 and cols.min() % perception.CELL == 0
+
+
+def test_bad_names_are_refused_with_what_is_allowed():
+    with pytest.raises(ValueError, match=r"testbed:shapes"):
+        perception.testbed_name("testbed:circles")
+    assert perception.testbed_name("tiny:qwen2_vl") is None
+    problems = preflight_problems(validate_params({"model_name_or_path": "testbed:nope", "dataset": "testbed:x"}))
+    assert any("'model_name_or_path' = 'testbed:nope'" in p and "testbed:shapes" in p for p in problems)
+    assert any("'dataset' = 'testbed:x'" in p for p in problems)
+    assert not preflight_problems(
+        validate_params({"model_name_or_path": "testbed:shapes", "dataset": "testbed:shapes"})
+    )
+
+
+def test_build_cached_rebuilds_a_half_written_folder_and_reuses_a_complete_one(tmp_path):
+    folder = tmp_path / "thing"
+    folder.mkdir()
+    (folder / "partial.bin").write_text("interrupted")  # no marker: a half-written build
+    calls = []
+    build_cached(folder, lambda staging: calls.append((staging / "weights.bin").write_text("ok")), "v1")
+    assert calls and (folder / COMPLETE_MARKER).read_text() == "v1\n" and not (folder / "partial.bin").exists()
+    build_cached(folder, lambda staging: calls.append("again"), "v1")
+    assert len(calls) == 1
+
+
+@pytest.mark.model
+def test_warm_start_is_deterministic_for_a_seed():
+    from papo_nb.testbed.models import FAMILIES, build_tiny_processor, tiny_config
+
+    processor = build_tiny_processor("qwen2_vl")
+    weights = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        model = FAMILIES["qwen2_vl"][1](tiny_config("qwen2_vl", processor.tokenizer))
+        losses = perception.warm_start(model, processor, steps=3, seed=7)
+        weights.append(torch.cat([p.detach().flatten() for p in model.parameters()]))
+    assert losses[-1] < losses[0]
+    assert torch.equal(weights[0], weights[1])
+
+
+# ---- the built policy ----
+
+
+@pytest.mark.model
+@pytest.mark.slow
+def test_testbed_reads_its_images_between_chance_and_ceiling(testbed_path):
+    card = perception.read_card(testbed_path)
+    accuracy, chance = card["greedy_accuracy"], perception.CHANCE_VISION
+    assert card["parameters"] < 5_000_000 and card["sft_stopped_by_validation"]
+    assert 0.30 <= accuracy["original/all"] <= 0.70, accuracy
+    assert accuracy["original/vision"] >= chance + 0.15, accuracy  # it sees...
+    assert accuracy["original/vision"] <= 0.85, accuracy  # ...but RL has room
+    assert abs(accuracy["masked_1.0/vision"] - chance) <= 0.1, accuracy  # all black: chance
+    assert accuracy["masked_0.6/vision"] < accuracy["original/vision"] - 0.05, accuracy  # the official mask hurts
+    assert (testbed_path / COMPLETE_MARKER).exists()
+    assert perception.build_testbed("shapes", seed=0, cache_dir=testbed_path.parent) == testbed_path
+
+
+@pytest.mark.model
+@pytest.mark.slow
+def test_the_saved_testbed_scores_what_its_card_says(testbed_path):
+    from papo_nb.testbed.models import load_vlm
+
+    model, processor = load_vlm(testbed_path)
+    rescored = perception.score_card(model.eval(), processor)
+    assert rescored == pytest.approx(perception.read_card(testbed_path)["greedy_accuracy"], abs=0.02)
+
+
+@pytest.mark.model
+@pytest.mark.slow
+def test_the_builder_resolves_testbed_names(testbed_path):
+    from papo_nb.workbook.builder import load_datasets, resolve_model_path
+
+    params = validate_params(
+        {
+            "model_name_or_path": "testbed:shapes",
+            "dataset": "testbed:shapes",
+            "n_train_prompts": 6,
+            "n_eval_prompts": 3,
+        }
+    )
+    assert resolve_model_path(params, cache_dir=testbed_path.parent) == str(testbed_path)
+    train, held_out = load_datasets(params)
+    assert len(train) == 6 and len(held_out) == 3 and "vision_dependent" in train.column_names
+    assert train["answer"] != held_out["answer"] or train["prompt"] != held_out["prompt"]
