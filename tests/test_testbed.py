@@ -11,12 +11,13 @@ import torch
 from papo_nb.testbed import perception
 from papo_nb.testbed.models import COMPLETE_MARKER, build_cached
 from papo_nb.testbed.shapes import COLOURS
+from papo_nb.workbook import testbed_policy
 from papo_nb.workbook.params import preflight_problems, validate_params
 
 
 @pytest.fixture(scope="session")
 def testbed_path(tmp_path_factory):
-    return perception.build_testbed("shapes", seed=0, cache_dir=tmp_path_factory.mktemp("testbed_cache"))
+    return testbed_policy.build_testbed("shapes", seed=0, cache_dir=tmp_path_factory.mktemp("testbed_cache"))
 
 
 # ---- the task ----
@@ -98,7 +99,7 @@ def test_warm_start_is_deterministic_for_a_seed():
 @pytest.mark.model
 @pytest.mark.slow
 def test_testbed_reads_its_images_between_chance_and_ceiling(testbed_path):
-    card = perception.read_card(testbed_path)
+    card = testbed_policy.read_card(testbed_path)
     accuracy, chance = card["greedy_accuracy"], perception.CHANCE_VISION
     assert card["parameters"] < 5_000_000 and card["sft_stopped_by_validation"]
     assert 0.30 <= accuracy["original/all"] <= 0.70, accuracy
@@ -107,7 +108,7 @@ def test_testbed_reads_its_images_between_chance_and_ceiling(testbed_path):
     assert abs(accuracy["masked_1.0/vision"] - chance) <= 0.1, accuracy  # all black: chance
     assert accuracy["masked_0.6/vision"] < accuracy["original/vision"] - 0.05, accuracy  # the official mask hurts
     assert (testbed_path / COMPLETE_MARKER).exists()
-    assert perception.build_testbed("shapes", seed=0, cache_dir=testbed_path.parent) == testbed_path
+    assert testbed_policy.build_testbed("shapes", seed=0, cache_dir=testbed_path.parent) == testbed_path
 
 
 @pytest.mark.model
@@ -116,8 +117,8 @@ def test_the_saved_testbed_scores_what_its_card_says(testbed_path):
     from papo_nb.testbed.models import load_vlm
 
     model, processor = load_vlm(testbed_path)
-    rescored = perception.score_card(model.eval(), processor)
-    assert rescored == pytest.approx(perception.read_card(testbed_path)["greedy_accuracy"], abs=0.02)
+    rescored = testbed_policy.score_card(model.eval(), processor)
+    assert rescored == pytest.approx(testbed_policy.read_card(testbed_path)["greedy_accuracy"], abs=0.02)
 
 
 @pytest.mark.model

@@ -13,7 +13,8 @@ The square fills exactly one 14x14 cell, aligned with the official PAPO mask (14
 ``papo_nb.workbook.raw_masks``) and with the trainer's patch mask: at mask ratio 0.6 the square is hidden on 60%
 of items, and at 1.0 always.
 
-``build_testbed`` makes the policy: the offline tiny Qwen2-VL of ``papo_nb.testbed.models`` (about 200k
+``papo_nb.workbook.testbed_policy.build_testbed`` makes the policy (it scores with the workbook's generation and
+masks, so it lives a layer up): the offline tiny Qwen2-VL of ``papo_nb.testbed.models`` (about 200k
 parameters) trained by plain cross-entropy on the answer tokens for a fixed number of steps, stopped on
 purpose while held-out accuracy with images is between chance and ceiling, so that RL can move it. The recipe
 follows the supervised pass in STACK_FACTS.md ("A short supervised pass makes a tiny VLM see": batch 16, AdamW
@@ -22,16 +23,12 @@ lr 3e-3, one thread). Workbook parameters name it ``testbed:shapes``.
 
 from __future__ import annotations
 
-import json
 import random
-import time
-from pathlib import Path
 
 import datasets
 import torch
 from PIL import Image, ImageDraw
 
-from papo_nb.testbed.models import FAMILIES, build_cached, build_tiny_processor, default_cache_root, tiny_config
 from papo_nb.testbed.shapes import ANSWER_INSTRUCTION, COLOURS
 
 TESTBED_PREFIX = "testbed:"
@@ -179,96 +176,3 @@ def warm_start(
             break
     model.eval()
     return losses
-
-
-def score_card(
-    model, processor, n_items: int = CARD_ITEMS, seed: int = CARD_SEED, ratios=(0.0, 0.6, 1.0)
-) -> dict[str, float]:
-    """Held-out greedy accuracy per split (``<condition>/vision|text|all``) with original images (ratio 0) and
-    images masked with the official 14x14 squares at each other ratio (``masked_<ratio>``)."""
-    from papo_nb.testbed.rewards import accuracy_reward
-    from papo_nb.workbook.evaluation import generate_answers
-    from papo_nb.workbook.raw_masks import mask_pil_squares
-
-    data = make_perception_dataset(n_items, seed=seed)
-    prompts, answers, split = list(data["prompt"]), list(data["answer"]), list(data["vision_dependent"])
-    images = list(data["image"])
-    card = {}
-    for ratio in ratios:
-        condition = f"masked_{ratio}" if ratio else "original"
-        shown = [mask_pil_squares(im, ratio, seed=seed + i) for i, im in enumerate(images)] if ratio else images
-        rewards = accuracy_reward(generate_answers(model, processor, prompts, shown, batch_size=32), answers)
-        for name, keep in (("vision", True), ("text", False)):
-            picked = [r for r, v in zip(rewards, split) if v == keep]
-            card[f"{condition}/{name}"] = sum(picked) / len(picked)
-        card[f"{condition}/all"] = sum(rewards) / len(rewards)
-    return card
-
-
-def _write_testbed(folder: Path, name: str, seed: int) -> None:
-    start = time.perf_counter()
-    processor = build_tiny_processor("qwen2_vl")
-    config = tiny_config("qwen2_vl", processor.tokenizer)
-    threads = torch.get_num_threads()
-    # One thread: CPU reductions then run in one fixed order, so the same seed gives the same weights.
-    torch.set_num_threads(1)
-    try:
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed)
-            model = FAMILIES["qwen2_vl"][1](config)
-            stopped_at = []
-
-            def stop_when_seeing(step: int) -> bool:
-                if step % SFT_CHECK_EVERY:
-                    return False
-                check = score_card(model, processor, VALIDATION_ITEMS, VALIDATION_SEED, ratios=(0.0,))
-                model.train()
-                if check["original/vision"] >= STOP_VISION_ACCURACY:
-                    stopped_at.append(step)
-                return bool(stopped_at)
-
-            losses = warm_start(model, processor, steps=SFT_MAX_STEPS, seed=seed, after_step=stop_when_seeing)
-            card = score_card(model, processor)
-    finally:
-        torch.set_num_threads(threads)
-    for key in ("eos_token_id", "pad_token_id", "bos_token_id"):
-        setattr(model.generation_config, key, getattr(config.text_config, key))
-    model.save_pretrained(folder, safe_serialization=True)
-    processor.save_pretrained(folder)
-    card = {
-        "testbed": name,
-        "seed": seed,
-        "version": TESTBED_VERSION,
-        "parameters": sum(p.numel() for p in model.parameters()),
-        "sft_steps": len(losses),
-        "sft_stopped_by_validation": bool(stopped_at),
-        "stop_vision_accuracy": STOP_VISION_ACCURACY,
-        "sft_batch": SFT_BATCH,
-        "sft_lr": SFT_LR,
-        "sft_final_loss": sum(losses[-10:]) / len(losses[-10:]),
-        "chance_vision": CHANCE_VISION,
-        "card_items": CARD_ITEMS,
-        "greedy_accuracy": card,
-        "build_seconds": time.perf_counter() - start,
-    }
-    (folder / CARD_FILE).write_text(json.dumps(card, indent=2) + "\n")
-
-
-def build_testbed(name: str = "shapes", seed: int = 0, cache_dir: str | Path | None = None) -> Path:
-    """Build (or reuse) the warm-started testbed policy and return its folder, loadable with ``load_vlm``.
-
-    Cached under ``<cache>/testbed-<name>-seed<seed>-v<version>`` with a completion marker written last (see
-    ``build_cached``). Its ``testbed_card.json`` holds the held-out accuracies measured at build time.
-    """
-    if name not in TESTBEDS:
-        raise ValueError(f"testbed name={name!r} is unknown; allowed: {list(TESTBEDS)}")
-    root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_root()
-    folder = root / f"testbed-{name}-seed{seed}-v{TESTBED_VERSION}"
-    return build_cached(
-        folder, lambda staging: _write_testbed(staging, name, seed), f"testbed={name} seed={seed} v={TESTBED_VERSION}"
-    )
-
-
-def read_card(folder: str | Path) -> dict:
-    """The build-time card (accuracies, parameters, build seconds) of a testbed folder."""
-    return json.loads((Path(folder) / CARD_FILE).read_text())

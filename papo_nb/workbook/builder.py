@@ -8,12 +8,13 @@ import torch
 
 from papo_nb.papo import PAPOGConfig, PAPOGTrainer
 from papo_nb.testbed.models import build_tiny_vlm, load_vlm, vision_special_token_ids
-from papo_nb.testbed.perception import build_testbed, make_perception_dataset, testbed_name
+from papo_nb.testbed.perception import make_perception_dataset, testbed_name
 from papo_nb.testbed.rewards import accuracy_reward, format_reward
 from papo_nb.testbed.shapes import load_vlm_dataset, make_shapes_dataset
 from papo_nb.workbook import math_reward, recipe_presets
 from papo_nb.workbook.params import PAPO_PARAM_FIELDS, WorkbookParams
 from papo_nb.workbook.recipe_data import official_datasets, set_processor_pixel_bounds
+from papo_nb.workbook.testbed_policy import build_testbed
 
 TINY_PREFIX = "tiny:"
 EVAL_SEED_OFFSET = 10_000  # held-out synthetic items come from a different stream than training items
