@@ -198,3 +198,15 @@ def test_reduced_study_logs_nested_runs_figures_and_tables(reduced_study):
         Path(client.download_artifacts(notebook_run.info.run_id, "evidence/paper_claims.json")).read_text()
     )
     assert len(claims["data"]) == 5
+
+
+def test_claims_table_without_a_text_split_says_so():
+    """The shapes task (the smoke run's) has only vision-dependent items."""
+    results = {
+        arm: {s: {k: v for k, v in by_seed[s].items() if "/text" not in k} for s in by_seed}
+        for arm, by_seed in fake_results(0.05).items()
+    }
+    collapse = {arm: {s: {"collapsed": False} for s in range(3)} for arm in results}
+    arms = {"control": "grpo", "treatment": "papo_g", "collapse": "papo_g_collapse"}
+    vision = next(r for r in claims_table(results, collapse, arms) if r["claim"] == "vision")
+    assert "no text-only split" in vision["here"] and vision["verdict"] == "holds here"
