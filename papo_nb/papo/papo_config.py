@@ -18,6 +18,7 @@ MASK_TYPES = ("patch", "merge_unit", "random")
 MASK_SHARING = ("prompt", "completion")
 GAMMA_SCHEDULES = ("fixed", "linear")
 ENTROPY_ESTIMATORS = ("sampled", "full")
+MASKED_FORWARDS = ("auto", "full", "shared_prefix")
 # Every loss_type TRL 1.9.1's GRPOTrainer._compute_loss aggregates (grpo_trainer.py:3124-3153).
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo")
 
@@ -45,6 +46,7 @@ FIELD_RULES = {
     "original_entropy_weight": (lambda v: _finite(v) and v >= 0, "a finite number >= 0"),
     "masked_entropy_weight": (lambda v: _finite(v) and v >= 0, "a finite number >= 0"),
     "masked_branch_grad": (lambda v: isinstance(v, bool), "a bool"),
+    "masked_forward": (lambda v: v in MASKED_FORWARDS, f"one of {MASKED_FORWARDS}"),
     "require_gpu_contract_probe": (lambda v: isinstance(v, bool), "a bool"),
     "probe_max_degenerate_batches": (lambda v: _int(v) and v >= 1, "an int >= 1"),
     "beta": (lambda v: _finite(v) and v >= 0, "a finite number >= 0"),
@@ -109,6 +111,13 @@ class PAPOGConfig(GRPOConfig):
             (their issue 20); set `masked_branch_grad=True` for it to regularise. Official 3B: off; 7B: 0.05.
         masked_branch_grad (`bool`, defaults to `False`):
             Backpropagate through the masked forward (official `RECOMPUTE_AUG_LOG_PROBS=False`: no).
+        masked_forward (`str`, defaults to `"auto"`):
+            How the no-grad masked branch runs. `"shared_prefix"`: the vision tower and the prompt's key/values once
+            per prompt (and masked image), its completions run against that cache (`papo_nb.papo.shared_prefix`;
+            Qwen2-VL and Qwen2.5-VL, `masked_branch_grad=False`); `"full"`: one full forward per completion, as the
+            parent computes log-probs; `"auto"`: the shared prefix where it applies (no grad, masks per prompt, a
+            supported model, a prompt with two completions in the batch), else the full forward. The metric
+            `papo/masked_forward_shared` says which ran, and a log line says why when it is the full one.
         require_gpu_contract_probe (`bool`, defaults to `False`):
             Run the gamma-zero reduction probe inside training until it has evidence (smoke and CI runs set
             this true; main runs leave it false so no probe code runs at all).
@@ -157,6 +166,13 @@ class PAPOGConfig(GRPOConfig):
     original_entropy_weight: float = field(default=0.0, metadata={"help": "eta1: entropy weight, original images."})
     masked_entropy_weight: float = field(default=0.0, metadata={"help": "eta2: entropy weight, masked images."})
     masked_branch_grad: bool = field(default=False, metadata={"help": "Backpropagate through the masked forward."})
+    masked_forward: str = field(
+        default="auto",
+        metadata={
+            "help": "Masked branch: 'shared_prefix' (prompt key/values once per prompt), 'full', or 'auto'.",
+            "choices": MASKED_FORWARDS,
+        },
+    )
     require_gpu_contract_probe: bool = field(default=False, metadata={"help": "Run the gamma-zero probe in training."})
     probe_max_degenerate_batches: int = field(
         default=PAPO_PROBE_MAX_DEGENERATE_BATCHES,
@@ -178,6 +194,11 @@ class PAPOGConfig(GRPOConfig):
             problem = papo_field_problem(name, getattr(self, name))
             if problem:
                 raise ValueError(f"PAPOGConfig.{name}={getattr(self, name)!r} is invalid: {problem}")
+        if self.masked_forward == "shared_prefix" and self.masked_branch_grad:
+            raise ValueError(
+                "PAPOGConfig.masked_forward='shared_prefix' is invalid with masked_branch_grad=True: the shared "
+                "prefix is a no-grad path; allowed: masked_forward 'auto' or 'full', or masked_branch_grad=False"
+            )
 
 
 def papo_fields() -> tuple:

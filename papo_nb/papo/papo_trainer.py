@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from trl import GRPOTrainer
 
-from papo_nb.papo import masking
+from papo_nb.papo import masking, shared_prefix
 from papo_nb.papo.contract import ENTROPY_GRAD_GATE, VLM_FORWARD_KEYWORDS, validate_trl_parent_contract
 from papo_nb.papo.papo_config import PAPOGConfig
 from papo_nb.papo.terms import bounded_k3, normalise_like_parent, zero_outside
@@ -110,6 +110,9 @@ class PAPOGTrainer(GRPOTrainer):
         self.mask_generator = torch.Generator().manual_seed(self.args.mask_seed + self.args.process_index)
         self._mask_cache: dict[str, torch.Tensor] = {}
         self._mask_cache_round: int | None = None
+        # Which form the no-grad masked branch takes (shared prompt prefix or full forward); raises if asked for
+        # the shared prefix where it cannot run.
+        self.masked_forward_plan = shared_prefix.plan(self.args, self.model)
         self.probe = None
         if self.args.require_gpu_contract_probe:
             from papo_nb.papo.probe import GammaZeroProbe
@@ -321,6 +324,11 @@ class PAPOGTrainer(GRPOTrainer):
         want_entropy_grad = args.masked_branch_grad and self._full_entropy_grad(args.masked_entropy_weight)
         # The sampled estimator needs only log-probs; the full one asks the parent for vocabulary entropies.
         compute_entropy = args.entropy_estimator == "full"
+        # Under no-grad, one prefill per prompt and its completions against the cached prefix (same numbers, see
+        # shared_prefix.py); None where it does not apply (the reason is logged and in the metrics).
+        shared = shared_prefix.masked_forward(self, model, inputs, vlm_kwargs.get("pixel_values"), compute_entropy)
+        if shared is not None:
+            return shared
         with torch.set_grad_enabled(args.masked_branch_grad and torch.is_grad_enabled()):
             logps, entropies, _ = self._with_entropy_grad(
                 want_entropy_grad, model, *positional, compute_entropy=compute_entropy, **vlm_kwargs

@@ -1,0 +1,291 @@
+"""The masked branch with a shared prompt prefix: vision and prompt key/values once per prompt, not per completion.
+
+The G rollouts of a prompt share its tokens and, with masks drawn per prompt (``mask_sharing="prompt"``), its masked
+image. Under no-grad (``masked_branch_grad=False``, the default) the masked forward then needs the vision tower and
+the prompt's key/values once per prompt: each distinct prompt of the device batch is prefilled once with its masked
+image (``use_cache=True``); its cache is copied to its completions, which run against it; the last prefill logit
+predicts the first completion token. Completion log-probs and entropies are those of TRL 1.9.1's
+``_get_per_token_logps_and_entropies`` (grpo_trainer.py:1435-1545: logits / temperature, ``selective_log_softmax``,
+``entropy_from_logits``), to float rounding.
+
+Positions are exact: Qwen's multimodal rotary positions of the *whole* prompt + completion sequence are taken from
+``get_rope_index`` (what the full forward computes, Qwen2VLModel.compute_3d_position_ids) and sliced per forward;
+positions built from the stored ``rope_deltas`` ignore left padding (docs: /work/shared/spec/STACK_FACTS.md).
+
+Prompts are grouped by content (prompt tokens, grid and the *masked* pixel rows), so the path is exact whatever the
+masks are; with per-completion masks no two completions share a prefix and there is nothing to gain. Completions
+run one chunk of whole groups at a time (at most as many rows as the largest group), so the expanded cache and the
+vocabulary-sized logits exist for one chunk only: the peak stays below the full forward's.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from transformers import DynamicCache
+from transformers.utils import logging
+
+from papo_nb.papo import masking
+
+logger = logging.get_logger(__name__)
+
+# model_type of the language-vision models whose forward, cache and get_rope_index this path was checked against
+# (tests/test_shared_prefix.py: tiny:qwen2_vl and tiny:qwen2_5_vl, fp32 and bf16).
+SUPPORTED_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl")
+METRIC = "papo/masked_forward_shared"  # 1 when the shared-prefix path ran for the batch, 0 for the full forward
+SHARE_METRIC = "papo/masked_forward_share"  # completions per prefilled prompt (shared path only)
+
+
+@dataclass
+class Plan:
+    """The static part of the choice, made once per trainer: ``shared`` unless a reason says otherwise."""
+
+    shared: bool
+    reason: str
+
+
+def core_model(model):
+    """The Hugging Face ``...ForConditionalGeneration`` under DDP/accelerate (``.module``) and PEFT wrappers."""
+    while hasattr(model, "module"):
+        model = model.module
+    if hasattr(model, "get_base_model"):
+        model = model.get_base_model()
+    return model
+
+
+def unsupported_reason(model) -> str | None:
+    """Why this model cannot take the shared path, or None."""
+    hf_model = core_model(model)
+    model_type = getattr(hf_model.config, "model_type", None)
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        return f"model_type {model_type!r} is not one of {SUPPORTED_MODEL_TYPES}"
+    if not hasattr(getattr(hf_model, "model", None), "get_rope_index"):
+        return f"{type(hf_model).__name__}.model has no get_rope_index"
+    text_config = hf_model.config.get_text_config()
+    if getattr(text_config, "use_sliding_window", False):
+        return "the language model uses sliding-window attention (its cache would be cropped)"
+    return None
+
+
+def plan(args, model) -> Plan:
+    """Decide from the config and the model: ``args.masked_forward`` ``"full"``, ``"shared_prefix"`` (refused with a
+    ValueError where it cannot run) or ``"auto"`` (shared where it applies, else full with the reason)."""
+    choice = args.masked_forward
+    if choice == "full":
+        return Plan(False, "masked_forward='full'")
+    reason = unsupported_reason(model)
+    if reason is None and args.masked_branch_grad:
+        reason = "masked_branch_grad=True: the shared prefix is a no-grad path"
+    if reason is not None and choice == "shared_prefix":
+        raise ValueError(
+            f"PAPOGConfig.masked_forward='shared_prefix' cannot run: {reason}; allowed here: 'auto' or 'full'"
+        )
+    if reason is None and choice == "auto" and args.mask_sharing != "prompt":
+        reason = f"mask_sharing={args.mask_sharing!r}: no two completions share a masked image"
+    return Plan(reason is None, reason or f"masked_forward={choice!r}")
+
+
+def choose(trainer, model, inputs: dict[str, Any], groups: list[list[int]] | None) -> tuple[bool, str]:
+    """The choice for one batch: the trainer's plan, the grad mode, and (``"auto"``, one process) whether any prompt
+    has two completions here. With several processes the choice must not depend on the batch: a forward is a
+    collective under FSDP/ZeRO-3, so every rank must run as many."""
+    static = trainer.masked_forward_plan
+    if not static.shared:
+        return False, static.reason
+    if trainer.args.masked_branch_grad and torch.is_grad_enabled():
+        return False, "masked_branch_grad=True with gradients enabled"
+    single = trainer.accelerator.num_processes == 1
+    if (
+        trainer.args.masked_forward == "auto"
+        and single
+        and groups is not None
+        and len(groups) == len(inputs["prompt_ids"])
+    ):
+        return False, "no prompt has two completions in this device batch"
+    return True, static.reason
+
+
+def record(trainer, shared: bool, reason: str, share: float | None) -> None:
+    """The metric per batch, and one log line per distinct reason."""
+    mode = "train" if trainer.model.training else "eval"
+    trainer._metrics[mode][METRIC].append(float(shared))
+    if share is not None:
+        trainer._metrics[mode][SHARE_METRIC].append(share)
+    seen = trainer.__dict__.setdefault("_masked_forward_reasons_logged", set())
+    key = (shared, reason)
+    if key not in seen:
+        seen.add(key)
+        if shared:
+            logger.info("PAPO-G masked branch: shared-prompt-prefix forward (%s)", reason)
+        else:
+            logger.warning("PAPO-G masked branch: full forward per completion, because %s", reason)
+
+
+def prompt_groups(inputs: dict[str, Any], pixel_values: torch.Tensor | None) -> list[list[int]]:
+    """Rows of the batch that share their prompt tokens, image grid and (masked) pixel rows, in order of first
+    appearance. Tokens are compared on the host; pixel rows with ``torch.equal`` against the group's first row."""
+    prompt_ids, prompt_mask = inputs["prompt_ids"], inputs["prompt_mask"]
+    grid, num_images = inputs.get("image_grid_thw"), inputs.get("num_images")
+    token_rows = torch.cat([prompt_ids, prompt_mask.to(prompt_ids.dtype)], dim=1).tolist()
+    has_images = pixel_values is not None and grid is not None
+    ranges = masking.sample_row_ranges(grid, num_images) if has_images else None
+    image_offsets = torch.tensor([0, *num_images]).cumsum(0).tolist() if has_images else None
+    grid_rows = grid.tolist() if has_images else None
+    candidates: dict[tuple, list[int]] = {}  # token/grid key -> indices of groups with that key
+    groups: list[list[int]] = []
+    for i, tokens in enumerate(token_rows):
+        key = tuple(tokens)
+        if has_images:
+            key += tuple(map(tuple, grid_rows[image_offsets[i] : image_offsets[i + 1]]))
+        for g in candidates.get(key, []):
+            first = groups[g][0]
+            if not has_images or torch.equal(
+                pixel_values[ranges[i][0] : ranges[i][1]], pixel_values[ranges[first][0] : ranges[first][1]]
+            ):
+                groups[g].append(i)
+                break
+        else:
+            candidates.setdefault(key, []).append(len(groups))
+            groups.append([i])
+    return groups
+
+
+def _chunks(groups: list[list[int]], max_rows: int) -> list[list[int]]:
+    """Consecutive whole groups, at most ``max_rows`` rows per chunk (a larger group is a chunk of its own)."""
+    chunks, current = [], []
+    for group in groups:
+        if current and len(current) + len(group) > max_rows:
+            chunks.append(current)
+            current = []
+        current = current + group
+    return chunks + ([current] if current else [])
+
+
+def _cache_keyword(hf_model) -> str:
+    """``cache`` from transformers 5.x's rename, ``past_key_values`` before it."""
+    return "cache" if "cache" in inspect.signature(hf_model.forward).parameters else "past_key_values"
+
+
+def rope_positions(hf_model, input_ids, attention_mask, mm_token_type_ids, image_grid_thw) -> torch.Tensor:
+    """``(3, B, L)`` positions of the whole sequences, as the full forward computes them."""
+    if mm_token_type_ids is None:
+        mm_token_type_ids = torch.zeros_like(input_ids)
+    rope_index = hf_model.model.get_rope_index
+    kwargs = dict(image_grid_thw=image_grid_thw, attention_mask=attention_mask)
+    if "mm_token_type_ids" in inspect.signature(rope_index).parameters:
+        kwargs["mm_token_type_ids"] = mm_token_type_ids
+    positions, _ = rope_index(input_ids, **kwargs)
+    return positions
+
+
+@torch.no_grad()
+def shared_prefix_logps(
+    model,
+    inputs: dict[str, Any],
+    pixel_values: torch.Tensor | None,
+    *,
+    temperature: float,
+    compute_entropy: bool,
+    groups: list[list[int]] | None = None,
+    max_chunk_rows: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(logps, entropies)`` of the completions of ``inputs`` (a ``_compute_loss`` batch) with ``pixel_values`` in
+    place of its own, each ``(B, C)``, computed with one prefill per distinct prompt (``groups``; found if None).
+
+    ``model`` is what the trainer calls (possibly wrapped); ``max_chunk_rows`` bounds the completion rows per
+    forward (default: the largest group)."""
+    from trl.trainer.utils import entropy_from_logits, selective_log_softmax
+
+    hf_model = core_model(model)
+    prompt_ids, prompt_mask = inputs["prompt_ids"], inputs["prompt_mask"]
+    completion_ids, completion_mask = inputs["completion_ids"], inputs["completion_mask"]
+    grid, num_images, mm_types = (
+        inputs.get("image_grid_thw"),
+        inputs.get("num_images"),
+        inputs.get("mm_token_type_ids"),
+    )
+    n_prompt, n_completion = prompt_ids.shape[1], completion_ids.shape[1]
+    groups = groups if groups is not None else prompt_groups(inputs, pixel_values)
+    firsts = [g[0] for g in groups]
+    has_images = pixel_values is not None
+
+    input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
+    attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)
+    positions = rope_positions(hf_model, input_ids, attention_mask, mm_types, grid if has_images else None)
+    cache_key = _cache_keyword(hf_model)
+
+    # 1. one prefill per distinct prompt, with its (masked) image; keep the logit of its last token
+    prefill = dict(
+        input_ids=prompt_ids[firsts],
+        attention_mask=prompt_mask[firsts],
+        position_ids=positions[:, firsts, :n_prompt],
+        use_cache=True,
+        logits_to_keep=1,
+    )
+    if mm_types is not None:
+        prefill["mm_token_type_ids"] = mm_types[firsts, :n_prompt]
+    if has_images:
+        ranges = masking.sample_row_ranges(grid, num_images)
+        image_offsets = torch.tensor([0, *num_images]).cumsum(0).tolist()
+        prefill["pixel_values"] = torch.cat([pixel_values[ranges[i][0] : ranges[i][1]] for i in firsts])
+        prefill["image_grid_thw"] = torch.cat([grid[image_offsets[i] : image_offsets[i + 1]] for i in firsts])
+    cache = DynamicCache()
+    prefill[cache_key] = cache
+    first_logits = model(**prefill).logits[:, -1:, :]  # (U, 1, V): predicts each prompt's first completion token
+    if cache.get_seq_length() != n_prompt:
+        raise RuntimeError(
+            f"the prefill left {cache.get_seq_length()} of {n_prompt} prompt positions in the key/value cache"
+        )
+    prefix_kv = [(layer.keys, layer.values) for layer in cache.layers]
+    del cache, prefill
+
+    # 2. the completions of whole groups, chunk by chunk, against a copy of their prompts' key/values
+    group_of = torch.empty(len(prompt_ids), dtype=torch.long)
+    for g, rows in enumerate(groups):
+        group_of[rows] = g
+    logps = torch.empty(completion_ids.shape, dtype=first_logits.dtype, device=first_logits.device)
+    entropies = torch.empty_like(logps) if compute_entropy else None
+    max_rows = max_chunk_rows or max(len(g) for g in groups)
+    for rows in _chunks(groups, max_rows):
+        index = torch.tensor(rows, device=completion_ids.device)
+        source = group_of[rows].to(first_logits.device)
+        logits = first_logits.index_select(0, source)
+        if n_completion > 1:
+            chunk_cache = DynamicCache()
+            for layer_idx, (keys, values) in enumerate(prefix_kv):
+                chunk_cache.update(keys.index_select(0, source), values.index_select(0, source), layer_idx)
+            out = model(
+                input_ids=completion_ids[index, :-1],
+                attention_mask=attention_mask[index, :-1],
+                position_ids=positions[:, index, n_prompt:-1],
+                use_cache=True,
+                **{cache_key: chunk_cache},
+            )
+            logits = torch.cat([logits, out.logits], dim=1)  # (k, C, V)
+            del out, chunk_cache
+        logits.div_(temperature)
+        logps[index] = selective_log_softmax(logits, completion_ids[index]).to(logps.dtype)
+        if compute_entropy:
+            entropies[index] = entropy_from_logits(logits).to(entropies.dtype)
+        del logits
+    return logps, entropies
+
+
+def masked_forward(trainer, model, inputs: dict[str, Any], pixel_values, compute_entropy: bool):
+    """The trainer's masked branch: ``(logps, entropies)`` through the shared prefix where it applies (recorded in
+    the metrics), else None (the caller runs the full forward)."""
+    groups = None
+    if trainer.masked_forward_plan.shared and inputs.get("prompt_ids") is not None:
+        groups = prompt_groups(inputs, pixel_values)
+    shared, reason = choose(trainer, model, inputs, groups)
+    if not shared:
+        record(trainer, False, reason, None)
+        return None
+    result = shared_prefix_logps(
+        model, inputs, pixel_values, temperature=trainer.temperature, compute_entropy=compute_entropy, groups=groups
+    )
+    record(trainer, True, reason, len(inputs["prompt_ids"]) / len(groups))
+    return result
