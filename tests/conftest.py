@@ -6,7 +6,7 @@ Imports sit inside the fixtures so test files that need neither skip loading tra
 import pytest
 
 # What a test uses decides its tier (markers registered in pyproject.toml): the fast tier deselects these.
-TIER_OF_FIXTURE = {"tiny_vlm_path": "model", "smoke_workbook": "notebook"}
+TIER_OF_FIXTURE = {"tiny_vlm_path": "model", "testbed_path": "model", "smoke_workbook": "notebook"}
 
 
 def pytest_collection_modifyitems(items):
@@ -22,6 +22,14 @@ def tiny_vlm_path(tmp_path_factory):
     from papo_nb.testbed.models import build_tiny_vlm
 
     return build_tiny_vlm("qwen2_vl", seed=0, cache_dir=tmp_path_factory.mktemp("tiny_vlm_cache"))
+
+
+@pytest.fixture(scope="session")
+def testbed_path(tmp_path_factory):
+    """Folder of the perception testbed (testbed:shapes), built once per session into a tmp cache (1-3 minutes)."""
+    from papo_nb.workbook.testbed_policy import build_testbed
+
+    return build_testbed("shapes", seed=0, cache_dir=tmp_path_factory.mktemp("testbed_cache"))
 
 
 @pytest.fixture(scope="session")

@@ -150,16 +150,18 @@ def test_claims_table_says_plainly_what_holds():
 
 
 @pytest.fixture(scope="module")
-def reduced_study(tmp_path_factory):
+def reduced_study(tmp_path_factory, testbed_path):
     from papo_nb.infra.notebooks import run_workbook
 
     folder = tmp_path_factory.mktemp("study")
-    result = run_workbook(
-        [ROOT / "notebooks" / "04_method_study.ipynb"],
-        ROOT / "params" / "study_reduced.yaml",
-        run_root=folder / "runs",
-        tracking_uri=f"sqlite:///{folder}/mlflow.db",
-    )
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("PAPO_NB_CACHE", str(testbed_path.parent))  # the kernel finds the session's testbed build
+        result = run_workbook(
+            [ROOT / "notebooks" / "04_method_study.ipynb"],
+            ROOT / "params" / "study_reduced.yaml",
+            run_root=folder / "runs",
+            tracking_uri=f"sqlite:///{folder}/mlflow.db",
+        )
     assert result.ok, result.failure_message
     return result
 
@@ -171,7 +173,7 @@ def test_reduced_study_logs_nested_runs_figures_and_tables(reduced_study):
     client = MlflowClient(reduced_study.tracking_uri)
     notebook_run = client.get_run(reduced_study.notebooks[0].run_id)
     children = client.search_runs(
-        [notebook_run.info.experiment_id], filter_string=f"tags.mlflow.parentRunId = '{notebook_run.info.run_id}'"
+        [notebook_run.info.experiment_id], filter_string=f"tags.`mlflow.parentRunId` = '{notebook_run.info.run_id}'"
     )
     arms = sorted(r.data.tags["papo_nb.study_arm"] for r in children)
     assert arms == ["grpo", "papo_g", "sweep"]  # the collapse arm's one seed is the sweep's run, not trained twice

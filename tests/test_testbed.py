@@ -1,6 +1,6 @@
 """The perception testbed: a task split by vision dependency, and a warm-started tiny Qwen2-VL that reads its images.
 
-The build (about 1-2 minutes on 2 CPU cores) happens once per test session into a tmp cache.
+The build (1-3 minutes on 2 CPU cores) happens once per test session into a tmp cache (conftest's testbed_path).
 """
 
 from collections import Counter
@@ -13,12 +13,6 @@ from papo_nb.testbed.models import COMPLETE_MARKER, build_cached
 from papo_nb.testbed.shapes import COLOURS
 from papo_nb.workbook import testbed_policy
 from papo_nb.workbook.params import preflight_problems, validate_params
-
-
-@pytest.fixture(scope="session")
-def testbed_path(tmp_path_factory):
-    return testbed_policy.build_testbed("shapes", seed=0, cache_dir=tmp_path_factory.mktemp("testbed_cache"))
-
 
 # ---- the task ----
 
