@@ -178,13 +178,3 @@ def test_hub_ids_go_to_the_hub_through_datasets():
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode != 0
     assert "Couldn't reach 'PAPOGalaxy/PAPO_ViRL39K_train' on the Hub" in done.stderr
-
-
-def test_worker_processes_give_the_same_rows_as_one_process(official, processor, monkeypatch):
-    """Hub-sized data is prepared with worker processes (the official 16): same rows, same filter counts."""
-    options = dict(format_prompt="math_perception", min_pixels=SMALL, max_pixels=LARGE, max_prompt_length=185)
-    single, single_report = rd.prepare_split(official, processor, **options)
-    monkeypatch.setattr(rd, "workers", lambda rows: 2)
-    multi, multi_report = rd.prepare_split(official, processor, **options)
-    assert multi_report == single_report and single_report.dropped > 0
-    assert multi["answer"] == single["answer"] and multi["prompt"] == single["prompt"]

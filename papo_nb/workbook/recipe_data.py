@@ -57,7 +57,7 @@ def format_template(format_prompt: str) -> Template:
 
 @functools.lru_cache(maxsize=8)
 def compiled_template(source: str) -> Template:
-    """One compiled template per process (jinja templates do not pickle, so workers compile their own)."""
+    """One compiled template per process (jinja templates do not pickle; a worker compiles its own)."""
     return Template(source)
 
 
@@ -166,18 +166,9 @@ def to_trl_rows(dataset: datasets.Dataset, format_prompt: str, min_pixels: int, 
         text = compiled_template(source).render(content=row["problem"])
         return {"prompt": user_message(text, len(images)), "images": images, "answer": str(row["answer"])}
 
-    return dataset.map(
-        convert,
-        remove_columns=dataset.column_names,
-        num_proc=workers(len(dataset)),
-        desc="official schema -> TRL rows",
-    )
-
-
-def workers(rows: int) -> int | None:
-    """Worker processes for a pass over ``rows`` rows: the official 16 (ds:113) on hub-sized data, capped by the CPU
-    count; none for small sets, where starting processes costs more than it saves."""
-    return min(16, os.cpu_count() or 1) if rows >= 2048 else None
+    # One process: datasets' workers are forked, and a fork after the image processor's torch threads have run can
+    # hang (it did in the test suite); the official code uses 16 workers for its filter (ds:113-114).
+    return dataset.map(convert, remove_columns=dataset.column_names, desc="official schema -> TRL rows")
 
 
 def prompt_length(processor, row: dict) -> int:
@@ -201,11 +192,7 @@ class FilterReport:
 
 def filter_overlong_prompts(dataset: datasets.Dataset, processor, max_prompt_length: int):
     """Drop rows whose prompt is longer than ``max_prompt_length`` tokens (cfg:21); returns (dataset, report)."""
-    counted = dataset.map(
-        lambda row: {"prompt_tokens": prompt_length(processor, row)},
-        num_proc=workers(len(dataset)),
-        desc="prompt lengths",
-    )
+    counted = dataset.map(lambda row: {"prompt_tokens": prompt_length(processor, row)}, desc="prompt lengths")
     lengths = counted["prompt_tokens"]
     keep = [i for i, n in enumerate(lengths) if n <= max_prompt_length]
     report = FilterReport(len(keep), len(lengths) - len(keep), max((lengths[i] for i in keep), default=0))
