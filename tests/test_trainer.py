@@ -192,9 +192,12 @@ def test_config_defaults_are_the_official_3b_recipe(tmp_path):
     args = PAPOGConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False)
     papo_fields = {f.name for f in dataclasses.fields(PAPOGConfig)} - {f.name for f in dataclasses.fields(GRPOConfig)}
     official = recipes.recipe("papo_g_3b")
-    for name in papo_fields | {"beta", "loss_type"}:
+    for name in (papo_fields | {"beta", "loss_type"}) - {"mask_type"}:
         if name in official:
             assert getattr(args, name) == official[name], name
+    # "auto" is the recipe's "patch" (whole patches) on whichever layout the batch has: tests/test_families.py
+    # checks that both give the same masks.
+    assert args.mask_type == "auto" and official["mask_type"] == "patch"
     assert (args.perception_loss_weight, args.mask_ratio, args.beta, args.loss_type) == (0.02, 0.6, 0.01, "bnpo")
     assert args.original_entropy_weight == args.masked_entropy_weight == 0.0, "official 3B: no double entropy"
     assert args.entropy_estimator == "sampled" and args.mask_sharing == "prompt" and args.perception_kl_clamp is None

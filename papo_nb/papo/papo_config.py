@@ -14,7 +14,7 @@ from trl import GRPOConfig
 
 from papo_nb.papo.contract import PAPO_PROBE_MAX_DEGENERATE_BATCHES
 
-MASK_TYPES = ("patch", "merge_unit", "random")
+MASK_TYPES = ("auto", "patch", "merge_unit", "random")
 MASK_SHARING = ("prompt", "completion")
 GAMMA_SCHEDULES = ("fixed", "linear")
 ENTROPY_ESTIMATORS = ("sampled", "full")
@@ -85,10 +85,13 @@ class PAPOGConfig(GRPOConfig):
             Optional extra clamp of the per-token KL to `[0, perception_kl_clamp]` (official
             `use_kl_prcp_clipping`, off; value 0.2). The official bounds (log-ratio in [-20, 20], k3 <= 10, fp32)
             always apply.
-        mask_type (`str`, defaults to `"patch"`):
-            How the masked image is made from `pixel_values`: `"patch"` blacks out whole 14x14 vision patches
-            (the processed-tensor equivalent of the official raw-image 14-px squares), `"merge_unit"` whole 2x2
-            merge units, `"random"` single pixel values. Masked values are black after normalisation.
+        mask_type (`str`, defaults to `"auto"`):
+            How the masked image is made from `pixel_values`: `"auto"` blacks out whole vision patches of the
+            model's own patch size (the processed-tensor equivalent of the official raw-image 14-px squares) on
+            whichever image layout the batch carries, detected from its keys and shapes (README, "Supported model
+            families"; an unknown layout raises with the keys and shapes seen); `"patch"` is the same (the name
+            older params files use); `"merge_unit"` whole 2x2 merge units (Qwen-VL layouts only); `"random"` single
+            pixel values inside real patches. Masked values are black after normalisation; padding is never masked.
         mask_ratio (`float`, defaults to `0.6`):
             Fraction of patches/units (or probability per value for `"random"`) that are blacked out.
             Official `black_prob` 0.6; paper ablation at 3B: 0.6 best; 1.0 raises collapse risk.
@@ -148,7 +151,11 @@ class PAPOGConfig(GRPOConfig):
         default=None, metadata={"help": "Extra upper clamp of the per-token KL (None: off; official option 0.2)."}
     )
     mask_type: str = field(
-        default="patch", metadata={"help": "'patch', 'merge_unit' or 'random'.", "choices": MASK_TYPES}
+        default="auto",
+        metadata={
+            "help": "'auto' (= 'patch': whole patches, any layout), 'merge_unit' or 'random'.",
+            "choices": MASK_TYPES,
+        },
     )
     mask_ratio: float = field(default=0.6, metadata={"help": "Fraction of the image blacked out, in (0, 1]."})
     mask_sharing: str = field(

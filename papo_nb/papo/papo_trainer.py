@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from trl import GRPOTrainer
 
-from papo_nb.papo import masking, shared_prefix
+from papo_nb.papo import masking_layouts, shared_prefix
 from papo_nb.papo.contract import ENTROPY_GRAD_GATE, VLM_FORWARD_KEYWORDS, validate_trl_parent_contract
 from papo_nb.papo.papo_config import PAPOGConfig
 from papo_nb.papo.terms import bounded_k3, normalise_like_parent, zero_outside
@@ -214,62 +214,65 @@ class PAPOGTrainer(GRPOTrainer):
             return None
         return self._step // (self.args.steps_per_generation * self.num_iterations)
 
-    def _draw_mask(self, reference: torch.Tensor, grid: torch.Tensor | None) -> torch.Tensor:
-        """A fresh row mask (patch, merge_unit) or element mask (random) for one sample's pixel rows."""
-        args = self.args
-        if args.mask_type == "random":
-            return torch.rand(reference.shape, generator=self.mask_generator) < args.mask_ratio
-        merge_size = getattr(self.processing_class.image_processor, "merge_size", 2)
-        return masking.select_patch_rows(
-            grid, args.mask_ratio, unit=args.mask_type, merge_size=merge_size, generator=self.mask_generator
+    def mask_patch_size(self) -> int:
+        """The model's own vision patch size: the vision config's, cross-checked with the image processor's."""
+        image_processor = self.processing_class.image_processor
+        vision = getattr(getattr(self.model, "config", None), "vision_config", None)
+        sizes = {
+            name: value
+            for name, value in (
+                ("vision_config.patch_size", getattr(vision, "patch_size", None)),
+                ("image_processor.patch_size", getattr(image_processor, "patch_size", None)),
+                ("image_processor.encoder_patch_size", getattr(image_processor, "encoder_patch_size", None)),
+            )
+            if isinstance(value, int)
+        }
+        if not sizes or len(set(sizes.values())) > 1:
+            raise ValueError(f"cannot tell the model's vision patch size for masking: found {sizes or 'none'}")
+        return next(iter(sizes.values()))
+
+    def batch_patch_map(self, inputs: dict[str, Any]) -> masking_layouts.PatchMap:
+        """The real patches of this batch's pixel_values, in whichever layout it has (``masking_layouts``)."""
+        image_processor = self.processing_class.image_processor
+        merge = getattr(image_processor, "merge_size", 2) if self.args.mask_type == "merge_unit" else 1
+        return masking_layouts.patch_map(
+            inputs,
+            patch_size=self.mask_patch_size(),
+            image_mean=image_processor.image_mean,
+            image_std=image_processor.image_std,
+            merge_size=merge,
         )
 
-    def _prompt_shared_masks(self, inputs: dict[str, Any]) -> torch.Tensor:
-        """One mask per prompt (content key), drawn once per generation round and reused by every rollout of that
-        prompt, in this device batch or a later one of the same round (TRL shuffles rollouts across them)."""
-        pixel_values, grid, num_images = inputs["pixel_values"], inputs["image_grid_thw"], inputs["num_images"]
+    def _draw_mask(self, patches: masking_layouts.PatchMap, sample: int, sample_pixels: torch.Tensor) -> torch.Tensor:
+        """A fresh mask for one sample: a bool per patch unit, or (``random``) a coin per pixel value."""
+        if self.args.mask_type == "random":
+            return torch.rand(sample_pixels.shape, generator=self.mask_generator) < self.args.mask_ratio
+        return masking_layouts.select_units(patches.sample_segments(sample), self.args.mask_ratio, self.mask_generator)
+
+    def _sample_masks(self, inputs: dict[str, Any], patches: masking_layouts.PatchMap) -> list[torch.Tensor]:
+        """One mask per sample. ``mask_sharing='prompt'``: drawn once per prompt (content key) per generation round
+        and reused by every rollout of that prompt, in this device batch or a later one of the same round (TRL
+        shuffles rollouts across them); ``'completion'``: a fresh draw for each sample."""
+        pixel_values = inputs["pixel_values"]
+        if self.args.mask_sharing != "prompt":
+            return [self._draw_mask(patches, i, pixel_values[a:b]) for i, (a, b) in enumerate(patches.sample_rows)]
         round_ = self._mask_round()
         if round_ is None or round_ != self._mask_cache_round or len(self._mask_cache) > MASK_CACHE_LIMIT:
             self._mask_cache, self._mask_cache_round = {}, round_
-        keys = masking.prompt_keys(inputs["prompt_ids"], inputs["prompt_mask"], pixel_values, grid, num_images)
-        image_offsets = torch.tensor([0, *num_images]).cumsum(0).tolist()
-        pieces = []
-        for i, (start, end) in enumerate(masking.sample_row_ranges(grid, num_images)):
+        keys = masking_layouts.sample_keys(inputs, patches)
+        for i, (start, end) in enumerate(patches.sample_rows):
             if keys[i] not in self._mask_cache:
-                sample_grid = grid[image_offsets[i] : image_offsets[i + 1]]
-                self._mask_cache[keys[i]] = self._draw_mask(pixel_values[start:end], sample_grid)
-            pieces.append(self._mask_cache[keys[i]])
-        return torch.cat(pieces)
+                self._mask_cache[keys[i]] = self._draw_mask(patches, i, pixel_values[start:end])
+        return [self._mask_cache[key] for key in keys]
 
     def masked_pixel_values(self, inputs: dict[str, Any]) -> torch.Tensor:
-        image_processor = self.processing_class.image_processor
-        stats = dict(image_mean=image_processor.image_mean, image_std=image_processor.image_std)
-        args = self.args
-        if inputs.get("image_grid_thw") is None:
-            if args.mask_type != "random":
-                raise ValueError(
-                    f"mask_type={args.mask_type!r} needs image_grid_thw (Qwen-VL layout); use mask_type='random'"
-                )
-            # Without a per-sample row layout, masks cannot be matched to prompts: one per completion.
-            return masking.mask_random_elements(
-                inputs["pixel_values"], args.mask_ratio, generator=self.mask_generator, **stats
-            )
-        if args.mask_sharing == "prompt":
-            selected = self._prompt_shared_masks(inputs)
-            return masking.apply_mask(inputs["pixel_values"], selected, **stats)
-        if args.mask_type == "random":
-            return masking.mask_random_elements(
-                inputs["pixel_values"], args.mask_ratio, generator=self.mask_generator, **stats
-            )
-        return masking.mask_patches(
-            inputs["pixel_values"],
-            inputs["image_grid_thw"],
-            args.mask_ratio,
-            unit=args.mask_type,
-            merge_size=getattr(image_processor, "merge_size", 2),
-            generator=self.mask_generator,
-            **stats,
-        )
+        """``pixel_values`` with the masks of ``mask_type`` applied: black after normalisation, only on real patches
+        (padding pixels and padded tiles stay as they are); a new tensor, the input is never written."""
+        patches = self.batch_patch_map(inputs)
+        masks = self._sample_masks(inputs, patches)
+        if self.args.mask_type == "random":
+            return patches.apply_values(inputs["pixel_values"], torch.cat(masks))
+        return patches.apply(inputs["pixel_values"], torch.cat(masks))
 
     # ---- terms ----
     def _normalise(self, per_token: torch.Tensor, mask: torch.Tensor, inputs) -> torch.Tensor:

@@ -31,6 +31,7 @@ from transformers import (
     Qwen2VLVideoProcessor,
 )
 
+from papo_nb.testbed import families
 from papo_nb.testbed.shapes import task_corpus
 
 # Bump when the tiny model's recipe changes, so old caches are not reused.
@@ -85,7 +86,11 @@ CHAT_TEMPLATE = (
 
 def _check_family(family: str) -> None:
     if family not in FAMILIES:
-        raise ValueError(f"family={family!r} is not supported; allowed values: {sorted(FAMILIES)}")
+        raise ValueError(f"family={family!r} is not supported; allowed values: {list(TINY_FAMILIES)}")
+
+
+# Every name `build_tiny_vlm` accepts: the Qwen2 families here, the others in testbed/families.py.
+TINY_FAMILIES = (*FAMILIES, *families.FAMILIES)
 
 
 def default_cache_root() -> Path:
@@ -236,14 +241,26 @@ def build_tiny_vlm(
 ) -> Path:
     """Build (or reuse) a tiny offline VLM and return its folder, loadable with `load_vlm`.
 
+    ``family`` is any of ``TINY_FAMILIES``: Qwen2-VL / Qwen2.5-VL here, the other families (Qwen3-VL, Idefics3,
+    SmolVLM, Gemma3, LFM2-VL and their tiled variants) from ``testbed/families.py``.
+
     ``size`` is ``"tiny"`` (default: the test model) or ``"wide"`` (about 30M parameters, for CPU benchmarks);
     each size has its own cache folder (``tiny-...`` / ``wide-...``). The folder is written under a temporary name
     and renamed once complete, with a marker file written last; a folder without the marker is treated as
     half-written and rebuilt.
     """
-    _check_family(family)
     _check_size(size)
     root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_root()
+    if family in families.FAMILIES:  # the other families (testbed/families.py): one size
+        if size != "tiny":
+            raise ValueError(f"size={size!r} is not available for family={family!r}; allowed: 'tiny'")
+        folder = root / f"tiny-{family}-seed{seed}-v{families.BUILDER_VERSION}"
+        return build_cached(
+            folder,
+            lambda staging: families.write_family_vlm(family, seed, staging),
+            f"family={family} seed={seed} version={families.BUILDER_VERSION}",
+        )
+    _check_family(family)
     folder = root / f"{size}-{family}-seed{seed}-v{BUILDER_VERSION}"
     return build_cached(
         folder,
@@ -317,4 +334,5 @@ def vision_special_token_ids(processor_or_tokenizer) -> list[int]:
     """Ids of the vision placeholder tokens, for `generation_kwargs={"suppress_tokens": ...}`."""
     tokenizer = getattr(processor_or_tokenizer, "tokenizer", processor_or_tokenizer)
     vocab = tokenizer.get_vocab()
-    return sorted(vocab[t] for t in VISION_SPECIAL_TOKENS if t in vocab)
+    names = set(VISION_SPECIAL_TOKENS) | set(families.FAMILY_VISION_TOKENS)
+    return sorted(vocab[t] for t in names if t in vocab)

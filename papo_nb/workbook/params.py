@@ -293,7 +293,20 @@ def notebook_params(namespace: dict[str, Any]) -> WorkbookParams:
     )
 
 
-TINY_FAMILIES = ("qwen2_vl", "qwen2_5_vl")
+# Every `tiny:<family>` name, spelled out so validation need not import the model classes; tests/test_families.py
+# keeps it equal to papo_nb.testbed.models.TINY_FAMILIES.
+TINY_FAMILIES = (
+    "qwen2_vl",
+    "qwen2_5_vl",
+    "qwen3_vl",
+    "idefics3",
+    "idefics3_tiled",
+    "smolvlm",
+    "smolvlm_tiled",
+    "gemma3",
+    "lfm2_vl",
+    "lfm2_vl_tiled",
+)
 
 
 def _looks_local(value: str) -> bool:

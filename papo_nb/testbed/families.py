@@ -1,0 +1,309 @@
+"""Tiny offline VLMs of the other families TRL 1.9.1 trains: Qwen3-VL, Idefics3, SmolVLM, Gemma3, LFM2-VL.
+
+As for Qwen2-VL (``models.py``), everything is made locally: a byte-level BPE trained on the shapes task with the
+family's own special tokens, a ChatML-style template that places the family's image token, the family's own image
+processor with small sizes, and a config of a few hundred thousand parameters. ``*_tiled`` variants split images into
+tiles (Idefics3/SmolVLM image splitting, LFM2-VL tiling with a thumbnail), so batches carry padded tiles.
+
+Each family produces the image layout named in ``papo_nb/papo/masking_layouts.py``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer, decoders, pre_tokenizers, trainers
+from tokenizers import models as tok_models
+from transformers import (
+    Gemma3Config,
+    Gemma3ForConditionalGeneration,
+    Gemma3ImageProcessor,
+    Gemma3Processor,
+    Idefics3Config,
+    Idefics3ForConditionalGeneration,
+    Idefics3ImageProcessor,
+    Idefics3Processor,
+    Lfm2VlConfig,
+    Lfm2VlForConditionalGeneration,
+    Lfm2VlImageProcessor,
+    Lfm2VlProcessor,
+    PreTrainedTokenizerFast,
+    Qwen2VLImageProcessor,
+    Qwen3VLConfig,
+    Qwen3VLForConditionalGeneration,
+    Qwen3VLProcessor,
+    Qwen3VLVideoProcessor,
+    SmolVLMConfig,
+    SmolVLMForConditionalGeneration,
+    SmolVLMImageProcessor,
+    SmolVLMProcessor,
+    SmolVLMVideoProcessor,
+)
+
+from papo_nb.testbed.shapes import task_corpus
+
+BUILDER_VERSION = 1
+VOCAB_SIZE = 448
+CHAT_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+TEXT = dict(hidden=64, intermediate=128, layers=2, heads=4, kv_heads=2)
+VISION = dict(width=32, depth=2, heads=2, intermediate=64)
+
+# Every family's image placeholder and structure tokens: only the processor may place them (a sampled one breaks
+# the next forward), so generation suppresses them (models.vision_special_token_ids).
+IDEFICS_TOKENS = ["<fake_token_around_image>", "<image>", "<end_of_utterance>", "<global-img>"] + [
+    f"<row_{i}_col_{j}>" for i in range(1, 7) for j in range(1, 7)
+]
+GEMMA3_TOKENS = ["<start_of_image>", "<image_soft_token>", "<end_of_image>"]
+LFM2_TOKENS = ["<image>", "<|image_start|>", "<|image_end|>", "<|img_thumbnail|>"] + [
+    f"<|img_row_{i}_col_{j}|>" for i in range(1, 11) for j in range(1, 11)
+]
+QWEN_VISION_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>"]
+FAMILY_VISION_TOKENS = sorted(set(IDEFICS_TOKENS + GEMMA3_TOKENS + LFM2_TOKENS + QWEN_VISION_TOKENS))
+
+
+def chat_template(image_placeholder: str) -> str:
+    """ChatML without a system prompt; an image part becomes the family's placeholder (its processor expands it)."""
+    return (
+        "{%- for message in messages -%}"
+        "{{- '<|im_start|>' + message['role'] + '\n' -}}"
+        "{%- if message['content'] is string -%}{{- message['content'] -}}{%- else -%}"
+        "{%- for part in message['content'] -%}"
+        "{%- if part['type'] == 'image' or part['type'] == 'image_url' -%}{{- '" + image_placeholder + "' -}}"
+        "{%- elif part['type'] == 'text' -%}{{- part['text'] -}}{%- endif -%}"
+        "{%- endfor -%}{%- endif -%}"
+        "{{- '<|im_end|>\n' -}}"
+        "{%- endfor -%}"
+        "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\n' -}}{%- endif -%}"
+    )
+
+
+def family_tokenizer(vision_tokens: list[str], named: dict[str, str] | None = None) -> PreTrainedTokenizerFast:
+    """Byte-level BPE trained on the task's strings, with ChatML tokens and the family's vision tokens."""
+    specials = CHAT_TOKENS + [t for t in vision_tokens if t not in CHAT_TOKENS]
+    backend = Tokenizer(tok_models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB_SIZE + len(specials),
+        special_tokens=specials,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    backend.train_from_iterator(task_corpus() + ["user", "assistant", "\n"], trainer)
+    extra = named or [t for t in specials if t not in ("<|endoftext|>", "<|im_end|>")]
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        pad_token="<|endoftext|>",
+        eos_token="<|im_end|>",
+        bos_token="<|im_start|>",
+        extra_special_tokens=extra,
+        padding_side="left",
+    )
+    if named:  # named tokens become attributes (boi_token, ...); the rest must still be special
+        tokenizer.add_special_tokens({"additional_special_tokens": specials[3:]})
+    return tokenizer
+
+
+def _ids(tokenizer) -> dict[str, int]:
+    return {
+        "bos_token_id": tokenizer.convert_tokens_to_ids("<|im_start|>"),
+        "eos_token_id": tokenizer.convert_tokens_to_ids("<|im_end|>"),
+        "pad_token_id": tokenizer.convert_tokens_to_ids("<|endoftext|>"),
+    }
+
+
+def _llama_text(tokenizer, **extra) -> dict:
+    return {
+        "vocab_size": len(tokenizer),
+        "hidden_size": TEXT["hidden"],
+        "intermediate_size": TEXT["intermediate"],
+        "num_hidden_layers": TEXT["layers"],
+        "num_attention_heads": TEXT["heads"],
+        "num_key_value_heads": TEXT["kv_heads"],
+        "max_position_embeddings": 2048,
+        **_ids(tokenizer),
+        **extra,
+    }
+
+
+def _siglip(image_size: int, patch_size: int, **extra) -> dict:
+    return {
+        "hidden_size": VISION["width"],
+        "intermediate_size": VISION["intermediate"],
+        "num_hidden_layers": VISION["depth"],
+        "num_attention_heads": VISION["heads"],
+        "image_size": image_size,
+        "patch_size": patch_size,
+        **extra,
+    }
+
+
+# ---- one builder per family: () -> (processor, config) ----
+def _qwen3_vl():
+    tokenizer = family_tokenizer(QWEN_VISION_TOKENS)
+    bounds = {"shortest_edge": 32 * 32, "longest_edge": 128 * 128}  # 112 px -> 7x7 patches of 16 -> 128 px: 8x8
+    processor = Qwen3VLProcessor(
+        image_processor=Qwen2VLImageProcessor(
+            patch_size=16, merge_size=2, size=bounds, image_mean=[0.5] * 3, image_std=[0.5] * 3
+        ),
+        tokenizer=tokenizer,
+        video_processor=Qwen3VLVideoProcessor(size=bounds),
+        chat_template=chat_template("<|vision_start|><|image_pad|><|vision_end|>"),
+    )
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in QWEN_VISION_TOKENS}
+    text = _llama_text(tokenizer, head_dim=16)
+    text["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]}
+    text["mrope_interleaved"] = True
+    vision = {
+        "depth": VISION["depth"],
+        "hidden_size": VISION["width"],
+        "intermediate_size": VISION["intermediate"],
+        "num_heads": VISION["heads"],
+        "out_hidden_size": TEXT["hidden"],
+        "patch_size": 16,
+        "spatial_merge_size": 2,
+        "num_position_embeddings": 64,
+        "deepstack_visual_indexes": [0],
+    }
+    config = Qwen3VLConfig(
+        text_config=text,
+        vision_config=vision,
+        image_token_id=ids["<|image_pad|>"],
+        video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"],
+        tie_word_embeddings=False,
+    )
+    return processor, config
+
+
+def _idefics(smol: bool, tiled: bool):
+    tile, patch, scale = 64, 16, 2  # a 64-px tile is 4x4 patches, 4 image tokens after the 2x pixel shuffle
+    tokenizer = family_tokenizer(IDEFICS_TOKENS)
+    sizes = dict(
+        do_image_splitting=tiled,
+        size={"longest_edge": 2 * tile if tiled else tile},
+        max_image_size={"longest_edge": tile},
+    )
+    seq_len = (tile // patch) ** 2 // scale**2
+    template = chat_template("<image>")
+    if smol:
+        processor = SmolVLMProcessor(
+            image_processor=SmolVLMImageProcessor(**sizes),
+            tokenizer=tokenizer,
+            video_processor=SmolVLMVideoProcessor(),
+            image_seq_len=seq_len,
+            chat_template=template,
+        )
+    else:
+        processor = Idefics3Processor(
+            image_processor=Idefics3ImageProcessor(**sizes),
+            tokenizer=tokenizer,
+            image_seq_len=seq_len,
+            chat_template=template,
+        )
+    config_cls = SmolVLMConfig if smol else Idefics3Config
+    config = config_cls(
+        text_config={"model_type": "llama", **_llama_text(tokenizer)},
+        vision_config=_siglip(tile, patch),
+        scale_factor=scale,
+        image_token_id=tokenizer.convert_tokens_to_ids("<image>"),
+        tie_word_embeddings=False,
+        **_ids(tokenizer),
+    )
+    return processor, config
+
+
+def _gemma3():
+    image, patch, tokens = 56, 14, 4  # 4x4 patches pooled 2x2 into 4 soft tokens
+    named = {"boi_token": "<start_of_image>", "image_token": "<image_soft_token>", "eoi_token": "<end_of_image>"}
+    tokenizer = family_tokenizer(GEMMA3_TOKENS, named=named)
+    processor = Gemma3Processor(
+        image_processor=Gemma3ImageProcessor(size={"height": image, "width": image}),
+        tokenizer=tokenizer,
+        image_seq_length=tokens,
+        chat_template=chat_template("<start_of_image>"),
+    )
+    text = _llama_text(tokenizer, head_dim=16, sliding_window=64, query_pre_attn_scalar=16)
+    config = Gemma3Config(
+        text_config=text,
+        vision_config=_siglip(image, patch),
+        mm_tokens_per_image=tokens,
+        boi_token_index=tokenizer.convert_tokens_to_ids("<start_of_image>"),
+        eoi_token_index=tokenizer.convert_tokens_to_ids("<end_of_image>"),
+        image_token_index=tokenizer.convert_tokens_to_ids("<image_soft_token>"),
+        tie_word_embeddings=False,
+    )
+    return processor, config
+
+
+def _lfm2_vl(tiled: bool):
+    patch = 16
+    tokenizer = family_tokenizer(LFM2_TOKENS)
+    image_processor = Lfm2VlImageProcessor(
+        do_image_splitting=tiled,
+        tile_size=64,
+        encoder_patch_size=patch,
+        downsample_factor=2,
+        min_image_tokens=4,
+        max_image_tokens=9 if tiled else 16,  # a 112-px image: 16 tokens without tiling; 2x2 tiles + thumbnail
+        max_pixels_tolerance=1.0,
+        min_tiles=2,
+        max_tiles=4,
+        use_thumbnail=True,
+    )
+    processor = Lfm2VlProcessor(
+        image_processor=image_processor, tokenizer=tokenizer, chat_template=chat_template("<image>")
+    )
+    text = _llama_text(tokenizer, layer_types=["full_attention", "conv"], conv_L_cache=3)
+    config = Lfm2VlConfig(
+        text_config={"model_type": "lfm2", **text},
+        vision_config={"model_type": "siglip2_vision_model", **_siglip(64, patch, num_patches=64)},
+        image_token_id=tokenizer.convert_tokens_to_ids("<image>"),
+        downsample_factor=2,
+        projector_hidden_size=64,
+        tie_word_embeddings=False,
+    )
+    return processor, config
+
+
+@dataclass(frozen=True)
+class Family:
+    build: object  # () -> (processor, config)
+    model_cls: type
+    layout: str  # masking_layouts layout its batches carry
+
+
+FAMILIES = {
+    "qwen3_vl": Family(_qwen3_vl, Qwen3VLForConditionalGeneration, "grid_rows"),
+    "idefics3": Family(lambda: _idefics(False, False), Idefics3ForConditionalGeneration, "tiles"),
+    "idefics3_tiled": Family(lambda: _idefics(False, True), Idefics3ForConditionalGeneration, "tiles"),
+    "smolvlm": Family(lambda: _idefics(True, False), SmolVLMForConditionalGeneration, "tiles"),
+    "smolvlm_tiled": Family(lambda: _idefics(True, True), SmolVLMForConditionalGeneration, "tiles"),
+    "gemma3": Family(_gemma3, Gemma3ForConditionalGeneration, "images"),
+    "lfm2_vl": Family(lambda: _lfm2_vl(False), Lfm2VlForConditionalGeneration, "tile_rows"),
+    "lfm2_vl_tiled": Family(lambda: _lfm2_vl(True), Lfm2VlForConditionalGeneration, "tile_rows"),
+}
+
+
+def write_family_vlm(family: str, seed: int, folder: Path) -> None:
+    """Save a tiny ``family`` model (init seeded by ``seed``, global RNG untouched) and its processor to ``folder``."""
+    spec = FAMILIES[family]
+    processor, config = spec.build()
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = spec.model_cls(config)
+        # Gemma3 zero-initialises its image projection (modeling_gemma3.py, _init_weights), so a fresh model's
+        # logits ignore the image: a build that cannot see is broken. Any all-zero matrix gets a small random init.
+        with torch.no_grad():
+            for parameter in model.parameters():
+                if parameter.dim() > 1 and not parameter.any():
+                    parameter.normal_(0.0, 0.02)
+    ids = _ids(processor.tokenizer)
+    model.generation_config.eos_token_id = ids["eos_token_id"]
+    model.generation_config.pad_token_id = ids["pad_token_id"]
+    model.generation_config.bos_token_id = ids["bos_token_id"]
+    model.save_pretrained(folder, safe_serialization=True)
+    processor.save_pretrained(folder)
