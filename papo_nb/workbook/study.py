@@ -154,7 +154,12 @@ def run_one(
     MLflow run nested under the active run."""
     run_params = params.model_copy(update={"seed": seed, "perception_loss_weight": gamma})
     start = time.perf_counter()
-    with mlflow.start_run(run_name=f"{arm}-gamma{gamma:g}-seed{seed}", nested=True) as run:
+    parent = mlflow.active_run()
+    # nested=True alone files the child in the default experiment; it belongs beside its parent
+    experiment_id = parent.info.experiment_id if parent is not None else None
+    with mlflow.start_run(
+        run_name=f"{arm}-gamma{gamma:g}-seed{seed}", nested=True, experiment_id=experiment_id
+    ) as run:
         mlflow.set_tags({"papo_nb.kind": "study_run", "papo_nb.study_arm": arm, "papo_nb.study_seed": str(seed)})
         mlflow.log_params({"arm": arm, "seed": seed, "gamma": gamma, "max_steps": params.max_steps})
         trainer, _, _ = prepare_training(
