@@ -132,3 +132,17 @@ def test_a_real_dataset_needs_its_validation_set_named(tmp_path):
     params = load_params(ROOT / "params" / "recipes" / "tiny_cpu.yaml", [f"dataset={tmp_path}"])
     with pytest.raises(rd.RecipeDataError, match="parameter 'validation_dataset' is empty"):
         rd.official_datasets(params, "unused: the check comes first")
+
+
+def test_preflight_run_from_params_alone_on_the_tiny_recipe():
+    """The command-line preflight: processor and config from the model folder (no weights), rows through the loader."""
+    params = load_params(ROOT / "params" / "recipes" / "tiny_cpu.yaml")
+    report = pf.run(params, gpus=[])
+    assert report.ok, report.problems
+    assert len(report.deviations) == 4  # two batch sizes, learning_rate, max_completion_length
+    estimates = report.estimates
+    assert estimates["rows"] == 8 and estimates["rows_expected_after_filter"] == 8
+    assert estimates["optimizer_steps_per_epoch"] == 4  # 8 rows // 4 prompts per round = 2 rounds x 2 steps
+    assert estimates["epochs_at_max_steps"] == 0.5
+    assert estimates["completion_tokens_at_most"] == 2 * 2 * 5 * 16  # steps x prompts x rollouts x tokens
+    assert 100 < estimates["mean_prompt_tokens_sampled"] < 256
