@@ -146,6 +146,8 @@ def test_tiled_variants_really_carry_padding(family_batch):
         assert inputs["pixel_values"].shape[1] == 1
     if family in ("idefics3_tiled", "smolvlm_tiled"):  # 5 tiles against 3: two all-zero padded tiles
         assert inputs["pixel_values"].shape[1] == 5 and not inputs["pixel_values"][1, 3:].any()
+    if family == "mistral3":  # the wide image sits top-left in a padded 64x64 canvas
+        assert inputs["image_sizes"].tolist() == [[64, 64], [32, 64]] and inputs["pixel_values"].shape[-2:] == (64, 64)
     if family == "lfm2_vl_tiled":  # 64-px tiles are 16 rows of the 36 a thumbnail has: padded rows
         assert inputs["num_tiles"] == [5, 3] and not inputs["pixel_attention_mask"].all()
 
@@ -333,8 +335,8 @@ def test_notebook_01_accepts_the_family(family, family_cache, tmp_path, monkeypa
 
 
 def test_an_unknown_tiny_family_is_refused_before_building():
-    bad = unit_params(model_name_or_path="tiny:llava")
+    bad = unit_params(model_name_or_path="tiny:llava_next")
     problems = params.preflight_problems(bad)
-    assert any("'tiny:llava': unknown tiny family" in p and "tiny:lfm2_vl_tiled" in p for p in problems)
-    with pytest.raises(ValueError, match="family='llava' is not supported"):
-        models.build_tiny_vlm("llava", cache_dir="/nonexistent")
+    assert any("'tiny:llava_next': unknown tiny family" in p and "tiny:mistral3" in p for p in problems)
+    with pytest.raises(ValueError, match="family='llava_next' is not supported"):
+        models.build_tiny_vlm("llava_next", cache_dir="/nonexistent")

@@ -8,6 +8,8 @@ not to 0, which is the channel mean (upstream defect 2).
 Qwen2-VL / Qwen2.5-VL ``pixel_values`` are 2-D, ``(sum_i t_i*h_i*w_i, C*T*P*P)``: one row per
 14x14 patch, with the 4 patches of each 2x2 merge unit on consecutive rows. The upstream trainer
 only handled 4-D/5-D tensors and left these unchanged (defect 1); patch masking works on rows.
+The trainer masks every family's layout (Qwen-VL rows included) through ``masking_layouts``, which builds on
+``black_pixel_values`` here; the row helpers below remain for the Qwen-only tools (shared prefix, benchmarks).
 """
 
 from __future__ import annotations

@@ -17,6 +17,7 @@ import torch
 from tokenizers import Tokenizer, decoders, pre_tokenizers, trainers
 from tokenizers import models as tok_models
 from transformers import (
+    CLIPImageProcessor,
     Gemma3Config,
     Gemma3ForConditionalGeneration,
     Gemma3ImageProcessor,
@@ -29,6 +30,13 @@ from transformers import (
     Lfm2VlForConditionalGeneration,
     Lfm2VlImageProcessor,
     Lfm2VlProcessor,
+    LlavaConfig,
+    LlavaForConditionalGeneration,
+    LlavaProcessor,
+    Mistral3Config,
+    Mistral3ForConditionalGeneration,
+    PixtralImageProcessor,
+    PixtralProcessor,
     PreTrainedTokenizerFast,
     Qwen2VLImageProcessor,
     Qwen3VLConfig,
@@ -59,8 +67,12 @@ GEMMA3_TOKENS = ["<start_of_image>", "<image_soft_token>", "<end_of_image>"]
 LFM2_TOKENS = ["<image>", "<|image_start|>", "<|image_end|>", "<|img_thumbnail|>"] + [
     f"<|img_row_{i}_col_{j}|>" for i in range(1, 11) for j in range(1, 11)
 ]
+LLAVA_TOKENS = ["<image>"]
+PIXTRAL_TOKENS = ["[IMG]", "[IMG_BREAK]", "[IMG_END]"]
 QWEN_VISION_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>"]
-FAMILY_VISION_TOKENS = sorted(set(IDEFICS_TOKENS + GEMMA3_TOKENS + LFM2_TOKENS + QWEN_VISION_TOKENS))
+FAMILY_VISION_TOKENS = sorted(
+    set(IDEFICS_TOKENS + GEMMA3_TOKENS + LFM2_TOKENS + LLAVA_TOKENS + PIXTRAL_TOKENS + QWEN_VISION_TOKENS)
+)
 
 
 def chat_template(image_placeholder: str) -> str:
@@ -269,6 +281,52 @@ def _lfm2_vl(tiled: bool):
     return processor, config
 
 
+def _llava():
+    image, patch = 56, 14  # CLIP: 4x4 patches + CLS; "default" drops the CLS, so 16 image tokens
+    tokenizer = family_tokenizer(LLAVA_TOKENS)
+    image_processor = CLIPImageProcessor(size={"shortest_edge": image}, crop_size={"height": image, "width": image})
+    processor = LlavaProcessor(
+        image_processor=image_processor,
+        tokenizer=tokenizer,
+        patch_size=patch,
+        vision_feature_select_strategy="default",
+        num_additional_image_tokens=1,
+        chat_template=chat_template("<image>"),
+    )
+    vision = {"model_type": "clip_vision_model", **_siglip(image, patch, projection_dim=TEXT["hidden"])}
+    config = LlavaConfig(
+        text_config={"model_type": "llama", **_llama_text(tokenizer)},
+        vision_config=vision,
+        image_token_id=tokenizer.convert_tokens_to_ids("<image>"),
+        vision_feature_select_strategy="default",
+        vision_feature_layer=-1,
+        tie_word_embeddings=False,
+    )
+    return processor, config
+
+
+def _mistral3():
+    patch, merge = 16, 2  # a 64-px image: 4x4 patches, 2x2 tokens after the merge; smaller images are padded
+    tokenizer = family_tokenizer(PIXTRAL_TOKENS)
+    processor = PixtralProcessor(
+        image_processor=PixtralImageProcessor(size={"longest_edge": 64}, patch_size=patch),
+        tokenizer=tokenizer,
+        patch_size=patch,
+        spatial_merge_size=merge,
+        chat_template=chat_template("[IMG]"),
+    )
+    vision = {"model_type": "pixtral", **_siglip(64, patch, head_dim=VISION["width"] // VISION["heads"])}
+    config = Mistral3Config(
+        text_config={"model_type": "mistral", **_llama_text(tokenizer, head_dim=16)},
+        vision_config=vision,
+        image_token_index=tokenizer.convert_tokens_to_ids("[IMG]"),
+        spatial_merge_size=merge,
+        vision_feature_layer=-1,
+        tie_word_embeddings=False,
+    )
+    return processor, config
+
+
 @dataclass(frozen=True)
 class Family:
     build: object  # () -> (processor, config)
@@ -285,6 +343,8 @@ FAMILIES = {
     "gemma3": Family(_gemma3, Gemma3ForConditionalGeneration, "images"),
     "lfm2_vl": Family(lambda: _lfm2_vl(False), Lfm2VlForConditionalGeneration, "tile_rows"),
     "lfm2_vl_tiled": Family(lambda: _lfm2_vl(True), Lfm2VlForConditionalGeneration, "tile_rows"),
+    "llava": Family(_llava, LlavaForConditionalGeneration, "images"),
+    "mistral3": Family(_mistral3, Mistral3ForConditionalGeneration, "sized_images"),
 }
 
 

@@ -306,6 +306,8 @@ TINY_FAMILIES = (
     "gemma3",
     "lfm2_vl",
     "lfm2_vl_tiled",
+    "llava",
+    "mistral3",
 )
 
 
