@@ -221,6 +221,13 @@ def test_an_unknown_layout_fails_naming_the_keys_and_shapes_it_saw(inputs, seen)
     assert seen in str(info.value) and "grid_rows, tile_rows, tiles, images, sized_images" in str(info.value)
 
 
+def test_more_images_than_num_images_counts_fails_by_name():
+    """Gemma3 pan-and-scan: crops arrive as extra images that num_images does not count."""
+    inputs = {"pixel_values": torch.zeros(3, 3, 56, 56), "num_images": [1], "prompt_ids": torch.zeros(1, 4)}
+    with pytest.raises(ValueError, match=r"pixel_values has 3 images for 1 samples and num_images=\[1\]"):
+        masking_layouts.patch_map(inputs, patch_size=14, image_mean=[0.5] * 3, image_std=[0.5] * 3)
+
+
 def test_merge_units_exist_only_on_grid_rows():
     inputs = {"pixel_values": torch.zeros(2, 3, 56, 56), "num_images": [1, 1]}
     with pytest.raises(ValueError, match="merge_unit.*grid_rows.*images"):

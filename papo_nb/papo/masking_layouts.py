@@ -132,7 +132,7 @@ def detect_layout(inputs: dict[str, Any]) -> str:
             return "images"
     raise ValueError(
         f"mask_type: no patch layout matches this batch ({_describe(inputs)}); known layouts: {', '.join(LAYOUTS)} "
-        "(papo_nb/papo/masking_layouts.py); use mask_type='random' only on a layout listed there"
+        "(papo_nb/papo/masking_layouts.py): this family's images cannot be masked yet, with any mask_type"
     )
 
 
