@@ -76,14 +76,18 @@ def test_preflight_passes_the_3b_recipe_on_two_80gb_gpus(rows_and_processor):
         ["min_pixels=3136", "max_pixels=12544", "max_prompt_length=512"],
     )
     report = pf.preflight(
-        params, rows, processor, raw, n_params=3_754_622_976, vocab_size=151_936, gpus=[80 * GIB] * 2
-    )
+        params, rows, processor, raw, n_params=3_754_622_976, vocab_size=151_936, gpus=[80 * GIB] * 2,
+        total_rows=38_870,
+    )  # fmt: skip
     assert report.ok, report.problems
     # 3.75e9 params x 2 bytes x 4 (weights, grads, 2 AdamW states) / 2 FSDP shards + a bf16 reference / 2
     # + 5 x 2048 x 151936 x 6 bytes of logits
     expected = (3_754_622_976 * 2 * 4 / 2 + 3_754_622_976 * 2 / 2 + 5 * 2048 * 151_936 * 6) / GIB
     assert report.estimates["memory_lower_bound_gib"] == pytest.approx(expected)
-    assert report.estimates["optimizer_steps_per_epoch"] == 3  # 6 rows -> one round of 384 prompts (ceil) x 3
+    assert report.estimates["optimizer_steps_per_epoch"] == 303  # 38870 // 384 = 101 whole rounds x 3
+    assert report.estimates["epochs_at_max_steps"] == 2.0  # the file's 606 steps are the official 2 epochs
+    too_few = pf.preflight(params, rows, processor, raw, n_params=1, vocab_size=1, gpus=[80 * GIB] * 2)
+    assert any("6 rows after filtering, fewer than one rollout round of 384 prompts" in p for p in too_few.problems)
     assert report.estimates["completion_tokens_at_most"] == 606 * 128 * 5 * 2048
 
 
@@ -141,7 +145,7 @@ def test_preflight_run_from_params_alone_on_the_tiny_recipe():
     assert report.ok, report.problems
     assert len(report.deviations) == 4  # two batch sizes, learning_rate, max_completion_length
     estimates = report.estimates
-    assert estimates["rows"] == 8 and estimates["rows_expected_after_filter"] == 8
+    assert estimates["rows"] == 8 and estimates["rows_in_source"] == 8
     assert estimates["optimizer_steps_per_epoch"] == 4  # 8 rows // 4 prompts per round = 2 rounds x 2 steps
     assert estimates["epochs_at_max_steps"] == 0.5
     assert estimates["completion_tokens_at_most"] == 2 * 2 * 5 * 16  # steps x prompts x rollouts x tokens

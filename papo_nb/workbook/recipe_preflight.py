@@ -165,16 +165,20 @@ def check_processor(params, processor, max_images_per_row: int) -> list[str]:
     return problems
 
 
-def estimate_run(params, rows, processor, layout: dict, sample: int = 32) -> dict:
-    """Optimizer steps for the recipe's epochs, and tokens generated and read (a sample of real prompt lengths)."""
+def estimate_run(params, rows, processor, layout: dict, sample: int = 32, total_rows: int | None = None) -> dict:
+    """Optimizer steps per epoch of ``total_rows`` (default: all of ``rows``), the epochs ``max_steps`` covers, and
+    the tokens generated and read (from a sample of real prompt lengths)."""
     lengths = [prompt_length(processor, rows[i]) for i in range(min(sample, len(rows)))]
     mean_prompt = sum(lengths) / max(len(lengths), 1)
-    generations_per_epoch = math.ceil(len(rows) / layout["prompts_per_generation"])
+    # Incomplete rounds are dropped, by TRL's RepeatSampler (trl/trainer/utils.py:775-779) as by the official
+    # loader (drop_last, verl/trainer/data_loader.py:66).
+    total_rows = len(rows) if total_rows is None else total_rows
+    generations_per_epoch = int(total_rows // layout["prompts_per_generation"])
     steps_per_epoch = generations_per_epoch * layout["optimizer_steps_per_generation"]
-    epochs = params.max_steps / steps_per_epoch
+    epochs = params.max_steps / steps_per_epoch if steps_per_epoch else math.inf
     prompts_seen = params.max_steps * layout["prompts_per_optimizer_step"]
     return {
-        "rows": len(rows),
+        "rows": total_rows,
         "optimizer_steps_per_epoch": steps_per_epoch,
         "epochs_at_max_steps": epochs,
         "mean_prompt_tokens_sampled": mean_prompt,
@@ -184,9 +188,10 @@ def estimate_run(params, rows, processor, layout: dict, sample: int = 32) -> dic
 
 
 def preflight(
-    params, rows, processor, raw_dataset=None, *, n_params: int, vocab_size: int, gpus=None
+    params, rows, processor, raw_dataset=None, *, n_params: int, vocab_size: int, gpus=None, total_rows=None
 ) -> PreflightReport:
-    """All checks; ``rows`` are the TRL-ready training rows, ``raw_dataset`` the official-schema source."""
+    """All checks; ``rows`` are the TRL-ready training rows (or a sample of ``total_rows``), ``raw_dataset`` the
+    official-schema source."""
     report = PreflightReport()
     layout = batch_layout(params)
     report.estimates.update(layout)
@@ -208,7 +213,13 @@ def preflight(
             f"parameter 'max_prompt_length' = {params.max_prompt_length}: every prompt is longer; raise it"
         )
     else:
-        report.estimates.update(estimate_run(params, rows, processor, layout))
+        report.estimates.update(estimate_run(params, rows, processor, layout, total_rows=total_rows))
+        if report.estimates["optimizer_steps_per_epoch"] == 0:
+            report.problems.append(
+                f"parameter 'n_train_prompts' = {params.n_train_prompts}: {report.estimates['rows']} rows after "
+                f"filtering, fewer than one rollout round of {layout['prompts_per_generation']:g} prompts; use more "
+                "rows or lower steps_per_generation"
+            )
     return report
 
 
@@ -243,16 +254,13 @@ def run(params, gpus: list[int] | None = None, sample_rows: int = 256) -> Prefli
     )
     config = AutoConfig.from_pretrained(model_path)
     vocab = getattr(config, "vocab_size", None) or config.text_config.vocab_size
-    report = preflight(params, rows, processor, raw, n_params=parameter_count(model_path), vocab_size=vocab, gpus=gpus)
     kept_fraction = report_filter.kept / max(report_filter.kept + report_filter.dropped, 1)
-    report.estimates["rows_expected_after_filter"] = round(total * kept_fraction)
-    if rows and "optimizer_steps_per_epoch" in report.estimates:
-        layout = batch_layout(params)
-        rounds = report.estimates["rows_expected_after_filter"] // layout["prompts_per_generation"]  # drop_last
-        report.estimates["optimizer_steps_per_epoch"] = rounds * layout["optimizer_steps_per_generation"]
-        report.estimates["epochs_at_max_steps"] = params.max_steps / max(
-            report.estimates["optimizer_steps_per_epoch"], 1
-        )
+    expected = round(total * kept_fraction)  # the sample's filter rate applied to every row
+    report = preflight(
+        params, rows, processor, raw, n_params=parameter_count(model_path), vocab_size=vocab, gpus=gpus,
+        total_rows=expected,
+    )  # fmt: skip
+    report.estimates["rows_in_source"] = total
     return report
 
 
