@@ -321,6 +321,44 @@ def peak_memory(setup: harness.BenchSetup, context, device) -> dict:
     return out
 
 
+def paper_shapes_check(setup: harness.BenchSetup, args, context, device, work_dir: Path) -> dict:
+    """Issue 14 on this model: GRPO, PAPO-G with the full masked forward and with the shared prompt prefix, and the
+    masked branch alone in both forms, on a G = 8 batch whose prompt (image + text) is >= 4x the completion."""
+    import dataclasses
+
+    from papo_nb.bench import paper_shapes
+
+    processor = build_processor(args.prefix_image_size)
+    sequences = 8 * args.prefix_prompts
+    settings = harness.bench_params(args.seed, lora_r=args.lora_r, lora_alpha=2 * args.lora_r)
+    overrides = dict(
+        per_device_train_batch_size=sequences,
+        num_generations=8,
+        max_completion_length=args.prefix_completion_tokens,
+        bf16=args.dtype == "bfloat16" and device.type == "cuda",
+        use_cpu=device.type == "cpu",
+    )
+    trainers = paper_shapes.build_trainers(settings, setup.model, processor, setup.dataset, work_dir, **overrides)
+    batch = harness.synthetic_batch(
+        processor,
+        sequences,
+        args.prefix_completion_tokens,
+        vocab_size=setup.model.config.text_config.vocab_size,
+        image_size=args.prefix_image_size,
+        group_size=8,
+        seed=args.seed,
+        device=device,
+    )
+    prefix_setup = dataclasses.replace(setup, trainers=trainers, batch=batch, processor=processor)
+    result = paper_shapes.measure(
+        prefix_setup, repeats=args.prefix_repeats, warmup=1, device=device, context=context, log=log
+    )
+    result["shape"] = paper_shapes.shape_facts(prefix_setup)
+    result["markdown"] = paper_shapes.markdown({"gpu": result})
+    result["summary"] = paper_shapes.summary_lines({"gpu": result})
+    return result
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("out_dir", nargs="?", type=Path, default=None)
@@ -341,6 +379,15 @@ def main(argv=None) -> int:
     parser.add_argument("--probe-batches", type=int, default=3)
     parser.add_argument("--time-budget", type=float, default=420.0, help="seconds for the whole script")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--paper-shapes-only",
+        action="store_true",
+        help="only the issue-14 check (GRPO vs PAPO-G full vs shared prefix, G = 8), into gpu_paper_shapes.json",
+    )
+    parser.add_argument("--prefix-image-size", type=int, default=None, help="default 896 (1024 image tokens); dry 224")
+    parser.add_argument("--prefix-completion-tokens", type=int, default=None, help="default 256; dry run 16")
+    parser.add_argument("--prefix-prompts", type=int, default=2, help="prompts of 8 completions each")
+    parser.add_argument("--prefix-repeats", type=int, default=5)
     args = parser.parse_args(argv)
     out_dir = args.out_dir_opt or args.out_dir
     if out_dir is None:
@@ -352,6 +399,8 @@ def main(argv=None) -> int:
         sequences=(8, 16),
         completion_tokens=(16, 256),
         image_size=(112, 448),
+        prefix_image_size=(224, 896),
+        prefix_completion_tokens=(16, 256),
     )
     for key, (dry, real) in defaults.items():
         if getattr(args, key) is None:
@@ -379,6 +428,13 @@ def main(argv=None) -> int:
         report["environment"]["gpu"] = torch.cuda.get_device_name(0)
     with tempfile.TemporaryDirectory(prefix="papo_gpu_check_") as work:
         setup = build_gpu_setup(args, device, dtype, Path(work))
+        if args.paper_shapes_only:
+            result = paper_shapes_check(setup, args, context, device, Path(work))
+            result["environment"], result["args"] = report["environment"], report["args"]
+            (out_dir / "gpu_paper_shapes.json").write_text(json.dumps(result, indent=2, default=str) + "\n")
+            print(result["markdown"] + "\n" + "\n".join(result["summary"]))
+            print(f"wrote {out_dir / 'gpu_paper_shapes.json'} in {time.perf_counter() - START:.0f}s")
+            return 0
         report["model"] = dict(
             params=setup.n_params,
             trainable_params=setup.n_trainable,

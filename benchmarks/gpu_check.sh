@@ -31,3 +31,9 @@ export TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
   2>&1 | tee "$OUT_DIR/gpu_check.log"
 # 470 s hard stop (the script budgets itself to 420 s): the whole check stays under 8 minutes.
 timeout 470 "$PYTHON" "$HERE/gpu_check.py" --out-dir "$OUT_DIR" "$@" 2>&1 | tee -a "$OUT_DIR/gpu_check.log"
+# Issue 14: GRPO vs PAPO-G with the full masked forward vs the shared prompt prefix, G = 8, prompt >= 4x completion
+# (OUT_DIR/gpu_paper_shapes.json). PAPER_SHAPES=0 skips it.
+if [[ "${PAPER_SHAPES:-1}" != 0 ]]; then
+  timeout 300 "$PYTHON" "$HERE/gpu_check.py" --out-dir "$OUT_DIR" --paper-shapes-only "$@" 2>&1 \
+    | tee "$OUT_DIR/gpu_paper_shapes.log"
+fi

@@ -138,6 +138,7 @@ def test_bench_arguments_parse_for_the_cli():
 def test_work_accounting_shows_one_extra_forward(quick_report):
     work = quick_report[0]["sizes"]["tiny"]["work"]
     assert work["grpo_step"]["gflop"] > 0 and work["extra_forward"]["gflop"] > 0
-    # PAPO-G's matmul work is GRPO's plus exactly one forward (profiler FLOP counts are deterministic).
-    assert abs(work["papo_extra_gflop"]) <= 1e-3 * work["papo_step"]["gflop"]
+    # PAPO-G's matmul work is GRPO's plus less than one forward (profiler FLOP counts are deterministic): the default
+    # masked branch prefills each prompt once for its 4 completions (shared prefix, issue 14) instead of 4 times.
+    assert -work["extra_forward"]["gflop"] < work["papo_extra_gflop"] < -1e-3 * work["papo_step"]["gflop"]
     assert work["papo_grad_extra_gflop_over_floor"] > 0  # the masked branch's backward

@@ -277,3 +277,29 @@ def test_refused_where_it_cannot_run(tmp_path):
     auto = PAPOGConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False)
     plan = shared_prefix.plan(auto, text_model)
     assert not plan.shared and "model_type 'qwen2'" in plan.reason
+
+
+def test_paper_shapes_benchmark_reports_every_variant(tiny_vlm_path, tmp_path):
+    """The issue-14 benchmark end to end on the tiny model: every variant timed, the two forms equal, and the shared
+    masked branch's memory peak below the full one's."""
+    from papo_nb.bench import paper_shapes
+
+    setup = paper_shapes.cpu_setup(
+        paper_shapes.Shape(112, 8, 2),
+        family="qwen2_vl",
+        seed=0,
+        cache_dir=tiny_vlm_path.parent,
+        work_dir=tmp_path,
+        size="tiny",
+    )
+    result = paper_shapes.measure(setup, repeats=2, warmup=0, device=torch.device("cpu"), log=lambda _: None)
+    result["shape"] = paper_shapes.shape_facts(setup)
+    assert set(result["timings"]) == set(paper_shapes.VARIANTS) and result["clock"] == "cpu"
+    assert all(t["median"] > 0 and t["n"] == 2 for t in result["timings"].values())
+    assert (result["shape"]["group_size"], result["shape"]["sequences"]) == (8, 16)
+    assert result["equivalence"]["masked_logp_max_abs_diff"] <= FP32_TOL
+    assert result["equivalence"]["loss_abs_diff"] <= FP32_TOL
+    assert result["peak_mib"]["masked_shared"] < result["peak_mib"]["masked_full"]
+    table = paper_shapes.markdown({"tiny": result})
+    assert table.count("\n") == 1 + len(paper_shapes.VARIANTS)
+    assert "PAPO-G/GRPO full" in paper_shapes.summary_lines({"tiny": result})[0]
