@@ -174,6 +174,19 @@ def test_tiles_with_padding_pixels_inside_a_tile_mask_only_the_real_part(family)
     assert not masked[1, ..., 24:].any(), "padding pixels must stay 0 (the model drops all-zero tiles by them)"
 
 
+def test_random_value_masks_stay_inside_real_patches(family_batch):
+    family, processor, inputs = family_batch
+    p = patch_size_of(family)
+    patches = masking_layouts.patch_map(inputs, patch_size=p, **_stats(processor))
+    pv = inputs["pixel_values"]
+    coins = torch.rand(pv.shape, generator=torch.Generator().manual_seed(0)) < RATIO
+    masked = patches.apply_values(pv, coins)
+    _, _, outside = real_and_changed_patches(patches.layout, inputs, masked, p)
+    changed = (masked != pv).sum().item()
+    real_values = torch.broadcast_to(patches.real_pixels, pv.shape).sum().item()
+    assert outside == 0 and abs(changed / real_values - RATIO) < 0.02, (changed, real_values)
+
+
 def test_mask_draw_is_seeded(family_batch):
     family, processor, inputs = family_batch
     patches = masking_layouts.patch_map(inputs, patch_size=patch_size_of(family), **_stats(processor))
