@@ -22,7 +22,8 @@ goes on, and the notebook verdict and an MLflow tag warn).
 
 Several processes. Every input to a decision is reduced across ranks first (finiteness, images, KL sums, and
 the three gradients, all-reduced to DDP's mean: the gradient the optimizer applies), so every rank defers,
-passes or fails together and no rank is left waiting in a collective. One process reduces nothing.
+passes or fails together and no rank is left waiting in a collective. One process reduces nothing. Under FSDP2
+(sharded parameters) the gradients come from the shards and the norms are summed across ranks (probe_reduce.py).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from typing import Any
 
 import torch
 
+from papo_nb.papo import probe_reduce
 from papo_nb.papo.contract import (
     GAMMA_ZERO_GRADIENT_ABS_FLOOR,
     GAMMA_ZERO_GRADIENT_REL_TOL,
@@ -132,9 +134,15 @@ def measure_gamma_zero(
         raise ProbeFailure(
             "the model has no trainable parameters: nothing to probe (was the adapter loaded with is_trainable=False?)"
         )
-    g_parent = _flat_grad(parent_loss, params)
-    g_zero = _flat_grad(zero_gamma_loss, params)
-    g_perception = _flat_grad(terms.perception_kl, params)
+    shards = probe_reduce.sharded(params)
+    if shards:  # FSDP2: one backward per loss, FSDP reduce-scatters each to the rank mean (probe_reduce.py)
+        g_parent, g_zero, g_perception = probe_reduce.shard_gradients(
+            [parent_loss, zero_gamma_loss, terms.perception_kl], params
+        )
+    else:
+        g_parent = _flat_grad(parent_loss, params)
+        g_zero = _flat_grad(zero_gamma_loss, params)
+        g_perception = _flat_grad(terms.perception_kl, params)
     parent_value, zero_value = parent_loss.item(), zero_gamma_loss.item()
     # In float64 so that a bf16 parent loss and its fp32 sum with the (fp32) PAPO terms compare by value, exactly.
     loss_bit_equal = bool(torch.equal(zero_gamma_loss.detach().double(), parent_loss.detach().double()))
@@ -143,9 +151,10 @@ def measure_gamma_zero(
         # Several processes: the gradient the optimizer applies is DDP's mean of the per-rank gradients, so the
         # norms and the verdict are those of the all-reduced (mean) gradients, identical on every rank; the losses
         # are rank means, and bit equality must hold on every rank. One process: nothing is reduced.
-        g_parent, g_zero, g_perception = trainer.accelerator.reduce(
-            torch.stack([g_parent, g_zero, g_perception]), reduction="mean"
-        )
+        if not shards:  # FSDP's shards already hold the rank mean
+            g_parent, g_zero, g_perception = trainer.accelerator.reduce(
+                torch.stack([g_parent, g_zero, g_perception]), reduction="mean"
+            )
         losses = trainer.accelerator.reduce(
             torch.tensor(
                 [parent_value, zero_value, float(not loss_bit_equal)], dtype=torch.float64, device=g_parent.device
@@ -154,10 +163,10 @@ def measure_gamma_zero(
         )
         parent_value, zero_value = (losses[:2] / processes).tolist()
         loss_bit_equal = losses[2].item() == 0
-    parent_norm = torch.linalg.vector_norm(g_parent).item()
-    diff = torch.linalg.vector_norm(g_zero - g_parent).item()
+    # Sharded: every rank holds disjoint pieces, so each norm sums squares over the ranks (one all-reduce).
+    norm = probe_reduce.global_norms if shards else lambda vs: [torch.linalg.vector_norm(v).item() for v in vs]
+    parent_norm, zero_norm, diff, perception_norm = norm([g_parent, g_zero, g_zero - g_parent, g_perception])
     tolerance = gradient_tolerance(parent_norm)
-    perception_norm = torch.linalg.vector_norm(g_perception).item()
     kl_totals = trainer.accelerator.reduce(
         torch.stack([terms.kl_sum, terms.token_count]).detach().float(), reduction="sum"
     )
@@ -168,7 +177,7 @@ def measure_gamma_zero(
         zero_gamma_loss=zero_value,
         loss_bit_equal=loss_bit_equal,
         parent_grad_norm=parent_norm,
-        zero_gamma_grad_norm=torch.linalg.vector_norm(g_zero).item(),
+        zero_gamma_grad_norm=zero_norm,
         grad_diff_norm=diff,
         grad_diff_relative=diff / parent_norm if parent_norm > 0 else (0.0 if diff == 0 else math.inf),
         tolerance=tolerance,

@@ -45,13 +45,52 @@ def under_launcher() -> bool:
 
 
 def refuse_unsupported(trainer) -> None:
-    """The gamma-zero probe differentiates the adapter's parameters directly: not with sharded parameters."""
-    deepspeed = getattr(trainer.accelerator.state, "deepspeed_plugin", None)
-    if trainer.probe is not None and (trainer.is_fsdp_enabled or getattr(deepspeed, "zero_stage", 0) == 3):
+    """Refuse a sharded accelerate config that accelerate did not apply, and the probe under ZeRO-3.
+
+    accelerate 1.15 on the CPU picks MULTI_CPU (DDP over gloo) before it looks at an FSDP or DeepSpeed config
+    (``AcceleratorState.__init__``: the FSDP switch is only under the GPU-like types), so ``fsdp.yaml`` there would
+    train unsharded without a word. Under FSDP2 the probe reads the gradient shards (``papo/probe_reduce.py``); under
+    ZeRO-3 the parameters are partitioned in a way it does not read."""
+    wanted = [
+        name
+        for name, variable in (("FSDP", "ACCELERATE_USE_FSDP"), ("DEEPSPEED", "ACCELERATE_USE_DEEPSPEED"))
+        if os.environ.get(variable, "false").lower() == "true"
+    ]
+    actual = trainer.accelerator.distributed_type.value
+    if wanted and actual not in wanted:
         raise LaunchError(
-            "require_gpu_contract_probe is not supported with sharded parameters (DeepSpeed ZeRO-3, FSDP); "
-            "set it false for this run and run the probe in a short DDP job (configs/accelerate/multi_gpu.yaml)"
+            f"the accelerate config asks for {wanted[0]} but accelerate runs this job as {actual} "
+            f"(device {trainer.accelerator.device.type}): accelerate shards with FSDP or DeepSpeed on GPUs only, "
+            "so nothing would be sharded. On the CPU use configs/accelerate/cpu_gloo.yaml (DDP); FSDP on the CPU "
+            "is tested with torch's fully_shard directly (tests/test_sharded.py)"
         )
+    deepspeed = getattr(trainer.accelerator.state, "deepspeed_plugin", None)
+    if trainer.probe is not None and getattr(deepspeed, "zero_stage", 0) == 3:
+        raise LaunchError(
+            "require_gpu_contract_probe is not supported under DeepSpeed ZeRO-3 (partitioned parameters); set it "
+            "false for this run and run the probe in a DDP or FSDP job (configs/accelerate/multi_gpu.yaml, fsdp.yaml)"
+        )
+
+
+def fully_shard_blocks(model) -> list[str]:
+    """FSDP2 by hand: ``fully_shard`` on every transformer block (the classes in ``_no_split_modules``, what
+    accelerate's TRANSFORMER_BASED_WRAP picks), then on the root. Returns the block classes sharded.
+
+    accelerate 1.15 does not use its FSDP plugin on the CPU (``AcceleratorState`` picks MULTI_CPU, i.e. DDP, before
+    it looks at the plugin), so the CPU tests shard with this under torchrun/gloo; on GPU, ``fsdp.yaml`` does it."""
+    from torch.distributed.fsdp import fully_shard
+
+    names = set()
+    for module in model.modules():
+        names.update(getattr(module, "_no_split_modules", None) or [])
+    blocks = [m for m in model.modules() if type(m).__name__ in names]
+    if not blocks:
+        raise ValueError(f"no transformer block to shard in {type(model).__name__}: _no_split_modules is empty")
+    classes = sorted({type(b).__name__ for b in blocks})  # before fully_shard renames them FSDP<class>
+    for block in blocks:
+        fully_shard(block)
+    fully_shard(model)
+    return classes
 
 
 # Logged metrics that must be identical on every rank: reduced (or gathered) across processes before logging.
