@@ -130,12 +130,13 @@ def test_vision_tower_and_prompt_run_once_per_prompt(setup):
     }
 
 
-# bf16: measured max |shared - full| = 0.031 (one bf16 step at magnitudes 4 to 8) for log-probs and entropies on both
-# families; each path's own error against the fp32 forward is far larger (log-probs: mean 0.010 to 0.012, max 0.03;
-# entropies: mean 0.038, max 0.094). The bounds: two such steps, and no more mean error against fp32 than the full
-# forward's own (within 20%).
-BF16_MAX_DIFF = 2 * 2.0**-5
-BF16_MEAN_ERROR_RATIO = 1.2
+# bf16 (both families, two mask draws): log-probs differ from the full forward's by at most 0.031 (one bf16 step at
+# magnitudes 4 to 8), entropies by up to 0.125, while each path's own error against the fp32 forward is up to 0.031
+# (log-probs) and 0.094 (entropies), mean 0.010-0.012 and 0.038-0.044, the shared path's within 1.01x of the full's.
+# Bounds: the shared path's mean and max error against fp32 within 1.2x the full forward's; log-probs within two bf16
+# steps of the full forward's, entropies within twice the full forward's own max error.
+BF16_LOGP_MAX_DIFF = 2 * 2.0**-5
+BF16_ERROR_RATIO = 1.2
 
 
 def test_shared_prefix_in_bf16_adds_no_error_of_its_own(setup):
@@ -152,11 +153,15 @@ def test_shared_prefix_in_bf16_adds_no_error_of_its_own(setup):
     mask = batch["completion_mask"].bool()
     for k, name in enumerate(("logps", "entropy")):
         diff = (shared[k].float() - full[k].float())[mask].abs().max().item()
-        full_error = (full[k].float() - reference[k])[mask].abs().mean().item()
-        shared_error = (shared[k].float() - reference[k])[mask].abs().mean().item()
-        print(f"{setup['family']} bf16 {name}: max |shared - full| {diff:.4f}; mean error vs fp32 {shared_error:.4f}")
-        assert diff <= BF16_MAX_DIFF, (name, diff)
-        assert shared_error <= BF16_MEAN_ERROR_RATIO * full_error, (name, shared_error, full_error)
+        full_errors = (full[k].float() - reference[k])[mask].abs()
+        shared_errors = (shared[k].float() - reference[k])[mask].abs()
+        print(
+            f"{setup['family']} bf16 {name}: max |shared - full| {diff:.4f}; vs fp32: mean {shared_errors.mean():.4f} "
+            f"(full {full_errors.mean():.4f}), max {shared_errors.max():.4f} (full {full_errors.max():.4f})"
+        )
+        assert shared_errors.mean() <= BF16_ERROR_RATIO * full_errors.mean(), name
+        assert shared_errors.max() <= BF16_ERROR_RATIO * full_errors.max(), name
+        assert diff <= (BF16_LOGP_MAX_DIFF if name == "logps" else 2 * full_errors.max().item()), (name, diff)
 
 
 @pytest.mark.parametrize("estimator", ["sampled", "full"])
