@@ -39,6 +39,8 @@ from papo_nb.testbed.shapes import make_shapes_dataset  # noqa: E402
 from papo_nb.train.distributed import fully_shard_blocks  # noqa: E402
 from papo_nb.workbook.builder import lora_config  # noqa: E402
 
+IMAGE_KEYS = ("pixel_values", "image_grid_thw", "num_images", "mm_token_type_ids")
+
 
 def leaky_assemble(parent_loss, terms, gamma, eta1, eta2):
     """tests/test_probe.py's leak: right value at gamma = 0, but the perception gradient still flows."""
@@ -113,6 +115,15 @@ def main() -> None:
         record["probe"] = probe_once(trainer, batch)
         reset_masks(trainer)
         record["leaky_probe"] = probe_once(trainer, batch, leaky_assemble)
+        reset_masks(trainer)
+        # one rank text-only, the other with images: refused on every rank (the vision all-gathers would not pair)
+        text_only = {k: v for k, v in batch.items() if k not in IMAGE_KEYS}
+        text_only["prompt_ids"], text_only["prompt_mask"] = batch["prompt_ids"][:, -4:], batch["prompt_mask"][:, -4:]
+        try:
+            trainer.papo_loss_parts(model, text_only if rank == 1 else batch)
+            record["mixed_batch_error"] = None
+        except RuntimeError as exc:
+            record["mixed_batch_error"] = str(exc)
         reset_masks(trainer)
         (out / f"probe-rank{rank}.json").write_text(json.dumps(record, indent=1, sort_keys=True))
 

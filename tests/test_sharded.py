@@ -123,6 +123,20 @@ def test_a_leaking_adapter_fails_under_sharding_too(setup, killed_and_resumed):
     assert killed_and_resumed["probe_ranks"][0]["leaky_probe"] == killed_and_resumed["probe_ranks"][1]["leaky_probe"]
 
 
+def test_a_text_only_rank_next_to_an_image_rank_is_refused_on_every_rank(killed_and_resumed):
+    """Only image ranks run the sharded vision tower; its all-gathers would never pair (a 2-rank FSDP job without this
+    check aborted in all_gather), so every rank raises the same error instead."""
+    errors = [r["mixed_batch_error"] for r in killed_and_resumed["probe_ranks"]]
+    assert (
+        errors[0]
+        == errors[1]
+        == (
+            "under FSDP every rank's batch must have images or none; 1 of 2 ranks have images in this batch "
+            "(mixed text-only data)"
+        )
+    )
+
+
 def test_the_probe_runs_inside_a_sharded_training_step(killed_and_resumed):
     out = killed_and_resumed["out"]
     evidence = [json.loads((out / f"train-probe-rank{r}.json").read_text()) for r in range(2)]

@@ -26,6 +26,7 @@ from trl import GRPOTrainer
 from papo_nb.papo import masking_layouts, shared_prefix
 from papo_nb.papo.contract import ENTROPY_GRAD_GATE, VLM_FORWARD_KEYWORDS, validate_trl_parent_contract
 from papo_nb.papo.papo_config import PAPOGConfig
+from papo_nb.papo.probe_reduce import sharded
 from papo_nb.papo.terms import bounded_k3, normalise_like_parent, zero_outside
 
 MASK_CACHE_LIMIT = 4096  # prompt masks remembered within one generation round (bounds memory outside train())
@@ -194,8 +195,9 @@ class PAPOGTrainer(GRPOTrainer):
         freed before the parent's forward creates the logits autograd keeps for backward, so the two never coexist
         (it is the same math in either order)."""
         has_images = inputs.get("pixel_values") is not None
+        any_images = self._images_on_any_rank(has_images)  # a collective: every rank calls it, images or not
         masked = self._masked_forward(model, inputs) if has_images else None
-        if not has_images and self._images_on_any_rank(has_images):
+        if not has_images and any_images:
             self._masked_forward(model, inputs)  # result unused: see _images_on_any_rank
         self._capture_parent_logps, self._captured_parent_logps = True, None
         try:
@@ -347,7 +349,15 @@ class PAPOGTrainer(GRPOTrainer):
         if self.accelerator.num_processes == 1:
             return has_images
         flag = torch.tensor([float(has_images)], device=self.accelerator.device)
-        return bool(self.accelerator.reduce(flag, reduction="sum").item() > 0)
+        ranks = int(self.accelerator.reduce(flag, reduction="sum").item())
+        if 0 < ranks < self.accelerator.num_processes and sharded(list(self.model.parameters())):
+            # Only the image ranks would run the sharded vision tower, whose all-gathers the others never join
+            # (measured: a 2-rank FSDP job aborts in all_gather); the same on every rank, so all raise.
+            raise RuntimeError(
+                f"under FSDP every rank's batch must have images or none; {ranks} of "
+                f"{self.accelerator.num_processes} ranks have images in this batch (mixed text-only data)"
+            )
+        return ranks > 0
 
     # ---- checkpoints: the masking generator is resumed with the RNG states the Trainer saves ----
     def _mask_rng_file(self, folder: str) -> str:
