@@ -98,6 +98,7 @@ def main() -> None:
     parser.add_argument("--save-every", type=int, default=0)
     parser.add_argument("--kill-after", type=int, default=0, help="rank 0 SIGKILLs itself after this step")
     parser.add_argument("--resume", action="store_true")
+    parser.add_argument("--bf16", action="store_true", help="FSDP mixed precision: bf16 compute, fp32 reduce")
     a = parser.parse_args()
     torch.set_num_threads(1)
     out = Path(a.out)
@@ -107,12 +108,26 @@ def main() -> None:
     rank, world = trainer.accelerator.process_index, trainer.accelerator.num_processes
     assert dist.is_initialized() and world == dist.get_world_size() == 2, (world, dist.is_initialized())
     model = trainer.model
-    blocks = fully_shard_blocks(model)
+    options = {}
+    if a.bf16:  # what fsdp.yaml's mixed_precision: bf16 asks of FSDP2 (accelerate's default reduce dtype is fp32)
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        options["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    blocks = fully_shard_blocks(model, **options)
     model.train()
     batch = setup["batch"]
     record = {"rank": rank, "world": world, "sharded_blocks": blocks, "backend": dist.get_backend()}
     if a.probe:
+        # a gradient being accumulated (a micro-batch before this one) must come out of the probe untouched
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        for p in trainable:
+            p.grad = torch.full_like(p, 0.25)
         record["probe"] = probe_once(trainer, batch)
+        record["accumulated_grads_kept"] = all(
+            torch.equal(p.grad.to_local(), torch.full_like(p.to_local(), 0.25)) for p in trainable
+        )
+        for p in trainable:
+            p.grad = None
         reset_masks(trainer)
         record["leaky_probe"] = probe_once(trainer, batch, leaky_assemble)
         reset_masks(trainer)

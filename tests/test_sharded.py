@@ -110,6 +110,23 @@ def test_the_sharded_probe_matches_the_unsharded_probe_on_the_same_batch(setup, 
         assert sharded["perception_grad_norm"] > 0 and sharded["grad_diff_norm"] <= sharded["tolerance"]
     # every rank took the same verdict from the same numbers: reduced, not rank-local
     assert ranks[0]["probe"] == ranks[1]["probe"]
+    # a gradient being accumulated before the probe is left as it was (the probe runs its own backward passes)
+    assert all(r["accumulated_grads_kept"] for r in ranks)
+
+
+def test_the_sharded_probe_under_fsdp_bf16_mixed_precision(setup):
+    """fsdp.yaml's bf16: FSDP2 computes in bf16 and reduces in fp32. Same verdicts; norms near the fp32 ones."""
+    out = setup["folder"] / "fsdp_bf16"
+    result = torchrun("--setup", str(setup["path"]), "--out", str(out), "--probe", "--bf16")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    ranks = [json.loads((out / f"probe-rank{r}.json").read_text()) for r in range(2)]
+    assert ranks[0]["probe"] == ranks[1]["probe"] and ranks[0]["leaky_probe"] == ranks[1]["leaky_probe"]
+    bf16, single = ranks[0]["probe"], setup["single"]
+    print("\nFSDP bf16 mixed precision: " + ", ".join(f"{k} {bf16[k]:.6e}" for k in NORMS), bf16["status"])
+    assert bf16["status"] == "passed" and bf16["loss_bit_equal"] and bf16["leak_detection_power"] >= 1
+    for key in ("parent_grad_norm", "perception_grad_norm"):
+        assert bf16[key] == pytest.approx(single[key], rel=0.05), key  # bf16 roundoff, not a different gradient
+    assert ranks[0]["leaky_probe"]["status"] == "failed" and all(r["accumulated_grads_kept"] for r in ranks)
 
 
 def test_a_leaking_adapter_fails_under_sharding_too(setup, killed_and_resumed):

@@ -72,12 +72,13 @@ def refuse_unsupported(trainer) -> None:
         )
 
 
-def fully_shard_blocks(model) -> list[str]:
+def fully_shard_blocks(model, **options) -> list[str]:
     """FSDP2 by hand: ``fully_shard`` on every transformer block (the classes in ``_no_split_modules``, what
     accelerate's TRANSFORMER_BASED_WRAP picks), then on the root. Returns the block classes sharded.
 
     accelerate 1.15 does not use its FSDP plugin on the CPU (``AcceleratorState`` picks MULTI_CPU, i.e. DDP, before
-    it looks at the plugin), so the CPU tests shard with this under torchrun/gloo; on GPU, ``fsdp.yaml`` does it."""
+    it looks at the plugin), so the CPU tests shard with this under torchrun/gloo; on GPU, ``fsdp.yaml`` does it.
+    ``options`` go to every ``fully_shard`` call (e.g. ``mp_policy``)."""
     from torch.distributed.fsdp import fully_shard
 
     names = set()
@@ -88,8 +89,8 @@ def fully_shard_blocks(model) -> list[str]:
         raise ValueError(f"no transformer block to shard in {type(model).__name__}: _no_split_modules is empty")
     classes = sorted({type(b).__name__ for b in blocks})  # before fully_shard renames them FSDP<class>
     for block in blocks:
-        fully_shard(block)
-    fully_shard(model)
+        fully_shard(block, **options)
+    fully_shard(model, **options)
     return classes
 
 
