@@ -1,4 +1,4 @@
-"""GPU arm of the PAPO-G overhead benchmark and of the probe calibration (one H200, bf16, under 8 minutes).
+"""GPU arm of the PAPO-G overhead benchmark and of the probe calibration (one H200, bf16; 170 s from gpu_check.sh).
 
 What it does, offline (no hub, no network, installs nothing):
   1. builds a randomly initialised Qwen2.5-VL-shaped model from an explicit ``Qwen2_5_VLConfig``: the 3B text
@@ -16,14 +16,15 @@ What it does, offline (no hub, no network, installs nothing):
      ||g_zero - g_parent|| and its relative size, tolerance, perception KL and gradient, and the difference an
      injected value-neutral leak produces (the same fields as ``papo_nb.calibration.CalibrationPoint``).
 It writes ``OUT_DIR/gpu_check.json`` (and prints a summary). The number of timed rounds adapts to
-``--time-budget`` (seconds for the whole script, default 420) after one measured warm-up round.
+``--time-budget`` (seconds for the whole script, default 420; ``gpu_check.sh`` gives it 170 and runs the paper
+shapes, ``--paper-shapes-only`` with ``--prefix-repeats 3``, as a second process) after one measured warm-up round.
 
 Environment (the GPU machine has no network): use a venv that already has this project and its pinned stack
 (torch 2.14.1, torchvision 0.29.1, transformers 5.24, trl 1.9.1, peft 0.21.2), or build one from carried wheels:
     python -m venv /tmp/venv && /tmp/venv/bin/pip install --no-index --find-links WHEELS papo_nb[test]
     (WHEELS: a folder filled beforehand, where there is network, by ``pip download -d WHEELS . ``)
-then ``PYTHON=/tmp/venv/bin/python benchmarks/gpu_check.sh OUT_DIR``. If papo_nb is not installed, the repository
-root is put on ``sys.path``.
+then ``PYTHON=/tmp/venv/bin/python benchmarks/gpu_check.sh OUT_DIR`` (or ``WHEELS=WHEELS benchmarks/gpu_check.sh
+OUT_DIR``, which builds that venv itself). If papo_nb is not installed, the repository root is put on ``sys.path``.
 
 Check it on a CPU first: ``python benchmarks/gpu_check.py --cpu-dry-run --out-dir /tmp/gpu_dry`` (tiny sizes,
 same code path end to end).
@@ -73,28 +74,15 @@ VISION_3B = dict(
 )
 # --cpu-dry-run: the same code path at test-model sizes.
 TEXT_TINY = dict(
+    TEXT_3B,
     hidden_size=64,
     intermediate_size=128,
     num_attention_heads=4,
-    num_key_value_heads=2,
     vocab_size=1024,
     max_position_embeddings=4096,
-    rms_norm_eps=1e-6,
-    tie_word_embeddings=True,
     rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]},
 )
-VISION_TINY = dict(
-    hidden_size=32,
-    intermediate_size=64,
-    num_heads=2,
-    out_hidden_size=64,
-    patch_size=14,
-    spatial_merge_size=2,
-    temporal_patch_size=2,
-    window_size=112,
-    in_channels=3,
-    hidden_act="silu",
-)
+VISION_TINY = dict(VISION_3B, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64)
 
 
 def log(message: str) -> None:
@@ -104,18 +92,10 @@ def log(message: str) -> None:
 def model_config(processor, *, tiny: bool, text_layers: int, vision_depth: int):
     from transformers import Qwen2_5_VLConfig
 
+    from papo_nb.testbed.families import qwen_vision_token_ids
+
     tokenizer = processor.tokenizer
-    ids = {
-        t: tokenizer.convert_tokens_to_ids(t)
-        for t in (
-            "<|endoftext|>",
-            "<|im_end|>",
-            "<|image_pad|>",
-            "<|video_pad|>",
-            "<|vision_start|>",
-            "<|vision_end|>",
-        )
-    }
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in ("<|endoftext|>", "<|im_end|>")}
     text = dict(
         TEXT_TINY if tiny else TEXT_3B,
         num_hidden_layers=text_layers,
@@ -131,10 +111,7 @@ def model_config(processor, *, tiny: bool, text_layers: int, vision_depth: int):
     return Qwen2_5_VLConfig(
         text_config=text,
         vision_config=vision,
-        image_token_id=ids["<|image_pad|>"],
-        video_token_id=ids["<|video_pad|>"],
-        vision_start_token_id=ids["<|vision_start|>"],
-        vision_end_token_id=ids["<|vision_end|>"],
+        **qwen_vision_token_ids(tokenizer),
         tie_word_embeddings=text["tie_word_embeddings"],
     )
 
@@ -205,26 +182,19 @@ def build_gpu_setup(args, device: torch.device, dtype: torch.dtype, work_dir: Pa
         seed=args.seed,
         device=device,
     )
-    model.train()
-    params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=1e-5)
-    snapshot = harness.StateSnapshot(params, optimizer)
-    return harness.BenchSetup(
+    return harness.finish_setup(
+        model,
+        lr=1e-5,
+        start=start,
         size="gpu",
         family="qwen2_5_vl",
         seed=args.seed,
-        model=model,
         processor=processor,
         dataset=dataset,
         trainers=trainers,
         batch=batch,
-        params=params,
-        optimizer=optimizer,
-        snapshot=snapshot,
         work_dir=work_dir,
         n_params=n_params,
-        n_trainable=sum(p.numel() for p in params),
-        setup_s=time.perf_counter() - start,
     )
 
 
@@ -299,21 +269,15 @@ def probe_evidence(setup: harness.BenchSetup, args, context, device) -> list[dic
 
 def peak_memory(setup: harness.BenchSetup, context, device) -> dict:
     """``max_memory_allocated`` above the pre-step level, per step variant (CUDA only)."""
+    from papo_nb.bench.memory import cuda_peak
+
     if device.type != "cuda":
         return {"skipped": "not on CUDA"}
     out = {}
     for name, variant in harness.make_variants(setup, harness.STEP_VARIANTS + ("extra_forward",), context).items():
         variant.prepare()
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()
-        base = torch.cuda.memory_allocated()
-        torch.cuda.reset_peak_memory_stats()
-        variant.run()
-        torch.cuda.synchronize()
-        out[name] = dict(
-            peak_above_start_mib=(torch.cuda.max_memory_allocated() - base) / 2**20,
-            peak_total_mib=torch.cuda.max_memory_allocated() / 2**20,
-        )
+        peak = cuda_peak(variant.run)
+        out[name] = dict(peak_above_start_mib=peak["peak_bytes"] / 2**20, peak_total_mib=peak["total_bytes"] / 2**20)
         variant.cleanup()
     batch = setup.batch
     vocab = setup.model.config.text_config.vocab_size

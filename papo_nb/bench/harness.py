@@ -150,6 +150,36 @@ def make_trainer(
     return trainer
 
 
+def lora_tiny_model(settings: WorkbookParams, family: str, size: str, seed: int, cache_dir):
+    """(LoRA model, processor, parameter count before LoRA) of the tiny-family model of ``size``."""
+    from peft import get_peft_model
+
+    from papo_nb.testbed.models import build_tiny_vlm, load_vlm
+    from papo_nb.workbook.builder import lora_config
+
+    model, processor = load_vlm(build_tiny_vlm(family, seed=seed, cache_dir=cache_dir, size=size))
+    n_params = sum(p.numel() for p in model.parameters())
+    torch.manual_seed(seed)
+    return get_peft_model(model, lora_config(settings)), processor, n_params
+
+
+def finish_setup(model, *, lr: float, start: float, **fields) -> BenchSetup:
+    """The model in train mode, AdamW over its trainable parameters and their snapshot, in a ``BenchSetup`` with
+    ``fields`` (processor, dataset, trainers, batch, ...); ``start`` is when the setup began (``perf_counter``)."""
+    model.train()
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=lr)
+    return BenchSetup(
+        model=model,
+        params=params,
+        optimizer=optimizer,
+        snapshot=StateSnapshot(params, optimizer),
+        n_trainable=sum(p.numel() for p in params),
+        setup_s=time.perf_counter() - start,
+        **fields,
+    )
+
+
 def build_setup(
     size: str,
     *,
@@ -161,21 +191,15 @@ def build_setup(
     batch: dict[str, Any] | None = None,
 ) -> BenchSetup:
     """The tiny-family model of ``size`` with LoRA, a GRPO and three PAPO-G trainers sharing it, and one batch."""
-    from peft import get_peft_model
     from trl import GRPOTrainer
 
-    from papo_nb.testbed.models import build_tiny_vlm, load_vlm
     from papo_nb.testbed.shapes import make_shapes_dataset
     from papo_nb.workbook.batches import rollout_batch
-    from papo_nb.workbook.builder import lora_config
 
     start = time.perf_counter()
     work_dir = Path(work_dir or tempfile.mkdtemp(prefix="papo_bench_"))
     settings = bench_params(seed, n_prompts, model_name_or_path=f"tiny:{family}")
-    model, processor = load_vlm(build_tiny_vlm(family, seed=seed, cache_dir=cache_dir, size=size))
-    n_params = sum(p.numel() for p in model.parameters())
-    torch.manual_seed(seed)
-    model = get_peft_model(model, lora_config(settings))
+    model, processor, n_params = lora_tiny_model(settings, family, size, seed, cache_dir)
     dataset = make_shapes_dataset(max(8, n_prompts), seed=seed)
 
     def trainer(name, trainer_cls=PAPOGTrainer, **overrides):
@@ -190,26 +214,19 @@ def build_setup(
     }
     if batch is None:  # given: a batch this function made before (saved by the RSS measurement for its workers)
         batch = rollout_batch(trainers["papo"], dataset, n_prompts, seed=seed)
-    model.train()
-    params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=trainers["grpo"].args.learning_rate)
-    snapshot = StateSnapshot(params, optimizer)
-    return BenchSetup(
+    return finish_setup(
+        model,
+        lr=trainers["grpo"].args.learning_rate,
+        start=start,
         size=size,
         family=family,
         seed=seed,
-        model=model,
         processor=processor,
         dataset=dataset,
         trainers=trainers,
         batch=batch,
-        params=params,
-        optimizer=optimizer,
-        snapshot=snapshot,
         work_dir=work_dir,
         n_params=n_params,
-        n_trainable=sum(p.numel() for p in params),
-        setup_s=time.perf_counter() - start,
         settings=settings,
     )
 

@@ -105,6 +105,19 @@ def allocation_peak(run: Callable[[], Any]) -> dict[str, float]:
     )
 
 
+def cuda_peak(run: Callable[[], Any]) -> dict[str, float]:
+    """CUDA allocator peak during ``run``: ``peak_bytes`` above the level at its start (after emptying the cache) and
+    ``total_bytes``, the peak itself."""
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    run()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated()
+    return dict(peak_bytes=float(peak - base), total_bytes=float(peak))
+
+
 def measure_memory(setup: BenchSetup, names=STEP_VARIANTS + ("papo_step_eta0", "extra_forward")) -> dict[str, Any]:
     """Per variant: torch allocation peak (profiler) and the live full-vocab tensors (dispatch tracker): the peak
     of their bytes in units of one (B, T, V) fp32 logits tensor, and the peak number of whole-batch ones at once."""

@@ -79,16 +79,9 @@ def cpu_setup(
 ) -> harness.BenchSetup:
     """The tiny-family model of ``size`` with LoRA, its processor taking images up to ``shape.image_px``, the
     trainers and the batch."""
-    from peft import get_peft_model
-
-    from papo_nb.testbed.models import build_tiny_vlm, load_vlm
     from papo_nb.testbed.shapes import make_shapes_dataset
-    from papo_nb.workbook.builder import lora_config
 
     start = time.perf_counter()
-    model, processor = load_vlm(build_tiny_vlm(family, seed=seed, cache_dir=cache_dir, size=size))
-    processor.image_processor.size = {"shortest_edge": 56 * 56, "longest_edge": shape.image_px**2}
-    n_params = sum(p.numel() for p in model.parameters())
     sequences = shape.n_prompts * shape.group_size
     settings = harness.bench_params(
         seed,
@@ -98,8 +91,8 @@ def cpu_setup(
         per_device_train_batch_size=sequences,
         max_completion_length=shape.completion_tokens,
     )
-    torch.manual_seed(seed)
-    model = get_peft_model(model, lora_config(settings))
+    model, processor, n_params = harness.lora_tiny_model(settings, family, size, seed, cache_dir)
+    processor.image_processor.size = {"shortest_edge": 56 * 56, "longest_edge": shape.image_px**2}
     dataset = make_shapes_dataset(max(8, shape.n_prompts), seed=seed)
     trainers = build_trainers(settings, model, processor, dataset, work_dir)
     vocab = model.get_output_embeddings().weight.shape[0]
@@ -112,25 +105,19 @@ def cpu_setup(
         group_size=shape.group_size,
         seed=seed,
     )
-    model.train()
-    params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=settings.learning_rate)
-    return harness.BenchSetup(
+    return harness.finish_setup(
+        model,
+        lr=settings.learning_rate,
+        start=start,
         size=size,
         family=family,
         seed=seed,
-        model=model,
         processor=processor,
         dataset=dataset,
         trainers=trainers,
         batch=batch,
-        params=params,
-        optimizer=optimizer,
-        snapshot=harness.StateSnapshot(params, optimizer),
         work_dir=work_dir,
         n_params=n_params,
-        n_trainable=sum(p.numel() for p in params),
-        setup_s=time.perf_counter() - start,
         settings=settings,
     )
 
@@ -163,21 +150,13 @@ def make_variants(setup: harness.BenchSetup, context=contextlib.nullcontext) -> 
 
 def peak_memory(setup: harness.BenchSetup, variants: dict[str, harness.Variant], device) -> dict[str, float]:
     """MiB above the level at the start of each variant: CUDA's allocator peak, or torch's CPU allocation peak."""
-    from papo_nb.bench.memory import allocation_peak
+    from papo_nb.bench.memory import allocation_peak, cuda_peak
 
     out = {}
     for name, variant in variants.items():
         variant.prepare()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-            torch.cuda.empty_cache()
-            base = torch.cuda.memory_allocated()
-            torch.cuda.reset_peak_memory_stats()
-            variant.run()
-            torch.cuda.synchronize()
-            out[name] = (torch.cuda.max_memory_allocated() - base) / 2**20
-        else:
-            out[name] = allocation_peak(variant.run)["peak_bytes"] / 2**20
+        peak = cuda_peak if device.type == "cuda" else allocation_peak
+        out[name] = peak(variant.run)["peak_bytes"] / 2**20
         variant.cleanup()
     return out
 

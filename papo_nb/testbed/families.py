@@ -126,6 +126,17 @@ def _ids(tokenizer) -> dict[str, int]:
     }
 
 
+def qwen_vision_token_ids(tokenizer) -> dict[str, int]:
+    """The Qwen-VL configs' vision token fields (image, video, vision start/end), wired to ``tokenizer``."""
+    fields = {
+        "image_token_id": "<|image_pad|>",
+        "video_token_id": "<|video_pad|>",
+        "vision_start_token_id": "<|vision_start|>",
+        "vision_end_token_id": "<|vision_end|>",
+    }
+    return {name: tokenizer.convert_tokens_to_ids(token) for name, token in fields.items()}
+
+
 def _llama_text(tokenizer, **extra) -> dict:
     return {
         "vocab_size": len(tokenizer),
@@ -164,7 +175,6 @@ def _qwen3_vl():
         video_processor=Qwen3VLVideoProcessor(size=bounds),
         chat_template=chat_template("<|vision_start|><|image_pad|><|vision_end|>"),
     )
-    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in QWEN_VISION_TOKENS}
     text = _llama_text(tokenizer, head_dim=16)
     text["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]}
     text["mrope_interleaved"] = True
@@ -182,10 +192,7 @@ def _qwen3_vl():
     config = Qwen3VLConfig(
         text_config=text,
         vision_config=vision,
-        image_token_id=ids["<|image_pad|>"],
-        video_token_id=ids["<|video_pad|>"],
-        vision_start_token_id=ids["<|vision_start|>"],
-        vision_end_token_id=ids["<|vision_end|>"],
+        **qwen_vision_token_ids(tokenizer),
         tie_word_embeddings=False,
     )
     return processor, config

@@ -214,10 +214,7 @@ def tiny_config(family: str, tokenizer: PreTrainedTokenizerFast, size: str = "ti
     return config_cls(
         text_config=text_config,
         vision_config=vision_config,
-        image_token_id=ids["<|image_pad|>"],
-        video_token_id=ids["<|video_pad|>"],
-        vision_start_token_id=ids["<|vision_start|>"],
-        vision_end_token_id=ids["<|vision_end|>"],
+        **families.qwen_vision_token_ids(tokenizer),
     )
 
 

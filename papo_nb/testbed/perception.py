@@ -29,6 +29,7 @@ import datasets
 import torch
 from PIL import Image, ImageDraw
 
+from papo_nb.testbed import shapes
 from papo_nb.testbed.shapes import ANSWER_INSTRUCTION, COLOURS
 
 TESTBED_PREFIX = "testbed:"
@@ -45,20 +46,8 @@ TEXT_QUESTION = "What colour is the {colour} circle?"
 KINDS = ("vision", "vision", "text")  # two vision-dependent items for each text-answerable one
 CHANCE_VISION = 1 / len(COLOURS)
 
-FEATURES = datasets.Features(
-    {
-        "prompt": datasets.List(
-            {
-                "role": datasets.Value("string"),
-                "content": datasets.List({"type": datasets.Value("string"), "text": datasets.Value("string")}),
-            }
-        ),
-        "image": datasets.Image(),
-        "answer": datasets.Value("string"),
-        "kind": datasets.Value("string"),
-        "vision_dependent": datasets.Value("bool"),
-    }
-)
+# the shapes task's columns plus the vision-dependency flag
+FEATURES = datasets.Features({**shapes.FEATURES, "vision_dependent": datasets.Value("bool")})
 
 # The warm-start recipe. A fixed step count is fragile here: vision accuracy stays at chance for hundreds of steps,
 # then jumps within about 100 (measured for seeds 0 and 1: at step 800, 26% and 49%). So the pass stops at the first

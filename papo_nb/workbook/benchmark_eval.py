@@ -25,9 +25,8 @@ import datasets
 import torch
 from PIL import Image
 
-from papo_nb.workbook.evaluation import generate_answers
-from papo_nb.workbook.math_reward import accuracy_score
-from papo_nb.workbook.raw_masks import mask_pil_squares
+from papo_nb.workbook.evaluation import generate_answers, mask_images
+from papo_nb.workbook.math_reward import math_accuracy_reward
 from papo_nb.workbook.recipe_data import EVAL_DATASET, RecipeDataError, load_official_dataset
 
 GENERAL, VISION_DEPENDENT = "general", "vision_dependent"
@@ -101,45 +100,56 @@ def load_benchmark(source: str, split: str, image_dir: str = "") -> datasets.Dat
     return _sharegpt_to_official(raw, Path(image_dir).expanduser() if image_dir else None)
 
 
-def _accuracies(completions: list[str], answers: list[str], samples: int) -> list[float]:
-    """Per-prompt mean accuracy over its ``samples`` completions (prompt-major order)."""
-    return [
-        mean(accuracy_score(c, gold) for c in completions[i * samples : (i + 1) * samples])
-        for i, gold in enumerate(answers)
-    ]
-
-
 @torch.no_grad()
+def score_items(
+    model, processor, prompts: list, answers: list[str], images: list, *, grade, samples: int, max_new_tokens: int,
+    mask_ratio: float, seed: int, batch_size: int = 8,
+) -> dict[str, list[float]]:  # fmt: skip
+    """Per item, on original and on masked images (``evaluation.mask_images``): greedy accuracy and the mean accuracy
+    of ``samples`` completions at temperature 1.0, top_p 1.0 (avg@k). Keys ``<greedy|avg_at_k>/<original|masked>``.
+    ``grade(completions, answers)`` scores a list (a TRL accuracy reward). The sampling noise is reseeded from
+    ``seed`` for each condition, so both see the same draws."""
+    conditions = {"original": images, "masked": mask_images(images, mask_ratio, seed)}
+    repeated = [a for a in answers for _ in range(samples)]
+    was_training = model.training
+    model.eval()
+    per_item: dict[str, list[float]] = {}
+    try:
+        for condition, shown in conditions.items():
+            torch.manual_seed(seed)
+            completions = generate_answers(
+                model, processor, prompts, shown, max_new_tokens=max_new_tokens, batch_size=batch_size,
+                samples=samples, temperature=EVAL_TEMPERATURE, top_p=EVAL_TOP_P,
+            )  # fmt: skip
+            sampled = grade(completions, repeated)
+            per_item[f"avg_at_k/{condition}"] = [
+                mean(sampled[i * samples : (i + 1) * samples]) for i in range(len(answers))
+            ]
+            greedy = generate_answers(
+                model, processor, prompts, shown, max_new_tokens=max_new_tokens, batch_size=batch_size
+            )
+            per_item[f"greedy/{condition}"] = grade(greedy, answers)
+    finally:
+        model.train(was_training)
+    return per_item
+
+
 def evaluate_benchmark(
     model, processor, rows: datasets.Dataset, *, samples: int, max_new_tokens: int, mask_ratio: float, seed: int,
     batch_size: int = 8,
 ) -> dict:  # fmt: skip
     """avg@``samples`` (temperature 1.0, top_p 1.0) and greedy accuracy, on original and on masked images."""
-    prompts, answers = list(rows["prompt"]), [str(a) for a in rows["answer"]]
-    originals = [list(images) for images in rows["images"]]
-    masked = [
-        [mask_pil_squares(img, mask_ratio, seed=seed + 1000 * i + j) for j, img in enumerate(images)]
-        for i, images in enumerate(originals)
-    ]
-    was_training = model.training
-    model.eval()
+    answers = [str(a) for a in rows["answer"]]
+    per_item = score_items(
+        model, processor, list(rows["prompt"]), answers, [list(images) for images in rows["images"]],
+        grade=math_accuracy_reward, samples=samples, max_new_tokens=max_new_tokens, mask_ratio=mask_ratio, seed=seed,
+        batch_size=batch_size,
+    )  # fmt: skip
     scores: dict[str, float] = {"items": len(answers), "samples": samples}
-    try:
-        for condition, images in (("", originals), ("_masked", masked)):
-            torch.manual_seed(seed)  # the same sampling noise for both conditions
-            sampled = generate_answers(
-                model, processor, prompts, images, max_new_tokens=max_new_tokens, batch_size=batch_size,
-                samples=samples, temperature=EVAL_TEMPERATURE, top_p=EVAL_TOP_P,
-            )  # fmt: skip
-            greedy = generate_answers(
-                model, processor, prompts, images, max_new_tokens=max_new_tokens, batch_size=batch_size
-            )
-            scores[f"avg_at_k{condition}"] = mean(_accuracies(sampled, answers, samples))
-            scores[f"greedy{condition}"] = mean(_accuracies(greedy, answers, 1))
-    finally:
-        model.train(was_training)
-    scores["gap_avg_at_k"] = scores["avg_at_k"] - scores["avg_at_k_masked"]
-    scores["gap_greedy"] = scores["greedy"] - scores["greedy_masked"]
+    for kind in ("avg_at_k", "greedy"):
+        scores[kind] = mean(per_item[f"{kind}/original"])
+        scores[f"{kind}_masked"] = mean(per_item[f"{kind}/masked"])
+        scores[f"gap_{kind}"] = scores[kind] - scores[f"{kind}_masked"]
     return scores
 
 

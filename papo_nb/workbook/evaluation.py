@@ -63,6 +63,17 @@ def generate_answers(
     return outputs
 
 
+def mask_images(images: list, mask_ratio: float, seed: int) -> list:
+    """Each row's image (or list of images) masked the official way (14-px squares), one fixed mask per image:
+    row ``i``'s single image from ``seed + i``, image ``j`` of a list from ``seed + 1000 * i + j``."""
+    return [
+        [mask_pil_squares(im, mask_ratio, seed=seed + 1000 * i + j) for j, im in enumerate(img)]
+        if isinstance(img, list)
+        else mask_pil_squares(img, mask_ratio, seed=seed + i)
+        for i, img in enumerate(images)
+    ]
+
+
 def evaluate_image_reliance(
     model, processor, dataset, *, mask_ratio: float = 0.6, seed: int = 0, max_new_tokens: int = 16
 ) -> dict:
@@ -77,12 +88,7 @@ def evaluate_image_reliance(
     try:
         prompts, answers = list(dataset["prompt"]), list(dataset["answer"])
         originals = [list(images) for images in dataset["images"]] if official else list(dataset["image"])
-        masked = [
-            [mask_pil_squares(im, mask_ratio, seed=seed + 1000 * i + j) for j, im in enumerate(img)]
-            if official
-            else mask_pil_squares(img, mask_ratio, seed=seed + i)
-            for i, img in enumerate(originals)
-        ]
+        masked = mask_images(originals, mask_ratio, seed)
         scores = {}
         for name, images in (("original", originals), ("masked", masked)):
             completions = generate_answers(model, processor, prompts, images, max_new_tokens=max_new_tokens)

@@ -16,19 +16,16 @@ from pathlib import Path
 from statistics import mean
 
 import mlflow
-import torch
 
 from papo_nb.testbed.rewards import accuracy_reward
+from papo_nb.workbook.benchmark_eval import score_items
 from papo_nb.workbook.builder import load_datasets
-from papo_nb.workbook.evaluation import generate_answers
 from papo_nb.workbook.params import WorkbookParams
-from papo_nb.workbook.raw_masks import mask_pil_squares
 from papo_nb.workbook.study_stats import CollapseRule, detect_collapse
 from papo_nb.workbook.training import prepare_training
 
 GRPO, PAPO_G, PAPO_G_COLLAPSE = "grpo", "papo_g", "papo_g_collapse"
 SWEEP = "sweep"
-EVAL_TEMPERATURE = 1.0  # the paper's avg_at_k protocol: sampling at temperature 1.0, top_p 1.0
 SPLITS = ("all", "vision", "text")
 # Metrics logged per training step (TRL's and the adapter's names).
 STEP_METRICS = (
@@ -91,30 +88,16 @@ def eval_dataset(params: WorkbookParams):
 def evaluate_policy(model, processor, data, *, samples: int, mask_ratio: float, seed: int, max_new_tokens: int):
     """Greedy and avg@``samples`` (temperature 1.0) accuracy, with original and masked images (the official 14x14
     squares at ``mask_ratio``, one fixed mask per item), per split (all, vision-dependent, text-answerable), and
-    the perception-reliance gap (original - masked). Keys: ``<greedy|avg_at_k>/<original|masked|gap>/<split>``.
+    the perception-reliance gap (original - masked): ``benchmark_eval.score_items`` graded by the shapes reward.
+    Keys: ``<greedy|avg_at_k>/<original|masked|gap>/<split>``.
 
     Datasets without a ``vision_dependent`` column (the shapes task) count every item as vision-dependent."""
-    prompts, answers, originals = list(data["prompt"]), list(data["answer"]), list(data["image"])
+    answers = list(data["answer"])
     vision = list(data["vision_dependent"]) if "vision_dependent" in data.column_names else [True] * len(answers)
-    masked = [mask_pil_squares(img, mask_ratio, seed=seed + i) for i, img in enumerate(originals)]
-    was_training = model.training
-    model.eval()
-    per_item: dict[str, list[float]] = {}
-    try:
-        for condition, images in (("original", originals), ("masked", masked)):
-            greedy = generate_answers(model, processor, prompts, images, max_new_tokens=max_new_tokens, batch_size=64)
-            per_item[f"greedy/{condition}"] = accuracy_reward(greedy, answers)
-            torch.manual_seed(seed)  # the same sampling noise in every run and condition
-            sampled = generate_answers(
-                model, processor, prompts, images, max_new_tokens=max_new_tokens, batch_size=64,
-                samples=samples, temperature=EVAL_TEMPERATURE, top_p=1.0,
-            )  # fmt: skip
-            rewards = accuracy_reward(sampled, [a for a in answers for _ in range(samples)])
-            per_item[f"avg_at_k/{condition}"] = [
-                mean(rewards[i * samples : (i + 1) * samples]) for i in range(len(answers))
-            ]
-    finally:
-        model.train(was_training)
+    per_item = score_items(
+        model, processor, list(data["prompt"]), answers, list(data["image"]), grade=accuracy_reward, samples=samples,
+        max_new_tokens=max_new_tokens, mask_ratio=mask_ratio, seed=seed, batch_size=64,
+    )  # fmt: skip
     scores = {}
     for split in SPLITS:
         keep = [i for i, v in enumerate(vision) if split == "all" or v == (split == "vision")]
