@@ -1,17 +1,19 @@
 #!/usr/bin/env bash
-# GPU check of PAPO-G's step overhead and of the gamma-zero probe in real bf16 (one H200, under 8 minutes).
+# GPU check of PAPO-G's step overhead, of the gamma-zero probe in real bf16 and of the paper-like shapes (issue 14),
+# sized for ONE device call of at most 600 s with room for a retry: the whole script stops within 420 s (7 min).
 #
-#   usage: benchmarks/gpu_check.sh OUT_DIR [gpu_check.py options, e.g. --text-layers 18]
+#   usage: [WHEELS=DIR] [PYTHON=...] [PAPER_SHAPES=0] [TOTAL_S=420] benchmarks/gpu_check.sh OUT_DIR [gpu_check.py options]
 #
-# Writes OUT_DIR/gpu_check.json and OUT_DIR/gpu_check.log. Installs nothing and needs no network: it runs with
-# $PYTHON (default: .venv/bin/python of this repository if present, else `python` on PATH), which must already
-# have the pinned stack and papo_nb (or papo_nb importable from this repository, which the script ensures).
-# On a machine without network, build that environment from carried wheels first:
-#   python -m venv /tmp/venv
-#   /tmp/venv/bin/pip install --no-index --find-links WHEELS -e .      # WHEELS: `pip download -d WHEELS .` done
-#                                                                        # beforehand where there is network
-#   PYTHON=/tmp/venv/bin/python benchmarks/gpu_check.sh OUT_DIR
-# Check the script without a GPU: python benchmarks/gpu_check.py --cpu-dry-run --out-dir /tmp/gpu_dry
+# Each part has its own time budget, enforced by `timeout` and never past the script's deadline (TOTAL_S):
+#   1. install, only with WHEELS set: a venv from carried wheels, offline    <= 120 s
+#      (WHEELS: a folder filled beforehand, where there is network, by `pip download -d WHEELS .`)
+#   2. main check (gpu_check.py --time-budget 170: timed rounds adapt to it) <= 190 s -> OUT_DIR/gpu_check.json
+#   3. paper shapes (gpu_check.py --paper-shapes-only --prefix-repeats 3)   <= 110 s -> OUT_DIR/gpu_paper_shapes.json
+#      (PAPER_SHAPES=0 skips it; it gets what is left of the deadline if that is less)
+# Without WHEELS it installs nothing and runs $PYTHON (default: .venv/bin/python of this repository if present, else
+# `python` on PATH), which must already have the pinned stack (papo_nb is put on sys.path from this repository).
+# No network is used: no hub, no package index. Logs: OUT_DIR/gpu_check.log, OUT_DIR/gpu_paper_shapes.log.
+# Check the script without a GPU: benchmarks/gpu_check.sh OUT_DIR --cpu-dry-run (tiny sizes, same code path).
 set -euo pipefail
 
 OUT_DIR=${1:?usage: benchmarks/gpu_check.sh OUT_DIR [gpu_check.py options]}
@@ -27,13 +29,30 @@ mkdir -p "$OUT_DIR"
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1 PIP_NO_INDEX=1
 export TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
 
-"$PYTHON" -c "import torch; print('torch', torch.__version__, 'cuda', torch.cuda.is_available(), torch.cuda.get_device_name(0) if torch.cuda.is_available() else '')" \
-  2>&1 | tee "$OUT_DIR/gpu_check.log"
-# 470 s hard stop (the script budgets itself to 420 s): the whole check stays under 8 minutes.
-timeout 470 "$PYTHON" "$HERE/gpu_check.py" --out-dir "$OUT_DIR" "$@" 2>&1 | tee -a "$OUT_DIR/gpu_check.log"
-# Issue 14: GRPO vs PAPO-G with the full masked forward vs the shared prompt prefix, G = 8, prompt >= 4x completion
-# (OUT_DIR/gpu_paper_shapes.json). PAPER_SHAPES=0 skips it.
-if [[ "${PAPER_SHAPES:-1}" != 0 ]]; then
-  timeout 300 "$PYTHON" "$HERE/gpu_check.py" --out-dir "$OUT_DIR" --paper-shapes-only "$@" 2>&1 \
-    | tee "$OUT_DIR/gpu_paper_shapes.log"
+DEADLINE=$((SECONDS + ${TOTAL_S:-420}))
+budget() {  # budget SECONDS: that many, or what is left before the deadline if less (at least 1)
+  local left=$((DEADLINE - SECONDS))
+  if ((left < $1)); then echo $((left > 1 ? left : 1)); else echo "$1"; fi
+}
+
+if [[ -n "${WHEELS:-}" ]]; then
+  VENV=${VENV:-/tmp/papo_gpu_venv}
+  timeout "$(budget 120)" bash -c "python3 -m venv '$VENV' && '$VENV/bin/pip' install -q --no-index \
+    --find-links '$WHEELS' -e '$ROOT'" 2>&1 | tee "$OUT_DIR/gpu_check.log"
+  PYTHON="$VENV/bin/python"
 fi
+"$PYTHON" -c "import torch; print('torch', torch.__version__, 'cuda', torch.cuda.is_available(), torch.cuda.get_device_name(0) if torch.cuda.is_available() else '')" \
+  2>&1 | tee -a "$OUT_DIR/gpu_check.log"
+# The main check budgets its timed rounds to --time-budget (170 s); the timeout is the hard stop 20 s above it.
+# A part that fails or runs out of time is reported and the next part still runs; the exit status is the worst.
+STATUS=0
+timeout "$(budget 190)" "$PYTHON" "$HERE/gpu_check.py" --out-dir "$OUT_DIR" --time-budget 170 "$@" 2>&1 \
+  | tee -a "$OUT_DIR/gpu_check.log" || { STATUS=$?; echo "gpu_check.sh: main check exited $STATUS (124: timeout)"; }
+# Issue 14: GRPO vs PAPO-G with the full masked forward vs the shared prompt prefix, G = 8, prompt >= 4x completion.
+if [[ "${PAPER_SHAPES:-1}" != 0 ]]; then
+  timeout "$(budget 110)" "$PYTHON" "$HERE/gpu_check.py" --out-dir "$OUT_DIR" --paper-shapes-only --prefix-repeats 3 \
+    "$@" 2>&1 | tee "$OUT_DIR/gpu_paper_shapes.log" || { rc=$?; STATUS=$((rc > STATUS ? rc : STATUS))
+    echo "gpu_check.sh: paper shapes exited $rc (124: timeout)"; }
+fi
+echo "gpu_check.sh: done in ${SECONDS}s (deadline ${TOTAL_S:-420}s)"
+exit "$STATUS"
