@@ -1,4 +1,5 @@
-"""Resuming into a trained policy (phase 2): load an adapter checkpoint trainable and prove it is the one saved."""
+"""Checkpoints: find the latest (adapter or full model); resume into a trained adapter (phase 2) and prove it is
+the one saved."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ from pathlib import Path
 import torch
 
 ADAPTER_FILE = "adapter_model.safetensors"
+# A whole model as Trainer saves it after full fine-tuning (``save_pretrained``): one file, or shards and their index.
+FULL_MODEL_FILES = ("model.safetensors", "model.safetensors.index.json")
 CHECKPOINT_PREFIX = "checkpoint-"
 
 
@@ -39,9 +42,15 @@ def checkpoint_folders(output_dir: str | Path) -> list[Path]:
     return sorted(folders, key=checkpoint_step, reverse=True)
 
 
+def holds_model(folder: str | Path) -> bool:
+    """Whether a checkpoint folder holds a policy: a LoRA adapter or a whole model (single file or sharded)."""
+    return any((Path(folder) / name).is_file() for name in (ADAPTER_FILE, *FULL_MODEL_FILES))
+
+
 def latest_checkpoint(output_dir: str | Path) -> Path | None:
-    """The highest-step ``checkpoint-N`` folder holding an adapter, or None."""
-    return next((p for p in checkpoint_folders(output_dir) if (p / ADAPTER_FILE).is_file()), None)
+    """The highest-step ``checkpoint-N`` folder holding an adapter or, after ``finetuning: full``, a whole model;
+    None when there is none (folders without either, e.g. a save cut short, are passed over)."""
+    return next((p for p in checkpoint_folders(output_dir) if holds_model(p)), None)
 
 
 def load_trainable_adapter(base_model, checkpoint: str | Path):
