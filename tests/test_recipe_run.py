@@ -62,10 +62,11 @@ def test_recipe_trains_every_weight_with_the_official_reward(trained):
         assert log["reward"] == pytest.approx(0.9 * acc + 0.1 * fmt)
         assert log["perception_kl"] > 0  # the masked branch ran on the multi-image prompts
     assert len(result.eval_dataset) == 4 and "images" in result.eval_dataset.column_names
-    # a full-model checkpoint (latest_checkpoint lists adapter checkpoints only)
+    # a full-model checkpoint, which latest_checkpoint finds (notebook 03's "last checkpoint")
     assert (full_checkpoint(result) / "config.json").exists() and (
         full_checkpoint(result) / "model.safetensors"
     ).exists()
+    assert result.last_checkpoint == full_checkpoint(result)
 
 
 def test_sampled_generation_returns_k_completions_per_prompt(trained):
