@@ -155,7 +155,7 @@ def measure_memory(setup: BenchSetup, names=STEP_VARIANTS + ("papo_step_eta0", "
 def measure_work(setup: BenchSetup, names=STEP_VARIANTS + ("extra_forward",)) -> dict[str, Any]:
     """Noise-free accounting of the work each variant does: matmul/convolution FLOPs as torch.profiler counts them
     (``with_flops``) and the number of aten ops. ``papo_extra_gflop`` = PAPO-G - GRPO - extra forward: 0 means
-    PAPO-G's only extra matmul work is that one forward."""
+    PAPO-G's only extra matmul work is that one full forward; below 0, the shared prompt prefix does less."""
     from torch.profiler import ProfilerActivity, profile
 
     out: dict[str, Any] = {}

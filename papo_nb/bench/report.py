@@ -170,9 +170,17 @@ def verdict_lines(report: dict[str, Any]) -> list[str]:
     ]
     work = report["sizes"][size].get("work", {})
     if "papo_extra_gflop" in work:
+        gflop = work["papo_extra_gflop"]
+        # 0: the masked branch is one full forward; below 0: the shared prompt prefix (one prefill per prompt)
+        meaning = (
+            "PAPO-G's only extra matmul work is one full masked forward"
+            if abs(gflop) < 1e-3
+            else "PAPO-G's masked branch does less matmul work than one full forward (shared prompt prefix)"
+            if gflop < 0
+            else "PAPO-G does more matmul work than one extra forward"
+        )
         lines.append(
-            f"work ({size}): PAPO-G - GRPO - extra forward = {work['papo_extra_gflop']:+.3f} GFLOP "
-            f"(exact, noise-free: PAPO-G's only extra matmul work is the one masked forward)"
+            f"work ({size}): PAPO-G - GRPO - extra forward = {gflop:+.3f} GFLOP (exact, noise-free: {meaning})"
         )
     if report["mode"] == "quick":
         rounds = report["sizes"][size]["repeats"]
