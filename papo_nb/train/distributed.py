@@ -45,12 +45,13 @@ def under_launcher() -> bool:
 
 
 def refuse_unsupported(trainer) -> None:
-    """Refuse a sharded accelerate config that accelerate did not apply, and the probe under ZeRO-3.
+    """Refuse a sharded accelerate config that accelerate did not apply, and the probe under DeepSpeed.
 
-    accelerate 1.15 on the CPU picks MULTI_CPU (DDP over gloo) before it looks at an FSDP or DeepSpeed config
+    accelerate 1.15 on the CPU picks MULTI_CPU (DDP over gloo) and never looks at an FSDP config
     (``AcceleratorState.__init__``: the FSDP switch is only under the GPU-like types), so ``fsdp.yaml`` there would
-    train unsharded without a word. Under FSDP2 the probe reads the gradient shards (``papo/probe_reduce.py``); under
-    ZeRO-3 the parameters are partitioned in a way it does not read."""
+    train unsharded without a word. (DeepSpeed, when installed, does run on the CPU; the check covers it alike.)
+    Under FSDP2 the probe reads the gradient shards (``papo/probe_reduce.py``); under ZeRO-3 the parameters are
+    partitioned in a way it does not read, and under ZeRO-2 DeepSpeed's own gradient reduction broke after it."""
     wanted = [
         name
         for name, variable in (("FSDP", "ACCELERATE_USE_FSDP"), ("DEEPSPEED", "ACCELERATE_USE_DEEPSPEED"))
@@ -60,15 +61,18 @@ def refuse_unsupported(trainer) -> None:
     if wanted and actual not in wanted:
         raise LaunchError(
             f"the accelerate config asks for {wanted[0]} but accelerate runs this job as {actual} "
-            f"(device {trainer.accelerator.device.type}): accelerate shards with FSDP or DeepSpeed on GPUs only, "
-            "so nothing would be sharded. On the CPU use configs/accelerate/cpu_gloo.yaml (DDP); FSDP on the CPU "
-            "is tested with torch's fully_shard directly (tests/test_sharded.py)"
+            f"(device {trainer.accelerator.device.type}), so nothing would be sharded (accelerate 1.15 applies FSDP "
+            "to GPU processes only). On the CPU use configs/accelerate/cpu_gloo.yaml (DDP); FSDP on the CPU is "
+            "tested with torch's fully_shard directly (tests/test_sharded.py)"
         )
     deepspeed = getattr(trainer.accelerator.state, "deepspeed_plugin", None)
-    if trainer.probe is not None and getattr(deepspeed, "zero_stage", 0) == 3:
+    if trainer.probe is not None and deepspeed is not None:
+        # ZeRO-3 partitions the parameters; under ZeRO-2 (measured on CPU, DeepSpeed 0.19.8) its gradient reduction
+        # then failed with an IndexError in reduce_ipg_grads; ZeRO-1 was not tried.
         raise LaunchError(
-            "require_gpu_contract_probe is not supported under DeepSpeed ZeRO-3 (partitioned parameters); set it "
-            "false for this run and run the probe in a DDP or FSDP job (configs/accelerate/multi_gpu.yaml, fsdp.yaml)"
+            f"require_gpu_contract_probe is not supported under DeepSpeed (ZeRO-{deepspeed.zero_stage}: ZeRO-3 "
+            "partitions the parameters, and ZeRO-2's gradient reduction failed after the probe); set it false for "
+            "this run and run the probe in a DDP or FSDP job (configs/accelerate/multi_gpu.yaml, fsdp.yaml)"
         )
 
 
