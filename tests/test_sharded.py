@@ -2,11 +2,12 @@
 sharded run resumed, and the sharded accelerate configs checked against accelerate's own loaders.
 
 What runs where. accelerate 1.15 does not shard on the CPU: ``configs/accelerate/fsdp.yaml`` under ``papo-nb train``
-would run as MULTI_CPU (DDP), so papo-nb refuses it (``test_accelerate_fsdp_on_the_cpu_is_refused``). The sharded
-code path is therefore driven directly: ``tests/sharded_worker.py`` under torchrun, the real PAPOGTrainer's loss,
-``fully_shard`` per transformer block (``papo_nb.train.distributed.fully_shard_blocks``), torch.distributed.checkpoint
-for the sharded state. Not exercised here: accelerate's FSDP plugin, TRL's generation under FSDP and
-``Trainer.train``'s FSDP checkpoint format (GPU only), and DeepSpeed (see README, scale-out).
+would run as MULTI_CPU (DDP), so papo-nb refuses it (``test_accelerate_fsdp_on_the_cpu_is_refused_not_run_as_ddp``).
+The sharded code path is therefore driven directly: ``tests/sharded_worker.py`` under torchrun, the real
+PAPOGTrainer's loss, ``fully_shard`` per transformer block (``papo_nb.train.distributed.fully_shard_blocks``),
+torch.distributed.checkpoint for the sharded state. Not exercised here: accelerate's FSDP plugin, TRL's generation
+under FSDP and ``Trainer.train``'s FSDP checkpoint format (GPU only), and DeepSpeed, not a dependency (run by hand on
+the CPU: configs/accelerate/README.md, "Scale-out").
 """
 
 from __future__ import annotations
