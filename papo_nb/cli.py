@@ -103,15 +103,8 @@ def default_notebooks() -> list[Path]:
     return sorted((project_dir() / "notebooks").glob("[0-9][0-9]_*.ipynb"))
 
 
-def _cmd_run(subparsers: Subparsers) -> None:
-    p = subparsers.add_parser(
-        "run",
-        help="execute workbook notebooks with papermill, tracked in MLflow",
-        description="Validate the parameters and notebooks, then execute the notebooks in order with "
-        "papermill, each in its own MLflow run nested under one workbook run. Stops at the first "
-        "failing notebook. Exit codes: 0 all passed, 1 a notebook failed, 2 bad parameters or notebooks.",
-    )
-    p.add_argument("notebooks", nargs="*", metavar="NOTEBOOK", help="notebooks to run (default: notebooks/NN_*.ipynb)")
+def _add_params_arguments(p: argparse.ArgumentParser) -> None:
+    """``--params FILE`` and repeatable ``-p KEY=VALUE``: how ``run`` and ``train`` take the workbook parameters."""
     p.add_argument("--params", metavar="FILE", help="YAML params file (default: built-in defaults)")
     p.add_argument(
         "-p",
@@ -121,6 +114,18 @@ def _cmd_run(subparsers: Subparsers) -> None:
         default=[],
         help="override one parameter; the value is read as YAML (repeatable)",
     )
+
+
+def _cmd_run(subparsers: Subparsers) -> None:
+    p = subparsers.add_parser(
+        "run",
+        help="execute workbook notebooks with papermill, tracked in MLflow",
+        description="Validate the parameters and notebooks, then execute the notebooks in order with "
+        "papermill, each in its own MLflow run nested under one workbook run. Stops at the first "
+        "failing notebook. Exit codes: 0 all passed, 1 a notebook failed, 2 bad parameters or notebooks.",
+    )
+    p.add_argument("notebooks", nargs="*", metavar="NOTEBOOK", help="notebooks to run (default: notebooks/NN_*.ipynb)")
+    _add_params_arguments(p)
     p.add_argument("--run-root", metavar="DIR", default="runs", help="where run folders are made (default: ./runs)")
     p.add_argument("--log-output", action="store_true", help="stream the notebooks' cell output to the terminal")
 
@@ -243,15 +248,7 @@ def _cmd_train(subparsers: Subparsers) -> None:
         "1 training failed, 2 bad parameters or a refused run (an existing run without --resume, or a resume whose "
         "parameters differ).",
     )
-    p.add_argument("--params", metavar="FILE", help="YAML params file (default: built-in defaults)")
-    p.add_argument(
-        "-p",
-        dest="overrides",
-        metavar="KEY=VALUE",
-        action="append",
-        default=[],
-        help="override one parameter; the value is read as YAML (repeatable)",
-    )
+    _add_params_arguments(p)
     p.add_argument(
         "--output-dir", metavar="DIR", required=True, help="folder of the run: parameters, MLflow run id, checkpoints"
     )
