@@ -257,25 +257,41 @@ def patch_map(
 _ROW_ALIGNED = ("pixel_values", "image_grid_thw", "pixel_attention_mask", "spatial_shapes", "image_sizes")
 
 
-def _tensor_bytes(t: torch.Tensor) -> bytes:
-    return t.detach().contiguous().reshape(-1).view(torch.uint8).cpu().numpy().tobytes()
+def _raw(t: torch.Tensor) -> torch.Tensor:
+    """The tensor's bytes as a flat uint8 tensor (where it lives): equal exactly when the bytes are."""
+    return t.detach().contiguous().reshape(-1).view(torch.uint8)
 
 
 def sample_keys(inputs: dict[str, Any], patches: PatchMap) -> list[str]:
     """One key per completion, equal exactly when two completions share their prompt tokens and their images (the
     pixels and every tensor aligned with them). TRL 1.9.1 shuffles rollouts across device batches
-    (grpo_trainer.py:1576-1577), so a prompt's rollouts are found by their content."""
+    (grpo_trainer.py:1576-1577), so a prompt's rollouts are found by their content.
+
+    A key is a hash of the sample's bytes; a sample byte-equal to an earlier one of the batch (the other rollouts of
+    its prompt) takes that one's key without hashing (``torch.equal`` where the tensors live, no host copy)."""
     keys = []
     grid_rows = patches.layout == "grid_rows"
     image_ranges = _ranges(patches.segments_per_sample) if grid_rows else patches.sample_rows
+    hashed: dict[tuple, list[tuple[list[torch.Tensor], str]]] = {}  # tokens and shapes -> (raw parts, key)
     for i, (start, end) in enumerate(patches.sample_rows):
-        digest = hashlib.blake2b(digest_size=16)
-        digest.update(patches.layout.encode())
-        digest.update(_tensor_bytes(inputs["prompt_ids"][i][inputs["prompt_mask"][i].bool()]))
+        tokens = inputs["prompt_ids"][i][inputs["prompt_mask"][i].bool()]
+        named = []
         for name in _ROW_ALIGNED:
             value = inputs.get(name)
             if isinstance(value, torch.Tensor):
                 a, b = image_ranges[i] if grid_rows and name == "image_grid_thw" else (start, end)
-                digest.update(name.encode() + _tensor_bytes(value[a:b]))
-        keys.append(digest.hexdigest())
+                named.append((name, value[a:b]))
+        raw = [_raw(part) for _, part in named]
+        signature = (tuple(tokens.tolist()), tuple((name, part.dtype, tuple(part.shape)) for name, part in named))
+        same = (key for earlier, key in hashed.get(signature, []) if all(map(torch.equal, raw, earlier)))
+        key = next(same, None)
+        if key is None:
+            digest = hashlib.blake2b(digest_size=16)
+            digest.update(patches.layout.encode())
+            digest.update(_raw(tokens).cpu().numpy().tobytes())
+            for (name, _), part in zip(named, raw, strict=True):
+                digest.update(name.encode() + part.cpu().numpy().tobytes())
+            key = digest.hexdigest()
+            hashed.setdefault(signature, []).append((raw, key))
+        keys.append(key)
     return keys
