@@ -376,12 +376,13 @@ class PAPOGTrainer(GRPOTrainer):
     def _log_perception_metrics(self, sums, token_count, parent_loss) -> None:
         """Every term on its own, as token means over all ranks (so comparable with the official actor/* logs):
         KL, both entropies, gamma * KL, each weighted entropy term, gamma, the discount and the parent's loss."""
-        mode = "train" if self.model.training else "eval"
-        totals = self.accelerator.reduce(torch.cat([sums, token_count[None]]).detach().float(), reduction="sum")
+        # One all-reduce per step: the parent's loss rides along (its mean over ranks is its sum / processes).
+        parent = sums.new_zeros(1) if parent_loss is None else parent_loss.detach().float().reshape(1)
+        totals = self.accelerator.reduce(torch.cat([sums, token_count[None], parent]).float(), reduction="sum")
         kl, original_h, masked_h = (totals[:3] / totals[3].clamp(min=1.0)).tolist()
         gamma, discount = self.current_gamma(), self.annealing_discount()
         eta1, eta2 = self.args.original_entropy_weight * discount, self.args.masked_entropy_weight * discount
-        metrics = self._metrics[mode]
+        metrics = self._metrics["train" if self.model.training else "eval"]
         values = {
             "perception_kl": kl,
             "perception_loss": -kl,
@@ -394,8 +395,6 @@ class PAPOGTrainer(GRPOTrainer):
             "papo/discount": discount,
         }
         if parent_loss is not None:
-            values["papo/parent_loss"] = self.accelerator.reduce(
-                parent_loss.detach().float().reshape(1), reduction="mean"
-            ).item()
+            values["papo/parent_loss"] = (totals[4] / self.accelerator.num_processes).item()
         for key, value in values.items():
             metrics[key].append(value)
