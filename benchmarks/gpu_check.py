@@ -46,7 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository r
 import torch  # noqa: E402
 
 from papo_nb.bench import harness, timing  # noqa: E402
-from papo_nb.bench.gpu_model import build_gpu_setup, build_processor  # noqa: E402
+from papo_nb.bench.gpu_model import build_gpu_setup, build_processor, check_batch  # noqa: E402
 from papo_nb.bench.report import environment as bench_environment  # noqa: E402
 
 
@@ -75,14 +75,8 @@ def probe_evidence(setup: harness.BenchSetup, args, context, device) -> list[dic
         batch = (
             setup.batch
             if b == 0
-            else harness.synthetic_batch(
-                setup.processor,
-                args.sequences,
-                args.completion_tokens,
-                vocab_size=setup.model.config.text_config.vocab_size,
-                image_size=args.image_size,
-                seed=args.seed + b,
-                device=device,
+            else check_batch(
+                setup.processor, args, setup.model.config.text_config.vocab_size, device, seed=args.seed + b
             )
         )
         setup.reset()

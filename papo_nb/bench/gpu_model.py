@@ -93,6 +93,20 @@ def build_processor(image_size: int):
     )
 
 
+def check_batch(processor, args, vocab_size: int, device: torch.device, *, seed: int) -> dict:
+    """The check's ``_compute_loss`` batch: ``--sequences`` shapes-task prompts with ``--image-size`` px images and
+    ``--completion-tokens`` random completion tokens, drawn with ``seed``."""
+    return harness.synthetic_batch(
+        processor,
+        args.sequences,
+        args.completion_tokens,
+        vocab_size=vocab_size,
+        image_size=args.image_size,
+        seed=seed,
+        device=device,
+    )
+
+
 def build_gpu_setup(
     args, device: torch.device, dtype: torch.dtype, work_dir: Path, log: Callable[[str], None]
 ) -> harness.BenchSetup:
@@ -138,15 +152,7 @@ def build_gpu_setup(
             settings, model, processor, dataset, work_dir, "papo_grad", masked_branch_grad=True, **overrides
         ),
     }
-    batch = harness.synthetic_batch(
-        processor,
-        args.sequences,
-        args.completion_tokens,
-        vocab_size=config.text_config.vocab_size,
-        image_size=args.image_size,
-        seed=args.seed,
-        device=device,
-    )
+    batch = check_batch(processor, args, config.text_config.vocab_size, device, seed=args.seed)
     return harness.finish_setup(
         model,
         lr=1e-5,
