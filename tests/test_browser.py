@@ -140,7 +140,13 @@ def test_mlflow_ui_shows_the_workbook_its_notebook_runs_the_calibration_plot_and
     experiment_id = client.get_experiment_by_name(EXPERIMENT_NAME).experiment_id
     parent = client.get_run(smoke_workbook.parent_run_id)
     runs = {nb.name: nb.run_id for nb in smoke_workbook.notebooks}
-    assert list(runs) == ["01_contract_verification", "02_probe_calibration", "03_training_run"]
+    assert list(runs) == [
+        "01_contract_verification",
+        "02_probe_calibration",
+        "03_training_run",
+        "04_method_study",
+        "05_evaluation",
+    ]
     _hide_mlflow_assistant(browser)
     page = browser.new_page()
 
@@ -172,19 +178,25 @@ def test_mlflow_ui_shows_the_workbook_its_notebook_runs_the_calibration_plot_and
             expect(page.get_by_role("link", name=name, exact=True)).to_be_visible()
         shoot(page, "mlflow_3_workbook_run")
 
-        # 4. The calibration run's artifacts: the plot is shown as an image that really decoded.
-        page.goto(
-            f"{url}/#/experiments/{experiment_id}/runs/{runs['02_probe_calibration']}/artifacts/figures/calibration.png"
-        )
-        expect(page.get_by_text("figures/calibration.png", exact=True)).to_be_visible()
-        image = page.locator("img[src^='blob:']:visible, img[src*='calibration.png']:visible").first
-        expect(image).to_be_visible()
-        page.wait_for_function("img => img.complete && img.naturalWidth > 0", arg=image.element_handle())
-        width, height = image.evaluate("img => [img.naturalWidth, img.naturalHeight]")
-        assert width >= 600 and height >= 300, f"calibration plot decoded at {width}x{height}"
-        box = image.bounding_box()
-        assert box and box["width"] > 200 and box["height"] > 100, f"calibration plot drawn at {box}"
-        shoot(page, "mlflow_4_calibration_plot")
+        # 4. The study's comparison figure (04, on a page of its own) and the calibration plot (02) are shown as
+        # images that really decoded.
+        # (The UI keeps a run's artifact view when only the hash changes, so each run gets a fresh page.)
+        study_page = browser.new_page()
+        for shown_on, notebook, figure, shot in (
+            (study_page, "04_method_study", "study_accuracy", "mlflow_4b_study_comparison"),
+            (page, "02_probe_calibration", "calibration", "mlflow_4_calibration_plot"),
+        ):
+            shown_on.goto(f"{url}/#/experiments/{experiment_id}/runs/{runs[notebook]}/artifacts/figures/{figure}.png")
+            expect(shown_on.get_by_text(f"figures/{figure}.png", exact=True)).to_be_visible()
+            image = shown_on.locator(f"img[src^='blob:']:visible, img[src*='{figure}.png']:visible").first
+            expect(image).to_be_visible()
+            shown_on.wait_for_function("img => img.complete && img.naturalWidth > 0", arg=image.element_handle())
+            width, height = image.evaluate("img => [img.naturalWidth, img.naturalHeight]")
+            assert width >= 600 and height >= 300, f"{figure} decoded at {width}x{height}"
+            box = image.bounding_box()
+            assert box and box["width"] > 200 and box["height"] > 100, f"{figure} drawn at {box}"
+            shoot(shown_on, shot)
+        study_page.close()
 
         # 5. Evidence JSON as text: the calibration margins (02) and the probe evidence (01).
         margins = client.download_artifacts(runs["02_probe_calibration"], "evidence/calibration_margins.json")
