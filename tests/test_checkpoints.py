@@ -43,3 +43,49 @@ def test_adapter_checkpoints_are_still_found(tiny, tmp_path):
     peft_model.save_pretrained(tmp_path / "checkpoint-5")
     assert (tmp_path / "checkpoint-5" / "adapter_model.safetensors").is_file()
     assert latest_checkpoint(tmp_path) == tmp_path / "checkpoint-5"
+
+
+def resumable_full_model_checkpoint(model, folder, step: int, **save_kwargs):
+    """A full fine-tuning checkpoint as the Trainer writes it: weights, optimizer, scheduler, trainer_state last."""
+    import json
+
+    import torch
+
+    model.save_pretrained(folder, **save_kwargs)
+    torch.save({"state": {}}, folder / "optimizer.pt")
+    torch.save({"last_epoch": step}, folder / "scheduler.pt")
+    (folder / "trainer_state.json").write_text(json.dumps({"global_step": step}))
+    return folder
+
+
+@pytest.mark.parametrize("shards", [False, True])
+def test_full_model_checkpoints_can_be_resumed_and_damage_is_named(tiny, tmp_path, shards):
+    from papo_nb.train.integrity import checkpoint_problems, find_resume_checkpoint
+
+    save = {"max_shard_size": "100KB"} if shards else {}
+    older = resumable_full_model_checkpoint(tiny, tmp_path / "checkpoint-2", 2, **save)
+    newer = resumable_full_model_checkpoint(tiny, tmp_path / "checkpoint-4", 4, **save)
+    assert checkpoint_problems(newer) == []
+    assert find_resume_checkpoint(tmp_path, warn=False) == (newer, [])
+    weights = sorted(newer.glob("model*.safetensors"))[-1]
+    data = weights.read_bytes()
+    weights.write_bytes(data[: len(data) // 2])  # a save cut short in the middle of the weights
+    checkpoint, skipped = find_resume_checkpoint(tmp_path, warn=False)
+    assert checkpoint == older and skipped[0][0] == newer
+    assert any(f"{weights.name} has {len(data) // 2} bytes where" in problem for problem in skipped[0][1]), skipped
+    weights.unlink()
+    expected = f"missing {weights.name} (listed in model.safetensors.index.json)" if shards else "missing adapter"
+    assert any(expected in problem for problem in checkpoint_problems(newer)), checkpoint_problems(newer)
+
+
+def test_a_folder_without_any_policy_weights_is_not_resumable(tmp_path):
+    from papo_nb.train.integrity import checkpoint_problems
+
+    folder = tmp_path / "checkpoint-1"
+    folder.mkdir()
+    (folder / "trainer_state.json").write_text('{"global_step": 1}')
+    problems = checkpoint_problems(folder)
+    assert problems[0] == (
+        "missing adapter_model.safetensors (LoRA) or model.safetensors / model.safetensors.index.json"
+        " (full fine-tuning)"
+    )

@@ -9,7 +9,7 @@ import zipfile
 from pathlib import Path
 
 from papo_nb.train.run_folder import TRAINER_STATE_FILE
-from papo_nb.workbook.checkpoints import ADAPTER_FILE, checkpoint_folders, checkpoint_step
+from papo_nb.workbook.checkpoints import ADAPTER_FILE, FULL_MODEL_FILES, checkpoint_folders, checkpoint_step
 
 
 class CorruptCheckpointWarning(UserWarning):
@@ -41,6 +41,25 @@ def torch_archive_problem(path: Path) -> str | None:
     return None
 
 
+def policy_weight_files(folder: Path) -> list[Path]:
+    """The safetensors files that hold the policy: the LoRA adapter(s) (the "ref" copy sits in a subfolder), or after
+    full fine-tuning the whole model, one file or the shards its index lists. Empty when there are none."""
+    root_adapter = folder / ADAPTER_FILE
+    sub_adapters = sorted(p / ADAPTER_FILE for p in folder.iterdir() if (p / ADAPTER_FILE).is_file())
+    if root_adapter.is_file() or sub_adapters:
+        return [root_adapter, *sub_adapters]  # a missing root adapter is then named as missing
+    single, index = (folder / name for name in FULL_MODEL_FILES)
+    if single.is_file():
+        return [single]
+    if index.is_file():
+        try:
+            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (ValueError, KeyError, TypeError):
+            return [index]  # unreadable index: safetensors_problem names it
+        return [folder / shard for shard in shards]
+    return []
+
+
 def checkpoint_problems(folder: str | Path) -> list[str]:
     """Why ``folder`` cannot be resumed from (empty: it is complete).
 
@@ -50,14 +69,15 @@ def checkpoint_problems(folder: str | Path) -> list[str]:
     """
     folder = Path(folder)
     problems: list[str] = []
-    adapters = [folder / ADAPTER_FILE] + sorted(
-        p / ADAPTER_FILE for p in folder.iterdir() if p.is_dir() and (p / ADAPTER_FILE).is_file()
-    )
-    if not adapters[0].is_file():
-        problems.append(f"missing {ADAPTER_FILE}")
-    for adapter in adapters:
-        if adapter.is_file() and (problem := safetensors_problem(adapter)):
-            problems.append(problem if adapter.parent == folder else f"{adapter.parent.name}/{problem}")
+    weights = policy_weight_files(folder)
+    if not weights:
+        problems.append(f"missing {ADAPTER_FILE} (LoRA) or {' / '.join(FULL_MODEL_FILES)} (full fine-tuning)")
+    for path in weights:
+        if not path.is_file():
+            listed = "" if path.name == ADAPTER_FILE else f" (listed in {FULL_MODEL_FILES[1]})"
+            problems.append(f"missing {path.relative_to(folder)}{listed}")
+        elif problem := safetensors_problem(path):
+            problems.append(problem if path.parent == folder else f"{path.parent.name}/{problem}")
     state = folder / TRAINER_STATE_FILE
     if not state.is_file():
         problems.append(f"missing {TRAINER_STATE_FILE} (written last: the save was cut short)")
