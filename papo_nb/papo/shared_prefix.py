@@ -10,7 +10,8 @@ predicts the first completion token. Completion log-probs and entropies are thos
 
 Positions are exact: Qwen's multimodal rotary positions of the *whole* prompt + completion sequence are taken from
 ``get_rope_index`` (what the full forward computes, Qwen2VLModel.compute_3d_position_ids) and sliced per forward;
-positions built from the stored ``rope_deltas`` ignore left padding (docs: /work/shared/spec/STACK_FACTS.md).
+positions built from the stored ``rope_deltas`` ignore left padding
+(measured on the tiny Qwen2-VL: off by the pad count).
 
 Prompts are grouped by content (prompt tokens, grid and the *masked* pixel rows), so the path is exact whatever the
 masks are; with per-completion masks no two completions share a prefix and there is nothing to gain. Completions
