@@ -14,7 +14,8 @@ What it does, offline (no hub, no network, installs nothing):
      full-vocabulary logits to the step's peak);
   4. measures the gamma-zero probe's evidence in real bf16 on ``--probe-batches`` batches: parent gradient norm,
      ||g_zero - g_parent|| and its relative size, tolerance, perception KL and gradient, and the difference an
-     injected value-neutral leak produces (the same fields as ``papo_nb.workbook.calibration.CalibrationPoint``).
+     injected value-neutral leak produces (the fields of
+     ``papo_nb.workbook.verification.calibration.CalibrationPoint``).
 It writes ``OUT_DIR/gpu_check.json`` (and prints a summary). The number of timed rounds adapts to
 ``--time-budget`` (seconds for the whole script, default 420; ``gpu_check.sh`` gives it 170 and runs the paper
 shapes, ``--paper-shapes-only`` with ``--prefix-repeats 3``, as a second process) after one measured warm-up round.

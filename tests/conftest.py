@@ -27,7 +27,7 @@ def tiny_vlm_path(tmp_path_factory):
 @pytest.fixture(scope="session")
 def testbed_path(tmp_path_factory):
     """Folder of the perception testbed (testbed:shapes), built once per session into a tmp cache (1-3 minutes)."""
-    from papo_nb.workbook.testbed_policy import build_testbed
+    from papo_nb.testbed.policy import build_testbed
 
     return build_testbed("shapes", seed=0, cache_dir=tmp_path_factory.mktemp("testbed_cache"))
 

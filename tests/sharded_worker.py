@@ -37,7 +37,7 @@ from papo_nb.papo.probe import GammaZeroProbe, ProbeFailure  # noqa: E402
 from papo_nb.testbed.models import load_vlm  # noqa: E402
 from papo_nb.testbed.shapes import make_shapes_dataset  # noqa: E402
 from papo_nb.train.distributed import fully_shard_blocks  # noqa: E402
-from papo_nb.workbook.builder import lora_config  # noqa: E402
+from papo_nb.workbook.training.builder import lora_config  # noqa: E402
 
 IMAGE_KEYS = ("pixel_values", "image_grid_thw", "num_images", "mm_token_type_ids")
 

@@ -91,7 +91,7 @@ def test_module_imports_respect_the_layers(path):
         ("papo_nb.papo.x", "from papo_nb.workbook import params", "layer 'papo' is below 'workbook'"),
         (
             "papo_nb.testbed.x",
-            "def f():\n    from papo_nb.workbook.raw_masks import m",
+            "def f():\n    from papo_nb.workbook.study.stats import m",
             "'testbed' is below 'workbook'",
         ),
         ("papo_nb.workbook.x", "from papo_nb.infra.tracking import log_evidence", "'workbook' is below 'infra'"),
@@ -113,3 +113,67 @@ def test_allowed_imports_pass():
     assert violations(adapter, "papo_nb.papo.x") == []
     assert violations("from papo_nb.papo import PAPOGConfig\nimport mlflow", "papo_nb.infra.x") == []
     assert violations("from papo_nb.cli import main", "papo_nb.cli") == []
+
+
+def import_graph(sources: dict[str, tuple[str, bool]]) -> dict[str, set[str]]:
+    """module -> the package modules it imports; ``from pkg import mod`` names the submodule, not ``pkg``."""
+    graph = {}
+    for module, (source, is_package) in sources.items():
+        targets = set()
+        for node in ast.walk(ast.parse(source)):
+            if not isinstance(node, ast.Import | ast.ImportFrom):
+                continue
+            names = [name for _, name in imported_modules(ast.unparse(node), module, is_package)]
+            if isinstance(node, ast.ImportFrom):
+                submodules = {f"{names[0]}.{alias.name}" for alias in node.names} & sources.keys()
+                targets |= submodules or ({names[0]} & sources.keys())
+            else:
+                targets |= set(names) & sources.keys()
+        graph[module] = targets - {module}
+    return graph
+
+
+def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected groups of more than one module (Tarjan), each sorted."""
+    index, low, stack, on_stack, groups = {}, {}, [], set(), []
+
+    def visit(node):
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for target in sorted(graph[node]):
+            if target not in index:
+                visit(target)
+                low[node] = min(low[node], low[target])
+            elif target in on_stack:
+                low[node] = min(low[node], index[target])
+        if low[node] == index[node]:
+            group = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                group.append(member)
+                if member == node:
+                    break
+            if len(group) > 1:
+                groups.append(sorted(group))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return groups
+
+
+def test_no_import_cycle_inside_the_package():
+    sources = {module_name(p): (p.read_text(), p.name == "__init__.py") for p in MODULES}
+    assert import_cycles(import_graph(sources)) == []
+
+
+def test_a_lazy_import_cycle_is_caught():
+    sources = {
+        "papo_nb.workbook.a": ("from papo_nb.workbook import b\n", False),
+        "papo_nb.workbook.b": ("def f():\n    from papo_nb.workbook.c import x\n", False),
+        "papo_nb.workbook.c": ("def g():\n    from .a import y\n", False),
+        "papo_nb.workbook": ("", True),
+    }
+    assert import_cycles(import_graph(sources)) == [["papo_nb.workbook.a", "papo_nb.workbook.b", "papo_nb.workbook.c"]]

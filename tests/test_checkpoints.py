@@ -5,7 +5,7 @@ import pytest
 from peft import LoraConfig, get_peft_model
 
 from papo_nb.testbed.models import build_tiny_vlm, load_vlm
-from papo_nb.workbook.checkpoints import latest_checkpoint
+from papo_nb.workbook.training.checkpoints import latest_checkpoint
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,7 @@ import trl
 from trl import GRPOTrainer
 
 from papo_nb.papo import contract
-from papo_nb.workbook import provenance
+from papo_nb.workbook.verification import provenance
 
 
 def test_constants_match_the_spec():

@@ -13,8 +13,9 @@ from trl import GRPOTrainer
 
 from papo_nb.papo import masking, masking_layouts
 from papo_nb.testbed import families, models
-from papo_nb.workbook import builder, params
-from papo_nb.workbook.batches import rollout_batch
+from papo_nb.workbook.config import params
+from papo_nb.workbook.training import builder
+from papo_nb.workbook.verification.batches import rollout_batch
 
 FAMILY_NAMES = models.TINY_FAMILIES
 LAYOUT_OF = {"qwen2_vl": "grid_rows", "qwen2_5_vl": "grid_rows"} | {n: f.layout for n, f in families.FAMILIES.items()}
@@ -342,7 +343,7 @@ def test_notebook_01_accepts_the_family(family, family_cache, tmp_path, monkeypa
     """Notebook 01's own steps: its parameters validated, the preflight, prepare_training (the builder), a rollout
     batch and the gamma-zero probe on it."""
     from papo_nb.papo.probe import probe_batch
-    from papo_nb.workbook.training import prepare_training
+    from papo_nb.workbook.training.run import prepare_training
 
     monkeypatch.setenv("PAPO_NB_CACHE", str(family_cache))
     nb_params = params.notebook_params({"model_name_or_path": f"tiny:{family}", "seed": 0, "device": "cpu"})

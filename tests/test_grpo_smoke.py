@@ -8,7 +8,7 @@ from tiny_trainers import tiny_trainer
 from trl import GRPOTrainer
 
 from papo_nb.testbed.models import load_vlm
-from papo_nb.workbook.figures import step_logs
+from papo_nb.workbook.training.figures import step_logs
 
 
 def lora_tensors(model) -> dict[str, torch.Tensor]:

@@ -31,8 +31,8 @@ from papo_nb.train.run_folder import (
     read_run_info,
 )
 from papo_nb.train.runner import train
-from papo_nb.workbook.checkpoints import checkpoint_step
-from papo_nb.workbook.params import load_params
+from papo_nb.workbook.config.params import load_params
+from papo_nb.workbook.training.checkpoints import checkpoint_step
 
 pytestmark = pytest.mark.slow
 
@@ -319,14 +319,14 @@ def test_phase2_restores_the_trained_adapter_trainable_with_the_chosen_reference
 ):
     from safetensors.torch import load_file
 
-    from papo_nb.workbook.batches import rollout_batch
-    from papo_nb.workbook.checkpoints import (
+    from papo_nb.workbook.training.checkpoints import (
         REFERENCE_MATCH_TOL,
         adapter_tensors,
         describe_reference,
         reference_evidence,
     )
-    from papo_nb.workbook.training import prepare_training
+    from papo_nb.workbook.training.run import prepare_training
+    from papo_nb.workbook.verification.batches import rollout_batch
 
     trained = killed_and_resumed["out"] / f"checkpoint-{MAX_STEPS}"
     params = load_params(SMOKE, [f"init_adapter={trained}", f"reference_policy={reference}", "beta=0.01"])

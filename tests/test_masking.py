@@ -7,7 +7,7 @@ from PIL import Image
 from transformers import Qwen2VLImageProcessor
 
 from papo_nb.papo import masking
-from papo_nb.workbook import raw_masks
+from papo_nb.testbed import raw_masks
 
 
 @pytest.fixture(scope="module")

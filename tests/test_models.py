@@ -161,8 +161,8 @@ def test_suppressed_generation_never_samples_vision_tokens(tiny_vlm_path, shapes
 def test_the_builder_lora_and_config_fit_the_tiny_model(tiny_vlm_path, tmp_path):
     from peft import get_peft_model
 
-    from papo_nb.workbook.builder import lora_config, papo_config
-    from papo_nb.workbook.params import WorkbookParams
+    from papo_nb.workbook.config.params import WorkbookParams
+    from papo_nb.workbook.training.builder import lora_config, papo_config
 
     params = WorkbookParams(max_steps=2)
     model, processor = load_vlm(tiny_vlm_path)

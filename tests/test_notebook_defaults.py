@@ -12,7 +12,7 @@ import papermill
 import pytest
 
 from papo_nb.infra.notebooks import RUNTIME_PARAMETERS
-from papo_nb.workbook.params import WorkbookParams
+from papo_nb.workbook.config.params import WorkbookParams
 
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))

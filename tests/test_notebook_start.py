@@ -7,7 +7,7 @@ from mlflow import MlflowClient
 
 from papo_nb.infra.notebook_start import start
 from papo_nb.infra.tracking import EXPERIMENT_NAME
-from papo_nb.workbook.params import ParamsError
+from papo_nb.workbook.config.params import ParamsError
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ from mlflow import MlflowClient
 from papo_nb.infra.notebooks import WorkbookError, run_workbook
 from papo_nb.papo.contract import PAPO_ADAPTER_VERSION
 from papo_nb.testbed.shapes import make_shapes_dataset
-from papo_nb.workbook.params import load_params
+from papo_nb.workbook.config.params import load_params
 
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))

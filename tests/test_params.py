@@ -7,7 +7,7 @@ import pytest
 import yaml
 
 from papo_nb.papo.papo_config import FIELD_RULES, PAPOGConfig, papo_fields
-from papo_nb.workbook.params import (
+from papo_nb.workbook.config.params import (
     DERIVED_PAPO_FIELDS,
     PAPO_PARAM_FIELDS,
     WORKBOOK_PAPO_DEFAULTS,
@@ -75,7 +75,7 @@ def _other_value(name, default):
 
 def test_every_papo_parameter_reaches_the_config(tiny_vlm_path, tmp_path):
     from papo_nb.testbed.models import load_vlm
-    from papo_nb.workbook.builder import papo_config
+    from papo_nb.workbook.training.builder import papo_config
 
     _, processor = load_vlm(str(tiny_vlm_path))
     changed = {name: _other_value(name, WorkbookParams.model_fields[name].default) for name in PAPO_PARAM_FIELDS}
@@ -93,7 +93,7 @@ def test_existing_params_files_still_validate():
 
 
 def test_linear_schedule_from_a_params_file_ends_at_the_final_weight(tmp_path):
-    from papo_nb.workbook.training import prepare_training
+    from papo_nb.workbook.training.run import prepare_training
 
     path = tmp_path / "linear.yaml"
     settings = yaml.safe_load((ROOT / "params" / "smoke.yaml").read_text())

@@ -12,8 +12,8 @@ from papo_nb.papo import PAPOGTrainer
 from papo_nb.papo.contract import GAMMA_ZERO_GRADIENT_ABS_FLOOR, GAMMA_ZERO_GRADIENT_REL_TOL, PAPO_ADAPTER_VERSION
 from papo_nb.papo.probe import PASS_RULE, PROBE_CALLS, GammaZeroProbe, ProbeFailure, probe_batch, probe_batches
 from papo_nb.testbed.models import load_vlm
-from papo_nb.workbook.batches import rollout_batch
-from papo_nb.workbook.builder import lora_config
+from papo_nb.workbook.training.builder import lora_config
+from papo_nb.workbook.verification.batches import rollout_batch
 
 
 class LeakyPAPOGTrainer(PAPOGTrainer):
@@ -194,7 +194,7 @@ def test_probe_batches_looks_at_the_next_batch(real):
 
 
 def test_calibration_power_names_the_weakest_point_and_flags_underpowered_ones():
-    from papo_nb.workbook.calibration import CalibrationPoint, plot_power, weakest_power
+    from papo_nb.workbook.verification.calibration import CalibrationPoint, plot_power, weakest_power
 
     points = [
         CalibrationPoint("phase1", "fp32", 0, 0.1, 0.0, 5e-3, 5e-2, 5e-2, 1e-2, True),
@@ -212,7 +212,7 @@ def test_underpowered_status_becomes_an_mlflow_tag(real, tmp_path):
     import mlflow
 
     from papo_nb.papo.probe import ProbeEvidence
-    from papo_nb.workbook.training import tag_probe_status
+    from papo_nb.workbook.training.run import tag_probe_status
 
     trainer, _ = real
     probe = GammaZeroProbe()
@@ -229,7 +229,7 @@ def test_underpowered_status_becomes_an_mlflow_tag(real, tmp_path):
 
 
 def test_probe_rollouts_starts_with_notebook_01s_batch(real, shapes_dataset):
-    from papo_nb.workbook.calibration import probe_rollouts
+    from papo_nb.workbook.verification.calibration import probe_rollouts
 
     trainer, batch = real  # built from rollout_batch(trainer, dataset, n_prompts=2, seed=0)
     evidence = probe_rollouts(trainer, shapes_dataset, seed=0)

@@ -9,8 +9,8 @@ from PIL import Image
 
 from papo_nb.testbed.models import build_tiny_processor
 from papo_nb.testbed.official_schema import make_official_schema_dataset
-from papo_nb.workbook import benchmark_eval as be
-from papo_nb.workbook import recipe_data as rd
+from papo_nb.workbook.evaluation import benchmarks as be
+from papo_nb.workbook.recipe import data as rd
 
 SMALL, LARGE = 28 * 28 * 4, 28 * 28 * 16  # the tiny recipe's bounds (56x56 .. 112x112)
 
@@ -171,7 +171,7 @@ def test_hub_ids_go_to_the_hub_through_datasets():
     import sys
 
     code = (
-        "from papo_nb.workbook.recipe_data import load_official_dataset\n"
+        "from papo_nb.workbook.recipe.data import load_official_dataset\n"
         "load_official_dataset('PAPOGalaxy/PAPO_ViRL39K_train@train')\n"
     )
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}

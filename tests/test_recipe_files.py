@@ -8,10 +8,10 @@ import pytest
 from papo_nb.papo.recipes import RECIPES
 from papo_nb.testbed.models import build_tiny_processor
 from papo_nb.testbed.official_schema import make_official_schema_dataset
-from papo_nb.workbook import recipe_data as rd
-from papo_nb.workbook import recipe_preflight as pf
-from papo_nb.workbook.params import load_params
-from papo_nb.workbook.recipe_presets import config_fields, recipe_deviations, recipe_fields
+from papo_nb.workbook.config.params import load_params
+from papo_nb.workbook.recipe import data as rd
+from papo_nb.workbook.recipe import preflight as pf
+from papo_nb.workbook.recipe.presets import config_fields, recipe_deviations, recipe_fields
 
 ROOT = Path(__file__).resolve().parents[1]
 GPU_RECIPES = ("papo_g_3b", "grpo_3b", "papo_g_7b", "grpo_7b")
@@ -54,7 +54,7 @@ def test_tiny_recipe_reports_its_deviations():
 
 
 def test_unknown_recipe_is_refused_naming_the_choices():
-    from papo_nb.workbook.params import ParamsError
+    from papo_nb.workbook.config.params import ParamsError
 
     with pytest.raises(ParamsError, match=r"'recipe' = 'papo_g_13b'.*allowed: '', 'papo_g_3b'"):
         load_params(ROOT / "params" / "recipes" / "papo_g_3b.yaml", ["recipe=papo_g_13b"])
@@ -120,7 +120,7 @@ def test_preflight_checks_columns_and_image_tokens(rows_and_processor):
 
 
 def test_runner_preflight_refuses_split_optimizer_steps_before_anything_runs():
-    from papo_nb.workbook.params import preflight_problems
+    from papo_nb.workbook.config.params import preflight_problems
 
     assert preflight_problems(load_params(ROOT / "params" / "recipes" / "tiny_cpu.yaml")) == []
     problems = preflight_problems(

@@ -2,7 +2,7 @@
 
 import pytest
 
-from papo_nb.workbook.math_reward import (
+from papo_nb.workbook.recipe.reward import (
     REWARD_WEIGHTS,
     accuracy_score,
     format_score,

@@ -9,12 +9,13 @@ import pytest
 import torch
 from mlflow import MlflowClient
 
+from papo_nb.testbed.generation import generate_answers
 from papo_nb.testbed.official_schema import make_official_schema_dataset
-from papo_nb.workbook import benchmark_eval
-from papo_nb.workbook.checkpoints import checkpoint_folders
-from papo_nb.workbook.evaluation import evaluate_image_reliance, generate_answers
-from papo_nb.workbook.params import load_params
-from papo_nb.workbook.training import run_training
+from papo_nb.workbook.config.params import load_params
+from papo_nb.workbook.evaluation import benchmarks as benchmark_eval
+from papo_nb.workbook.evaluation.heldout import evaluate_image_reliance
+from papo_nb.workbook.training.checkpoints import checkpoint_folders
+from papo_nb.workbook.training.run import run_training
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY_RECIPE = ROOT / "params" / "recipes" / "tiny_cpu.yaml"

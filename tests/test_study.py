@@ -9,7 +9,7 @@ import pytest
 from mlflow import MlflowClient
 from scipy import stats
 
-from papo_nb.workbook.study_stats import (
+from papo_nb.workbook.study.stats import (
     CollapseRule,
     claims_table,
     comparison_table,

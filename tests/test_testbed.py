@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from papo_nb.testbed import perception
+from papo_nb.testbed import policy as testbed_policy
 from papo_nb.testbed.models import COMPLETE_MARKER, build_cached
 from papo_nb.testbed.shapes import COLOURS
-from papo_nb.workbook import testbed_policy
-from papo_nb.workbook.params import preflight_problems, validate_params
+from papo_nb.workbook.config.params import preflight_problems, validate_params
 
 # ---- the task ----
 
@@ -118,7 +118,8 @@ def test_the_saved_testbed_scores_what_its_card_says(testbed_path):
 @pytest.mark.model
 @pytest.mark.slow
 def test_the_builder_resolves_testbed_names(testbed_path):
-    from papo_nb.workbook.builder import load_datasets, resolve_model_path
+    from papo_nb.workbook.config.paths import resolve_model_path
+    from papo_nb.workbook.training.builder import load_datasets
 
     params = validate_params(
         {

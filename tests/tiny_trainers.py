@@ -9,8 +9,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from papo_nb.papo import PAPOGTrainer
-from papo_nb.workbook.builder import build_trainer, papo_config
-from papo_nb.workbook.params import WorkbookParams
+from papo_nb.workbook.config.params import WorkbookParams
+from papo_nb.workbook.training.builder import build_trainer, papo_config
 
 # No reference model (beta 0: no second forward), a learning rate at LoRA scale (1e-3 moves a fresh adapter within
 # a few steps), 8 completions a step, and no gamma-zero probe inside training unless a test asks for it.

@@ -14,10 +14,10 @@ import papermill
 import torch
 
 from papo_nb.papo.probe import probe_batch
-from papo_nb.workbook.batches import rollout_batch
-from papo_nb.workbook.calibration import calibrate_phase, weakest_power
-from papo_nb.workbook.params import load_params, validate_params
-from papo_nb.workbook.training import prepare_training, run_training
+from papo_nb.workbook.config.params import load_params, validate_params
+from papo_nb.workbook.training.run import prepare_training, run_training
+from papo_nb.workbook.verification.batches import rollout_batch
+from papo_nb.workbook.verification.calibration import calibrate_phase, weakest_power
 
 ROOT = Path(__file__).resolve().parents[2]
 smoke = load_params(ROOT / "params" / "smoke.yaml").model_dump()

@@ -115,7 +115,7 @@ def build_gpu_setup(
     from trl import GRPOTrainer
 
     from papo_nb.testbed.shapes import make_shapes_dataset
-    from papo_nb.workbook.builder import lora_config
+    from papo_nb.workbook.training.builder import lora_config
 
     start = time.perf_counter()
     processor = build_processor(args.image_size)

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from papo_nb.papo import PAPOGTrainer
-from papo_nb.workbook.params import WorkbookParams
+from papo_nb.workbook.config.params import WorkbookParams
 
 VARIANTS = ("grpo_step", "papo_step", "papo_step_grad", "extra_forward", "masking", "probe_eval")
 STEP_VARIANTS = ("grpo_step", "papo_step", "papo_step_grad")
@@ -142,7 +142,7 @@ def make_trainer(
 
     ``trainer_cls`` GRPOTrainer is the baseline: it reads the GRPO fields of the same config and ignores PAPO-G's.
     """
-    from papo_nb.workbook.builder import build_trainer, papo_config
+    from papo_nb.workbook.training.builder import build_trainer, papo_config
 
     args = papo_config(params, work_dir / name, processor, save_strategy="no", **overrides)
     trainer = build_trainer(params, args, model, processor, dataset, trainer_cls=trainer_cls or PAPOGTrainer)
@@ -155,7 +155,7 @@ def lora_tiny_model(settings: WorkbookParams, family: str, size: str, seed: int,
     from peft import get_peft_model
 
     from papo_nb.testbed.models import build_tiny_vlm, load_vlm
-    from papo_nb.workbook.builder import lora_config
+    from papo_nb.workbook.training.builder import lora_config
 
     model, processor = load_vlm(build_tiny_vlm(family, seed=seed, cache_dir=cache_dir, size=size))
     n_params = sum(p.numel() for p in model.parameters())
@@ -194,7 +194,7 @@ def build_setup(
     from trl import GRPOTrainer
 
     from papo_nb.testbed.shapes import make_shapes_dataset
-    from papo_nb.workbook.batches import rollout_batch
+    from papo_nb.workbook.verification.batches import rollout_batch
 
     start = time.perf_counter()
     work_dir = Path(work_dir or tempfile.mkdtemp(prefix="papo_bench_"))

@@ -18,7 +18,7 @@ import mlflow
 from transformers import set_seed
 
 from papo_nb.infra.tracking import attach_notebook_run
-from papo_nb.workbook.params import WorkbookParams, notebook_params
+from papo_nb.workbook.config.params import WorkbookParams, notebook_params
 
 
 class NotebookStart(NamedTuple):

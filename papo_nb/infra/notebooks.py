@@ -31,7 +31,7 @@ from papo_nb.infra.tracking import (
     ensure_experiment,
     tracking_client,
 )
-from papo_nb.workbook.params import ParamsError, WorkbookParams, load_params, preflight_problems
+from papo_nb.workbook.config.params import ParamsError, WorkbookParams, load_params, preflight_problems
 
 # Values the runner supplies to any notebook that declares them, on top of the WorkbookParams fields.
 RUNTIME_PARAMETERS = ("mlflow_tracking_uri", "mlflow_run_id", "run_dir")

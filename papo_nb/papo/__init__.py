@@ -3,7 +3,7 @@
 Imports torch, transformers, trl and peft only (a test enforces it), so it can be lifted into any TRL project.
 """
 
-from papo_nb.papo.papo_config import PAPOGConfig
-from papo_nb.papo.papo_trainer import PAPOGTrainer
+from .papo_config import PAPOGConfig
+from .papo_trainer import PAPOGTrainer
 
 __all__ = ["PAPOGConfig", "PAPOGTrainer"]

@@ -5,7 +5,7 @@
 - ``static_contract_violations(source)``: the same rules applied with ``ast`` to the text of
   ``trl/trainer/grpo_trainer.py`` of any TRL release, without importing it.
 
-The pinned upstream SHA-256 is checked against the real wheel by ``papo_nb.workbook.provenance``.
+The pinned upstream SHA-256 is checked against the real wheel by ``papo_nb.workbook.verification.provenance``.
 """
 
 from __future__ import annotations

@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from papo_nb.papo.masking import black_pixel_values
+from .masking import black_pixel_values
 
 LAYOUTS = ("grid_rows", "tile_rows", "tiles", "images", "sized_images")
 

@@ -12,7 +12,7 @@ from typing import Any
 
 from trl import GRPOConfig
 
-from papo_nb.papo.contract import PAPO_PROBE_MAX_DEGENERATE_BATCHES
+from .contract import PAPO_PROBE_MAX_DEGENERATE_BATCHES
 
 MASK_TYPES = ("auto", "patch", "merge_unit", "random")
 MASK_SHARING = ("prompt", "completion")

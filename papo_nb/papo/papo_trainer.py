@@ -23,11 +23,11 @@ from typing import Any
 import torch
 from trl import GRPOTrainer
 
-from papo_nb.papo import masking_layouts, shared_prefix
-from papo_nb.papo.contract import ENTROPY_GRAD_GATE, VLM_FORWARD_KEYWORDS, validate_trl_parent_contract
-from papo_nb.papo.papo_config import PAPOGConfig
-from papo_nb.papo.probe_reduce import sharded
-from papo_nb.papo.terms import bounded_k3, normalise_like_parent, zero_outside
+from . import masking_layouts, shared_prefix
+from .contract import ENTROPY_GRAD_GATE, VLM_FORWARD_KEYWORDS, validate_trl_parent_contract
+from .papo_config import PAPOGConfig
+from .probe_reduce import sharded
+from .terms import bounded_k3, normalise_like_parent, zero_outside
 
 MASK_CACHE_LIMIT = 4096  # prompt masks remembered within one generation round (bounds memory outside train())
 
@@ -116,7 +116,7 @@ class PAPOGTrainer(GRPOTrainer):
         self.masked_forward_plan = shared_prefix.plan(self.args, self.model)
         self.probe = None
         if self.args.require_gpu_contract_probe:
-            from papo_nb.papo.probe import GammaZeroProbe
+            from .probe import GammaZeroProbe
 
             self.probe = GammaZeroProbe(max_degenerate_batches=self.args.probe_max_degenerate_batches)
 

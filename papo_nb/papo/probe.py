@@ -35,8 +35,8 @@ from typing import Any
 
 import torch
 
-from papo_nb.papo import probe_reduce
-from papo_nb.papo.contract import (
+from . import probe_reduce
+from .contract import (
     GAMMA_ZERO_GRADIENT_ABS_FLOOR,
     GAMMA_ZERO_GRADIENT_REL_TOL,
     PAPO_ADAPTER_VERSION,

@@ -66,6 +66,6 @@ def recipe(name: str) -> dict[str, Any]:
 
 def recipe_config(name: str, **overrides):
     """A PAPOGConfig of the named recipe; ``overrides`` (output_dir, batch sizes, bf16, ...) win."""
-    from papo_nb.papo.papo_config import PAPOGConfig
+    from .papo_config import PAPOGConfig
 
     return PAPOGConfig(**{**recipe(name), **overrides})

@@ -29,7 +29,7 @@ import torch
 from transformers import DynamicCache
 from transformers.utils import logging
 
-from papo_nb.papo import masking
+from . import masking
 
 logger = logging.get_logger(__name__)
 

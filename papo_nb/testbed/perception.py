@@ -10,10 +10,10 @@ one random cell, and one of two questions:
 Two of every three items are vision-dependent, as the paper splits benchmarks by vision dependency.
 
 The square fills exactly one 14x14 cell, aligned with the official PAPO mask (14x14 squares of the raw image,
-``papo_nb.workbook.raw_masks``) and with the trainer's patch mask: at mask ratio 0.6 the square is hidden on 60%
+``papo_nb.testbed.raw_masks``) and with the trainer's patch mask: at mask ratio 0.6 the square is hidden on 60%
 of items, and at 1.0 always.
 
-``papo_nb.workbook.testbed_policy.build_testbed`` makes the policy (it scores with the workbook's generation and
+``papo_nb.testbed.policy.build_testbed`` makes the policy (it scores with the workbook's generation and
 masks, so it lives a layer up): the offline tiny Qwen2-VL of ``papo_nb.testbed.models`` (about 200k
 parameters) trained by plain cross-entropy on the answer tokens for a fixed number of steps, stopped on
 purpose while held-out accuracy with images is between chance and ceiling, so that RL can move it. The recipe

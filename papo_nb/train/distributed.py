@@ -21,7 +21,7 @@ import yaml
 
 from papo_nb.infra.servers import free_port, stop_process_group
 from papo_nb.train.run_folder import PROGRESS_PREFIX, SUMMARY_FILE, LaunchError
-from papo_nb.workbook.params import WorkbookParams
+from papo_nb.workbook.config.params import WorkbookParams
 
 CONFIG_DIR = Path("configs") / "accelerate"
 DEFAULT_GPU_CONFIG = "multi_gpu.yaml"
@@ -128,7 +128,7 @@ def same_on_all_ranks(trainer, probe: dict | None) -> tuple[bool, bool]:
 def accelerate_config_path(params: WorkbookParams) -> Path:
     """``accelerate_config`` (relative to the cwd or the project folder), else the DDP default for the device."""
     from papo_nb.infra.tracking import project_dir
-    from papo_nb.workbook.builder import resolve_device
+    from papo_nb.workbook.config.paths import resolve_device
 
     name = params.accelerate_config or str(
         CONFIG_DIR / (DEFAULT_GPU_CONFIG if resolve_device(params) == "cuda" else DEFAULT_CPU_CONFIG)

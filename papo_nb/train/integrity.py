@@ -9,7 +9,7 @@ import zipfile
 from pathlib import Path
 
 from papo_nb.train.run_folder import TRAINER_STATE_FILE
-from papo_nb.workbook.checkpoints import ADAPTER_FILE, FULL_MODEL_FILES, checkpoint_folders, checkpoint_step
+from papo_nb.workbook.training.checkpoints import ADAPTER_FILE, FULL_MODEL_FILES, checkpoint_folders, checkpoint_step
 
 
 class CorruptCheckpointWarning(UserWarning):

@@ -19,8 +19,8 @@ from papo_nb.train.run_folder import (
     LaunchError,
     write_json,
 )
-from papo_nb.workbook.checkpoints import ADAPTER_FILE
-from papo_nb.workbook.params import WorkbookParams
+from papo_nb.workbook.config.params import WorkbookParams
+from papo_nb.workbook.training.checkpoints import ADAPTER_FILE
 
 # Parameters a resumed run may change: they do not change what is trained (where it runs, how often it is saved,
 # what the other notebooks or the final evaluation use). Every other parameter, including ones added later,

@@ -39,8 +39,8 @@ from papo_nb.train.run_folder import (
     write_atomic,
     write_json,
 )
-from papo_nb.workbook.checkpoints import CHECKPOINT_PREFIX, checkpoint_folders, checkpoint_step
-from papo_nb.workbook.params import ParamsError, WorkbookParams, load_params, preflight_problems
+from papo_nb.workbook.config.params import ParamsError, WorkbookParams, load_params, preflight_problems
+from papo_nb.workbook.training.checkpoints import CHECKPOINT_PREFIX, checkpoint_folders, checkpoint_step
 
 
 def progress_callback():
@@ -90,7 +90,7 @@ class TrainOutcome:
 
     @property
     def step_logs(self) -> list[dict]:
-        from papo_nb.workbook.figures import step_logs
+        from papo_nb.workbook.training.figures import step_logs
 
         return step_logs(self.log_history)
 
@@ -111,8 +111,8 @@ def train(
     a resume whose parameters differ (``ResumeMismatch``) without ``force_resume``, or for a world size that is
     not ``num_processes``.
     """
-    from papo_nb.workbook.checkpoints import describe_reference
-    from papo_nb.workbook.training import prepare_training
+    from papo_nb.workbook.training.checkpoints import describe_reference
+    from papo_nb.workbook.training.run import prepare_training
 
     output_dir = Path(output_dir).resolve()
     is_main = process_rank() == 0
@@ -299,8 +299,8 @@ def log_start(params: WorkbookParams, trainer, restored, reference: str, attempt
 def trained_policy(params: WorkbookParams, checkpoint: str | Path):
     """(model, processor, held-out eval dataset) with the adapter of ``checkpoint`` loaded, checked against its
     file, in this process: what a notebook evaluates after a launched run."""
-    from papo_nb.workbook.builder import load_datasets, load_policy
-    from papo_nb.workbook.checkpoints import load_trainable_adapter
+    from papo_nb.workbook.training.builder import load_datasets, load_policy
+    from papo_nb.workbook.training.checkpoints import load_trainable_adapter
 
     model, processor = load_policy(params)
     model, _ = load_trainable_adapter(model, checkpoint)

@@ -2,7 +2,7 @@
 
 The task and the supervised warm start live in ``papo_nb.testbed.perception``; building the policy scores it with the
 workbook's greedy generation and the official raw-image mask, so it lives here. Workbook parameters name the result
-``testbed:shapes`` (``workbook.builder.resolve_model_path``).
+``testbed:shapes`` (``workbook.config.paths.resolve_model_path``).
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from papo_nb.testbed.generation import generate_answers
 from papo_nb.testbed.models import FAMILIES, build_cached, build_tiny_processor, default_cache_root, tiny_config
 from papo_nb.testbed.perception import (
     CARD_FILE,
@@ -31,9 +32,8 @@ from papo_nb.testbed.perception import (
     make_perception_dataset,
     warm_start,
 )
+from papo_nb.testbed.raw_masks import mask_pil_squares
 from papo_nb.testbed.rewards import accuracy_reward
-from papo_nb.workbook.evaluation import generate_answers
-from papo_nb.workbook.raw_masks import mask_pil_squares
 
 
 def score_card(

@@ -7,8 +7,8 @@ from statistics import mean
 
 from matplotlib.figure import Figure
 
-from papo_nb.workbook.study import PAPO_G_COLLAPSE, Study, StudyRun
-from papo_nb.workbook.study_stats import mean_ci
+from papo_nb.workbook.study.arms import PAPO_G_COLLAPSE, Study, StudyRun
+from papo_nb.workbook.study.stats import mean_ci
 
 # (metric, panel title); the symptom each should show on collapse is the paper's.
 CURVES = (

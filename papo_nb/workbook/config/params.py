@@ -24,6 +24,7 @@ from pydantic import (
 )
 
 from papo_nb.papo.papo_config import PAPOGConfig, papo_field_problem, papo_fields
+from papo_nb.workbook.config.batch_layout import batch_layout, check_batches
 
 
 class ParamsError(ValueError):
@@ -166,7 +167,7 @@ class WorkbookParams(PAPOParams):
         "empty: multi_gpu.yaml (DDP) on GPU, cpu_gloo.yaml on the CPU",
     )
 
-    # --- the official recipe (params/recipes/*.yaml; papo_nb.workbook.recipe_data, recipe_presets) ---
+    # --- the official recipe (params/recipes/*.yaml; papo_nb.workbook.recipe.data, recipe_presets) ---
     recipe: str = Field(
         "",
         description="official recipe whose preset supplies the PAPOGConfig fields not exposed here (papo_g_3b, "
@@ -223,7 +224,7 @@ class WorkbookParams(PAPOParams):
     @field_validator("recipe")
     @classmethod
     def _known_recipe(cls, value: str) -> str:
-        from papo_nb.workbook.recipe_presets import RECIPE_NAMES
+        from papo_nb.workbook.recipe.presets import RECIPE_NAMES
 
         if value not in RECIPE_NAMES:
             raise ValueError(f"unknown recipe; allowed: {', '.join(repr(n) for n in RECIPE_NAMES)}")
@@ -374,8 +375,6 @@ def preflight_problems(params: WorkbookParams) -> list[str]:
             f"of num_generations = {params.num_generations}"
         )
     # The batch arithmetic TRL would refuse later (rollout rounds of whole prompt groups and whole optimizer steps);
-    # the heavier recipe checks (memory, columns, pixel bounds) are papo_nb.workbook.recipe_preflight.run.
-    from papo_nb.workbook.recipe_preflight import batch_layout, check_batches
-
+    # the heavier recipe checks (memory, columns, pixel bounds) are papo_nb.workbook.recipe.preflight.run.
     problems += check_batches(params, batch_layout(params))
     return problems

@@ -13,12 +13,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from papo_nb.workbook.recipe_data import OFFICIAL_COLUMNS, PATCH_PIXELS, processor_pixel_bounds, prompt_length
-from papo_nb.workbook.recipe_presets import recipe_deviations
+from papo_nb.workbook.config.batch_layout import batch_deviations, batch_layout, check_batches
+from papo_nb.workbook.recipe.data import OFFICIAL_COLUMNS, PATCH_PIXELS, processor_pixel_bounds, prompt_length
+from papo_nb.workbook.recipe.presets import recipe_deviations
 
 GIB = 1024**3
-OFFICIAL_ROLLOUT_PROMPTS = 384  # *_grpo_papo.sh:15 ROLLOUT_BATCH_SIZE
-OFFICIAL_UPDATE_PROMPTS = 128  # *_grpo_papo.sh:14 GLOBAL_BATCH_SIZE (actor.global_batch_size, in prompts)
 MEMORY_HEADROOM = 0.85  # fraction of a GPU the lower bound may take; the rest is activations and the KV cache
 
 
@@ -35,57 +34,6 @@ class PreflightReport:
     def raise_if_failed(self) -> None:
         if self.problems:
             raise ValueError("recipe preflight failed:\n- " + "\n- ".join(self.problems))
-
-
-def batch_layout(params) -> dict:
-    """The run's batches in prompts and completions, and their official counterparts."""
-    world = params.num_processes
-    per_step = params.per_device_train_batch_size * world * params.gradient_accumulation_steps
-    per_generation_steps = params.steps_per_generation or params.gradient_accumulation_steps
-    generation = params.per_device_train_batch_size * world * per_generation_steps
-    return {
-        "completions_per_optimizer_step": per_step,
-        "prompts_per_optimizer_step": per_step / params.num_generations,
-        "completions_per_generation": generation,
-        "prompts_per_generation": generation / params.num_generations,
-        "optimizer_steps_per_generation": per_generation_steps / params.gradient_accumulation_steps,
-    }
-
-
-def check_batches(params, layout: dict) -> list[str]:
-    """What TRL would refuse, or what would split optimizer steps across rollout rounds."""
-    problems = []
-    n = params.num_generations
-    if params.steps_per_generation and params.steps_per_generation % params.gradient_accumulation_steps:
-        problems.append(
-            f"parameter 'steps_per_generation' = {params.steps_per_generation}: must be a multiple of "
-            f"gradient_accumulation_steps = {params.gradient_accumulation_steps} (whole optimizer steps per rollout)"
-        )
-    if layout["completions_per_generation"] % n:
-        problems.append(
-            f"parameter 'steps_per_generation' = {params.steps_per_generation}: the rollout batch of "
-            f"{layout['completions_per_generation']} completions is not a multiple of num_generations = {n}; "
-            "change steps_per_generation or per_device_train_batch_size"
-        )
-    return problems
-
-
-def batch_deviations(params, layout: dict) -> list[str]:
-    """Where the batches differ from the official 384-prompt rounds and 128-prompt optimizer steps."""
-    problems = []
-    if params.recipe:
-        for key, official in (
-            ("prompts_per_generation", OFFICIAL_ROLLOUT_PROMPTS),
-            ("prompts_per_optimizer_step", OFFICIAL_UPDATE_PROMPTS),
-        ):
-            if layout[key] != official:
-                knob = "steps_per_generation" if key == "prompts_per_generation" else "gradient_accumulation_steps"
-                problems.append(
-                    f"recipe {params.recipe!r}: {key} = {layout[key]:g}, official {official}; with "
-                    f"num_processes = {params.num_processes} and per_device_train_batch_size = "
-                    f"{params.per_device_train_batch_size}, change {knob}"
-                )
-    return problems
 
 
 def parameter_count(model_name_or_path: str) -> int:
@@ -229,8 +177,8 @@ def run(params, gpus: list[int] | None = None, sample_rows: int = 256) -> Prefli
     from transformers import AutoConfig, AutoProcessor
 
     from papo_nb.testbed.official_schema import make_official_schema_dataset
-    from papo_nb.workbook.builder import resolve_model_path
-    from papo_nb.workbook.recipe_data import load_official_dataset, prepare_split, set_processor_pixel_bounds
+    from papo_nb.workbook.config.paths import resolve_model_path
+    from papo_nb.workbook.recipe.data import load_official_dataset, prepare_split, set_processor_pixel_bounds
 
     if params.dataset_schema != "official":
         return PreflightReport(
@@ -264,11 +212,11 @@ def run(params, gpus: list[int] | None = None, sample_rows: int = 256) -> Prefli
     return report
 
 
-if __name__ == "__main__":  # python -m papo_nb.workbook.recipe_preflight params/recipes/papo_g_3b.yaml
+if __name__ == "__main__":  # python -m papo_nb.workbook.recipe.preflight params/recipes/papo_g_3b.yaml
     import json
     import sys
 
-    from papo_nb.workbook.params import load_params
+    from papo_nb.workbook.config.params import load_params
 
     result = run(load_params(sys.argv[1], sys.argv[2:]))
     print(json.dumps({"problems": result.problems, "deviations": result.deviations, **result.estimates}, indent=1))

@@ -6,9 +6,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from papo_nb.workbook.builder import build_trainer, load_datasets, load_policy, papo_config
-from papo_nb.workbook.checkpoints import RestoredAdapter, describe_reference, latest_checkpoint, load_trainable_adapter
-from papo_nb.workbook.params import WorkbookParams
+from papo_nb.workbook.config.params import WorkbookParams
+from papo_nb.workbook.training.builder import build_trainer, load_datasets, load_policy, papo_config
+from papo_nb.workbook.training.checkpoints import (
+    RestoredAdapter,
+    describe_reference,
+    latest_checkpoint,
+    load_trainable_adapter,
+)
 
 
 @dataclass
@@ -24,7 +29,7 @@ class TrainingResult:
     @property
     def step_logs(self) -> list[dict]:
         """Per-step training logs (the final summary entry excluded)."""
-        from papo_nb.workbook.figures import step_logs
+        from papo_nb.workbook.training.figures import step_logs
 
         return step_logs(self.log_history)
 

@@ -21,7 +21,7 @@ from papo_nb.papo.contract import (
     PAPO_PROBE_MAX_DEGENERATE_BATCHES,
 )
 from papo_nb.papo.probe import measure_gamma_zero, probe_batches
-from papo_nb.workbook.batches import rollout_batch
+from papo_nb.workbook.verification.batches import rollout_batch
 
 PRECISIONS = {"fp32": None, "bf16": torch.bfloat16}
 

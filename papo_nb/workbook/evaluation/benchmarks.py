@@ -25,9 +25,10 @@ import datasets
 import torch
 from PIL import Image
 
-from papo_nb.workbook.evaluation import generate_answers, mask_images
-from papo_nb.workbook.math_reward import math_accuracy_reward
-from papo_nb.workbook.recipe_data import EVAL_DATASET, RecipeDataError, load_official_dataset
+from papo_nb.testbed.generation import generate_answers
+from papo_nb.workbook.evaluation.heldout import mask_images
+from papo_nb.workbook.recipe.data import EVAL_DATASET, RecipeDataError, load_official_dataset
+from papo_nb.workbook.recipe.reward import math_accuracy_reward
 
 GENERAL, VISION_DEPENDENT = "general", "vision_dependent"
 GROUPS = (GENERAL, VISION_DEPENDENT)
@@ -198,8 +199,9 @@ def load_eval_policy(params):
     """(model, processor, description): the base model, or ``eval_checkpoint`` (a LoRA adapter folder on the base, or
     a full model folder), in eval mode, with the recipe's pixel bounds on the processor."""
     from papo_nb.testbed.models import load_vlm
-    from papo_nb.workbook.builder import load_policy, resolve_device
-    from papo_nb.workbook.recipe_data import set_processor_pixel_bounds
+    from papo_nb.workbook.config.paths import resolve_device
+    from papo_nb.workbook.recipe.data import set_processor_pixel_bounds
+    from papo_nb.workbook.training.builder import load_policy
 
     checkpoint = Path(params.eval_checkpoint).expanduser() if params.eval_checkpoint else None
     if checkpoint is not None and not checkpoint.is_dir():
@@ -222,7 +224,7 @@ def load_eval_policy(params):
 def benchmark_rows(params, processor) -> dict[str, tuple[datasets.Dataset, str, dict]]:
     """{benchmark: (TRL-ready rows, group, filter report)} for ``eval_benchmarks`` of ``eval_dataset``
     (``synthetic``: the local test set)."""
-    from papo_nb.workbook.recipe_data import prepare_split
+    from papo_nb.workbook.recipe.data import prepare_split
 
     groups = parse_benchmarks(params.eval_benchmarks)
     suite = synthetic_suite(params.n_eval_prompts, params.seed) if params.eval_dataset == "synthetic" else None

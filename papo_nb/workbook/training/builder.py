@@ -7,38 +7,17 @@ from pathlib import Path
 import torch
 
 from papo_nb.papo import PAPOGConfig, PAPOGTrainer
-from papo_nb.testbed.models import build_tiny_vlm, load_vlm, vision_special_token_ids
+from papo_nb.testbed.models import load_vlm, vision_special_token_ids
 from papo_nb.testbed.perception import make_perception_dataset, testbed_name
 from papo_nb.testbed.rewards import accuracy_reward, format_reward
 from papo_nb.testbed.shapes import load_vlm_dataset, make_shapes_dataset
-from papo_nb.workbook import math_reward, recipe_presets
-from papo_nb.workbook.params import PAPO_PARAM_FIELDS, WorkbookParams
-from papo_nb.workbook.recipe_data import official_datasets, set_processor_pixel_bounds
-from papo_nb.workbook.testbed_policy import build_testbed
+from papo_nb.workbook.config.params import PAPO_PARAM_FIELDS, WorkbookParams
+from papo_nb.workbook.config.paths import resolve_device, resolve_model_path
+from papo_nb.workbook.recipe import presets as recipe_presets
+from papo_nb.workbook.recipe import reward as math_reward
+from papo_nb.workbook.recipe.data import official_datasets, set_processor_pixel_bounds
 
-TINY_PREFIX = "tiny:"
 EVAL_SEED_OFFSET = 10_000  # held-out synthetic items come from a different stream than training items
-
-
-def resolve_device(params: WorkbookParams) -> str:
-    if params.device == "cuda" and not torch.cuda.is_available():
-        raise ValueError("parameter 'device' = 'cuda' but no CUDA device is present; allowed here: 'auto' or 'cpu'")
-    if params.device == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    return params.device
-
-
-def resolve_model_path(params: WorkbookParams, cache_dir: str | Path | None = None) -> str:
-    """``tiny:<family>`` builds the offline tiny model (cached); ``testbed:<name>`` builds the warm-started
-    perception testbed (cached; always its build seed 0, so every run seed starts from the same policy); anything
-    else is a hub id or local folder."""
-    testbed = testbed_name(params.model_name_or_path)
-    if testbed is not None:
-        return str(build_testbed(testbed, seed=0, cache_dir=cache_dir))
-    if params.model_name_or_path.startswith(TINY_PREFIX):
-        family = params.model_name_or_path[len(TINY_PREFIX) :]
-        return str(build_tiny_vlm(family, seed=params.seed, cache_dir=cache_dir))
-    return params.model_name_or_path
 
 
 def load_policy(params: WorkbookParams, cache_dir: str | Path | None = None):

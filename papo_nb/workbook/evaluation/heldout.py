@@ -1,0 +1,52 @@
+"""Held-out accuracy with original and with masked images: the gap is how much the policy uses the image."""
+
+from __future__ import annotations
+
+import torch
+
+from papo_nb.testbed.generation import generate_answers
+from papo_nb.testbed.raw_masks import mask_pil_squares
+from papo_nb.testbed.rewards import accuracy_reward
+from papo_nb.workbook.recipe.reward import math_accuracy_reward
+
+
+@torch.no_grad()
+def mask_images(images: list, mask_ratio: float, seed: int) -> list:
+    """Each row's image (or list of images) masked the official way (14-px squares), one fixed mask per image:
+    row ``i``'s single image from ``seed + i``, image ``j`` of a list from ``seed + 1000 * i + j``."""
+    return [
+        [mask_pil_squares(im, mask_ratio, seed=seed + 1000 * i + j) for j, im in enumerate(img)]
+        if isinstance(img, list)
+        else mask_pil_squares(img, mask_ratio, seed=seed + i)
+        for i, img in enumerate(images)
+    ]
+
+
+def evaluate_image_reliance(
+    model, processor, dataset, *, mask_ratio: float = 0.6, seed: int = 0, max_new_tokens: int = 16
+) -> dict:
+    """Accuracy on original images, on images masked the official way (14x14 squares), and the gap.
+
+    Shapes rows (one ``image``) are graded by the shapes reward; official-schema rows (``images`` lists, from
+    ``recipe_data``) by the official boxed-answer grader."""
+    official = "images" in dataset.column_names
+    grade = math_accuracy_reward if official else accuracy_reward
+    was_training = model.training
+    model.eval()
+    try:
+        prompts, answers = list(dataset["prompt"]), list(dataset["answer"])
+        originals = [list(images) for images in dataset["images"]] if official else list(dataset["image"])
+        masked = mask_images(originals, mask_ratio, seed)
+        scores = {}
+        for name, images in (("original", originals), ("masked", masked)):
+            completions = generate_answers(model, processor, prompts, images, max_new_tokens=max_new_tokens)
+            scores[name] = sum(grade(completions, answers)) / len(answers)
+    finally:
+        model.train(was_training)
+    return {
+        "accuracy_original": scores["original"],
+        "accuracy_masked": scores["masked"],
+        "image_reliance_gap": scores["original"] - scores["masked"],
+        "items": len(answers),
+        "mask_ratio": mask_ratio,
+    }
