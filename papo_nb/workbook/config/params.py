@@ -146,8 +146,8 @@ class WorkbookParams(PAPOParams):
     study_collapse_gammas: list[NonNegativeFloat] = Field(
         default_factory=lambda: [1.0],
         min_length=1,
-        description="gammas swept (ascending, first seed) for the collapse arm: the first flagged by the collapse "
-        "detector is used, or the largest when none collapses",
+        description="gammas of the dose-response sweep, each trained at every study seed; the smallest flagged by "
+        "the collapse detector on most seeds is the collapse arm, or the largest when none collapses",
     )
     study_eval_samples: int = Field(
         4, ge=1, le=64, description="k of the held-out avg@k at temperature 1.0 (paper: avg@8)"

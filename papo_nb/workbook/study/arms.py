@@ -2,7 +2,8 @@
 
 Three arms, each trained through the real ``PAPOGTrainer`` (TRL's GRPOTrainer, LoRA) built by ``workbook.builder``,
 with everything but gamma equal: GRPO (gamma = 0), PAPO-G at the recipe's gamma (``perception_loss_weight``), and
-PAPO-G at the smallest gamma of a logged sweep (``study_collapse_gammas``) whose run the collapse detector flags.
+PAPO-G at the smallest gamma of a logged sweep (``study_collapse_gammas``, every seed) that the collapse detector
+flags on most seeds; the sweep with GRPO and the recipe's gamma is the study's dose-response (``workbook.study.dose``).
 Every (arm, seed) is an MLflow run nested under the notebook's run, with its per-step training metrics, its
 held-out evaluation and the collapse verdict. Seeds pair the arms: the same seed gives the same training data,
 sampling and masks in every arm, and all runs are scored on one held-out set.
@@ -177,33 +178,34 @@ def run_one(
 
 
 def run_study(params: WorkbookParams, work_dir: str | Path, rule: CollapseRule | None = None, log=print) -> Study:
-    """The sweep (first seed, ascending gammas, stopping at the first flagged run), then the three arms over
-    ``study_seeds``. The sweep's run at the chosen gamma is the collapse arm's first-seed run (same seed, data and
-    settings), so it is not trained twice."""
+    """The dose-response sweep (every gamma of ``study_collapse_gammas`` at every seed, paired like the arms), then
+    GRPO and PAPO-G at the recipe's gamma over ``study_seeds``. The collapse arm is the sweep's runs at the smallest
+    gamma flagged on most seeds (the largest when none is), so it is not trained twice."""
     rule = rule or CollapseRule()
     work_dir = Path(work_dir)
     data = eval_dataset(params)
     seeds = list(params.study_seeds)
     study = Study()
     for gamma in sorted(params.study_collapse_gammas):
-        run = run_one(params, SWEEP, seeds[0], gamma, data, work_dir, rule)
-        study.sweep.append(run)
-        log(f"sweep gamma={gamma:g}: collapsed={run.collapse['collapsed']} at step {run.collapse['step']}")
-        if run.collapse["collapsed"]:
-            break
-    flagged = [r for r in study.sweep if r.collapse["collapsed"]]
+        for seed in seeds:
+            run = run_one(params, SWEEP, seed, gamma, data, work_dir, rule)
+            study.sweep.append(run)
+            log(f"sweep gamma={gamma:g} seed={seed}: collapsed={run.collapse['collapsed']} at {run.collapse['step']}")
+    by_gamma: dict[float, list[StudyRun]] = {}
+    for run in study.sweep:
+        by_gamma.setdefault(run.gamma, []).append(run)
+    flagged = [g for g, runs in sorted(by_gamma.items()) if sum(r.collapse["collapsed"] for r in runs) > len(runs) / 2]
     study.collapse_found = bool(flagged)
-    chosen = flagged[0] if flagged else study.sweep[-1]
-    study.collapse_gamma = chosen.gamma
-    mlflow.log_metrics({"study/collapse_gamma": chosen.gamma, "study/collapse_found": float(study.collapse_found)})
-    arms = ((GRPO, 0.0), (PAPO_G, params.perception_loss_weight), (PAPO_G_COLLAPSE, chosen.gamma))
+    study.collapse_gamma = flagged[0] if flagged else max(by_gamma)
+    mlflow.log_metrics(
+        {"study/collapse_gamma": study.collapse_gamma, "study/collapse_found": float(study.collapse_found)}
+    )
     for seed in seeds:
-        for arm, gamma in arms:
-            if arm == PAPO_G_COLLAPSE and seed == chosen.seed:
-                study.runs.append(StudyRun(arm, seed, gamma, chosen.run_id, chosen.step_logs, chosen.scores,
-                                           chosen.collapse, chosen.seconds))  # fmt: skip
-                continue
+        for arm, gamma in ((GRPO, 0.0), (PAPO_G, params.perception_loss_weight)):
             run = run_one(params, arm, seed, gamma, data, work_dir, rule)
             study.runs.append(run)
             log(f"{arm} seed={seed}: avg_at_k {run.scores['avg_at_k/original/all']:.3f}, {run.seconds:.0f} s")
+    for chosen in by_gamma[study.collapse_gamma]:
+        study.runs.append(StudyRun(PAPO_G_COLLAPSE, chosen.seed, chosen.gamma, chosen.run_id, chosen.step_logs,
+                                   chosen.scores, chosen.collapse, chosen.seconds))  # fmt: skip
     return study

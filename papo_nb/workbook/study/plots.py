@@ -59,15 +59,20 @@ def plot_learning_curves(study: Study) -> Figure:
 
 
 def plot_sweep(study: Study, ax) -> None:
-    """Perception KL per step of every sweep run, one line per gamma, the flagged ones marked."""
+    """Perception KL per step of the sweep, one line per gamma (mean over seeds, band = min..max), flagged runs
+    counted in the label."""
+    by_gamma: dict[float, list[StudyRun]] = {}
     for run in study.sweep:
-        points = [(h["step"], h["perception_kl"]) for h in run.step_logs if "perception_kl" in h]
-        if not points:
+        by_gamma.setdefault(run.gamma, []).append(run)
+    for gamma, runs in sorted(by_gamma.items()):
+        steps, centre, low, high = _band(runs, "perception_kl")
+        if not steps:
             continue
-        flag = f", collapsed at step {run.collapse['step']}" if run.collapse["collapsed"] else ""
-        ax.plot(*zip(*points), label=f"gamma {run.gamma:g}{flag}")
+        flagged = sum(bool(r.collapse["collapsed"]) for r in runs)
+        (line,) = ax.plot(steps, centre, label=f"gamma {gamma:g} ({flagged}/{len(runs)} collapsed)")
+        ax.fill_between(steps, low, high, color=line.get_color(), alpha=0.15)
     ax.set_yscale("symlog", linthresh=0.1)
-    ax.set_title(f"sweep (seed {study.sweep[0].seed if study.sweep else '-'}): perception KL", fontsize=10)
+    ax.set_title(f"sweep ({len({r.seed for r in study.sweep})} seeds): perception KL", fontsize=10)
     ax.set_xlabel("optimizer step")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)

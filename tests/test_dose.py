@@ -1,0 +1,54 @@
+"""The dose-response view of a study: runs grouped by gamma, paired seeds, end-of-training values, the figure."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from papo_nb.workbook.study.arms import GRPO, PAPO_G, PAPO_G_COLLAPSE, SWEEP, Study, StudyRun
+from papo_nb.workbook.study.dose import dose_markdown, dose_rows, plot_dose_response, runs_by_gamma
+
+
+def _run(arm, seed, gamma, vision, masked, kl, collapsed=False):
+    logs = [{"step": s, "perception_kl": kl * s, "entropy": 0.5, "masked_entropy": 0.7} for s in (1, 2, 3, 4)]
+    scores = {
+        "avg_at_k/original/vision": vision,
+        "avg_at_k/masked/vision": masked,
+        "avg_at_k/gap/vision": vision - masked,
+    }
+    return StudyRun(arm, seed, gamma, f"{arm}-{seed}", logs, scores, {"collapsed": collapsed, "step": None}, 1.0)
+
+
+def _study():
+    sweep = [_run(SWEEP, s, 5.0, 0.3, 0.3, 2.0, collapsed=s == 0) for s in (0, 1)]
+    runs = [_run(GRPO, s, 0.0, 0.5 + 0.1 * s, 0.3, 0.1) for s in (0, 1)]
+    runs += [_run(PAPO_G, s, 0.02, 0.52 + 0.1 * s, 0.3, 0.2) for s in (0, 1)]
+    runs += [
+        StudyRun(PAPO_G_COLLAPSE, r.seed, r.gamma, r.run_id, r.step_logs, r.scores, r.collapse, 1.0) for r in sweep
+    ]
+    return Study(sweep=sweep, collapse_gamma=5.0, collapse_found=True, runs=runs)
+
+
+def test_runs_are_grouped_by_gamma_once_each():
+    grouped = runs_by_gamma(_study())
+    assert list(grouped) == [0.0, 0.02, 5.0] and all(len(by_seed) == 2 for by_seed in grouped.values())
+
+
+def test_dose_rows_average_seeds_and_the_end_of_training():
+    rows = {row["gamma"]: row for row in dose_rows(_study())}
+    assert rows[0.0]["avg_at_k/original/vision"] == pytest.approx(0.55)
+    # two seeds 0.5 and 0.6: t(0.975, 1) * sd / sqrt(2) = 12.706 * 0.0707 / 1.414
+    assert rows[0.0]["avg_at_k/original/vision_ci95"] == pytest.approx(0.6353, abs=1e-3)
+    assert rows[0.02]["perception_kl"] == pytest.approx(0.2 * 3)  # last 3 logged values: 0.4, 0.6, 0.8
+    assert rows[5.0]["collapsed"] == 1 and rows[0.0]["collapsed"] == 0
+    assert "avg_at_k/original/text" not in rows[0.0]
+
+
+def test_markdown_says_no_items_for_a_missing_split_and_plots_every_panel():
+    rows = dose_rows(_study())
+    table = dose_markdown(rows)
+    assert "no items" in table and "nan" not in table and table.count("\n") == len(rows) + 1
+    fig = plot_dose_response(rows)
+    assert [ax.get_xscale() for ax in fig.axes] == ["symlog"] * 4
+    assert all(ax.lines for ax in fig.axes) and not math.isnan(rows[-1]["avg_at_k/gap/vision"])
