@@ -189,9 +189,26 @@ PAPER_CLAIMS = {
 }
 
 
+NOT_MEASURABLE = "not measurable: policy at chance"
+NO_ITEMS = "no items"
+
+
+def at_chance(values: list[float], chance: float, items: int, confidence: float = 0.95) -> bool:
+    """True when an accuracy does not beat ``chance`` by more than its confidence interval, so no difference
+    between methods can show in it. The interval is the seeds' Student-t interval with 2 or more seeds, else the
+    binomial interval of a guesser's accuracy on ``items`` items (normal approximation)."""
+    if not values:
+        return True
+    centre, half = mean_ci(values, confidence)
+    if not math.isfinite(half):
+        z = float(stats.norm.ppf(0.5 + confidence / 2))
+        half = z * math.sqrt(chance * (1 - chance) / max(items, 1))
+    return centre <= chance + half
+
+
 def _verdict(diff: float, p_value: float, alpha: float = 0.05) -> str:
     if not math.isfinite(diff):
-        return "not measured"
+        return NO_ITEMS
     if diff <= 0:
         return "does not hold here"
     if math.isfinite(p_value) and p_value < alpha:
@@ -203,10 +220,22 @@ def _relative(treatment: float, control: float) -> float:
     return 100.0 * (treatment - control) / control if control else math.nan
 
 
-def claims_table(results: dict[str, dict[int, dict]], collapse: dict[str, dict[int, dict]], arms: dict) -> list[dict]:
+def claims_table(
+    results: dict[str, dict[int, dict]], collapse: dict[str, dict[int, dict]], arms: dict, *, chance: float,
+    vision_items: int,
+) -> list[dict]:  # fmt: skip
     """Rows (claim, paper, here, verdict). ``arms`` names the control, treatment and collapse arms; the metric
-    names are those of ``study.evaluate_policy``."""
+    names are those of ``study.evaluate_policy``. ``chance`` is a guesser's accuracy on the ``vision_items``
+    vision-dependent held-out items: when the control or the treatment arm does not beat it (``at_chance``), nothing
+    the claims compare can be measured and every verdict says so (``NOT_MEASURABLE``), never "does not hold"."""
     control, treatment, collapsing = arms["control"], arms["treatment"], arms["collapse"]
+    vision_metric = "avg_at_k/original/vision"
+    blind = [
+        arm
+        for arm in (control, treatment)
+        if at_chance([r[vision_metric] for r in results.get(arm, {}).values() if vision_metric in r], chance,
+                     vision_items)
+    ]  # fmt: skip
 
     def compare(metric: str):
         seeds = sorted(s for s in set(results[control]) & set(results[treatment]) if metric in results[control][s])
@@ -263,6 +292,11 @@ def claims_table(results: dict[str, dict[int, dict]], collapse: dict[str, dict[i
         "here": ", ".join(f"{arm}: {flagged[arm]}/{runs[arm]} runs flagged" for arm in collapse),
         "verdict": "holds here" if collapse_holds else "does not hold here",
     })  # fmt: skip
+    if blind:
+        note = f"; {', '.join(blind)} at chance ({chance:.2f}) on vision-dependent items"
+        for row in rows:
+            row["here"] += note
+            row["verdict"] = NOT_MEASURABLE
     return rows
 
 
@@ -284,7 +318,13 @@ TABLE_METRICS = (
 
 
 def _pm(centre: float, half: float) -> str:
+    if not math.isfinite(centre):
+        return NO_ITEMS
     return f"{centre:.3f}" if math.isnan(half) else f"{centre:.3f} ± {half:.3f}"
+
+
+def _p(p_value: float) -> str:
+    return f"p={p_value:.2g}" if math.isfinite(p_value) else "p: needs 2+ seeds"
 
 
 def comparison_table(rows: list[dict], control: str) -> list[dict]:
@@ -296,7 +336,8 @@ def comparison_table(rows: list[dict], control: str) -> list[dict]:
         line[row["arm"]] = _pm(row["mean"], row["ci95"])
         if row["arm"] != control:
             diff = _pm(row[f"diff_vs_{control}"], row[f"diff_ci95_vs_{control}"])
-            line[f"{row['arm']} - {control}"] = f"{diff} (p={row[f'p_value_vs_{control}']:.2g})"
+            p_value = row[f"p_value_vs_{control}"]
+            line[f"{row['arm']} - {control}"] = diff if diff == NO_ITEMS else f"{diff} ({_p(p_value)})"
     return list(table.values())
 
 
