@@ -163,6 +163,17 @@ def test_a_policy_at_chance_makes_every_claim_not_measurable_never_false():
     assert claims_table(fake_results(-0.05), collapse, arms, **CHANCE)[0]["verdict"] == "does not hold here"
 
 
+def test_a_one_seed_study_says_it_tested_nothing_and_prints_no_nan():
+    collapse = {arm: {0: {"collapsed": False}} for arm in ("grpo", "papo_g", "papo_g_collapse")}
+    arms = {"control": "grpo", "treatment": "papo_g", "collapse": "papo_g_collapse"}
+    one_seed = {arm: {0: by_seed[0]} for arm, by_seed in fake_results(0.05).items()}
+    rows = {r["claim"]: r for r in claims_table(one_seed, collapse, arms, **CHANCE)}
+    for claim in ("overall", "vision", "perception_errors", "reliance"):
+        assert rows[claim]["verdict"] == "not tested: one seed (a paired test needs 2 or more)", rows[claim]
+        assert "nan" not in rows[claim]["here"], rows[claim]
+    assert "no p-value: one seed" in rows["overall"]["here"]
+
+
 def test_at_chance_uses_the_seeds_interval_or_a_guessers_on_one_seed():
     assert at_chance([0.26, 0.24, 0.27], chance=0.25, items=128)  # the seeds' interval covers chance
     assert not at_chance([0.40, 0.41, 0.39], chance=0.25, items=128)
