@@ -159,6 +159,7 @@ def test_a_policy_at_chance_makes_every_claim_not_measurable_never_false():
     rows = claims_table(blind, collapse, arms, **CHANCE)
     assert {r["verdict"] for r in rows} == {"not measurable: policy at chance"}
     assert "grpo at chance (0.25) on vision-dependent items" in rows[0]["here"]
+    assert "nan" not in " ".join(r["here"] for r in rows)  # grpo at 0: no relative change to state
     # the same arms one notch above chance: the ordinary verdicts come back
     assert claims_table(fake_results(-0.05), collapse, arms, **CHANCE)[0]["verdict"] == "does not hold here"
 

@@ -225,6 +225,12 @@ def _paired_p(test: dict) -> str:
     return f"paired p = {test['p_value']:.3g}" if math.isfinite(test["p_value"]) else "no p-value: one seed"
 
 
+def _percent(treatment: float, control: float) -> str:
+    """The relative change as text; with a control at 0 there is none to state."""
+    change = _relative(treatment, control)
+    return f"{change:+.1f}%" if math.isfinite(change) else "no relative change (control at 0)"
+
+
 def _relative(treatment: float, control: float) -> float:
     return 100.0 * (treatment - control) / control if control else math.nan
 
@@ -257,7 +263,7 @@ def claims_table(
     rows = []
     for claim, metric in (("overall", "avg_at_k/original/all"), ("vision", "avg_at_k/original/vision")):
         test, ours, base = compare(metric)
-        here = f"{ours:.3f} vs {base:.3f}: {_relative(ours, base):+.1f}% ({_paired_p(test)})"
+        here = f"{ours:.3f} vs {base:.3f}: {_percent(ours, base)} ({_paired_p(test)})"
         rows.append(
             {
                 "claim": claim,
@@ -271,10 +277,10 @@ def claims_table(
     if math.isnan(text_ours):
         rows[-1]["here"] += "; no text-only split in this dataset to compare with"
     elif _relative(vis_ours, vis_base) <= _relative(text_ours, text_base) and rows[-1]["verdict"] != ONE_SEED:
-        rows[-1]["here"] += f"; text-only split {_relative(text_ours, text_base):+.1f}%"
+        rows[-1]["here"] += f"; text-only split {_percent(text_ours, text_base)}"
         rows[-1]["verdict"] = "does not hold here (gain not larger on the vision split)"
     else:
-        rows[-1]["here"] += f"; text-only split {_relative(text_ours, text_base):+.1f}%"
+        rows[-1]["here"] += f"; text-only split {_percent(text_ours, text_base)}"
     errors_ours, errors_base = 1 - vis_ours, 1 - vis_base
     reduction = -_relative(errors_ours, errors_base)
     rows.append({
