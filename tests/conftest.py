@@ -42,7 +42,7 @@ def shapes_dataset():
 
 @pytest.fixture(scope="session")
 def smoke_workbook(tmp_path_factory):
-    """All workbook notebooks executed once with params/smoke.yaml into a fresh sqlite MLflow store."""
+    """All workbook notebooks executed once with params/smoke_fast.yaml (random tiny model) into a new store."""
     from pathlib import Path
 
     from papo_nb.infra.notebooks import run_workbook
@@ -51,7 +51,7 @@ def smoke_workbook(tmp_path_factory):
     folder = tmp_path_factory.mktemp("smoke_workbook")
     result = run_workbook(
         sorted((root / "notebooks").glob("[0-9][0-9]_*.ipynb")),
-        root / "params" / "smoke.yaml",
+        root / "params" / "smoke_fast.yaml",
         run_root=folder / "runs",
         tracking_uri=f"sqlite:///{folder}/mlflow.db",
     )

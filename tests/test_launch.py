@@ -37,7 +37,7 @@ from papo_nb.workbook.training.checkpoints import checkpoint_step
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[1]
-SMOKE = ROOT / "params" / "smoke.yaml"
+SMOKE = ROOT / "params" / "smoke_fast.yaml"
 SCRIPT = Path(sys.executable).parent / "papo-nb"
 MAX_STEPS, SAVE_STEPS = 6, 2
 # A larger lr than the smoke run's, so that the trained adapter is far from the base model (phase-2 test).

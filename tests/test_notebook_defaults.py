@@ -1,10 +1,13 @@
 """Every notebook's parameters-cell defaults equal the schema's (WorkbookParams): the schema is the one source.
 
 papermill parses the ``parameters`` cell (``name: type = default  # help``) exactly as it does before injecting
-values, so this reads what a notebook run by hand in JupyterLab really starts with.
+values, so this reads what a notebook run by hand in JupyterLab really starts with. The comments may say what a
+parameter means in that notebook, but not contradict the schema's help: the official or paper values both cite
+agree, and every option the help quotes is named (``comment_drift``).
 """
 
 import ast
+import re
 from pathlib import Path
 
 import nbformat
@@ -35,6 +38,55 @@ def default_drift(notebook: Path) -> list[str]:
         if value != schema[name] or type(value) is not type(schema[name]):
             problems.append(f"{notebook.name}: {name!r} notebook default {value!r} != schema default {schema[name]!r}")
     return problems
+
+
+CITED = re.compile(r"(?:official|paper)[^:;()]*:\s*(?:avg@)?([0-9][0-9.e-]*|[a-z_]+)")
+QUOTED = re.compile(r"'([a-z0-9_]+)'")
+
+
+def comment_drift(notebook: Path) -> list[str]:
+    """One line per parameter whose comment contradicts the schema's help: an official/paper value that differs from
+    the one the help cites, or an option the help quotes ('auto', 'none', ...) that the comment leaves out."""
+    fields = WorkbookParams.model_fields
+    problems = []
+    for name, spec in papermill.inspect_notebook(notebook).items():
+        if name not in fields:
+            continue
+        comment, help_text = spec["help"] or "", fields[name].description or ""
+        if not comment.strip():
+            problems.append(f"{notebook.name}: {name!r} has no comment")
+            continue
+        ours, theirs = set(CITED.findall(comment)), set(CITED.findall(help_text))
+        if ours and theirs and not ours & theirs:
+            problems.append(f"{notebook.name}: {name!r} comment cites {sorted(ours)}, the schema {sorted(theirs)}")
+        missing = [option for option in QUOTED.findall(help_text) if not re.search(rf"\b{option}\b", comment)]
+        if missing:
+            problems.append(f"{notebook.name}: {name!r} comment leaves out the schema's options {missing}")
+    return problems
+
+
+@pytest.mark.parametrize("notebook", NOTEBOOKS, ids=lambda p: p.stem)
+def test_notebook_comments_agree_with_the_schema_help(notebook):
+    assert comment_drift(notebook) == []
+
+
+def test_comment_drift_names_the_contradiction(tmp_path):
+    book = nbformat.v4.new_notebook(
+        metadata={"kernelspec": {"name": "python3", "display_name": "Python 3", "language": "python"}}
+    )
+    cell = nbformat.v4.new_code_cell(
+        "num_generations: int = 4  # rollouts per prompt (paper: 8)\n"
+        'mask_type: str = "auto"  # auto or random\n'
+        "seed: int = 0  # seed for sampling"
+    )
+    cell.metadata["tags"] = ["parameters"]
+    book.cells.append(cell)
+    path = tmp_path / "99_comments.ipynb"
+    nbformat.write(book, path)
+    assert comment_drift(path) == [
+        "99_comments.ipynb: 'num_generations' comment cites ['8'], the schema ['5']",
+        "99_comments.ipynb: 'mask_type' comment leaves out the schema's options ['patch', 'merge_unit']",
+    ]
 
 
 def test_notebooks_found():

@@ -87,7 +87,7 @@ def test_every_papo_parameter_reaches_the_config(tiny_vlm_path, tmp_path):
 
 
 def test_existing_params_files_still_validate():
-    assert load_params(ROOT / "params" / "smoke.yaml").loss_type == "grpo"
+    assert load_params(ROOT / "params" / "smoke_fast.yaml").loss_type == "grpo"
     gpu = load_params(ROOT / "params" / "gpu.yaml")
     assert (gpu.original_entropy_weight, gpu.masked_entropy_weight, gpu.loss_type) == (0.0, 0.0, "bnpo")
 
@@ -96,7 +96,7 @@ def test_linear_schedule_from_a_params_file_ends_at_the_final_weight(tmp_path):
     from papo_nb.workbook.training.run import prepare_training
 
     path = tmp_path / "linear.yaml"
-    settings = yaml.safe_load((ROOT / "params" / "smoke.yaml").read_text())
+    settings = yaml.safe_load((ROOT / "params" / "smoke_fast.yaml").read_text())
     settings.update(
         max_steps=4,
         perception_loss_weight=0.04,

@@ -28,7 +28,7 @@ pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tests" / "sharded_worker.py"
-SMOKE = ROOT / "params" / "smoke.yaml"
+SMOKE = ROOT / "params" / "smoke_fast.yaml"
 CONFIGS = ROOT / "configs" / "accelerate"
 STEPS, SAVE_EVERY, KILL_AFTER = 4, 2, 3
 NORMS = ("parent_grad_norm", "zero_gamma_grad_norm", "grad_diff_norm", "perception_grad_norm")

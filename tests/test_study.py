@@ -11,6 +11,7 @@ from scipy import stats
 
 from papo_nb.workbook.study.stats import (
     CollapseRule,
+    at_chance,
     claims_table,
     comparison_table,
     detect_collapse,
@@ -116,6 +117,9 @@ def fake_results(gain):
     }
 
 
+CHANCE = {"chance": 0.25, "vision_items": 128}  # the testbed's four colours, its reduced study's held-out set
+
+
 def test_summary_rows_pair_each_arm_with_grpo():
     rows = summary_rows(fake_results(0.05), ["avg_at_k/original/all"], control="grpo")
     papo = next(r for r in rows if r["arm"] == "papo_g")
@@ -133,7 +137,7 @@ def test_claims_table_says_plainly_what_holds():
         "papo_g_collapse": {s: {"collapsed": True} for s in range(3)},
     }
     arms = {"control": "grpo", "treatment": "papo_g", "collapse": "papo_g_collapse"}
-    better = {r["claim"]: r["verdict"] for r in claims_table(fake_results(0.05), collapse, arms)}
+    better = {r["claim"]: r["verdict"] for r in claims_table(fake_results(0.05), collapse, arms, **CHANCE)}
     assert better == {
         "overall": "holds here",
         "vision": "holds here",
@@ -142,8 +146,52 @@ def test_claims_table_says_plainly_what_holds():
         "collapse": "holds here",
     }
     collapse["papo_g_collapse"] = {s: {"collapsed": False} for s in range(3)}
-    worse = {r["claim"]: r["verdict"] for r in claims_table(fake_results(-0.05), collapse, arms)}
+    worse = {r["claim"]: r["verdict"] for r in claims_table(fake_results(-0.05), collapse, arms, **CHANCE)}
     assert worse["overall"] == "does not hold here" and worse["collapse"] == "does not hold here"
+
+
+def test_a_policy_at_chance_makes_every_claim_not_measurable_never_false():
+    collapse = {arm: {s: {"collapsed": False} for s in range(3)} for arm in ("grpo", "papo_g", "papo_g_collapse")}
+    arms = {"control": "grpo", "treatment": "papo_g", "collapse": "papo_g_collapse"}
+    blind = fake_results(-0.05)
+    for seed, scores in blind["grpo"].items():  # a control arm that answers nothing right, as the random tiny model
+        blind["grpo"][seed] = dict.fromkeys(scores, 0.0)
+    rows = claims_table(blind, collapse, arms, **CHANCE)
+    assert {r["verdict"] for r in rows} == {"not measurable: policy at chance"}
+    assert "grpo at chance (0.25) on vision-dependent items" in rows[0]["here"]
+    assert "nan" not in " ".join(r["here"] for r in rows)  # grpo at 0: no relative change to state
+    # the same arms one notch above chance: the ordinary verdicts come back
+    assert claims_table(fake_results(-0.05), collapse, arms, **CHANCE)[0]["verdict"] == "does not hold here"
+
+
+def test_a_one_seed_study_says_it_tested_nothing_and_prints_no_nan():
+    collapse = {arm: {0: {"collapsed": False}} for arm in ("grpo", "papo_g", "papo_g_collapse")}
+    arms = {"control": "grpo", "treatment": "papo_g", "collapse": "papo_g_collapse"}
+    one_seed = {arm: {0: by_seed[0]} for arm, by_seed in fake_results(0.05).items()}
+    rows = {r["claim"]: r for r in claims_table(one_seed, collapse, arms, **CHANCE)}
+    for claim in ("overall", "vision", "perception_errors", "reliance"):
+        assert rows[claim]["verdict"] == "not tested: one seed (a paired test needs 2 or more)", rows[claim]
+        assert "nan" not in rows[claim]["here"], rows[claim]
+    assert "no p-value: one seed" in rows["overall"]["here"]
+
+
+def test_at_chance_uses_the_seeds_interval_or_a_guessers_on_one_seed():
+    assert at_chance([0.26, 0.24, 0.27], chance=0.25, items=128)  # the seeds' interval covers chance
+    assert not at_chance([0.40, 0.41, 0.39], chance=0.25, items=128)
+    # one seed: a guesser's 95% interval on 24 items is 0.25 +/- 0.173, on 600 items +/- 0.035
+    assert at_chance([0.40], chance=0.25, items=24) and not at_chance([0.40], chance=0.25, items=600)
+    assert at_chance([], chance=0.25, items=24)
+
+
+def test_a_metric_without_items_prints_no_items_not_nan():
+    rows = summary_rows({"grpo": {0: {}}, "papo_g": {0: {}}}, ["avg_at_k/original/text"], control="grpo")
+    table = comparison_table(rows, control="grpo")
+    assert table == [
+        {"metric": "avg_at_k/original/text", "grpo": "no items", "papo_g": "no items", "papo_g - grpo": "no items"}
+    ]
+    single = {arm: {0: by_seed[0]} for arm, by_seed in fake_results(0.05).items()}
+    line = comparison_table(summary_rows(single, ["avg_at_k/original/all"], control="grpo"), "grpo")[0]
+    assert line["papo_g - grpo"] == "0.050 (p: needs 2+ seeds)" and line["grpo"] == "0.500"
 
 
 # ---- the reduced study, end to end ----
@@ -210,5 +258,5 @@ def test_claims_table_without_a_text_split_says_so():
     }
     collapse = {arm: {s: {"collapsed": False} for s in range(3)} for arm in results}
     arms = {"control": "grpo", "treatment": "papo_g", "collapse": "papo_g_collapse"}
-    vision = next(r for r in claims_table(results, collapse, arms) if r["claim"] == "vision")
+    vision = next(r for r in claims_table(results, collapse, arms, **CHANCE) if r["claim"] == "vision")
     assert "no text-only split" in vision["here"] and vision["verdict"] == "holds here"

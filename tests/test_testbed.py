@@ -3,6 +3,7 @@
 The build (1-3 minutes on 2 CPU cores) happens once per test session into a tmp cache (conftest's testbed_path).
 """
 
+import random
 from collections import Counter
 
 import pytest
@@ -47,6 +48,47 @@ def test_the_square_fills_exactly_one_mask_square():
     rows, cols = lit[:, 0], lit[:, 1]
     assert len(lit) == perception.CELL**2
     assert rows.min() % perception.CELL == 0 and cols.min() % perception.CELL == 0
+
+
+def test_boxed_items_ask_for_and_teach_the_official_answer_format():
+    from papo_nb.workbook.recipe.reward import accuracy_score
+
+    rng = random.Random(0)
+    tags, boxed = perception.make_item(rng, "vision"), perception.make_item(random.Random(0), "vision", boxed=True)
+    assert tags["answer"] == boxed["answer"] and tags["image"].tobytes() == boxed["image"].tobytes()  # same draws
+    assert tags["target"] == f"<answer>{tags['answer']}</answer>"
+    assert boxed["prompt"][0]["content"][1]["text"].endswith(perception.BOXED_INSTRUCTION)
+    assert accuracy_score(boxed["target"], boxed["answer"]) == 1.0  # the official reward grades what is taught
+    assert accuracy_score(tags["target"], tags["answer"]) == 0.0
+
+
+def test_the_official_schema_benchmark_renders_the_prompt_the_boxed_warm_start_taught():
+    """Notebook 05 reads these rows through the official data path (format prompt 'none'); the chat text the policy
+    sees must be the one its warm start trained on, or its scores would measure a prompt shift."""
+    from papo_nb.testbed.models import build_tiny_processor
+    from papo_nb.workbook.recipe.data import prepare_split
+
+    processor = build_tiny_processor("qwen2_vl")
+    rows, report = prepare_split(
+        perception.make_official_perception_dataset(6, seed=1, kind="vision"), processor, format_prompt="none",
+        min_pixels=3136, max_pixels=12544, max_prompt_length=1024,
+    )  # fmt: skip
+    assert report.kept == 6 and report.dropped == 0
+    taught = perception.make_item(random.Random(1), "vision", boxed=True)
+
+    def render(prompt):
+        return processor.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)
+
+    assert render(rows[0]["prompt"]) == render(taught["prompt"])
+    assert rows[0]["answer"] == taught["answer"] and rows[0]["images"][0].size == (56, 56)
+    text = perception.make_official_perception_dataset(4, seed=2, kind="text")
+    assert all(answer in problem for answer, problem in zip(text["answer"], text["problem"]))
+
+
+def test_the_smoke_testbed_is_a_known_name():
+    assert perception.testbed_name("testbed:shapes_boxed") == "shapes_boxed"
+    assert perception.TESTBED_RECIPES["shapes"] == perception.TestbedRecipe(perception.STOP_VISION_ACCURACY, 0)
+    assert perception.TESTBED_RECIPES["shapes_boxed"].boxed_every > 0
 
 
 def test_bad_names_are_refused_with_what_is_allowed():

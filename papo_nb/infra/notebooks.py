@@ -24,6 +24,7 @@ from mlflow import MlflowClient
 from mlflow.entities import Param
 from papermill.exceptions import PapermillExecutionError
 
+from papo_nb.infra.notebook_start import LocalKernelManager
 from papo_nb.infra.tracking import (
     EXPERIMENT_NAME,
     absolute_tracking_uri,
@@ -226,6 +227,7 @@ def _run_notebook(
             progress_bar=True,
             log_output=log_output,
             cwd=nb.notebook.parent,  # as in JupyterLab: relative paths resolve next to the notebook
+            kernel_manager_class=LocalKernelManager,
         )
         status = FINISHED
     except Exception as exc:

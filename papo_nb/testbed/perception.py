@@ -13,6 +13,14 @@ The square fills exactly one 14x14 cell, aligned with the official PAPO mask (14
 ``papo_nb.testbed.raw_masks``) and with the trainer's patch mask: at mask ratio 0.6 the square is hidden on 60%
 of items, and at 1.0 always.
 
+Two testbeds share the task and differ in their warm start (``TESTBED_RECIPES``):
+
+- ``shapes`` answers ``<answer>colour</answer>`` and stops at 45% greedy vision accuracy, so RL has room (the
+  method study's policy);
+- ``shapes_boxed`` also learns to answer ``\\boxed{colour}`` when the question asks for it (``BOXED_INSTRUCTION``),
+  the format the official reward grades, and stops later, at 65%: the smoke workbook's policy, whose every notebook
+  then has a number above chance to show, notebook 05 included.
+
 ``papo_nb.testbed.policy.build_testbed`` makes the policy (it scores with the workbook's generation and
 masks, so it lives a layer up): the offline tiny Qwen2-VL of ``papo_nb.testbed.models`` (about 200k
 parameters) trained by plain cross-entropy on the answer tokens for a fixed number of steps, stopped on
@@ -24,6 +32,7 @@ lr 3e-3, one thread). Workbook parameters name it ``testbed:shapes``.
 from __future__ import annotations
 
 import random
+from dataclasses import dataclass
 
 import datasets
 import torch
@@ -33,7 +42,6 @@ from papo_nb.testbed import shapes
 from papo_nb.testbed.shapes import ANSWER_INSTRUCTION, COLOURS
 
 TESTBED_PREFIX = "testbed:"
-TESTBEDS = ("shapes",)
 # Bump when the task or the warm-start recipe changes, so old caches are not reused.
 TESTBED_VERSION = 1
 CARD_FILE = "testbed_card.json"
@@ -58,14 +66,32 @@ SFT_CHECK_EVERY = 50
 SFT_BATCH = 16
 SFT_LR = 3e-3
 STOP_VISION_ACCURACY = 0.45
+BOXED_INSTRUCTION = "Put the final answer in \\boxed{}."
+
+
+@dataclass(frozen=True)
+class TestbedRecipe:
+    """How one testbed's warm start differs from the others (same task, model, batch and learning rate)."""
+
+    stop_vision_accuracy: float  # the validation check that ends the warm start
+    boxed_every: int = 0  # every n-th warm-start item asks for \boxed{} instead of <answer>; 0: none
+
+
+TESTBED_RECIPES = {
+    "shapes": TestbedRecipe(stop_vision_accuracy=STOP_VISION_ACCURACY),
+    # Stopped where a few RL steps, sampling at temperature 1 and the collapse arm's gamma still leave it above chance.
+    "shapes_boxed": TestbedRecipe(stop_vision_accuracy=0.65, boxed_every=2),
+}
+TESTBEDS = tuple(TESTBED_RECIPES)
 VALIDATION_ITEMS = 96
 VALIDATION_SEED = 77_777
 CARD_ITEMS = 192  # held-out items scored greedily at build time (the card)
 CARD_SEED = 99_999  # a stream neither the warm-start, the validation nor the study's data use
 
 
-def make_item(rng: random.Random, kind: str) -> dict:
-    """One item of ``kind`` ("vision" or "text"), every choice drawn from ``rng``."""
+def make_item(rng: random.Random, kind: str, boxed: bool = False) -> dict:
+    """One item of ``kind`` ("vision" or "text"), every choice drawn from ``rng``; ``boxed`` asks for the answer in
+    ``\\boxed{}`` (``target`` is the completion the warm start teaches)."""
     colour = rng.choice(list(COLOURS))
     cell = rng.randrange(GRID * GRID)
     row, col = divmod(cell, GRID)
@@ -80,9 +106,16 @@ def make_item(rng: random.Random, kind: str) -> dict:
         question = TEXT_QUESTION.format(colour=answer)
     else:
         raise ValueError(f"kind={kind!r} is not a testbed question kind; allowed: 'vision', 'text'")
-    text = f"{question} {ANSWER_INSTRUCTION}"
+    text = f"{question} {BOXED_INSTRUCTION if boxed else ANSWER_INSTRUCTION}"
     prompt = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": text}]}]
-    return {"prompt": prompt, "image": image, "answer": answer, "kind": kind, "vision_dependent": kind == "vision"}
+    return {
+        "prompt": prompt,
+        "image": image,
+        "answer": answer,
+        "kind": kind,
+        "vision_dependent": kind == "vision",
+        "target": boxed_text(answer) if boxed else answer_text(answer),
+    }
 
 
 def make_perception_dataset(n: int, seed: int = 0) -> datasets.Dataset:
@@ -94,8 +127,31 @@ def make_perception_dataset(n: int, seed: int = 0) -> datasets.Dataset:
     return datasets.Dataset.from_dict({key: [row[key] for row in rows] for key in FEATURES}, features=FEATURES)
 
 
+def make_official_perception_dataset(n: int, seed: int = 0, kind: str = "vision") -> datasets.Dataset:
+    """``n`` items of one ``kind`` in the official PAPO schema (``problem`` with its ``<image>`` placeholder,
+    ``answer``, ``images``), asking for ``\\boxed{}``: a benchmark the ``shapes_boxed`` testbed can answer."""
+    if n < 1:
+        raise ValueError(f"n={n} must be at least 1")
+    rng = random.Random(seed)
+    items = [make_item(rng, kind, boxed=True) for _ in range(n)]
+    return datasets.Dataset.from_dict(
+        {
+            "problem": ["<image>" + it["prompt"][0]["content"][1]["text"] for it in items],
+            "answer": [it["answer"] for it in items],
+            "images": [[it["image"]] for it in items],
+        },
+        features=datasets.Features(
+            {"problem": datasets.Value("string"), "answer": datasets.Value("string"), "images": [datasets.Image()]}
+        ),
+    )
+
+
 def answer_text(answer: str) -> str:
     return f"<answer>{answer}</answer>"
+
+
+def boxed_text(answer: str) -> str:
+    return f"\\boxed{{{answer}}}"
 
 
 def testbed_name(model_name_or_path: str) -> str | None:
@@ -122,7 +178,7 @@ def _sft_batch(processor, items: list[dict]) -> dict[str, torch.Tensor]:
     tokenizer = processor.tokenizer
     texts = [processor.apply_chat_template(it["prompt"], add_generation_prompt=True, tokenize=False) for it in items]
     batch = processor(text=texts, images=[[it["image"]] for it in items], return_tensors="pt", padding=True)
-    answers = [tokenizer(answer_text(it["answer"]), add_special_tokens=False)["input_ids"] for it in items]
+    answers = [tokenizer(it["target"], add_special_tokens=False)["input_ids"] for it in items]
     answers = [ids + [tokenizer.eos_token_id] for ids in answers]
     width = max(len(ids) for ids in answers)
     completion = torch.full((len(items), width), tokenizer.pad_token_id)
@@ -142,17 +198,24 @@ def _sft_batch(processor, items: list[dict]) -> dict[str, torch.Tensor]:
 
 
 def warm_start(
-    model, processor, *, steps: int, seed: int, batch_size: int = SFT_BATCH, lr: float = SFT_LR, after_step=None
-) -> list:
+    model, processor, *, steps: int, seed: int, batch_size: int = SFT_BATCH, lr: float = SFT_LR, after_step=None,
+    boxed_every: int = 0, progress=None,
+) -> list:  # fmt: skip
     """Cross-entropy on the answer tokens for ``steps`` AdamW steps on fresh items; returns the losses.
 
-    ``after_step(step)``, if given, runs after each optimizer step; a true result stops the pass there."""
+    ``after_step(step)``, if given, runs after each optimizer step; a true result stops the pass there. Every
+    ``boxed_every``-th item (0: none) asks for and is taught a ``\\boxed{}`` answer. ``progress``, if given, is
+    called with each step's loss (a progress bar's update)."""
     rng = random.Random(seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
     model.train()
     losses = []
     for step in range(steps):
-        items = [make_item(rng, KINDS[(step * batch_size + i) % len(KINDS)]) for i in range(batch_size)]
+        index = [step * batch_size + i for i in range(batch_size)]
+        items = [
+            make_item(rng, KINDS[n % len(KINDS)], boxed=bool(boxed_every) and n % boxed_every == boxed_every - 1)
+            for n in index
+        ]
         batch = _sft_batch(processor, items)
         labels = batch.pop("labels")
         logits = model(**batch).logits[:, :-1].float()
@@ -161,6 +224,8 @@ def warm_start(
         loss.backward()
         optimizer.step()
         losses.append(loss.item())
+        if progress is not None:
+            progress(losses[-1])
         if after_step is not None and after_step(step + 1):
             break
     model.eval()

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import torch
+from tqdm.auto import tqdm
 
 from papo_nb.testbed.generation import generate_answers
 from papo_nb.testbed.models import FAMILIES, build_cached, build_tiny_processor, default_cache_root, tiny_config
@@ -24,7 +25,7 @@ from papo_nb.testbed.perception import (
     SFT_CHECK_EVERY,
     SFT_LR,
     SFT_MAX_STEPS,
-    STOP_VISION_ACCURACY,
+    TESTBED_RECIPES,
     TESTBED_VERSION,
     TESTBEDS,
     VALIDATION_ITEMS,
@@ -58,6 +59,7 @@ def score_card(
 
 def _write_testbed(folder: Path, name: str, seed: int) -> None:
     start = time.perf_counter()
+    recipe = TESTBED_RECIPES[name]
     processor = build_tiny_processor("qwen2_vl")
     config = tiny_config("qwen2_vl", processor.tokenizer)
     threads = torch.get_num_threads()
@@ -68,17 +70,26 @@ def _write_testbed(folder: Path, name: str, seed: int) -> None:
             torch.manual_seed(seed)
             model = FAMILIES["qwen2_vl"][1](config)
             stopped_at = []
+            # mininterval: a handful of lines in a papermill log or a terminal, a widget in JupyterLab
+            bar = tqdm(total=SFT_MAX_STEPS, desc=f"building testbed:{name} (warm start)", mininterval=10, unit="step")
 
             def stop_when_seeing(step: int) -> bool:
                 if step % SFT_CHECK_EVERY:
                     return False
                 check = score_card(model, processor, VALIDATION_ITEMS, VALIDATION_SEED, ratios=(0.0,))
                 model.train()
-                if check["original/vision"] >= STOP_VISION_ACCURACY:
+                bar.set_postfix(vision_accuracy=f"{check['original/vision']:.2f}", goal=recipe.stop_vision_accuracy)
+                if check["original/vision"] >= recipe.stop_vision_accuracy:
                     stopped_at.append(step)
                 return bool(stopped_at)
 
-            losses = warm_start(model, processor, steps=SFT_MAX_STEPS, seed=seed, after_step=stop_when_seeing)
+            try:
+                losses = warm_start(
+                    model, processor, steps=SFT_MAX_STEPS, seed=seed, after_step=stop_when_seeing,
+                    boxed_every=recipe.boxed_every, progress=lambda loss: bar.update(),
+                )  # fmt: skip
+            finally:
+                bar.close()
             card = score_card(model, processor)
     finally:
         torch.set_num_threads(threads)
@@ -93,7 +104,8 @@ def _write_testbed(folder: Path, name: str, seed: int) -> None:
         "parameters": sum(p.numel() for p in model.parameters()),
         "sft_steps": len(losses),
         "sft_stopped_by_validation": bool(stopped_at),
-        "stop_vision_accuracy": STOP_VISION_ACCURACY,
+        "stop_vision_accuracy": recipe.stop_vision_accuracy,
+        "boxed_every": recipe.boxed_every,
         "sft_batch": SFT_BATCH,
         "sft_lr": SFT_LR,
         "sft_final_loss": sum(losses[-10:]) / len(losses[-10:]),
@@ -108,8 +120,9 @@ def _write_testbed(folder: Path, name: str, seed: int) -> None:
 def build_testbed(name: str = "shapes", seed: int = 0, cache_dir: str | Path | None = None) -> Path:
     """Build (or reuse) the warm-started testbed policy and return its folder, loadable with ``load_vlm``.
 
-    Cached under ``<cache>/testbed-<name>-seed<seed>-v<version>`` with a completion marker written last (see
-    ``build_cached``). Its ``testbed_card.json`` holds the held-out accuracies measured at build time.
+    Cached under ``<cache>/testbed-<name>-seed<seed>-v<version>`` (``~/.cache/papo_nb`` or ``PAPO_NB_CACHE``: one
+    build per machine, shared by every run and clone) with a completion marker written last (see ``build_cached``).
+    Its ``testbed_card.json`` holds the held-out accuracies measured at build time.
     """
     if name not in TESTBEDS:
         raise ValueError(f"testbed name={name!r} is unknown; allowed: {list(TESTBEDS)}")

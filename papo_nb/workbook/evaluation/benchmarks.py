@@ -18,6 +18,7 @@ official ``problem``/``answer``/``images`` schema.
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from statistics import mean
 
@@ -139,8 +140,11 @@ def evaluate_benchmark(
     model, processor, rows: datasets.Dataset, *, samples: int, max_new_tokens: int, mask_ratio: float, seed: int,
     batch_size: int = 8,
 ) -> dict:  # fmt: skip
-    """avg@``samples`` (temperature 1.0, top_p 1.0) and greedy accuracy, on original and on masked images."""
+    """avg@``samples`` (temperature 1.0, top_p 1.0) and greedy accuracy, on original and on masked images; a
+    benchmark without rows (every prompt too long) scores NaN, which the tables print as "no items"."""
     answers = [str(a) for a in rows["answer"]]
+    if not answers:
+        return {"items": 0, "samples": samples, **dict.fromkeys(SCORE_KEYS, math.nan)}
     per_item = score_items(
         model, processor, list(rows["prompt"]), answers, [list(images) for images in rows["images"]],
         grade=math_accuracy_reward, samples=samples, max_new_tokens=max_new_tokens, mask_ratio=mask_ratio, seed=seed,
@@ -167,13 +171,21 @@ def summarise(per_benchmark: dict[str, dict], groups: dict[str, str]) -> list[di
     pools["overall"] = list(rows)
     for name, members in pools.items():
         if members:
-            rows.append({"name": name, "group": "summary", **{k: mean(r[k] for r in members) for k in SCORE_KEYS}})
+            rows.append({"name": name, "group": "summary", **{k: _mean_scored(members, k) for k in SCORE_KEYS}})
     return rows
+
+
+def _mean_scored(rows: list[dict], key: str) -> float:
+    """The mean over the benchmarks that had items (NaN when none had)."""
+    scored = [r[key] for r in rows if math.isfinite(r[key])]
+    return mean(scored) if scored else math.nan
 
 
 def mlflow_metrics(table: list[dict]) -> dict[str, float]:
     """``eval/<name>/<score>`` for every row of :func:`summarise`."""
-    return {f"eval/{row['name']}/{key}": float(row[key]) for row in table for key in SCORE_KEYS}
+    return {
+        f"eval/{row['name']}/{key}": float(row[key]) for row in table for key in SCORE_KEYS if math.isfinite(row[key])
+    }
 
 
 # --------------------------------------------------------------------------------------------
@@ -181,6 +193,8 @@ def mlflow_metrics(table: list[dict]) -> dict[str, float]:
 # --------------------------------------------------------------------------------------------
 
 SYNTHETIC_SUITE = {"shapes_one_figure": GENERAL, "shapes_two_figures": VISION_DEPENDENT}
+# eval_dataset testbed:<name>: the perception testbed's two splits in the official schema, asking for \boxed{}
+TESTBED_SUITE = {"testbed_text": GENERAL, "testbed_vision": VISION_DEPENDENT}
 
 
 def synthetic_suite(n: int, seed: int) -> datasets.DatasetDict:
@@ -193,6 +207,31 @@ def synthetic_suite(n: int, seed: int) -> datasets.DatasetDict:
             "shapes_two_figures": make_official_schema_dataset(n, seed=seed + 1, two_image_every=1),
         }
     )
+
+
+def testbed_suite(n: int, seed: int) -> datasets.DatasetDict:
+    """The perception testbed's task as two official-schema benchmarks: text-answerable (general) and
+    vision-dependent items, each asking for the answer in ``\\boxed{}``, graded by the official reward."""
+    from papo_nb.testbed.perception import make_official_perception_dataset
+
+    return datasets.DatasetDict(
+        {
+            "testbed_text": make_official_perception_dataset(n, seed=seed, kind="text"),
+            "testbed_vision": make_official_perception_dataset(n, seed=seed + 1, kind="vision"),
+        }
+    )
+
+
+def local_suite(eval_dataset: str, n: int, seed: int) -> datasets.DatasetDict | None:
+    """The benchmarks built here for ``eval_dataset`` ``synthetic`` or ``testbed:<name>``; None for any other
+    source (a hub id or a folder, loaded by ``load_benchmark``)."""
+    from papo_nb.testbed.perception import testbed_name
+
+    if eval_dataset == "synthetic":
+        return synthetic_suite(n, seed)
+    if testbed_name(eval_dataset) is not None:
+        return testbed_suite(n, seed)
+    return None
 
 
 def load_eval_policy(params):
@@ -223,16 +262,16 @@ def load_eval_policy(params):
 
 def benchmark_rows(params, processor) -> dict[str, tuple[datasets.Dataset, str, dict]]:
     """{benchmark: (TRL-ready rows, group, filter report)} for ``eval_benchmarks`` of ``eval_dataset``
-    (``synthetic``: the local test set)."""
+    (``synthetic``: the local test set; ``testbed:<name>``: the perception testbed's splits)."""
     from papo_nb.workbook.recipe.data import prepare_split
 
     groups = parse_benchmarks(params.eval_benchmarks)
-    suite = synthetic_suite(params.n_eval_prompts, params.seed) if params.eval_dataset == "synthetic" else None
+    suite = local_suite(params.eval_dataset, params.n_eval_prompts, params.seed)
     out = {}
     for name, group in groups.items():
         if suite is not None and name not in suite:
             raise RecipeDataError(
-                f"parameter 'eval_benchmarks' names {name!r}; eval_dataset 'synthetic' has {sorted(suite)}"
+                f"parameter 'eval_benchmarks' names {name!r}; eval_dataset {params.eval_dataset!r} has {sorted(suite)}"
             )
         raw = suite[name] if suite is not None else load_benchmark(params.eval_dataset, name)
         rows, report = prepare_split(

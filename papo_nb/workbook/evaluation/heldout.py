@@ -25,7 +25,9 @@ def mask_images(images: list, mask_ratio: float, seed: int) -> list:
 def evaluate_image_reliance(
     model, processor, dataset, *, mask_ratio: float = 0.6, seed: int = 0, max_new_tokens: int = 16
 ) -> dict:
-    """Accuracy on original images, on images masked the official way (14x14 squares), and the gap.
+    """Greedy accuracy on original images, on images masked the official way (14x14 squares), and the gap, over all
+    items and, for a dataset split by vision dependency (a ``vision_dependent`` column, the testbed's task), per split
+    (``<key>/vision`` and ``<key>/text``, with ``items/<split>``).
 
     Shapes rows (one ``image``) are graded by the shapes reward; official-schema rows (``images`` lists, from
     ``recipe_data``) by the official boxed-answer grader."""
@@ -37,16 +39,26 @@ def evaluate_image_reliance(
         prompts, answers = list(dataset["prompt"]), list(dataset["answer"])
         originals = [list(images) for images in dataset["images"]] if official else list(dataset["image"])
         masked = mask_images(originals, mask_ratio, seed)
-        scores = {}
+        rewards = {}
         for name, images in (("original", originals), ("masked", masked)):
             completions = generate_answers(model, processor, prompts, images, max_new_tokens=max_new_tokens)
-            scores[name] = sum(grade(completions, answers)) / len(answers)
+            rewards[name] = grade(completions, answers)
     finally:
         model.train(was_training)
-    return {
-        "accuracy_original": scores["original"],
-        "accuracy_masked": scores["masked"],
-        "image_reliance_gap": scores["original"] - scores["masked"],
-        "items": len(answers),
-        "mask_ratio": mask_ratio,
-    }
+    splits = {"": range(len(answers))}
+    if "vision_dependent" in dataset.column_names:
+        vision = list(dataset["vision_dependent"])
+        splits["/vision"] = [i for i, v in enumerate(vision) if v]
+        splits["/text"] = [i for i, v in enumerate(vision) if not v]
+    result: dict[str, float] = {}
+    for suffix, keep in splits.items():
+        if not keep:
+            continue
+        original = sum(rewards["original"][i] for i in keep) / len(keep)
+        masked_accuracy = sum(rewards["masked"][i] for i in keep) / len(keep)
+        result[f"accuracy_original{suffix}"] = original
+        result[f"accuracy_masked{suffix}"] = masked_accuracy
+        result[f"image_reliance_gap{suffix}"] = original - masked_accuracy
+        result[f"items{suffix}"] = len(keep)
+    result["mask_ratio"] = mask_ratio
+    return result

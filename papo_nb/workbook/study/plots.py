@@ -78,8 +78,9 @@ def plot_sweep(study: Study, ax) -> None:
     ax.legend(fontsize=8)
 
 
-def plot_accuracy(study: Study, kind: str = "avg_at_k") -> Figure:
-    """Held-out accuracy per arm and split, original vs masked images, with 95% CI over seeds."""
+def plot_accuracy(study: Study, kind: str = "avg_at_k", chance: float | None = None) -> Figure:
+    """Held-out accuracy per arm and split, original vs masked images, with 95% CI over seeds; ``chance``, if given,
+    is drawn on the vision-dependent panel, where a guesser's accuracy is known."""
     scores = study.scores()
     arms = list(scores)
     splits = [
@@ -100,6 +101,9 @@ def plot_accuracy(study: Study, kind: str = "avg_at_k") -> Figure:
                 halves.append(0.0 if math.isnan(half) else half)
             ax.bar([i + offset for i in range(len(arms))], centres, width, yerr=halves, capsize=3, label=condition,
                    alpha=1.0 if condition == "original" else 0.5)  # fmt: skip
+        if chance is not None and split == "vision":
+            ax.axhline(chance, color="black", linestyle=":", linewidth=1, label=f"chance ({chance:.2f})")
+            ax.legend(fontsize=8)
         ax.set_xticks(range(len(arms)), arms, fontsize=8)
         ax.set_ylim(0, 1)
         ax.set_title(f"{kind} accuracy, {split} items", fontsize=10)

@@ -189,9 +189,31 @@ PAPER_CLAIMS = {
 }
 
 
-def _verdict(diff: float, p_value: float, alpha: float = 0.05) -> str:
+NOT_MEASURABLE = "not measurable: policy at chance"
+NO_ITEMS = "no items"
+
+
+def at_chance(values: list[float], chance: float, items: int, confidence: float = 0.95) -> bool:
+    """True when an accuracy does not beat ``chance`` by more than its confidence interval, so no difference
+    between methods can show in it. The interval is the seeds' Student-t interval with 2 or more seeds, else the
+    binomial interval of a guesser's accuracy on ``items`` items (normal approximation)."""
+    if not values:
+        return True
+    centre, half = mean_ci(values, confidence)
+    if not math.isfinite(half):
+        z = float(stats.norm.ppf(0.5 + confidence / 2))
+        half = z * math.sqrt(chance * (1 - chance) / max(items, 1))
+    return centre <= chance + half
+
+
+ONE_SEED = "not tested: one seed (a paired test needs 2 or more)"
+
+
+def _verdict(diff: float, p_value: float, alpha: float = 0.05, pairs: int = 2) -> str:
     if not math.isfinite(diff):
-        return "not measured"
+        return NO_ITEMS
+    if pairs < 2:
+        return ONE_SEED
     if diff <= 0:
         return "does not hold here"
     if math.isfinite(p_value) and p_value < alpha:
@@ -199,19 +221,41 @@ def _verdict(diff: float, p_value: float, alpha: float = 0.05) -> str:
     return "same direction, not significant here"
 
 
+def _paired_p(test: dict) -> str:
+    return f"paired p = {test['p_value']:.3g}" if math.isfinite(test["p_value"]) else "no p-value: one seed"
+
+
+def _percent(treatment: float, control: float) -> str:
+    """The relative change as text; with a control at 0 there is none to state."""
+    change = _relative(treatment, control)
+    return f"{change:+.1f}%" if math.isfinite(change) else "no relative change (control at 0)"
+
+
 def _relative(treatment: float, control: float) -> float:
     return 100.0 * (treatment - control) / control if control else math.nan
 
 
-def claims_table(results: dict[str, dict[int, dict]], collapse: dict[str, dict[int, dict]], arms: dict) -> list[dict]:
+def claims_table(
+    results: dict[str, dict[int, dict]], collapse: dict[str, dict[int, dict]], arms: dict, *, chance: float,
+    vision_items: int,
+) -> list[dict]:  # fmt: skip
     """Rows (claim, paper, here, verdict). ``arms`` names the control, treatment and collapse arms; the metric
-    names are those of ``study.evaluate_policy``."""
+    names are those of ``study.evaluate_policy``. ``chance`` is a guesser's accuracy on the ``vision_items``
+    vision-dependent held-out items: when the control or the treatment arm does not beat it (``at_chance``), nothing
+    the claims compare can be measured and every verdict says so (``NOT_MEASURABLE``), never "does not hold"."""
     control, treatment, collapsing = arms["control"], arms["treatment"], arms["collapse"]
+    vision_metric = "avg_at_k/original/vision"
+    blind = [
+        arm
+        for arm in (control, treatment)
+        if at_chance([r[vision_metric] for r in results.get(arm, {}).values() if vision_metric in r], chance,
+                     vision_items)
+    ]  # fmt: skip
 
     def compare(metric: str):
         seeds = sorted(s for s in set(results[control]) & set(results[treatment]) if metric in results[control][s])
         if not seeds:  # e.g. no text-answerable split in this dataset
-            return {"diff": math.nan, "p_value": math.nan}, math.nan, math.nan
+            return {"diff": math.nan, "p_value": math.nan, "pairs": 0}, math.nan, math.nan
         ours = [results[treatment][s][metric] for s in seeds]
         base = [results[control][s][metric] for s in seeds]
         return paired_test(ours, base), mean(ours), mean(base)
@@ -219,24 +263,24 @@ def claims_table(results: dict[str, dict[int, dict]], collapse: dict[str, dict[i
     rows = []
     for claim, metric in (("overall", "avg_at_k/original/all"), ("vision", "avg_at_k/original/vision")):
         test, ours, base = compare(metric)
-        here = f"{ours:.3f} vs {base:.3f}: {_relative(ours, base):+.1f}% (paired p = {test['p_value']:.3g})"
+        here = f"{ours:.3f} vs {base:.3f}: {_percent(ours, base)} ({_paired_p(test)})"
         rows.append(
             {
                 "claim": claim,
                 "paper": PAPER_CLAIMS[claim],
                 "here": here,
-                "verdict": _verdict(test["diff"], test["p_value"]),
+                "verdict": _verdict(test["diff"], test["p_value"], pairs=test["pairs"]),
             }
         )
     _, text_ours, text_base = compare("avg_at_k/original/text")
     vis_test, vis_ours, vis_base = compare("avg_at_k/original/vision")
     if math.isnan(text_ours):
         rows[-1]["here"] += "; no text-only split in this dataset to compare with"
-    elif _relative(vis_ours, vis_base) <= _relative(text_ours, text_base):
-        rows[-1]["here"] += f"; text-only split {_relative(text_ours, text_base):+.1f}%"
+    elif _relative(vis_ours, vis_base) <= _relative(text_ours, text_base) and rows[-1]["verdict"] != ONE_SEED:
+        rows[-1]["here"] += f"; text-only split {_percent(text_ours, text_base)}"
         rows[-1]["verdict"] = "does not hold here (gain not larger on the vision split)"
     else:
-        rows[-1]["here"] += f"; text-only split {_relative(text_ours, text_base):+.1f}%"
+        rows[-1]["here"] += f"; text-only split {_percent(text_ours, text_base)}"
     errors_ours, errors_base = 1 - vis_ours, 1 - vis_base
     reduction = -_relative(errors_ours, errors_base)
     rows.append({
@@ -244,15 +288,14 @@ def claims_table(results: dict[str, dict[int, dict]], collapse: dict[str, dict[i
         "paper": PAPER_CLAIMS["perception_errors"],
         "here": f"errors on vision-dependent items {errors_ours:.3f} vs {errors_base:.3f}: {reduction:+.1f}% fewer "
         "(proxy: the paper classified errors by hand)",
-        "verdict": _verdict(vis_test["diff"], vis_test["p_value"]),
+        "verdict": _verdict(vis_test["diff"], vis_test["p_value"], pairs=vis_test["pairs"]),
     })  # fmt: skip
     gap_test, gap_ours, gap_base = compare("avg_at_k/gap/vision")
     rows.append({
         "claim": "reliance",
         "paper": PAPER_CLAIMS["reliance"],
-        "here": f"original - masked accuracy, vision split: {gap_ours:.3f} vs {gap_base:.3f} (paired p = "
-        f"{gap_test['p_value']:.3g})",
-        "verdict": _verdict(gap_test["diff"], gap_test["p_value"]),
+        "here": f"original - masked accuracy, vision split: {gap_ours:.3f} vs {gap_base:.3f} ({_paired_p(gap_test)})",
+        "verdict": _verdict(gap_test["diff"], gap_test["p_value"], pairs=gap_test["pairs"]),
     })  # fmt: skip
     flagged = {arm: sum(r["collapsed"] for r in by_seed.values()) for arm, by_seed in collapse.items()}
     runs = {arm: len(by_seed) for arm, by_seed in collapse.items()}
@@ -263,6 +306,11 @@ def claims_table(results: dict[str, dict[int, dict]], collapse: dict[str, dict[i
         "here": ", ".join(f"{arm}: {flagged[arm]}/{runs[arm]} runs flagged" for arm in collapse),
         "verdict": "holds here" if collapse_holds else "does not hold here",
     })  # fmt: skip
+    if blind:
+        note = f"; {', '.join(blind)} at chance ({chance:.2f}) on vision-dependent items"
+        for row in rows:
+            row["here"] += note
+            row["verdict"] = NOT_MEASURABLE
     return rows
 
 
@@ -284,7 +332,13 @@ TABLE_METRICS = (
 
 
 def _pm(centre: float, half: float) -> str:
+    if not math.isfinite(centre):
+        return NO_ITEMS
     return f"{centre:.3f}" if math.isnan(half) else f"{centre:.3f} ± {half:.3f}"
+
+
+def _p(p_value: float) -> str:
+    return f"p={p_value:.2g}" if math.isfinite(p_value) else "p: needs 2+ seeds"
 
 
 def comparison_table(rows: list[dict], control: str) -> list[dict]:
@@ -296,7 +350,8 @@ def comparison_table(rows: list[dict], control: str) -> list[dict]:
         line[row["arm"]] = _pm(row["mean"], row["ci95"])
         if row["arm"] != control:
             diff = _pm(row[f"diff_vs_{control}"], row[f"diff_ci95_vs_{control}"])
-            line[f"{row['arm']} - {control}"] = f"{diff} (p={row[f'p_value_vs_{control}']:.2g})"
+            p_value = row[f"p_value_vs_{control}"]
+            line[f"{row['arm']} - {control}"] = diff if diff == NO_ITEMS else f"{diff} ({_p(p_value)})"
     return list(table.values())
 
 
