@@ -138,16 +138,23 @@ def test_claims_table_says_plainly_what_holds():
     }
     arms = {"control": "grpo", "treatment": "papo_g", "collapse": "papo_g_collapse"}
     better = {r["claim"]: r["verdict"] for r in claims_table(fake_results(0.05), collapse, arms, **CHANCE)}
-    assert better == {
-        "overall": "holds here",
-        "vision": "holds here",
-        "perception_errors": "holds here",
-        "reliance": "holds here",
+    assert better == {  # paired diffs 0.05, 0.06, 0.04 (vision twice that)
+        "overall": "detected (+0.050, p = 0.0131)",
+        "vision": "detected (+0.100, p = 0.0131)",
+        "perception_errors": "detected (+0.100, p = 0.0131)",
+        "reliance": "detected (+0.100, p = 0.0131)",
         "collapse": "holds here",
     }
     collapse["papo_g_collapse"] = {s: {"collapsed": False} for s in range(3)}
     worse = {r["claim"]: r["verdict"] for r in claims_table(fake_results(-0.05), collapse, arms, **CHANCE)}
-    assert worse["overall"] == "does not hold here" and worse["collapse"] == "does not hold here"
+    assert worse["overall"] == "detected (-0.050, p = 0.0131)" and worse["collapse"] == "does not hold here"
+    assert worse["vision"].endswith("; gain not larger on the vision split")
+    # paired diffs +0.01, -0.008, +0.004 (sd 0.0092): not detected, and the MDE of 3 pairs is 3.264 sd
+    noisy = fake_results(0.0)
+    for seed, shift in {0: 0.01, 1: -0.008, 2: 0.004}.items():
+        noisy["papo_g"][seed] = {k: v + shift for k, v in noisy["papo_g"][seed].items()}
+    null = {r["claim"]: r["verdict"] for r in claims_table(noisy, collapse, arms, **CHANCE)}
+    assert null["overall"] == "not detected (+0.002; MDE 0.030)"
 
 
 def test_a_policy_at_chance_makes_every_claim_not_measurable_never_false():
@@ -161,7 +168,7 @@ def test_a_policy_at_chance_makes_every_claim_not_measurable_never_false():
     assert "grpo at chance (0.25) on vision-dependent items" in rows[0]["here"]
     assert "nan" not in " ".join(r["here"] for r in rows)  # grpo at 0: no relative change to state
     # the same arms one notch above chance: the ordinary verdicts come back
-    assert claims_table(fake_results(-0.05), collapse, arms, **CHANCE)[0]["verdict"] == "does not hold here"
+    assert claims_table(fake_results(-0.05), collapse, arms, **CHANCE)[0]["verdict"] == "detected (-0.050, p = 0.0131)"
 
 
 def test_a_one_seed_study_says_it_tested_nothing_and_prints_no_nan():
@@ -242,8 +249,14 @@ def test_reduced_study_logs_nested_runs_figures_and_tables(reduced_study):
     artifacts = {
         a.path for folder in ("figures", "evidence") for a in client.list_artifacts(notebook_run.info.run_id, folder)
     }
-    assert {"figures/study_curves.png", "figures/study_accuracy.png"} <= artifacts
+    assert {"figures/study_curves.png", "figures/study_accuracy.png", "figures/study_dose_response.png"} <= artifacts
     assert {"evidence/study_table.json", "evidence/paper_claims.json", "evidence/collapse_sweep.json"} <= artifacts
+    assert {"evidence/dose_response.json", "evidence/dose_response.md", "evidence/study_power.json"} <= artifacts
+    dose = json.loads(
+        Path(client.download_artifacts(notebook_run.info.run_id, "evidence/dose_response.json")).read_text()
+    )
+    gamma_column = dose["columns"].index("gamma")
+    assert [row[gamma_column] for row in dose["data"]] == [0.0, 0.02, 20.0]  # GRPO, the recipe's, the sweep
     claims = json.loads(
         Path(client.download_artifacts(notebook_run.info.run_id, "evidence/paper_claims.json")).read_text()
     )
@@ -259,4 +272,4 @@ def test_claims_table_without_a_text_split_says_so():
     collapse = {arm: {s: {"collapsed": False} for s in range(3)} for arm in results}
     arms = {"control": "grpo", "treatment": "papo_g", "collapse": "papo_g_collapse"}
     vision = next(r for r in claims_table(results, collapse, arms, **CHANCE) if r["claim"] == "vision")
-    assert "no text-only split" in vision["here"] and vision["verdict"] == "holds here"
+    assert "no text-only split" in vision["here"] and vision["verdict"] == "detected (+0.100, p = 0.0131)"

@@ -81,3 +81,16 @@ def effect_verdict(diff: float, p_value: float, mde: float, alpha: float = ALPHA
         return f"detected ({diff:+.3f}, p = {p_value:.3g})"
     bound = f"MDE {mde:.3f}" if math.isfinite(mde) else "MDE unknown: seed spread not estimable"
     return f"not detected ({diff:+.3f}; {bound})"
+
+
+def power_table(results: dict[str, dict[int, dict]], metrics: list[str], control: str, treatment: str,
+                target: float = 0.02) -> list[dict]:  # fmt: skip
+    """Per headline metric: the treatment - control paired differences' spread over the seeds both arms ran, the
+    MDE at 80% power and the seeds it would take to bring it to ``target`` (the paper's gains are about 2 points)."""
+    rows = []
+    for metric in metrics:
+        seeds = sorted(s for s in set(results[control]) & set(results[treatment]) if metric in results[control][s])
+        ours = [results[treatment][s][metric] for s in seeds]
+        base = [results[control][s][metric] for s in seeds]
+        rows.append({"metric": metric, "target": target, **power_row(ours, base, target)})
+    return rows

@@ -14,6 +14,8 @@ from statistics import mean, median
 
 from scipy import stats
 
+from papo_nb.workbook.study.power import effect_verdict, power_row
+
 # --------------------------------------------------------------------------------------------
 # collapse detector
 # --------------------------------------------------------------------------------------------
@@ -209,16 +211,14 @@ def at_chance(values: list[float], chance: float, items: int, confidence: float 
 ONE_SEED = "not tested: one seed (a paired test needs 2 or more)"
 
 
-def _verdict(diff: float, p_value: float, alpha: float = 0.05, pairs: int = 2) -> str:
+def _verdict(diff: float, p_value: float, alpha: float = 0.05, pairs: int = 2, mde: float = math.nan) -> str:
+    """``detected (+x, p)`` or ``not detected (+x; MDE y)``: a null always carries the smallest effect the study
+    would have seen 80% of the time (``power.minimum_detectable_effect``)."""
     if not math.isfinite(diff):
         return NO_ITEMS
     if pairs < 2:
         return ONE_SEED
-    if diff <= 0:
-        return "does not hold here"
-    if math.isfinite(p_value) and p_value < alpha:
-        return "holds here"
-    return "same direction, not significant here"
+    return effect_verdict(diff, p_value, mde, alpha)
 
 
 def _paired_p(test: dict) -> str:
@@ -255,10 +255,10 @@ def claims_table(
     def compare(metric: str):
         seeds = sorted(s for s in set(results[control]) & set(results[treatment]) if metric in results[control][s])
         if not seeds:  # e.g. no text-answerable split in this dataset
-            return {"diff": math.nan, "p_value": math.nan, "pairs": 0}, math.nan, math.nan
+            return {"diff": math.nan, "p_value": math.nan, "pairs": 0, "mde": math.nan}, math.nan, math.nan
         ours = [results[treatment][s][metric] for s in seeds]
         base = [results[control][s][metric] for s in seeds]
-        return paired_test(ours, base), mean(ours), mean(base)
+        return {**paired_test(ours, base), "mde": power_row(ours, base)["mde"]}, mean(ours), mean(base)
 
     rows = []
     for claim, metric in (("overall", "avg_at_k/original/all"), ("vision", "avg_at_k/original/vision")):
@@ -269,7 +269,7 @@ def claims_table(
                 "claim": claim,
                 "paper": PAPER_CLAIMS[claim],
                 "here": here,
-                "verdict": _verdict(test["diff"], test["p_value"], pairs=test["pairs"]),
+                "verdict": _verdict(test["diff"], test["p_value"], pairs=test["pairs"], mde=test["mde"]),
             }
         )
     _, text_ours, text_base = compare("avg_at_k/original/text")
@@ -278,7 +278,7 @@ def claims_table(
         rows[-1]["here"] += "; no text-only split in this dataset to compare with"
     elif _relative(vis_ours, vis_base) <= _relative(text_ours, text_base) and rows[-1]["verdict"] != ONE_SEED:
         rows[-1]["here"] += f"; text-only split {_percent(text_ours, text_base)}"
-        rows[-1]["verdict"] = "does not hold here (gain not larger on the vision split)"
+        rows[-1]["verdict"] += "; gain not larger on the vision split"
     else:
         rows[-1]["here"] += f"; text-only split {_percent(text_ours, text_base)}"
     errors_ours, errors_base = 1 - vis_ours, 1 - vis_base
@@ -288,14 +288,14 @@ def claims_table(
         "paper": PAPER_CLAIMS["perception_errors"],
         "here": f"errors on vision-dependent items {errors_ours:.3f} vs {errors_base:.3f}: {reduction:+.1f}% fewer "
         "(proxy: the paper classified errors by hand)",
-        "verdict": _verdict(vis_test["diff"], vis_test["p_value"], pairs=vis_test["pairs"]),
+        "verdict": _verdict(vis_test["diff"], vis_test["p_value"], pairs=vis_test["pairs"], mde=vis_test["mde"]),
     })  # fmt: skip
     gap_test, gap_ours, gap_base = compare("avg_at_k/gap/vision")
     rows.append({
         "claim": "reliance",
         "paper": PAPER_CLAIMS["reliance"],
         "here": f"original - masked accuracy, vision split: {gap_ours:.3f} vs {gap_base:.3f} ({_paired_p(gap_test)})",
-        "verdict": _verdict(gap_test["diff"], gap_test["p_value"], pairs=gap_test["pairs"]),
+        "verdict": _verdict(gap_test["diff"], gap_test["p_value"], pairs=gap_test["pairs"], mde=gap_test["mde"]),
     })  # fmt: skip
     flagged = {arm: sum(r["collapsed"] for r in by_seed.values()) for arm, by_seed in collapse.items()}
     runs = {arm: len(by_seed) for arm, by_seed in collapse.items()}
