@@ -18,19 +18,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import papermill
-import yaml
-from mlflow import MlflowClient
-from mlflow.entities import Param
-from papermill.exceptions import PapermillExecutionError
-
-from papo_nb.infra.tracking import (
+# tracking first: it turns MLflow's telemetry off before mlflow is imported
+from papo_nb.infra.tracking import (  # isort: skip
     EXPERIMENT_NAME,
     absolute_tracking_uri,
     default_tracking_uri,
     ensure_experiment,
     tracking_client,
 )
+import papermill
+import yaml
+from mlflow import MlflowClient
+from mlflow.entities import Param
+from papermill.exceptions import PapermillExecutionError
+
 from papo_nb.workbook.config.params import ParamsError, WorkbookParams, load_params, preflight_problems
 
 # Values the runner supplies to any notebook that declares them, on top of the WorkbookParams fields.
