@@ -291,6 +291,12 @@ class ReviewCallback(TrainerCallback):
             return
         if self.monitor is not None:
             self.monitor.finish()
+            # Its loop drops the sample collected before the stop; publish it, so a run shorter than the interval
+            # still has one.
+            last = self.monitor.aggregate_metrics()
+            if last:
+                self.monitor.publish_metrics(last)
+                self.monitor.mlflow_logger.flush()
         self.log_table(state.global_step)  # the end of training, when its last step was not a logging step
         if self.costs:
             seconds = [c["seconds"] for c in self.costs]
