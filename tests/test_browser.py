@@ -264,9 +264,10 @@ def test_mlflow_ui_shows_what_a_reviewer_of_the_training_run_needs(chromium, smo
         parent_row.get_by_role("gridcell").filter(has=page.get_by_role("link", name=parent)).get_by_role(
             "button"
         ).first.click()  # the [+] before the workbook run's name
-        training_row = page.get_by_role("row").filter(has=page.get_by_role("link", name="03_training_run"))
-        expect(training_row).to_contain_text("synthetic-train")
-        expect(page.get_by_role("columnheader", name="Dataset")).to_be_visible()
+        # (the grid draws a row twice, pinned and scrolling parts, both with the run id)
+        training_row = page.locator(f"[role=row][row-id='{training.info.run_id}']").filter(has_text="synthetic-train")
+        expect(training_row.first).to_be_visible()
+        expect(page.get_by_role("columnheader", name="Dataset").first).to_be_visible()
         shoot(page, "mlflow_7_landing_datasets")
 
         # 2. Notebook 03's completions table: prompt, completion, rewards, the original and the masked image drawn.

@@ -147,9 +147,10 @@ def evaluate_benchmark(
         grade=math_accuracy_reward, samples=samples, max_new_tokens=max_new_tokens, mask_ratio=mask_ratio, seed=seed,
         batch_size=batch_size,
     )  # fmt: skip
-    images = [list(i) for i in rows["images"]]
+    shown = rows.select(range(min(eval_review.REVIEW_ROWS, len(rows))))  # their masks are the scored ones (seeds)
+    images = [list(i) for i in shown["images"]]
     eval_review.log_heldout_completions(
-        model, processor, eval_review.benchmark_name(rows), list(rows["prompt"]), images,
+        model, processor, eval_review.benchmark_name(rows), list(shown["prompt"]), images,
         mask_images(images, mask_ratio, seed), answers, grade=math_accuracy_reward, max_new_tokens=max_new_tokens,
     )  # fmt: skip
     scores: dict[str, float] = {"items": len(answers), "samples": samples}

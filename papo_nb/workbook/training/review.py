@@ -23,6 +23,7 @@ from __future__ import annotations
 import shutil
 import tempfile
 import time
+import weakref
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
@@ -240,13 +241,19 @@ class ReviewCallback(TrainerCallback):
     """Logs the review material of the module docstring into the run active when training begins."""
 
     def __init__(self, trainer, datasets: dict[str, tuple[Any, str, str]]):
-        self.trainer, self.datasets = trainer, datasets
+        # A weak reference: the trainer holds this callback, and a cycle would keep a deleted trainer's model alive
+        # until the next garbage collection (the study deletes each trainer to free its memory).
+        self._trainer, self.datasets = weakref.ref(trainer), datasets
         self.run_id: str | None = None
         self.client: MlflowClient | None = None
         self.monitor = None
         self.models: dict[int, str] = {}  # step -> logged model id
         self.costs: list[dict[str, Any]] = []  # per completions table: rows, images, pixels, seconds
         self.tables: set[int] = set()  # steps whose table is logged
+
+    @property
+    def trainer(self):
+        return self._trainer()
 
     @property
     def full_review(self) -> bool:
