@@ -2,6 +2,9 @@
 
 - the MLflow UI on the smoke workbook's store: the experiment, the workbook run with its nested notebook runs,
   the calibration plot rendered, the probe evidence JSON as text;
+- what a reviewer of the training run finds there (``papo_nb.workbook.training.review``): ``papo-nb ui``'s landing page
+  (the runs in the model-training view, the Dataset column filled), notebook 03's completions table with original
+  and masked images, a checkpoint's logged model with its held-out metrics, a system-metrics chart;
 - JupyterLab (``papo_nb.infra.servers.serve_jupyterlab``) on a copy of the notebooks: 01 opened and run with
   Run > Run All Cells until its verdict line shows.
 
@@ -26,7 +29,7 @@ from pathlib import Path
 import pytest
 from mlflow import MlflowClient
 
-from papo_nb.infra.servers import serve_jupyterlab, serve_mlflow_ui
+from papo_nb.infra.servers import serve_jupyterlab, serve_mlflow_ui, server_base
 from papo_nb.infra.tracking import EXPERIMENT_NAME
 
 pytestmark = pytest.mark.browser
@@ -150,7 +153,8 @@ def test_mlflow_ui_shows_the_workbook_its_notebook_runs_the_calibration_plot_and
     _hide_mlflow_assistant(browser)
     page = browser.new_page()
 
-    with serve_mlflow_ui(tracking_uri=smoke_workbook.tracking_uri) as url:
+    with serve_mlflow_ui(tracking_uri=smoke_workbook.tracking_uri) as landing:
+        url = server_base(landing)
         # 1. The experiments list names the workbook's experiment; following its link opens it.
         page.goto(f"{url}/#/experiments")
         experiment_link = page.get_by_role("link", name=EXPERIMENT_NAME, exact=True)
@@ -221,6 +225,83 @@ def test_mlflow_ui_shows_the_workbook_its_notebook_runs_the_calibration_plot_and
         for text in ('"status": "passed"', '"loss_bit_equal": true', '"passed": true', '"perception_kl": '):
             expect(shown).to_contain_text(text)
         shoot(page, "mlflow_6_probe_evidence")
+
+
+def _decoded_images(page, locator, at_least: int) -> list[tuple[int, int]]:
+    """Wait until ``at_least`` of the images ``locator`` finds are decoded; their natural sizes."""
+    page.wait_for_function(
+        "([sel, n]) => Array.from(document.querySelectorAll(sel)).filter(i => i.complete && i.naturalWidth > 0)"
+        ".length >= n",
+        arg=[locator, at_least],
+    )
+    return page.eval_on_selector_all(locator, "imgs => imgs.map(i => [i.naturalWidth, i.naturalHeight])")
+
+
+def test_mlflow_ui_shows_what_a_reviewer_of_the_training_run_needs(chromium, smoke_workbook, browser, shoot):
+    import mlflow
+
+    expect = _expect()
+    client = MlflowClient(smoke_workbook.tracking_uri)
+    experiment_id = client.get_experiment_by_name(EXPERIMENT_NAME).experiment_id
+    runs = {nb.name: nb.run_id for nb in smoke_workbook.notebooks}
+    training = client.get_run(runs["03_training_run"])
+    # In the store: the study's and the sweep's runs carry gamma and seed as parameters, for MLflow's compare view.
+    study_runs = client.search_runs([experiment_id], "tags.`papo_nb.kind` = 'study_run'")
+    assert study_runs and all({"gamma", "seed"} <= set(r.data.params) for r in study_runs)
+    assert any(r.data.params["arm"] == "sweep" for r in study_runs)
+    ml_view = "?workflowType=machine_learning"
+    _hide_mlflow_assistant(browser)
+    page = browser.new_page()
+
+    with serve_mlflow_ui(tracking_uri=smoke_workbook.tracking_uri) as landing:
+        url = server_base(landing)
+        # 1. papo-nb ui's page: the experiment's runs, model-training view; the training run's Dataset column.
+        assert landing.startswith(f"{url}/#/experiments/{experiment_id}/runs?workflowType=machine_learning")
+        page.goto(landing)
+        parent = client.get_run(smoke_workbook.parent_run_id).info.run_name
+        parent_row = page.get_by_role("row").filter(has_text=parent)
+        expect(parent_row).to_be_visible()
+        parent_row.get_by_role("gridcell").filter(has=page.get_by_role("link", name=parent)).get_by_role(
+            "button"
+        ).first.click()  # the [+] before the workbook run's name
+        # (the grid draws a row twice, pinned and scrolling parts, both with the run id)
+        training_row = page.locator(f"[role=row][row-id='{training.info.run_id}']").filter(has_text="synthetic-train")
+        expect(training_row.first).to_be_visible()
+        expect(page.get_by_role("columnheader", name="Dataset").first).to_be_visible()
+        shoot(page, "mlflow_7_landing_datasets")
+
+        # 2. Notebook 03's completions table: prompt, completion, rewards, the original and the masked image drawn.
+        table = f"completions/step_{1:05d}.json"
+        page.goto(f"{url}/#/experiments/{experiment_id}/runs/{training.info.run_id}/artifacts/{table}{ml_view}")
+        expect(page.get_by_text(table, exact=True)).to_be_visible()
+        for column in ("prompt", "image", "masked_image", "completion", "advantage"):
+            expect(page.get_by_text(column, exact=True).first).to_be_visible()
+        sizes = _decoded_images(page, "img[src^='blob:'], img[src*='table_images']", at_least=2)
+        assert len(sizes) >= 2 and all(w > 0 and h > 0 for w, h in sizes), sizes
+        shoot(page, "mlflow_8_completions_table")
+
+        # 3. The last checkpoint's logged model lists the held-out metrics notebook 03 measured on it.
+        mlflow.set_tracking_uri(smoke_workbook.tracking_uri)
+        models = mlflow.search_logged_models(experiment_ids=[experiment_id], output_format="list")
+        final = max(
+            (m for m in models if m.source_run_id == training.info.run_id), key=lambda m: int(m.tags["papo_nb.step"])
+        )
+        assert {"eval/accuracy_original", "eval/accuracy_masked", "eval/image_reliance_gap"} <= {
+            m.key for m in final.metrics
+        }
+        page.goto(f"{url}/#/experiments/{experiment_id}/models/{final.model_id}{ml_view}")
+        expect(page.get_by_text(final.name).first).to_be_visible()
+        expect(page.get_by_text("eval/image_reliance_gap", exact=True)).to_be_visible()
+        shoot(page, "mlflow_9_logged_model_metrics")
+        page.goto(f"{url}/#/experiments/{experiment_id}/models{ml_view}")
+        expect(page.get_by_role("link", name=final.name)).to_be_visible()
+        shoot(page, "mlflow_10_logged_models")
+
+        # 4. The training run's system metrics are drawn as charts.
+        page.goto(f"{url}/#/experiments/{experiment_id}/runs/{training.info.run_id}/system-metrics{ml_view}")
+        expect(page.get_by_text("cpu_utilization_percentage", exact=True)).to_be_visible()
+        expect(page.locator("svg.main-svg").first).to_be_visible()
+        shoot(page, "mlflow_11_system_metrics")
 
 
 # --------------------------------------------------------------------------------------------

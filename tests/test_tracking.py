@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import subprocess
 import sys
 import textwrap
@@ -146,3 +147,29 @@ def test_fresh_store_opened_by_three_processes_at_once(tmp_path):
     assert len({out.strip() for out, _ in results}) == 1  # one experiment
     runs = MlflowClient(uri).search_runs([results[0][0].strip()])
     assert sorted(r.info.run_name for r in runs) == ["p0", "p1", "p2"]
+
+
+TELEMETRY_CHECK = textwrap.dedent(
+    """
+    import os
+    import sys
+
+    import papo_nb.infra.tracking  # noqa: F401
+    from mlflow.telemetry import get_telemetry_client
+    from mlflow.telemetry.utils import is_telemetry_disabled
+
+    print(is_telemetry_disabled(), get_telemetry_client(), os.environ.get("MLFLOW_DISABLE_TELEMETRY"), sys.argv[1])
+    """
+)
+
+
+def test_importing_the_tracking_module_turns_mlflow_telemetry_off():
+    # MLflow itself stays quiet under pytest or CI: those variables are removed so that only ours count.
+    quiet = {"PYTEST_CURRENT_TEST", "GITHUB_ACTIONS", "CI", "CIRCLECI", "GITLAB_CI", "JENKINS_URL", "TRAVIS"}
+    quiet |= {"MLFLOW_DISABLE_TELEMETRY", "DO_NOT_TRACK"}
+    env = {k: v for k, v in os.environ.items() if k not in quiet and not k.startswith("BUILDKITE")}
+    out = subprocess.run(
+        [sys.executable, "-c", TELEMETRY_CHECK, "done"], env=env, capture_output=True, text=True, timeout=180
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["True", "None", "true", "done"]

@@ -18,6 +18,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+# tracking first: it turns MLflow's telemetry off before mlflow is imported
+from papo_nb.infra.tracking import (  # isort: skip
+    EXPERIMENT_NAME,
+    absolute_tracking_uri,
+    default_tracking_uri,
+    ensure_experiment,
+    tracking_client,
+)
 import papermill
 import yaml
 from mlflow import MlflowClient
@@ -25,13 +33,6 @@ from mlflow.entities import Param
 from papermill.exceptions import PapermillExecutionError
 
 from papo_nb.infra.notebook_start import LocalKernelManager
-from papo_nb.infra.tracking import (
-    EXPERIMENT_NAME,
-    absolute_tracking_uri,
-    default_tracking_uri,
-    ensure_experiment,
-    tracking_client,
-)
 from papo_nb.workbook.config.params import ParamsError, WorkbookParams, load_params, preflight_problems
 
 # Values the runner supplies to any notebook that declares them, on top of the WorkbookParams fields.

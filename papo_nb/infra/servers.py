@@ -23,7 +23,14 @@ from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager, suppress
 from pathlib import Path
 
-from papo_nb.infra.tracking import absolute_tracking_uri, artifacts_dir, default_tracking_uri, tracking_client
+from papo_nb.infra.tracking import (
+    TELEMETRY_OFF,
+    absolute_tracking_uri,
+    artifacts_dir,
+    default_tracking_uri,
+    ensure_experiment,
+    tracking_client,
+)
 
 
 def free_port(host: str) -> int:
@@ -75,6 +82,21 @@ def _mlflow_answers(url: str) -> bool:
         return False
 
 
+# The "Model training" view of an experiment's runs (MLflow 3.17 opens GenAI pages otherwise), newest first. Its
+# URL takes no column choice: the chosen columns live in the browser's localStorage (mlflow.sharedViewState.*).
+RUNS_VIEW_QUERY = "workflowType=machine_learning&orderByKey=attributes.start_time&orderByAsc=false"
+
+
+def runs_page(base_url: str, experiment_id: str) -> str:
+    """The url of an experiment's runs in MLflow's model-training view."""
+    return f"{base_url}/#/experiments/{experiment_id}/runs?{RUNS_VIEW_QUERY}"
+
+
+def server_base(url: str) -> str:
+    """``http://host:port`` of a url ``serve_mlflow_ui`` yielded."""
+    return url.split("/#/", 1)[0].rstrip("/")
+
+
 @contextmanager
 def serve_mlflow_ui(
     port: int | None = None,
@@ -82,14 +104,16 @@ def serve_mlflow_ui(
     tracking_uri: str | None = None,
     startup_timeout: float = 120.0,
 ) -> Iterator[str]:
-    """Run ``mlflow server`` (what ``mlflow ui`` runs) on the workbook store; yield its url once it answers.
+    """Run ``mlflow server`` (what ``mlflow ui`` runs) on the workbook store; once it answers, yield the url of the
+    workbook experiment's runs in the model-training view (``runs_page``; ``server_base`` gives the server's url).
 
-    Bound to ``host`` (local only by default) on ``port`` or a free one, one worker. Artifacts uploaded
-    through the server land in the same ``mlartifacts/`` as the runner's. On exit the server's whole
+    Bound to ``host`` (local only by default) on ``port`` or a free one, one worker, MLflow's telemetry off. Artifacts
+    uploaded through the server land in the same ``mlartifacts/`` as the runner's. On exit the server's whole
     process group (it starts uvicorn children) is terminated.
     """
     tracking_uri = absolute_tracking_uri(tracking_uri or default_tracking_uri())
     tracking_client(tracking_uri)  # create a fresh schema under our lock, not racing a workbook run
+    experiment_id = ensure_experiment(tracking_uri)  # the page to land on exists before anything ran
     port = port or free_port(host)
     url = f"http://{host}:{port}"
     command = [sys.executable, "-m", "mlflow", "server", "--backend-store-uri", tracking_uri]
@@ -98,12 +122,12 @@ def serve_mlflow_ui(
     if root is not None:
         command += ["--artifacts-destination", root.as_uri()]
     # The job runner (8 huey processes for GenAI evaluation jobs) is of no use here and slow to start.
-    env = {"MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false", **os.environ}
+    env = {"MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false", **TELEMETRY_OFF, **os.environ}
     # Its chatter goes to stderr (fd 2) so stdout keeps only what the caller prints, like the url.
     server = subprocess.Popen(command, env=env, start_new_session=True, stdin=subprocess.DEVNULL, stdout=2)
     try:
         wait_until_answers(server, lambda: _mlflow_answers(url), "mlflow server", url, startup_timeout)
-        yield url
+        yield runs_page(url, experiment_id)
     finally:
         stop_process_group(server)
 

@@ -21,11 +21,21 @@ from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
-import mlflow
 from filelock import FileLock
-from mlflow import MlflowClient
 
 import papo_nb
+
+# The store is local and nothing should call out: MLflow 3.17 reads these (mlflow/telemetry/utils.py) when it is
+# imported, and papermill kernels and the UI server inherit them. An explicit setting by the user is kept.
+TELEMETRY_OFF = {"MLFLOW_DISABLE_TELEMETRY": "true", "DO_NOT_TRACK": "true"}
+for _name, _value in TELEMETRY_OFF.items():
+    os.environ.setdefault(_name, _value)
+
+import mlflow  # noqa: E402
+from mlflow import MlflowClient  # noqa: E402
+from mlflow.telemetry import set_telemetry_client  # noqa: E402
+
+set_telemetry_client()  # mlflow imported before this module started its client already: re-read the settings
 
 EXPERIMENT_NAME = "papo_nb"
 DB_FILENAME = "mlflow.db"

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import textwrap
+from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
@@ -111,6 +112,8 @@ class PAPOGTrainer(GRPOTrainer):
         self.mask_generator = torch.Generator().manual_seed(self.args.mask_seed + self.args.process_index)
         self._mask_cache: dict[str, torch.Tensor] = {}
         self._mask_cache_round: int | None = None
+        # (prompt_ids, completion_ids, KL, H, H_masked) token means per completion of the latest rollouts, this rank
+        self.completion_perception: deque = deque(maxlen=self.args.generation_batch_size)
         # Which form the no-grad masked branch takes (shared prompt prefix or full forward); raises if asked for
         # the shared prefix where it cannot run.
         self.masked_forward_plan = shared_prefix.plan(self.args, self.model)
@@ -310,6 +313,10 @@ class PAPOGTrainer(GRPOTrainer):
         with torch.no_grad():
             sums = torch.stack([(zero_outside(x, mask) * mask).sum() for x in (per_token_kl, original_h, masked_h)])
             token_count = mask.sum()
+            rows = torch.stack([(zero_outside(x, mask) * mask).sum(1) for x in (per_token_kl, original_h, masked_h)])
+            rows = (rows / mask.sum(1).clamp(min=1.0)).T.tolist()
+            ids = zip(inputs["prompt_ids"].tolist(), inputs["completion_ids"].tolist(), strict=True)
+            self.completion_perception.extend((p, c, *r) for (p, c), r in zip(ids, rows, strict=True))
         terms = PerceptionTerms(
             perception_kl=self._normalise(per_token_kl, mask, inputs),
             original_entropy=self._normalise(original_h, mask, inputs),

@@ -27,6 +27,7 @@ import torch
 from PIL import Image
 
 from papo_nb.testbed.generation import generate_answers
+from papo_nb.workbook.evaluation import eval_review
 from papo_nb.workbook.evaluation.heldout import mask_images
 from papo_nb.workbook.recipe.data import EVAL_DATASET, RecipeDataError, load_official_dataset
 from papo_nb.workbook.recipe.reward import math_accuracy_reward
@@ -150,6 +151,12 @@ def evaluate_benchmark(
         grade=math_accuracy_reward, samples=samples, max_new_tokens=max_new_tokens, mask_ratio=mask_ratio, seed=seed,
         batch_size=batch_size,
     )  # fmt: skip
+    shown = rows.select(range(min(eval_review.REVIEW_ROWS, len(rows))))  # their masks are the scored ones (seeds)
+    images = [list(i) for i in shown["images"]]
+    eval_review.log_heldout_completions(
+        model, processor, eval_review.benchmark_name(rows), list(shown["prompt"]), images,
+        mask_images(images, mask_ratio, seed), answers, grade=math_accuracy_reward, max_new_tokens=max_new_tokens,
+    )  # fmt: skip
     scores: dict[str, float] = {"items": len(answers), "samples": samples}
     for kind in ("avg_at_k", "greedy"):
         scores[kind] = mean(per_item[f"{kind}/original"])
@@ -257,6 +264,7 @@ def load_eval_policy(params):
             model = PeftModel.from_pretrained(model, str(checkpoint)).merge_and_unload()
             described = f"LoRA adapter {checkpoint} merged into {params.model_name_or_path}"
     set_processor_pixel_bounds(processor, params.min_pixels, params.max_pixels)
+    eval_review.use_evaluated_model(params, checkpoint, described)  # the evaluation's metrics attach to it
     return model.eval(), processor, described
 
 
@@ -279,4 +287,5 @@ def benchmark_rows(params, processor) -> dict[str, tuple[datasets.Dataset, str, 
             max_pixels=params.max_pixels, max_prompt_length=params.max_prompt_length, limit=params.n_eval_prompts,
         )  # fmt: skip
         out[name] = (rows, group, report.to_dict())
+    eval_review.log_benchmark_inputs(params, out)
     return out

@@ -7,6 +7,7 @@ import torch
 from papo_nb.testbed.generation import generate_answers
 from papo_nb.testbed.raw_masks import mask_pil_squares
 from papo_nb.testbed.rewards import accuracy_reward
+from papo_nb.workbook.evaluation.eval_review import log_heldout_completions
 from papo_nb.workbook.recipe.reward import math_accuracy_reward
 
 
@@ -39,6 +40,8 @@ def evaluate_image_reliance(
         prompts, answers = list(dataset["prompt"]), list(dataset["answer"])
         originals = [list(images) for images in dataset["images"]] if official else list(dataset["image"])
         masked = mask_images(originals, mask_ratio, seed)
+        log_heldout_completions(model, processor, "heldout", prompts, originals, masked, answers, grade=grade,
+                                max_new_tokens=max_new_tokens)  # fmt: skip
         rewards = {}
         for name, images in (("original", originals), ("masked", masked)):
             completions = generate_answers(model, processor, prompts, images, max_new_tokens=max_new_tokens)

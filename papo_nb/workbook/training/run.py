@@ -14,6 +14,7 @@ from papo_nb.workbook.training.checkpoints import (
     latest_checkpoint,
     load_trainable_adapter,
 )
+from papo_nb.workbook.training.review import attach_review
 
 
 @dataclass
@@ -44,6 +45,7 @@ def prepare_training(params: WorkbookParams, output_dir: str | Path, *, report_t
         model, restored = load_trainable_adapter(model, params.init_adapter)
     args = papo_config(params, output_dir, processor, report_to=report_to, **config_overrides)
     trainer = build_trainer(params, args, model, processor, train_dataset)
+    attach_review(trainer, params, train_dataset, eval_dataset)  # completions, checkpoint models, lineage (MLflow)
     if params.reference_policy == "base" and "ref" in getattr(trainer.model, "peft_config", {}):
         # TRL 1.9.1 copied the loaded adapter into a frozen "ref" adapter (beta != 0); without it, TRL computes the
         # reference with adapters disabled: the base model. (Before train(), so before accelerate wraps the model.)
