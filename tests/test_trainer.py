@@ -336,9 +336,7 @@ def _rows_by_sample(batch, pixel_values):
 
 def test_one_mask_per_prompt_shared_across_its_rollouts_and_device_batches(policy, shapes_dataset, batch, tmp_path):
     trainer = make_trainer(policy, shapes_dataset, tmp_path)
-    keys = masking.prompt_keys(
-        batch["prompt_ids"], batch["prompt_mask"], batch["pixel_values"], batch["image_grid_thw"], batch["num_images"]
-    )
+    keys = masking.sample_keys(batch)
     assert len(set(keys)) == 2 and keys.count(keys[0]) == 4
     masked = _rows_by_sample(batch, trainer.masked_pixel_values(batch))
     for i in range(len(keys)):
