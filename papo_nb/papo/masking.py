@@ -6,11 +6,10 @@ into its input (upstream defect 3). Masked pixels are set to *black after normal
 channel, not to 0, which is the channel mean (upstream defect 2). The upstream v0.29.1 trainer masked only 4-D/5-D
 tensors and left Qwen-VL's 2-D rows unchanged (defect 1); here every layout below is masked by whole patches.
 
-TRL 1.9.1 forwards whatever the processor returns and slices it per sample in
-``_get_per_token_logps_and_entropies``:
-https://github.com/huggingface/trl/blob/v1.9.1/trl/trainer/grpo_trainer.py#L2436-L2490 and
-https://github.com/huggingface/trl/blob/v1.9.1/trl/trainer/grpo_trainer.py#L1466-L1497. The layouts it knows, and the
-families that produce them in transformers 5.24:
+TRL 1.9.1 forwards whatever the processor returns (grpo_trainer.py#L2436-L2490) and slices it per sample in
+``_get_per_token_logps_and_entropies`` (#L1466-L1497), both under
+https://github.com/huggingface/trl/blob/v1.9.1/trl/trainer/grpo_trainer.py. The layouts, and the families that produce
+them in transformers 5.24:
 
 - ``grid_rows``: 2-D patch rows ``(sum t*h*w, C*T*P*P)`` + ``image_grid_thw`` (Qwen2-VL, Qwen2.5-VL, Qwen3-VL,
   GLM-4V); the 4 patches of a 2x2 merge unit are consecutive rows.
@@ -62,9 +61,7 @@ def sample_row_ranges(image_grid_thw: torch.Tensor, num_images: Sequence[int]) -
     return _ranges([sum(rows[a:b]) for a, b in _ranges(num_images)])
 
 
-# --------------------------------------------------------------------------------------------
-# the patch map of a batch
-# --------------------------------------------------------------------------------------------
+# ---- the patch map of a batch ----
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -80,11 +77,6 @@ class PatchMap:
     expand: Callable[[torch.Tensor], torch.Tensor]  # patch-resolution bool -> bool broadcastable to pixel_values
     fill: torch.Tensor  # normalised black, broadcastable to pixel_values
     real_pixels: torch.Tensor  # bool broadcastable to pixel_values: pixels inside a real patch
-
-    def sample_units(self) -> list[tuple[int, int]]:
-        """The unit-id range of each sample (units are numbered sample by sample)."""
-        per_sample = [int(c.sum()) for c in torch.split(self.units_per_segment, self.segments_per_sample)]
-        return _ranges(per_sample)
 
     def sample_segments(self, i: int) -> torch.Tensor:
         start = sum(self.segments_per_sample[:i])
@@ -330,9 +322,7 @@ def patch_map(
     return PATCH_MAP_BUILDERS[layout](inputs, patch_size, black_pixel_values(image_mean, image_std), merge_size)
 
 
-# --------------------------------------------------------------------------------------------
-# a prompt's identity
-# --------------------------------------------------------------------------------------------
+# ---- a prompt's identity ----
 
 # Tensors that are indexed like pixel_values along dim 0 (same images/tiles): a sample's share of each is its image.
 _ROW_ALIGNED = ("pixel_values", "image_grid_thw", "pixel_attention_mask", "spatial_shapes", "image_sizes")

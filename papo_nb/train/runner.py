@@ -2,10 +2,10 @@
 
 ``run_training`` with ``num_processes > 1`` (outside a launcher) runs ``papo-nb train`` again under ``accelerate
 launch`` and reads the result back from the run folder; otherwise it trains in this process, or as one rank of
-the launched job (``train``). Either way the same code writes the start record (after the trainable-parameter
-check), the probe's evidence and its status tags.
+the launched job. Either way the same code writes the start record (after the trainable-parameter check), the
+probe's evidence and its status tags.
 
-``train`` refuses an output folder that already holds a run unless resuming; resuming picks the newest complete
+It refuses an output folder that already holds a run unless resuming; resuming picks the newest complete
 checkpoint (``integrity``), sets aside newer corrupt ones, refuses parameter changes that matter
 (``resume.resume_differences``) unless ``force_resume``, and re-attaches to the same MLflow run.
 """
@@ -120,8 +120,13 @@ def run_training(
     report_to: str = "mlflow",
 ) -> TrainOutcome:
     """Train (or resume) one run into ``output_dir``: on ``num_processes`` launched processes when it is > 1 and
-    this process is not one of them, else here. Raises LaunchError (nothing written) for a refused run, and
-    LaunchFailed when a launched job fails."""
+    this process is not one of them (the job runs ``papo-nb train``, that is this function, on every rank), else
+    here, as the whole run or as one rank of a launched job.
+
+    Raises LaunchError (nothing written) for an output folder that already holds a run without ``resume``, for
+    a resume whose parameters differ (``ResumeMismatch``) without ``force_resume``, or for a world size that is
+    not ``num_processes``; LaunchFailed when a launched job fails.
+    """
     if params.num_processes > 1 and not under_launcher():
         launched = launch_distributed(
             params,
@@ -132,33 +137,6 @@ def run_training(
             tracking_uri=tracking_uri,
         ).check()
         return TrainOutcome.from_summary(launched.output_dir, launched.summary())
-    return train(
-        params,
-        output_dir,
-        resume=resume,
-        force_resume=force_resume,
-        mlflow_run_id=mlflow_run_id,
-        tracking_uri=tracking_uri,
-        report_to=report_to,
-    )
-
-
-def train(
-    params: WorkbookParams,
-    output_dir: str | Path,
-    *,
-    resume: bool = False,
-    force_resume: bool = False,
-    mlflow_run_id: str = "",
-    tracking_uri: str | None = None,
-    report_to: str = "mlflow",
-) -> TrainOutcome:
-    """One process's training: the whole run, or one rank of a launched job (``run_training`` picks).
-
-    Raises LaunchError (nothing written) for an output folder that already holds a run without ``resume``, for
-    a resume whose parameters differ (``ResumeMismatch``) without ``force_resume``, or for a world size that is
-    not ``num_processes``.
-    """
     output_dir = Path(output_dir).resolve()
     is_main = process_rank() == 0
     if world_size() != params.num_processes:
