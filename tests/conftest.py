@@ -5,15 +5,31 @@ Imports sit inside the fixtures so test files that need neither skip loading tra
 
 import pytest
 
-# What a test uses decides its tier (markers registered in pyproject.toml): the fast tier deselects these.
-TIER_OF_FIXTURE = {"tiny_vlm_path": "model", "testbed_path": "model", "smoke_workbook": "notebook"}
+# Tiers are markers written on the test (registered in pyproject.toml; the fast tier deselects all four). A safety
+# net: a test that takes one of these fixtures but carries no tier marker would land in the fast tier, so collection
+# stops and names it.
+TIER_MARKERS = ("model", "slow", "notebook", "browser")
+MARKER_OF_FIXTURE = {"tiny_vlm_path": "model", "testbed_path": "model", "smoke_workbook": "notebook"}
+
+
+def unmarked_heavy_tests(items) -> list[str]:
+    """``nodeid: what to add`` for every test that uses a fixture of MARKER_OF_FIXTURE (its closure: fixtures used
+    through other fixtures count) without any tier marker."""
+    missing = []
+    for item in items:
+        if any(item.get_closest_marker(marker) is not None for marker in TIER_MARKERS):
+            continue
+        for fixture, marker in MARKER_OF_FIXTURE.items():
+            if fixture in item.fixturenames:
+                missing.append(f"{item.nodeid}: uses {fixture}, add @pytest.mark.{marker}")
+                break
+    return missing
 
 
 def pytest_collection_modifyitems(items):
-    for item in items:
-        for fixture, marker in TIER_OF_FIXTURE.items():
-            if fixture in item.fixturenames:  # the closure: fixtures used through other fixtures count
-                item.add_marker(marker)
+    missing = unmarked_heavy_tests(items)
+    if missing:
+        raise pytest.UsageError("tests without their tier marker:\n" + "\n".join(missing))
 
 
 @pytest.fixture(scope="session")

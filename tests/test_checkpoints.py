@@ -25,6 +25,7 @@ def test_no_checkpoint_is_none(tmp_path):
     assert latest_checkpoint(tmp_path) is None
 
 
+@pytest.mark.model
 def test_full_model_checkpoints_are_found_single_file_and_sharded(tiny, tmp_path):
     tiny.save_pretrained(tmp_path / "checkpoint-2")
     assert (tmp_path / "checkpoint-2" / "model.safetensors").is_file()
@@ -37,6 +38,7 @@ def test_full_model_checkpoints_are_found_single_file_and_sharded(tiny, tmp_path
     assert latest_checkpoint(tmp_path) == tmp_path / "checkpoint-10"
 
 
+@pytest.mark.model
 def test_adapter_checkpoints_are_still_found(tiny, tmp_path):
     tiny.save_pretrained(tmp_path / "checkpoint-1")
     peft_model = get_peft_model(tiny, LoraConfig(r=2, target_modules=["q_proj", "v_proj"]))
@@ -58,6 +60,7 @@ def resumable_full_model_checkpoint(model, folder, step: int, **save_kwargs):
     return folder
 
 
+@pytest.mark.model
 @pytest.mark.parametrize("shards", [False, True])
 def test_full_model_checkpoints_can_be_resumed_and_damage_is_named(tiny, tmp_path, shards):
     from papo_nb.train.integrity import checkpoint_problems, find_resume_checkpoint

@@ -11,7 +11,7 @@ from tiny_trainers import unit_params
 from transformers import PixtralImageProcessor
 from trl import GRPOTrainer
 
-from papo_nb.papo import masking, masking_layouts
+from papo_nb.papo import masking
 from papo_nb.testbed import families, models
 from papo_nb.workbook.config import params
 from papo_nb.workbook.training import builder
@@ -112,10 +112,10 @@ def test_tiny_family_names_agree_between_params_and_the_testbed():
 def test_each_family_mask_blackens_exactly_round_p_n_real_patches_and_no_padding(family_batch):
     family, processor, inputs = family_batch
     p = patch_size_of(family)
-    patches = masking_layouts.patch_map(inputs, patch_size=p, **_stats(processor))
+    patches = masking.patch_map(inputs, patch_size=p, **_stats(processor))
     assert patches.layout == LAYOUT_OF[family]
     before = {k: v.clone() for k, v in inputs.items() if isinstance(v, torch.Tensor)}
-    selected = masking_layouts.select_units(patches.units_per_segment, RATIO, torch.Generator().manual_seed(0))
+    selected = masking.select_units(patches.units_per_segment, RATIO, torch.Generator().manual_seed(0))
     masked = patches.apply(inputs["pixel_values"], selected)
     assert all(torch.equal(before[k], inputs[k]) for k in before), "input was modified"
     real, changed, outside = real_and_changed_patches(patches.layout, inputs, masked, p)
@@ -164,8 +164,8 @@ def test_tiles_with_padding_pixels_inside_a_tile_mask_only_the_real_part(family)
     padded["pixel_values"][1, ..., 24:] = 0
     padded["pixel_attention_mask"][1, ..., 24:] = 0
     p = patch_size_of(family)
-    patches = masking_layouts.patch_map(padded, patch_size=p, **_stats(processor))
-    masked = patches.apply(padded["pixel_values"], masking_layouts.select_units(patches.units_per_segment, 1.0, None))
+    patches = masking.patch_map(padded, patch_size=p, **_stats(processor))
+    masked = patches.apply(padded["pixel_values"], masking.select_units(patches.units_per_segment, 1.0, None))
     real, changed, outside = real_and_changed_patches("tiles", padded, masked, p)
     assert outside == 0 and changed == real
     n_tiles = inputs["pixel_values"].shape[1]
@@ -178,7 +178,7 @@ def test_tiles_with_padding_pixels_inside_a_tile_mask_only_the_real_part(family)
 def test_random_value_masks_stay_inside_real_patches(family_batch):
     family, processor, inputs = family_batch
     p = patch_size_of(family)
-    patches = masking_layouts.patch_map(inputs, patch_size=p, **_stats(processor))
+    patches = masking.patch_map(inputs, patch_size=p, **_stats(processor))
     pv = inputs["pixel_values"]
     coins = torch.rand(pv.shape, generator=torch.Generator().manual_seed(0)) < RATIO
     masked = patches.apply_values(pv, coins)
@@ -190,10 +190,8 @@ def test_random_value_masks_stay_inside_real_patches(family_batch):
 
 def test_mask_draw_is_seeded(family_batch):
     family, processor, inputs = family_batch
-    patches = masking_layouts.patch_map(inputs, patch_size=patch_size_of(family), **_stats(processor))
-    draw = lambda seed: masking_layouts.select_units(
-        patches.units_per_segment, RATIO, torch.Generator().manual_seed(seed)
-    )
+    patches = masking.patch_map(inputs, patch_size=patch_size_of(family), **_stats(processor))
+    draw = lambda seed: masking.select_units(patches.units_per_segment, RATIO, torch.Generator().manual_seed(seed))
     assert torch.equal(draw(3), draw(3)) and not torch.equal(draw(3), draw(4))
 
 
@@ -201,16 +199,12 @@ def test_pixtral_sized_images_mask_only_the_image_region():
     processor = PixtralImageProcessor(size={"longest_edge": 64}, patch_size=16)
     out = processor(images=[[im] for im in noise_images()], return_tensors="pt")
     inputs = {"pixel_values": out["pixel_values"], "image_sizes": out["image_sizes"], "num_images": [1, 1]}
-    assert masking_layouts.detect_layout(inputs) == "sized_images" and out["image_sizes"].tolist() == [
+    assert masking.detect_layout(inputs) == "sized_images" and out["image_sizes"].tolist() == [
         [64, 64],
         [32, 64],
     ]
-    patches = masking_layouts.patch_map(
-        inputs, patch_size=16, image_mean=processor.image_mean, image_std=processor.image_std
-    )
-    masked = patches.apply(
-        inputs["pixel_values"], masking_layouts.select_units(patches.units_per_segment, RATIO, None)
-    )
+    patches = masking.patch_map(inputs, patch_size=16, image_mean=processor.image_mean, image_std=processor.image_std)
+    masked = patches.apply(inputs["pixel_values"], masking.select_units(patches.units_per_segment, RATIO, None))
     real, changed, outside = real_and_changed_patches("sized_images", inputs, masked, 16)
     assert real == [16, 8] and changed == [round(RATIO * 16), round(RATIO * 8)] and outside == 0
 
@@ -231,7 +225,7 @@ def test_pixtral_sized_images_mask_only_the_image_region():
 )
 def test_an_unknown_layout_fails_naming_the_keys_and_shapes_it_saw(inputs, seen):
     with pytest.raises(ValueError, match="no patch layout matches") as info:
-        masking_layouts.patch_map(inputs, patch_size=14, image_mean=[0.5] * 3, image_std=[0.5] * 3)
+        masking.patch_map(inputs, patch_size=14, image_mean=[0.5] * 3, image_std=[0.5] * 3)
     assert seen in str(info.value) and "grid_rows, tile_rows, tiles, images, sized_images" in str(info.value)
 
 
@@ -239,18 +233,18 @@ def test_more_images_than_num_images_counts_fails_by_name():
     """Gemma3 pan-and-scan: crops arrive as extra images that num_images does not count."""
     inputs = {"pixel_values": torch.zeros(3, 3, 56, 56), "num_images": [1], "prompt_ids": torch.zeros(1, 4)}
     with pytest.raises(ValueError, match=r"pixel_values has 3 images for 1 samples and num_images=\[1\]"):
-        masking_layouts.patch_map(inputs, patch_size=14, image_mean=[0.5] * 3, image_std=[0.5] * 3)
+        masking.patch_map(inputs, patch_size=14, image_mean=[0.5] * 3, image_std=[0.5] * 3)
 
 
 def test_merge_units_exist_only_on_grid_rows():
     inputs = {"pixel_values": torch.zeros(2, 3, 56, 56), "num_images": [1, 1]}
     with pytest.raises(ValueError, match="merge_unit.*grid_rows.*images"):
-        masking_layouts.patch_map(inputs, patch_size=14, image_mean=[0.5] * 3, image_std=[0.5] * 3, merge_size=2)
+        masking.patch_map(inputs, patch_size=14, image_mean=[0.5] * 3, image_std=[0.5] * 3, merge_size=2)
 
 
 def test_select_units_counts_exactly_and_skips_empty_segments():
     counts = torch.tensor([10, 0, 7, 1, 0, 64])
-    chosen = masking_layouts.select_units(counts, RATIO, torch.Generator().manual_seed(0))
+    chosen = masking.select_units(counts, RATIO, torch.Generator().manual_seed(0))
     per_segment = [int(c.sum()) for c in chosen.split(counts.tolist())]
     assert per_segment == [round(RATIO * n) for n in counts.tolist()]
 
@@ -322,7 +316,7 @@ def test_gamma_zero_is_the_parent_bit_for_bit_and_masks_are_shared_per_prompt(fa
     assert torch.equal(before, batch["pixel_values"]) and not torch.equal(masked, before)
     patches = papo.batch_patch_map(batch)
     assert patches.layout == LAYOUT_OF[family] and patches.patch_size == patch_size_of(family)
-    keys = masking_layouts.sample_keys(batch, patches)
+    keys = masking.sample_keys(batch)
     pieces = [masked[a:b] for a, b in patches.sample_rows]
     first = {}
     for key, piece in zip(keys, pieces, strict=True):

@@ -30,7 +30,7 @@ from papo_nb.train.run_folder import (
     SUMMARY_FILE,
     read_run_info,
 )
-from papo_nb.train.runner import train
+from papo_nb.train.runner import run_training
 from papo_nb.workbook.config.params import load_params
 from papo_nb.workbook.training.checkpoints import checkpoint_step
 
@@ -296,15 +296,15 @@ def test_force_resume_accepts_and_records_the_changes(killed_and_resumed, tmp_pa
     shutil.rmtree(out / f"checkpoint-{MAX_STEPS}")  # so that steps remain to be trained
     params = load_params(SMOKE, [o for o in RUN if o != "-p"] + ["mask_ratio=0.5"])
     with pytest.raises(ResumeMismatch, match=r"mask_ratio: 0.6 \(original\) -> 0.5 \(now\)"):
-        train(params, out, resume=True, tracking_uri=k["uri"])
-    outcome = train(params, out, force_resume=True, tracking_uri=k["uri"])
+        run_training(params, out, resume=True, tracking_uri=k["uri"])
+    outcome = run_training(params, out, force_resume=True, tracking_uri=k["uri"])
     assert outcome.resumed_from == out / f"checkpoint-{MAX_STEPS - SAVE_STEPS}" and outcome.global_step == MAX_STEPS
     assert outcome.mlflow_run_id == k["info_before"]["mlflow_run_id"]
     assert read_run_info(out)["attempts"][-1]["forced_parameter_changes"] == {"mask_ratio": [0.6, 0.5]}
     assert yaml.safe_load((out / PARAMS_FILE).read_text())["mask_ratio"] == 0.5
 
     # a complete run resumed stays complete (the Trainer alone would run one step past max_steps)
-    again = train(params, out, resume=True, tracking_uri=k["uri"])
+    again = run_training(params, out, resume=True, tracking_uri=k["uri"])
     assert again.global_step == MAX_STEPS and again.trainer is None
 
 

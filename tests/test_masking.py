@@ -1,4 +1,7 @@
-"""Masking really changes Qwen's 2-D pixel_values, to black, without touching its input."""
+"""The trainer's masking on Qwen's 2-D pixel_values (``patch_map``, ``select_units``, ``PatchMap.apply``): whole
+patches turn black after normalisation, the input is never written; a prompt's identity finds its rollouts.
+
+The other layouts, on each family's real processor, are in test_families.py."""
 
 import numpy as np
 import pytest
@@ -26,13 +29,30 @@ def _stats(processor):
     return dict(image_mean=processor.image_mean, image_std=processor.image_std)
 
 
+def _batch(pixel_values, grid, num_images=(1, 1)):
+    """A two-sample grid_rows batch, one image each, as TRL's ``_compute_loss`` receives it."""
+    n = len(num_images)
+    return {
+        "prompt_ids": torch.tensor([[0, 5, 6]] * n),
+        "prompt_mask": torch.ones(n, 3, dtype=torch.long),
+        "pixel_values": pixel_values,
+        "image_grid_thw": grid,
+        "num_images": list(num_images),
+    }
+
+
+def _mask(processor, pixel_values, grid, ratio, seed=0, merge_size=1):
+    patches = masking.patch_map(_batch(pixel_values, grid), patch_size=14, merge_size=merge_size, **_stats(processor))
+    chosen = masking.select_units(patches.units_per_segment, ratio, torch.Generator().manual_seed(seed))
+    return patches, patches.apply(pixel_values, chosen)
+
+
 def test_patch_mask_changes_2d_qwen_pixel_values_to_black(processed):
     processor, pixel_values, grid = processed
     assert pixel_values.dim() == 2 and grid.tolist() == [[1, 8, 8], [1, 4, 4]]
     original = pixel_values.clone()
-    masked = masking.mask_patches(
-        pixel_values, grid, 0.6, generator=torch.Generator().manual_seed(0), **_stats(processor)
-    )
+    patches, masked = _mask(processor, pixel_values, grid, 0.6)
+    assert patches.layout == "grid_rows" and patches.sample_rows == [(0, 64), (64, 80)]
     assert torch.equal(pixel_values, original), "input was modified"
     changed = (masked != pixel_values).any(dim=1)
     assert changed[:64].sum().item() == round(0.6 * 64) and changed[64:].sum().item() == round(0.6 * 16)
@@ -53,9 +73,8 @@ def test_black_value_matches_processing_a_black_image():
 
 def test_merge_unit_mask_takes_whole_units(processed):
     processor, pixel_values, grid = processed
-    masked = masking.mask_patches(
-        pixel_values, grid, 0.5, unit="merge_unit", generator=torch.Generator().manual_seed(1), **_stats(processor)
-    )
+    patches, masked = _mask(processor, pixel_values, grid, 0.5, seed=1, merge_size=2)
+    assert patches.units_per_segment.tolist() == [16, 4]
     changed = (masked != pixel_values).any(dim=1).view(-1, 4)
     assert torch.all(changed.all(1) | ~changed.any(1))
     assert changed.all(1).sum().item() == 8 + 2
@@ -63,29 +82,33 @@ def test_merge_unit_mask_takes_whole_units(processed):
 
 def test_masks_are_seeded_and_reproducible(processed):
     processor, pixel_values, grid = processed
-    run = lambda seed: masking.mask_patches(
-        pixel_values, grid, 0.6, generator=torch.Generator().manual_seed(seed), **_stats(processor)
-    )  # noqa: E731
+    run = lambda seed: _mask(processor, pixel_values, grid, 0.6, seed=seed)[1]  # noqa: E731
     assert torch.equal(run(3), run(3))
     assert not torch.equal(run(3), run(4))
 
 
-def test_random_element_mask(processed):
+def test_random_values_are_blackened_per_channel_without_touching_the_input(processed):
     processor, pixel_values, grid = processed
     original = pixel_values.clone()
-    masked = masking.mask_random_elements(
-        pixel_values, 0.6, generator=torch.Generator().manual_seed(0), **_stats(processor)
-    )
+    patches = masking.patch_map(_batch(pixel_values, grid), patch_size=14, **_stats(processor))
+    coins = torch.rand(pixel_values.shape, generator=torch.Generator().manual_seed(0)) < 0.6
+    masked = patches.apply_values(pixel_values, coins)
     assert torch.equal(pixel_values, original)
-    fraction = (masked != pixel_values).float().mean().item()
-    assert 0.55 < fraction < 0.65
+    changed = masked != pixel_values
+    assert not (changed & ~coins).any(), "a value changed where no coin fell"
+    assert changed.float().mean().item() == pytest.approx(0.6, abs=0.05)
     black = masking.black_pixel_values(processor.image_mean, processor.image_std)
     channel_of_column = torch.arange(pixel_values.shape[1]) // (pixel_values.shape[1] // 3)
-    changed = masked != pixel_values
     assert torch.allclose(masked[changed], black[channel_of_column.expand_as(masked)[changed]])
-    four_d = torch.randn(2, 3, 8, 8)
-    masked_4d = masking.mask_random_elements(four_d, 1.0, **_stats(processor))
-    assert torch.allclose(masked_4d, black[None, :, None, None].expand_as(four_d))
+
+
+def test_a_selection_that_does_not_fit_the_batch_is_refused(processed):
+    processor, pixel_values, grid = processed
+    patches = masking.patch_map(_batch(pixel_values, grid), patch_size=14, **_stats(processor))
+    with pytest.raises(ValueError, match=r"selection of shape \(79,\) for 80 patches \(grid_rows\)"):
+        patches.apply(pixel_values, torch.zeros(79, dtype=torch.bool))
+    with pytest.raises(ValueError, match="does not cover pixel_values"):
+        masking.patch_map(_batch(pixel_values[:-1], grid), patch_size=14, **_stats(processor))
 
 
 def test_pil_square_mask_and_reprocessing():
@@ -103,36 +126,41 @@ def test_pil_square_mask_and_reprocessing():
 
 
 @pytest.mark.parametrize("ratio", [-0.1, 1.5])
-def test_bad_ratio_is_refused(processed, ratio):
-    processor, pixel_values, grid = processed
-    with pytest.raises(ValueError, match="mask ratio"):
-        masking.mask_patches(pixel_values, grid, ratio, **_stats(processor))
+def test_bad_ratio_is_refused(ratio):
+    with pytest.raises(ValueError, match=rf"mask ratio must be in \[0, 1\], got {ratio}"):
+        masking.select_units(torch.tensor([4, 4]), ratio, None)
 
 
-def test_apply_mask_blackens_rows_or_values_and_checks_the_shape(processed):
-    processor, pixel_values, grid = processed
-    rows = torch.zeros(pixel_values.shape[0], dtype=torch.bool)
-    rows[:3] = True
-    out = masking.apply_mask(pixel_values, rows, **_stats(processor))
-    black = masking.black_pixel_values(processor.image_mean, processor.image_std)
-    assert torch.allclose(out[:3, 0], black[0].expand(3)) and torch.equal(out[3:], pixel_values[3:])
-    values = torch.zeros(pixel_values.shape, dtype=torch.bool)
-    values[5, 7] = True
-    assert (masking.apply_mask(pixel_values, values, **_stats(processor)) != pixel_values).sum() <= 1
-    with pytest.raises(ValueError, match="does not fit"):
-        masking.apply_mask(pixel_values, rows[:-1], **_stats(processor))
-
-
-def test_prompt_keys_match_exactly_equal_prompts_and_images(processed):
+def test_the_prompt_identity_matches_exactly_equal_prompts_and_images(processed):
     _, pixel_values, grid = processed
     n0 = int(grid[0].prod())
-    pv = torch.cat([pixel_values, pixel_values[:n0]])  # images: A, B, A again
-    grids = torch.cat([grid, grid[:1]])
-    ids = torch.tensor([[0, 5, 6], [0, 5, 6], [0, 5, 6]])
-    mask = torch.tensor([[0, 1, 1], [0, 1, 1], [1, 1, 1]])  # third: same tokens after padding? no: an extra 0
-    keys = masking.prompt_keys(ids, mask, pv, grids, [1, 1, 1])
+    batch = _batch(torch.cat([pixel_values, pixel_values[:n0]]), torch.cat([grid, grid[:1]]), (1, 1, 1))  # A, B, A
+    batch["prompt_mask"] = torch.tensor([[0, 1, 1], [0, 1, 1], [1, 1, 1]])  # the third prompt has one more token
+    keys = masking.sample_keys(batch)
     assert keys[0] != keys[1], "different images"
     assert keys[0] != keys[2], "same image but a different prompt (the unpadded tokens differ)"
-    same = masking.prompt_keys(ids, torch.tensor([[0, 1, 1]] * 3), pv, grids, [1, 1, 1])
-    assert same[0] == same[2] != same[1]
-    assert masking.sample_row_ranges(grids, [1, 1, 1])[2] == (pv.shape[0] - n0, pv.shape[0])
+    assert masking.group_samples(batch) == [[0], [1], [2]]
+    batch["prompt_mask"] = torch.tensor([[0, 1, 1]] * 3)
+    same = masking.sample_keys(batch)
+    assert same[0] == same[2] != same[1] and masking.group_samples(batch) == [[0, 2], [1]]
+    assert masking.sample_row_ranges(batch["image_grid_thw"], [1, 1, 1])[2] == (80, 80 + n0)
+    # the shared prefix groups by the masked images: a mask that differs splits a prompt's rows
+    masked = batch["pixel_values"].clone()
+    masked[80] = 0.0
+    assert masking.group_samples(batch, masked) == [[0], [1], [2]]
+
+
+def test_keys_do_not_depend_on_the_batch_a_prompt_lands_in(processed):
+    """TRL shuffles a round's rollouts across device batches: a prompt's key is its content, not its position."""
+    _, pixel_values, grid = processed
+    whole = masking.sample_keys(_batch(pixel_values, grid))
+    n0 = int(grid[0].prod())
+    alone = masking.sample_keys(_batch(pixel_values[n0:], grid[1:], (1,)))
+    assert alone == whole[1:] and whole[0] != whole[1]
+
+
+def test_a_text_only_batch_is_grouped_by_its_tokens():
+    batch = {"prompt_ids": torch.tensor([[1, 2], [1, 2], [3, 4]]), "prompt_mask": torch.ones(3, 2, dtype=torch.long)}
+    assert masking.group_samples(batch) == [[0, 1], [2]]
+    keys = masking.sample_keys(batch)
+    assert keys[0] == keys[1] != keys[2]

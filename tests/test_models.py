@@ -27,6 +27,7 @@ def processed_example(processor, example):
     )
 
 
+@pytest.mark.model
 def test_same_seed_gives_bit_identical_weights(tmp_path, tiny_vlm_path):
     rebuilt = build_tiny_vlm("qwen2_vl", seed=0, cache_dir=tmp_path)
     assert rebuilt != tiny_vlm_path
@@ -36,11 +37,13 @@ def test_same_seed_gives_bit_identical_weights(tmp_path, tiny_vlm_path):
     assert (rebuilt / "tokenizer.json").read_bytes() == (tiny_vlm_path / "tokenizer.json").read_bytes()
 
 
+@pytest.mark.model
 def test_different_seed_gives_different_weights(tmp_path, tiny_vlm_path):
     a, b = weights(tiny_vlm_path), weights(build_tiny_vlm("qwen2_vl", seed=1, cache_dir=tmp_path))
     assert any(not torch.equal(a[k], b[k]) for k in a)
 
 
+@pytest.mark.model
 def test_build_leaves_global_rng_untouched(tmp_path):
     torch.manual_seed(42)
     expected = torch.rand(3)
@@ -49,6 +52,7 @@ def test_build_leaves_global_rng_untouched(tmp_path):
     assert torch.equal(torch.rand(3), expected)
 
 
+@pytest.mark.model
 def test_second_call_reuses_the_cache(tmp_path):
     start = time.perf_counter()
     first = build_tiny_vlm("qwen2_vl", seed=0, cache_dir=tmp_path)
@@ -65,6 +69,7 @@ def test_second_call_reuses_the_cache(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == [first.name]  # no staging leftovers
 
 
+@pytest.mark.model
 def test_half_written_folder_is_rebuilt(tmp_path):
     folder = build_tiny_vlm("qwen2_vl", seed=0, cache_dir=tmp_path)
     (folder / COMPLETE_MARKER).unlink()
@@ -74,6 +79,7 @@ def test_half_written_folder_is_rebuilt(tmp_path):
     assert weights(rebuilt)  # a valid safetensors file again
 
 
+@pytest.mark.model
 def test_cache_root_comes_from_env(tmp_path, monkeypatch):
     monkeypatch.setenv("PAPO_NB_CACHE", str(tmp_path / "env_cache"))
     folder = build_tiny_vlm("qwen2_vl", seed=3)
@@ -85,12 +91,14 @@ def test_unknown_family_is_refused(tmp_path):
         build_tiny_vlm("no_such_family", cache_dir=tmp_path)
 
 
+@pytest.mark.model
 def test_parameter_count_is_a_few_hundred_thousand(tiny_vlm_path):
     model, _ = load_vlm(tiny_vlm_path)
     n_params = sum(p.numel() for p in model.parameters())
     assert 100_000 <= n_params <= 1_000_000, n_params
 
 
+@pytest.mark.model
 def test_processor_keeps_112px_images_at_16_tokens(tiny_vlm_path, shapes_dataset):
     _, processor = load_vlm(tiny_vlm_path)
     inputs = processed_example(processor, shapes_dataset[0])
@@ -99,6 +107,7 @@ def test_processor_keeps_112px_images_at_16_tokens(tiny_vlm_path, shapes_dataset
     assert (inputs["input_ids"] == image_pad).sum().item() == 16
 
 
+@pytest.mark.model
 def test_tokenizer_and_chat_template(tiny_vlm_path):
     _, processor = load_vlm(tiny_vlm_path)
     tokenizer = processor.tokenizer
@@ -115,6 +124,7 @@ def test_tokenizer_and_chat_template(tiny_vlm_path):
     assert not without_prompt.endswith("assistant\n")
 
 
+@pytest.mark.model
 @pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl"])
 def test_family_builds_loads_and_forwards(family, tmp_path, shapes_dataset):
     model, processor = load_vlm(build_tiny_vlm(family, seed=0, cache_dir=tmp_path))
@@ -127,6 +137,7 @@ def test_family_builds_loads_and_forwards(family, tmp_path, shapes_dataset):
     assert torch.isfinite(logits).all()
 
 
+@pytest.mark.model
 def test_load_vlm_dtype_and_missing_path(tiny_vlm_path, tmp_path):
     model, _ = load_vlm(str(tiny_vlm_path), dtype="bfloat16")
     assert next(model.parameters()).dtype == torch.bfloat16
@@ -137,6 +148,7 @@ def test_load_vlm_dtype_and_missing_path(tiny_vlm_path, tmp_path):
         load_vlm(tiny_vlm_path, dtype="float99")
 
 
+@pytest.mark.model
 def test_vision_special_token_ids(tiny_vlm_path):
     _, processor = load_vlm(tiny_vlm_path)
     ids = vision_special_token_ids(processor)
@@ -144,6 +156,7 @@ def test_vision_special_token_ids(tiny_vlm_path):
     assert sorted(processor.tokenizer.convert_ids_to_tokens(ids)) == sorted(VISION_SPECIAL_TOKENS)
 
 
+@pytest.mark.model
 def test_suppressed_generation_never_samples_vision_tokens(tiny_vlm_path, shapes_dataset):
     model, processor = load_vlm(tiny_vlm_path)
     inputs = processed_example(processor, shapes_dataset[2])
@@ -158,6 +171,7 @@ def test_suppressed_generation_never_samples_vision_tokens(tiny_vlm_path, shapes
     assert not sample(suppress_tokens=suppressed)
 
 
+@pytest.mark.model
 def test_the_builder_lora_and_config_fit_the_tiny_model(tiny_vlm_path, tmp_path):
     from peft import get_peft_model
 

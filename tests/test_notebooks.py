@@ -109,6 +109,7 @@ def test_training_notebook_logged_every_step(workbook):
     assert all(m.value > 0 for m in client.get_metric_history(run.info.run_id, "perception_kl"))
     metrics = run.data.metrics
     assert metrics["probe_final/passed"] == 1.0 and metrics["probe/passed"] == 1.0
+    assert run.data.tags["papo_nb.probe_status"] == "passed" and "papo_nb.probe_warning" not in run.data.tags
     assert {"eval/accuracy_original", "eval/accuracy_masked", "eval/image_reliance_gap"} <= set(metrics)
     assert metrics["start/trainable_parameters"] > 0
     assert [a.path for a in client.list_artifacts(run.info.run_id, "figures")] == ["figures/training_curves.png"]
@@ -156,7 +157,7 @@ def test_a_notebook_failing_midway_leaves_its_executed_copy_in_a_failed_run(tmp_
         for c in executed.cells
         if c.cell_type == "code" and any(o.get("output_type") == "error" for o in c.get("outputs", []))
     ]
-    assert len(failing) == 1 and "prepare_training(" in failing[0].source
+    assert len(failing) == 1 and "run_training(" in failing[0].source
     later = executed.cells[executed.cells.index(failing[0]) + 1 :]
     assert not any(c.get("outputs") for c in later if c.cell_type == "code"), "cells after the failure must not run"
 

@@ -73,6 +73,7 @@ def _other_value(name, default):
     return round(default + 0.01, 6)
 
 
+@pytest.mark.model
 def test_every_papo_parameter_reaches_the_config(tiny_vlm_path, tmp_path):
     from papo_nb.testbed.models import load_vlm
     from papo_nb.workbook.training.builder import papo_config
@@ -92,6 +93,8 @@ def test_existing_params_files_still_validate():
     assert (gpu.original_entropy_weight, gpu.masked_entropy_weight, gpu.loss_type) == (0.0, 0.0, "bnpo")
 
 
+@pytest.mark.slow
+@pytest.mark.model
 def test_linear_schedule_from_a_params_file_ends_at_the_final_weight(tmp_path):
     from papo_nb.workbook.training.run import prepare_training
 

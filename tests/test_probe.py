@@ -42,6 +42,7 @@ def real(tiny_vlm_path, shapes_dataset, tmp_path_factory):
     return build(tiny_vlm_path, shapes_dataset, tmp_path_factory.mktemp("real"))
 
 
+@pytest.mark.model
 def test_probe_passes_on_the_real_adapter_with_full_evidence(real):
     trainer, batch = real
     evidence = probe_batch(trainer, batch)
@@ -60,6 +61,7 @@ def test_probe_passes_on_the_real_adapter_with_full_evidence(real):
     assert record["trl_version"] == "1.9.1" and record["dtype"] == "float32" and record["autocast_enabled"] is False
 
 
+@pytest.mark.model
 def test_probe_passes_under_bf16_autocast(real):
     trainer, batch = real
     evidence = probe_batch(trainer, batch, autocast_dtype=torch.bfloat16)
@@ -67,12 +69,14 @@ def test_probe_passes_under_bf16_autocast(real):
     assert evidence.autocast_enabled and evidence.autocast_dtype == "bfloat16"
 
 
+@pytest.mark.model
 def test_probe_catches_a_leaking_adapter(tiny_vlm_path, shapes_dataset, tmp_path):
     trainer, batch = build(tiny_vlm_path, shapes_dataset, tmp_path, trainer_cls=LeakyPAPOGTrainer)
     with pytest.raises(ProbeFailure, match="perception gradient leaks through the gamma=0 path"):
         probe_batch(trainer, batch)
 
 
+@pytest.mark.model
 def test_image_invariant_model_fails_after_exactly_the_bound(tiny_vlm_path, shapes_dataset, tmp_path):
     bound = 20
     trainer, batch = build(
@@ -93,6 +97,7 @@ def test_image_invariant_model_fails_after_exactly_the_bound(tiny_vlm_path, shap
     assert trainer.probe.evidence.status == "failed" and trainer.probe.evidence.degenerate_batches_skipped == bound
 
 
+@pytest.mark.model
 def test_text_only_batches_do_not_count_as_degenerate(real):
     trainer, batch = real
     text_only = {
@@ -111,6 +116,7 @@ def test_text_only_batches_do_not_count_as_degenerate(real):
     assert probe.observe(trainer, trainer.model, parent, terms).passed
 
 
+@pytest.mark.model
 def test_non_finite_pieces_fail_at_once(real):
     trainer, batch = real
     parent, terms = trainer.papo_loss_parts(trainer.model, batch)
@@ -122,6 +128,7 @@ def test_non_finite_pieces_fail_at_once(real):
     assert probe.evaluations == 1
 
 
+@pytest.mark.model
 def test_probe_runs_inside_training_and_logs_evidence(tiny_vlm_path, shapes_dataset, tmp_path):
     trainer, _ = build(tiny_vlm_path, shapes_dataset, tmp_path, require_gpu_contract_probe=True, max_steps=2)
     trainer.train()
@@ -132,6 +139,7 @@ def test_probe_runs_inside_training_and_logs_evidence(tiny_vlm_path, shapes_data
     assert all(h["perception_kl"] > 0 for h in trainer.state.log_history if "perception_kl" in h)
 
 
+@pytest.mark.model
 def test_no_probe_code_runs_when_not_required(tiny_vlm_path, shapes_dataset, tmp_path):
     trainer, _ = build(tiny_vlm_path, shapes_dataset, tmp_path, require_gpu_contract_probe=False, max_steps=2)
     calls_before = dict(PROBE_CALLS)
@@ -145,6 +153,7 @@ def _weakened(terms, factor):
     return dataclasses.replace(terms, perception_kl=terms.perception_kl * factor)
 
 
+@pytest.mark.model
 def test_underpowered_batches_are_deferred_then_end_underpowered_not_passed(real):
     trainer, batch = real
     probe = GammaZeroProbe(max_degenerate_batches=3)
@@ -161,6 +170,7 @@ def test_underpowered_batches_are_deferred_then_end_underpowered_not_passed(real
     assert evidence.to_dict()["underpowered"] and evidence.underpowered_batches_skipped == 3
 
 
+@pytest.mark.model
 def test_a_powered_batch_after_underpowered_ones_passes(real):
     trainer, batch = real
     probe = GammaZeroProbe(max_degenerate_batches=3)
@@ -171,6 +181,7 @@ def test_a_powered_batch_after_underpowered_ones_passes(real):
     assert evidence.passed and evidence.underpowered_batches_skipped == 1
 
 
+@pytest.mark.model
 def test_a_leak_below_tolerance_is_reported_underpowered_never_passed(real):
     """The case the power exists for: a leak too small to see must not read as a pass."""
     trainer, batch = real
@@ -187,6 +198,7 @@ def test_a_leak_below_tolerance_is_reported_underpowered_never_passed(real):
     assert evidence.status == "underpowered"
 
 
+@pytest.mark.model
 def test_probe_batches_looks_at_the_next_batch(real):
     trainer, batch = real
     evidence = probe_batches(trainer, [batch, batch], max_degenerate_batches=5)
@@ -208,6 +220,7 @@ def test_calibration_power_names_the_weakest_point_and_flags_underpowered_ones()
     assert ax.get_yscale() == "log" and len(ax.patches) == 2 and "power" in ax.get_ylabel()
 
 
+@pytest.mark.model
 def test_underpowered_status_becomes_an_mlflow_tag(real, tmp_path):
     import mlflow
 
@@ -228,6 +241,7 @@ def test_underpowered_status_becomes_an_mlflow_tag(real, tmp_path):
     assert tags["papo_nb.probe_status"] == "underpowered" and "UNDERPOWERED" in tags["papo_nb.probe_warning"]
 
 
+@pytest.mark.model
 def test_probe_rollouts_starts_with_notebook_01s_batch(real, shapes_dataset):
     from papo_nb.workbook.verification.calibration import probe_rollouts
 

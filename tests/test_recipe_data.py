@@ -164,6 +164,7 @@ def test_format_prompt_is_the_official_file_byte_for_byte():
     assert hashlib.sha256(text.encode()).hexdigest() == rd.FORMAT_PROMPT_SHA256
 
 
+@pytest.mark.slow
 def test_hub_ids_go_to_the_hub_through_datasets():
     """A hub id (with @split) reaches datasets.load_dataset for real: offline, datasets itself refuses it by name."""
     import os

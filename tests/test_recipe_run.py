@@ -11,11 +11,11 @@ from mlflow import MlflowClient
 
 from papo_nb.testbed.generation import generate_answers
 from papo_nb.testbed.official_schema import make_official_schema_dataset
+from papo_nb.train.runner import run_training
 from papo_nb.workbook.config.params import load_params
 from papo_nb.workbook.evaluation import benchmarks as benchmark_eval
 from papo_nb.workbook.evaluation.heldout import evaluate_image_reliance
 from papo_nb.workbook.training.checkpoints import checkpoint_folders
-from papo_nb.workbook.training.run import run_training
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY_RECIPE = ROOT / "params" / "recipes" / "tiny_cpu.yaml"
@@ -41,7 +41,7 @@ def local_data(tmp_path_factory):
 def trained(local_data, tmp_path_factory):
     overrides = [f"dataset={local_data / 'train'}", f"validation_dataset={local_data / 'validation.parquet'}"]
     params = load_params(TINY_RECIPE, overrides)
-    result = run_training(params, tmp_path_factory.mktemp("recipe_run"))
+    result = run_training(params, tmp_path_factory.mktemp("recipe_run"), report_to="none")
     return params, result
 
 

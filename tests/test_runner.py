@@ -283,3 +283,48 @@ def test_ui_serves_on_localhost_and_stops_on_ctrl_c(tmp_path, store):
         if proc.poll() is None:
             proc.terminate()  # the CLI stops its server on SIGTERM too; SIGKILL would orphan it
             proc.wait(timeout=60)
+
+
+# --------------------------------------------------------------------------------------------
+# the one training path: notebook 03 and ``papo-nb train`` tag an underpowered probe alike
+# --------------------------------------------------------------------------------------------
+
+ROOT = Path(__file__).resolve().parents[1]
+SMOKE = ROOT / "params" / "smoke.yaml"
+# Measured on the tiny Qwen2-VL (seed 0): with 1% of the image blacked out the perception gradient is about a
+# quarter of the gamma-zero tolerance (leak-detection power 0.2-0.4), so two underpowered batches end the probe.
+UNDERPOWERED = ["mask_ratio=0.01", "probe_max_degenerate_batches=2", "max_steps=2", "save_steps=2", "n_eval_prompts=4"]
+
+
+def assert_underpowered_tags(tags: dict[str, str]) -> None:
+    assert tags["papo_nb.probe_status"] == "underpowered", tags
+    assert tags["papo_nb.probe_warning"].startswith("probe UNDERPOWERED after 2 batches"), tags
+    assert "leak-detection power" in tags["papo_nb.probe_warning"]
+
+
+def test_notebook_03_tags_an_underpowered_probe(tmp_path, store):
+    result = run_workbook(
+        [ROOT / "notebooks" / "03_training_run.ipynb"],
+        SMOKE,
+        UNDERPOWERED,
+        run_root=tmp_path / "runs",
+        tracking_uri=store,
+    )
+    assert result.ok, result.failure_message
+    run = MlflowClient(store).get_run(result.notebooks[0].run_id)
+    assert_underpowered_tags(run.data.tags)
+    assert run.data.metrics["probe_final/underpowered"] == 1.0 and run.data.metrics["start/trainable_parameters"] > 0
+
+
+@pytest.mark.slow
+def test_papo_nb_train_tags_an_underpowered_probe(tmp_path, store):
+    overrides = [arg for override in UNDERPOWERED for arg in ("-p", override)]
+    out = tmp_path / "run"
+    process = run_cli("train", "--params", str(SMOKE), *overrides, "--output-dir", str(out), uri=store, cwd=tmp_path)
+    stdout, stderr = process.communicate(timeout=600)
+    assert process.returncode == 0, stdout[-4000:] + stderr[-4000:]
+    run_id = json.loads((out / "run_info.json").read_text())["mlflow_run_id"]
+    run = MlflowClient(store).get_run(run_id)
+    assert run.info.status == "FINISHED" and run.data.tags["papo_nb.kind"] == "train"
+    assert_underpowered_tags(run.data.tags)
+    assert json.loads((out / "train_summary.json").read_text())["probe"]["status"] == "underpowered"

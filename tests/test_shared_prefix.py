@@ -75,6 +75,7 @@ def max_errors(shared, full, mask):
     return tuple((a.float() - b.float())[mask].abs().max().item() for a, b in zip(shared, full))
 
 
+@pytest.mark.model
 def test_batch_has_padding_unequal_lengths_and_unequal_groups(setup):
     batch = select_rows(setup["batch"], UNEQUAL_ROWS)
     assert (batch["prompt_mask"] == 0).any() and (batch["prompt_mask"].sum(1) == batch["prompt_mask"].shape[1]).any()
@@ -83,6 +84,7 @@ def test_batch_has_padding_unequal_lengths_and_unequal_groups(setup):
     assert sorted(map(len, groups)) == [1, 2, 4], groups
 
 
+@pytest.mark.model
 @pytest.mark.parametrize("rows", [list(range(12)), UNEQUAL_ROWS], ids=["3x4", "groups_4_1_2"])
 @pytest.mark.parametrize("max_chunk_rows", [None, 1, 12])
 def test_shared_prefix_equals_full_forward_fp32(setup, rows, max_chunk_rows):
@@ -101,6 +103,7 @@ def test_shared_prefix_equals_full_forward_fp32(setup, rows, max_chunk_rows):
     assert max_errors(unmasked, full, batch["completion_mask"])[0] > 100 * FP32_TOL
 
 
+@pytest.mark.model
 def test_vision_tower_and_prompt_run_once_per_prompt(setup):
     """The saving is real: the vision tower sees each prompt's image once, the language model each prompt once."""
     model = setup["model"]
@@ -139,6 +142,7 @@ BF16_LOGP_MAX_DIFF = 2 * 2.0**-5
 BF16_ERROR_RATIO = 1.2
 
 
+@pytest.mark.model
 def test_shared_prefix_in_bf16_adds_no_error_of_its_own(setup):
     trainer = setup["trainer"]
     model = copy.deepcopy(setup["model"]).to(torch.bfloat16)
@@ -164,6 +168,7 @@ def test_shared_prefix_in_bf16_adds_no_error_of_its_own(setup):
         assert diff <= (BF16_LOGP_MAX_DIFF if name == "logps" else 2 * full_errors.max().item()), (name, diff)
 
 
+@pytest.mark.model
 @pytest.mark.parametrize("estimator", ["sampled", "full"])
 def test_adapter_loss_unchanged(setup, estimator):
     """papo_loss_parts on a real rollout batch: parent loss bit for bit, every PAPO term within 1e-5."""
@@ -209,6 +214,7 @@ def make(setup, **overrides):
     )
 
 
+@pytest.mark.model
 def test_auto_falls_back_with_its_reason_in_the_metrics(setup, caplog):
     batch = select_rows(setup["batch"], UNEQUAL_ROWS)
     cases = [
@@ -230,6 +236,7 @@ def test_auto_falls_back_with_its_reason_in_the_metrics(setup, caplog):
             assert trainer._metrics["train"][shared_prefix.SHARE_METRIC] == [7 / 3]
 
 
+@pytest.mark.model
 def test_explicit_shared_prefix_runs_on_any_batch_and_per_completion_masks(setup):
     """Forced on, it is still exact where nothing is shared: every completion its own prompt or its own mask."""
     trainer = make(setup, masked_forward="shared_prefix", mask_sharing="completion")
@@ -241,6 +248,7 @@ def test_explicit_shared_prefix_runs_on_any_batch_and_per_completion_masks(setup
     assert max(max_errors(shared, full, batch["completion_mask"])) <= FP32_TOL
 
 
+@pytest.mark.model
 def test_gradient_checkpointing_keeps_the_cache_under_no_grad(setup):
     model, trainer = setup["model"], setup["trainer"]
     batch = select_rows(setup["batch"], UNEQUAL_ROWS)
@@ -284,6 +292,7 @@ def test_refused_where_it_cannot_run(tmp_path):
     assert not plan.shared and "model_type 'qwen2'" in plan.reason
 
 
+@pytest.mark.model
 def test_paper_shapes_benchmark_reports_every_variant(tiny_vlm_path, tmp_path):
     """The issue-14 benchmark end to end on the tiny model: every variant timed, the two forms equal, and the shared
     masked branch's memory peak below the full one's."""

@@ -39,6 +39,7 @@ def trainable_grads(model, loss):
     return torch.cat([g.reshape(-1) for g in torch.autograd.grad(loss, params, retain_graph=True)])
 
 
+@pytest.mark.model
 @pytest.mark.parametrize("loss_type", ["grpo", "dapo"])
 def test_zero_gamma_zero_eta_is_the_parent_loss_bit_for_bit(policy, shapes_dataset, batch, tmp_path, loss_type):
     papo = make_trainer(
@@ -65,6 +66,7 @@ def test_zero_gamma_zero_eta_is_the_parent_loss_bit_for_bit(policy, shapes_datas
     assert not torch.equal(live._compute_loss(policy[0], batch), plain_loss)
 
 
+@pytest.mark.model
 def test_terms_and_metrics_on_a_real_batch(policy, shapes_dataset, batch, tmp_path):
     trainer = make_trainer(policy, shapes_dataset, tmp_path)
     before = clone_batch(batch)
@@ -80,6 +82,7 @@ def test_terms_and_metrics_on_a_real_batch(policy, shapes_dataset, batch, tmp_pa
     assert metrics["masked_entropy"][-1] > 0 and metrics["perception_gamma"][-1] == 0.02
 
 
+@pytest.mark.model
 def test_masked_pixel_values_differ_and_input_is_untouched(policy, shapes_dataset, batch, tmp_path):
     trainer = make_trainer(policy, shapes_dataset, tmp_path)
     original = batch["pixel_values"].clone()
@@ -89,6 +92,7 @@ def test_masked_pixel_values_differ_and_input_is_untouched(policy, shapes_datase
     assert abs(changed_rows - 0.6) < 0.05
 
 
+@pytest.mark.model
 def test_padding_changes_neither_perception_nor_entropy_terms(policy, shapes_dataset, batch, tmp_path):
     trainer = make_trainer(policy, shapes_dataset, tmp_path, loss_type="grpo")
     padded = clone_batch(batch)
@@ -109,6 +113,7 @@ def test_padding_changes_neither_perception_nor_entropy_terms(policy, shapes_dat
         assert torch.equal(getattr(results[0], name), getattr(results[1], name)), name
 
 
+@pytest.mark.model
 def test_text_only_batch_has_zero_perception_term(policy, shapes_dataset, batch, tmp_path):
     trainer = make_trainer(policy, shapes_dataset, tmp_path)
     text_only = {
@@ -123,6 +128,7 @@ def test_text_only_batch_has_zero_perception_term(policy, shapes_dataset, batch,
     assert torch.isfinite(parent)
 
 
+@pytest.mark.model
 @pytest.mark.parametrize("estimator", ["sampled", "full"])
 def test_entropy_weights_change_the_gradient(policy, shapes_dataset, batch, tmp_path, estimator):
     model = policy[0]
@@ -144,6 +150,7 @@ def test_entropy_weights_change_the_gradient(policy, shapes_dataset, batch, tmp_
     assert (eta2_grad - base).norm() > 1e-3 * base.norm(), "with masked_branch_grad eta2 must act"
 
 
+@pytest.mark.model
 def test_gamma_pushes_the_gradient_and_linear_schedule_anneals(policy, shapes_dataset, batch, tmp_path):
     model = policy[0]
     trainer = make_trainer(
@@ -222,6 +229,7 @@ def test_recipes_differ_where_the_official_scripts_differ():
     assert (nokl["beta"], nokl["perception_loss_weight"], nokl["masked_entropy_weight"]) == (0.0, 0.01, 0.03)
 
 
+@pytest.mark.model
 def test_bounded_kl_keeps_loss_and_gradient_finite_at_extreme_log_ratios(policy, shapes_dataset, batch, tmp_path):
     trainer = make_trainer(policy, shapes_dataset, tmp_path)
     inputs = clone_batch(batch)
@@ -242,6 +250,7 @@ def test_bounded_kl_keeps_loss_and_gradient_finite_at_extreme_log_ratios(policy,
     assert terms.kl_sum.item() == pytest.approx(2 * K3_BOUND)
 
 
+@pytest.mark.model
 def test_kl_is_fp32_under_bf16_autocast_and_adds_no_rounding_of_its_own(policy, shapes_dataset, batch, tmp_path):
     """The 1e-3 agreement the issue asked for is out of reach: TRL 1.9.1 returns bf16 log-probs under bf16 autocast
     (STACK_FACTS "Log-prob precision"), so the KL moves by their rounding. What holds, and is tested: the adapter's
@@ -270,11 +279,13 @@ def test_kl_is_fp32_under_bf16_autocast_and_adds_no_rounding_of_its_own(policy, 
     assert abs(ours - reference) < abs(in_bf16 - reference)
 
 
+@pytest.mark.model
 def test_liger_kernel_is_refused_at_construction(policy, shapes_dataset, tmp_path):
     with pytest.raises(ValueError, match="use_liger_kernel=True is invalid.*bypasses _compute_loss"):
         make_trainer(policy, shapes_dataset, tmp_path, use_liger_kernel=True)
 
 
+@pytest.mark.model
 def test_model_card_credits_papo(policy, shapes_dataset, tmp_path):
     trainer = make_trainer(policy, shapes_dataset, tmp_path)
     trainer.create_model_card(model_name="tiny-papo")
@@ -283,6 +294,7 @@ def test_model_card_credits_papo(policy, shapes_dataset, tmp_path):
     assert "DeepSeekMath" not in card and "papo" in card
 
 
+@pytest.mark.model
 def test_gamma_schedule_uses_the_trainer_state_when_training_by_epochs(policy, shapes_dataset, tmp_path):
     trainer = make_trainer(
         policy,
@@ -307,6 +319,7 @@ def test_gamma_schedule_uses_the_trainer_state_when_training_by_epochs(policy, s
     assert logs[1]["papo/gamma_kl"] == pytest.approx(0.3 * logs[1]["perception_kl"], rel=1e-5)
 
 
+@pytest.mark.model
 def test_official_annealing_ratio_and_discount(policy, shapes_dataset, batch, tmp_path):
     trainer = make_trainer(
         policy,
@@ -334,11 +347,10 @@ def _rows_by_sample(batch, pixel_values):
     return [pixel_values[a:b] for a, b in masking.sample_row_ranges(batch["image_grid_thw"], batch["num_images"])]
 
 
+@pytest.mark.model
 def test_one_mask_per_prompt_shared_across_its_rollouts_and_device_batches(policy, shapes_dataset, batch, tmp_path):
     trainer = make_trainer(policy, shapes_dataset, tmp_path)
-    keys = masking.prompt_keys(
-        batch["prompt_ids"], batch["prompt_mask"], batch["pixel_values"], batch["image_grid_thw"], batch["num_images"]
-    )
+    keys = masking.sample_keys(batch)
     assert len(set(keys)) == 2 and keys.count(keys[0]) == 4
     masked = _rows_by_sample(batch, trainer.masked_pixel_values(batch))
     for i in range(len(keys)):
@@ -365,6 +377,7 @@ def _select(batch, order):
     return out
 
 
+@pytest.mark.model
 def test_mask_generator_is_seeded_per_process_and_resumable(policy, shapes_dataset, tmp_path):
     trainer = make_trainer(policy, shapes_dataset, tmp_path, mask_seed=5)
     assert trainer.mask_generator.initial_seed() == 5 + trainer.args.process_index

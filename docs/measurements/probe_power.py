@@ -14,8 +14,9 @@ import papermill
 import torch
 
 from papo_nb.papo.probe import probe_batch
+from papo_nb.train.runner import run_training
 from papo_nb.workbook.config.params import load_params, validate_params
-from papo_nb.workbook.training.run import prepare_training, run_training
+from papo_nb.workbook.training.run import prepare_training
 from papo_nb.workbook.verification.batches import rollout_batch
 from papo_nb.workbook.verification.calibration import calibrate_phase, weakest_power
 
@@ -61,7 +62,7 @@ short = params.model_copy(
         "require_gpu_contract_probe": False,
     }
 )
-checkpoint = str(run_training(short, work / "phase2_training").last_checkpoint)
+checkpoint = str(run_training(short, work / "phase2_training", report_to="none").last_checkpoint)
 trainer, _, _ = prepare_training(params.model_copy(update={"init_adapter": checkpoint}), work / "phase2")
 points += calibrate_phase(
     trainer,

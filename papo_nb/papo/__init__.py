@@ -1,6 +1,18 @@
-"""The PAPO-G adapter alone: config, trainer, masking, TRL contract rules and the gamma-zero probe.
+"""PAPO-G (Perception-Aware Policy Optimization, arXiv 2507.06448) on TRL 1.9.1's ``GRPOTrainer``, for VLMs.
 
-Imports torch, transformers, trl and peft only (a test enforces it), so it can be lifted into any TRL project.
+The core, read first:
+
+- ``papo_config.py``: ``PAPOGConfig``, the ``GRPOConfig`` fields PAPO-G adds, each documented.
+- ``papo_trainer.py``: ``PAPOGTrainer``, the parent's loss plus the perception KL and the double entropy.
+- ``terms.py``: the per-token maths (bounded k3 KL, the parent's reductions).
+- ``masking.py``: patch masks for every image layout TRL passes to the forward, and a prompt's identity.
+
+Set apart: ``shared_prefix.py`` (the masked branch with each prompt prefilled once), ``probe.py`` and
+``probe_reduce.py`` (the gamma-zero reduction probe, sharded too), ``contract.py`` (the spec's constants and the
+checks on TRL's private API), ``recipes.py`` (the official recipes as presets).
+
+The folder imports only the standard library, torch, transformers, trl and peft, and itself by relative imports,
+so it lifts into another project by copying it.
 """
 
 from .papo_config import PAPOGConfig

@@ -1,26 +1,50 @@
-"""Image masks for PAPO's masked branch.
+"""The masked branch's images: patch masks on every image layout TRL 1.9.1's GRPOTrainer passes to the forward, and
+the identity that finds a prompt's rollouts in a batch.
 
-Every function here is vectorised, draws its randomness from an explicit ``torch.Generator``
-(or a seed), and returns new tensors: it never writes into its input (upstream defect 3).
-Masked pixels are set to *black after normalisation*, ``(0 - mean) / std`` per channel,
-not to 0, which is the channel mean (upstream defect 2).
+Every function here draws its randomness from an explicit ``torch.Generator`` and returns new tensors: it never writes
+into its input (upstream defect 3). Masked pixels are set to *black after normalisation*, ``(0 - mean) / std`` per
+channel, not to 0, which is the channel mean (upstream defect 2). The upstream v0.29.1 trainer masked only 4-D/5-D
+tensors and left Qwen-VL's 2-D rows unchanged (defect 1); here every layout below is masked by whole patches.
 
-Qwen2-VL / Qwen2.5-VL ``pixel_values`` are 2-D, ``(sum_i t_i*h_i*w_i, C*T*P*P)``: one row per
-14x14 patch, with the 4 patches of each 2x2 merge unit on consecutive rows. The upstream trainer
-only handled 4-D/5-D tensors and left these unchanged (defect 1); patch masking works on rows.
-The trainer masks every family's layout (Qwen-VL rows included) through ``masking_layouts``, which builds on
-``black_pixel_values`` here; the row helpers below remain for the Qwen-only tools (shared prefix, benchmarks).
+TRL 1.9.1 forwards whatever the processor returns (grpo_trainer.py#L2436-L2490) and slices it per sample in
+``_get_per_token_logps_and_entropies`` (#L1466-L1497), both under
+https://github.com/huggingface/trl/blob/v1.9.1/trl/trainer/grpo_trainer.py. The layouts, and the families that produce
+them in transformers 5.24:
+
+- ``grid_rows``: 2-D patch rows ``(sum t*h*w, C*T*P*P)`` + ``image_grid_thw`` (Qwen2-VL, Qwen2.5-VL, Qwen3-VL,
+  GLM-4V); the 4 patches of a 2x2 merge unit are consecutive rows.
+- ``tile_rows``: ``(tiles, max_patches, P*P*C)`` channel-last rows + ``pixel_attention_mask`` (real patches) +
+  ``spatial_shapes`` + ``num_tiles`` (LFM2-VL).
+- ``tiles``: 5-D ``(B, N, C, H, W)`` + ``pixel_attention_mask`` ``(B, N, H, W)``; padded tiles are all-zero pixels
+  (Idefics3, SmolVLM). A patch is real when any of its pixels is, the model's own rule:
+  https://github.com/huggingface/transformers/blob/v5.24.0/src/transformers/models/idefics3/modeling_idefics3.py#L553-L574
+- ``images``: 4-D ``(n_images, C, H, W)``, every pixel real (Gemma3 with ``token_type_ids``, LLaVA, PaliGemma).
+- ``sized_images``: 4-D ``(n_images, C, Hmax, Wmax)`` + ``image_sizes``; the image sits top-left, the rest is padding
+  (Pixtral, Mistral3).
+
+Not handled (refused with the keys and shapes seen): 5-D ``pixel_values`` + ``image_sizes`` (LLaVA-NeXT,
+LLaVA-OneVision: padded patch lists with an unpadding step) and ``image_position_ids`` (Gemma4).
+
+A ``PatchMap`` numbers the real patches (or merge units) of a batch: ``units`` holds, at patch resolution, the unit id
+of each patch or -1 for padding, and ``units_per_segment`` the real units of each image or tile. A selection is one
+boolean per unit (``select_units``); ``PatchMap.apply`` turns it into pixels without touching padding.
+
+A prompt's identity (``group_samples``, ``sample_keys``) is its unpadded prompt tokens and the bytes of every image
+tensor aligned with its rows. TRL 1.9.1 shuffles a generation round before splitting it into device batches
+(https://github.com/huggingface/trl/blob/v1.9.1/trl/trainer/grpo_trainer.py#L1576-L1577), so a prompt's rollouts are
+found by their content: the mask cache keys on it, and the shared prompt prefix groups its rows by it.
 """
 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
-from typing import Literal
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
-MaskUnit = Literal["patch", "merge_unit"]
+LAYOUTS = ("grid_rows", "tile_rows", "tiles", "images", "sized_images")
 
 
 def black_pixel_values(image_mean: Sequence[float], image_std: Sequence[float]) -> torch.Tensor:
@@ -30,157 +54,346 @@ def black_pixel_values(image_mean: Sequence[float], image_std: Sequence[float]) 
     return ((0.0 - mean) / std).to(torch.float32)
 
 
-def _rank_within_segments(segment_ids: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
-    """A uniformly random rank 0..n_s-1 for each element of each segment (segments sorted, contiguous)."""
-    noise = torch.rand(segment_ids.shape, generator=generator, dtype=torch.float64)
-    order = torch.argsort(segment_ids.double() + noise)  # groups by segment, random order inside
-    counts = torch.bincount(segment_ids)
-    starts = torch.cumsum(counts, 0) - counts
-    ranks = torch.empty_like(order)
-    ranks[order] = torch.arange(order.numel())
-    return ranks - starts[segment_ids]
-
-
-def select_patch_rows(
-    image_grid_thw: torch.Tensor,
-    ratio: float,
-    *,
-    unit: MaskUnit = "patch",
-    merge_size: int = 2,
-    generator: torch.Generator | None = None,
-) -> torch.Tensor:
-    """Boolean row mask choosing ``round(ratio * n_units)`` whole units per image.
-
-    An exact count per image (rather than an independent coin per unit) guarantees that every
-    image is perturbed the same amount, which keeps the perception KL comparable across batches.
-    """
-    if not 0.0 <= ratio <= 1.0:
-        raise ValueError(f"mask ratio must be in [0, 1], got {ratio!r}")
-    rows_per_image = image_grid_thw.prod(dim=-1).long().cpu()
-    rows_per_unit = merge_size**2 if unit == "merge_unit" else 1
-    if unit not in ("patch", "merge_unit"):
-        raise ValueError(f"mask unit must be 'patch' or 'merge_unit', got {unit!r}")
-    if torch.any(rows_per_image % rows_per_unit):
-        raise ValueError(f"image_grid_thw {image_grid_thw.tolist()} is not divisible into {unit}s")
-    units_per_image = rows_per_image // rows_per_unit
-    image_of_unit = torch.repeat_interleave(torch.arange(len(units_per_image)), units_per_image)
-    rank = _rank_within_segments(image_of_unit, generator)
-    n_masked = torch.round(units_per_image.double() * ratio).long()
-    unit_mask = rank < n_masked[image_of_unit]
-    return unit_mask.repeat_interleave(rows_per_unit)
-
-
-def mask_patches(
-    pixel_values: torch.Tensor,
-    image_grid_thw: torch.Tensor,
-    ratio: float,
-    *,
-    image_mean: Sequence[float],
-    image_std: Sequence[float],
-    unit: MaskUnit = "patch",
-    merge_size: int = 2,
-    generator: torch.Generator | None = None,
-) -> torch.Tensor:
-    """Black out whole patches (or 2x2 merge units) of flattened Qwen-VL pixel_values."""
-    if pixel_values.dim() != 2:
-        raise ValueError(
-            f"patch masking expects 2-D (n_patches, C*T*P*P) pixel_values, got {tuple(pixel_values.shape)}"
-        )
-    rows = select_patch_rows(image_grid_thw, ratio, unit=unit, merge_size=merge_size, generator=generator)
-    if rows.numel() != pixel_values.shape[0]:
-        raise ValueError(f"image_grid_thw covers {rows.numel()} rows but pixel_values has {pixel_values.shape[0]}")
-    black = black_pixel_values(image_mean, image_std)
-    black_row = black.repeat_interleave(pixel_values.shape[1] // black.numel())
-    black_row = black_row.to(device=pixel_values.device, dtype=pixel_values.dtype)
-    return torch.where(rows.to(pixel_values.device)[:, None], black_row, pixel_values)
-
-
-def mask_random_elements(
-    pixel_values: torch.Tensor,
-    ratio: float,
-    *,
-    image_mean: Sequence[float],
-    image_std: Sequence[float],
-    generator: torch.Generator | None = None,
-) -> torch.Tensor:
-    """Black out individual pixel values independently with probability ``ratio``.
-
-    Works on Qwen's 2-D layout (channel is the slowest axis of each row) and on 4-D/5-D
-    ``(..., C, H, W)`` layouts.
-    """
-    if not 0.0 <= ratio <= 1.0:
-        raise ValueError(f"mask ratio must be in [0, 1], got {ratio!r}")
-    black = black_pixel_values(image_mean, image_std).to(device=pixel_values.device, dtype=pixel_values.dtype)
-    channels = black.numel()
-    if pixel_values.dim() == 2:
-        fill = black.repeat_interleave(pixel_values.shape[1] // channels)[None, :]
-    elif pixel_values.dim() in (4, 5) and pixel_values.shape[-3] == channels:
-        fill = black[:, None, None]
-    else:
-        raise ValueError(
-            f"cannot find the {channels} colour channels in pixel_values of shape {tuple(pixel_values.shape)}"
-        )
-    coins = torch.rand(pixel_values.shape, generator=generator, device="cpu") < ratio
-    return torch.where(coins.to(pixel_values.device), fill, pixel_values)
-
-
 def sample_row_ranges(image_grid_thw: torch.Tensor, num_images: Sequence[int]) -> list[tuple[int, int]]:
     """``(start, end)`` rows of each sample's images in flattened Qwen-VL ``pixel_values`` (TRL's ``num_images``
     lists how many images each sample has, in order)."""
     rows = image_grid_thw.prod(dim=-1).long().cpu().tolist()
-    ranges, image, row = [], 0, 0
-    for count in num_images:
-        n = sum(rows[image : image + count])
-        ranges.append((row, row + n))
-        image, row = image + count, row + n
-    return ranges
+    return _ranges([sum(rows[a:b]) for a, b in _ranges(num_images)])
 
 
-def _tensor_bytes(t: torch.Tensor) -> bytes:
-    return t.detach().contiguous().reshape(-1).view(torch.uint8).cpu().numpy().tobytes()
+# ---- the patch map of a batch ----
 
 
-def prompt_keys(
-    prompt_ids: torch.Tensor,
-    prompt_mask: torch.Tensor,
-    pixel_values: torch.Tensor,
-    image_grid_thw: torch.Tensor,
-    num_images: Sequence[int],
-) -> list[str]:
-    """One key per completion, equal exactly when two completions share their prompt tokens and their images.
+@dataclass(frozen=True, kw_only=True)
+class PatchMap:
+    """The real patches of one batch's ``pixel_values`` (see the module docstring)."""
 
-    TRL 1.9.1 shuffles a generation batch before splitting it into device batches (grpo_trainer.py:1576-1577), so
-    the rollouts of one prompt are neither adjacent nor all in the same batch; their content is what they share."""
-    keys = []
-    image_offsets = [0]
-    for count in num_images:
-        image_offsets.append(image_offsets[-1] + count)
-    for i, (start, end) in enumerate(sample_row_ranges(image_grid_thw, num_images)):
-        digest = hashlib.blake2b(digest_size=16)
-        digest.update(_tensor_bytes(prompt_ids[i][prompt_mask[i].bool()]))
-        digest.update(_tensor_bytes(image_grid_thw[image_offsets[i] : image_offsets[i + 1]]))
-        digest.update(_tensor_bytes(pixel_values[start:end]))
-        keys.append(digest.hexdigest())
-    return keys
+    layout: str
+    patch_size: int
+    units: torch.Tensor  # int64 at patch resolution; -1 = padding
+    units_per_segment: torch.Tensor  # (n_segments,) real units of each image or tile
+    segments_per_sample: list[int]  # how many images/tiles each sample owns (in order)
+    sample_rows: list[tuple[int, int]]  # the dim-0 range of pixel_values (and aux tensors) of each sample
+    expand: Callable[[torch.Tensor], torch.Tensor]  # patch-resolution bool -> bool broadcastable to pixel_values
+    fill: torch.Tensor  # normalised black, broadcastable to pixel_values
+    real_pixels: torch.Tensor  # bool broadcastable to pixel_values: pixels inside a real patch
+
+    def sample_segments(self, i: int) -> torch.Tensor:
+        start = sum(self.segments_per_sample[:i])
+        return self.units_per_segment[start : start + self.segments_per_sample[i]]
+
+    def apply(self, pixel_values: torch.Tensor, selected_units: torch.Tensor) -> torch.Tensor:
+        """Black out the units chosen by ``selected_units`` (one bool per unit of the batch); a new tensor."""
+        total = int(self.units_per_segment.sum())
+        if selected_units.shape != (total,):
+            raise ValueError(f"selection of shape {tuple(selected_units.shape)} for {total} patches ({self.layout})")
+        lookup = torch.cat([torch.zeros(1, dtype=torch.bool), selected_units.cpu().bool()])
+        chosen = self.expand(lookup[self.units + 1]).to(pixel_values.device) & self.real_pixels
+        return torch.where(chosen, self.fill.to(device=pixel_values.device, dtype=pixel_values.dtype), pixel_values)
+
+    def apply_values(self, pixel_values: torch.Tensor, coins: torch.Tensor) -> torch.Tensor:
+        """Black out single values chosen by ``coins`` (shape of ``pixel_values``) inside real patches only."""
+        chosen = coins.to(pixel_values.device) & self.real_pixels
+        return torch.where(chosen, self.fill.to(device=pixel_values.device, dtype=pixel_values.dtype), pixel_values)
 
 
-def apply_mask(
-    pixel_values: torch.Tensor,
-    selected: torch.Tensor,
+def select_units(units_per_segment: torch.Tensor, ratio: float, generator: torch.Generator | None) -> torch.Tensor:
+    """``round(ratio * n)`` of the ``n`` units of every segment, uniformly at random; one bool per unit.
+
+    An exact count per image (rather than an independent coin per unit) perturbs every image by the same amount,
+    which keeps the perception KL comparable across batches."""
+    if not 0.0 <= ratio <= 1.0:
+        raise ValueError(f"mask ratio must be in [0, 1], got {ratio!r}")
+    counts = units_per_segment.long().cpu()
+    segment = torch.repeat_interleave(torch.arange(len(counts)), counts)
+    noise = torch.rand(segment.shape, generator=generator, dtype=torch.float64)
+    order = torch.argsort(segment.double() + noise)  # grouped by segment, random inside
+    rank = torch.empty_like(order)
+    rank[order] = torch.arange(order.numel())
+    rank = rank - (counts.cumsum(0) - counts)[segment]
+    return rank < torch.round(counts.double() * ratio).long()[segment]
+
+
+def _dense_units(real_patches: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Unit ids for a padded ``(segments, ...)`` bool grid of real patches, and the real count of each segment."""
+    flat = real_patches.reshape(-1)
+    ids = torch.where(flat, flat.long().cumsum(0) - 1, torch.full_like(flat, -1, dtype=torch.long))
+    return ids.reshape(real_patches.shape), real_patches.reshape(len(real_patches), -1).sum(1)
+
+
+def _pixel_grid(patch_mask: torch.Tensor, patch_size: int, height: int, width: int) -> torch.Tensor:
+    """Patch-resolution ``(..., hp, wp)`` to pixel resolution ``(..., H, W)``; pixels past the last whole patch
+    (which a stride-P patch embedding drops) are False."""
+    full = patch_mask.repeat_interleave(patch_size, -2).repeat_interleave(patch_size, -1)
+    pad = (0, width - full.shape[-1], 0, height - full.shape[-2])
+    return torch.nn.functional.pad(full, pad, value=False)
+
+
+def _ranges(counts: Sequence[int]) -> list[tuple[int, int]]:
+    ends = torch.tensor([0, *counts], dtype=torch.long).cumsum(0).tolist()
+    return list(zip(ends[:-1], ends[1:], strict=True))
+
+
+def _describe(inputs: dict[str, Any]) -> str:
+    seen = {k: tuple(v.shape) if isinstance(v, torch.Tensor) else v for k, v in inputs.items() if v is not None}
+    return ", ".join(f"{k}={v}" for k, v in sorted(seen.items()) if k not in ("advantages", "num_items_in_batch"))
+
+
+def detect_layout(inputs: dict[str, Any]) -> str:
+    """The layout of a batch, from its keys and shapes; an unknown one raises with what it saw."""
+    pv = inputs.get("pixel_values")
+    dim = pv.dim() if isinstance(pv, torch.Tensor) else None
+    has = {k for k, v in inputs.items() if v is not None}
+    if dim == 2 and "image_grid_thw" in has:
+        return "grid_rows"
+    if dim == 3 and {"spatial_shapes", "pixel_attention_mask"} <= has:
+        return "tile_rows"
+    if "image_position_ids" not in has and "image_grid_thw" not in has and "spatial_shapes" not in has:
+        if dim == 5 and "image_sizes" not in has:
+            return "tiles"
+        if dim == 4 and "image_sizes" in has:
+            return "sized_images"
+        if dim == 4 and "pixel_attention_mask" not in has:
+            return "images"
+    raise ValueError(
+        f"mask_type: no patch layout matches this batch ({_describe(inputs)}); known layouts: {', '.join(LAYOUTS)} "
+        "(masking.py): this family's images cannot be masked yet, with any mask_type"
+    )
+
+
+def _per_sample(n_rows: int, inputs: dict[str, Any]) -> list[int]:
+    """Images per sample along dim 0: ``num_images`` when it covers the rows, else one row per sample."""
+    num_images = inputs.get("num_images")
+    if num_images is not None and sum(num_images) == n_rows:
+        return list(num_images)
+    n_samples = inputs["prompt_ids"].shape[0] if inputs.get("prompt_ids") is not None else n_rows
+    if n_rows != n_samples:
+        raise ValueError(f"pixel_values has {n_rows} images for {n_samples} samples and num_images={num_images!r}")
+    return [1] * n_rows
+
+
+def _segments_per_sample(inputs: dict[str, Any], layout: str) -> list[int]:
+    """How many images (or tiles) each sample owns, in order."""
+    pv = inputs["pixel_values"]
+    if layout == "grid_rows":
+        return list(inputs.get("num_images") or [1] * len(inputs["image_grid_thw"]))
+    if layout == "tile_rows":
+        num_tiles = inputs.get("num_tiles")
+        if num_tiles is None:
+            raise ValueError(f"the tile_rows layout needs num_tiles to find each sample's tiles ({_describe(inputs)})")
+        return list(num_tiles)
+    if layout == "tiles":
+        return [pv.shape[1]] * pv.shape[0]
+    return _per_sample(pv.shape[0], inputs)
+
+
+def _sample_rows(inputs: dict[str, Any], layout: str) -> list[tuple[int, int]]:
+    """The dim-0 range of ``pixel_values`` (and of the tensors aligned with it) of each sample."""
+    segments = _segments_per_sample(inputs, layout)
+    if layout == "grid_rows":
+        return sample_row_ranges(inputs["image_grid_thw"], segments)
+    if layout == "tiles":  # dim 0 is the sample, its tiles on dim 1
+        return _ranges([1] * len(segments))
+    return _ranges(segments)
+
+
+# One builder per layout: (inputs, patch_size, black per channel, merge_size) -> PatchMap.
+
+
+def _grid_rows_map(inputs, patch_size: int, black: torch.Tensor, merge_size: int) -> PatchMap:
+    pv, grid = inputs["pixel_values"], inputs["image_grid_thw"].long().cpu()
+    rows_per_image, rows_per_unit = grid.prod(-1), merge_size**2
+    if rows_per_image.sum() != pv.shape[0] or torch.any(rows_per_image % rows_per_unit):
+        raise ValueError(f"image_grid_thw {grid.tolist()} does not cover pixel_values {tuple(pv.shape)}")
+    return PatchMap(
+        layout="grid_rows",
+        patch_size=patch_size,
+        units=torch.arange(pv.shape[0]) // rows_per_unit,
+        units_per_segment=rows_per_image // rows_per_unit,
+        segments_per_sample=_segments_per_sample(inputs, "grid_rows"),
+        sample_rows=_sample_rows(inputs, "grid_rows"),
+        expand=lambda m: m[:, None],
+        fill=black.repeat_interleave(pv.shape[1] // black.numel())[None, :],  # a row is (C, T, P, P)
+        real_pixels=torch.ones(1, 1, dtype=torch.bool, device=pv.device),
+    )
+
+
+def _tile_rows_map(inputs, patch_size: int, black: torch.Tensor, merge_size: int) -> PatchMap:
+    pv, real = inputs["pixel_values"], inputs["pixel_attention_mask"].bool().cpu()
+    if real.shape != pv.shape[:2]:
+        raise ValueError(f"pixel_attention_mask {tuple(real.shape)} does not fit pixel_values {tuple(pv.shape)}")
+    units, per_tile = _dense_units(real)
+    return PatchMap(
+        layout="tile_rows",
+        patch_size=patch_size,
+        units=units,
+        units_per_segment=per_tile,
+        segments_per_sample=_segments_per_sample(inputs, "tile_rows"),
+        sample_rows=_sample_rows(inputs, "tile_rows"),
+        expand=lambda m: m[..., None],
+        fill=black.repeat(pv.shape[-1] // black.numel())[None, None, :],  # a row is (P, P, C): channel fastest
+        real_pixels=real.to(pv.device)[..., None],
+    )
+
+
+def _tiles_map(inputs, patch_size: int, black: torch.Tensor, merge_size: int) -> PatchMap:
+    pv = inputs["pixel_values"]
+    (batch, n_tiles), (height, width) = pv.shape[:2], pv.shape[-2:]
+    hp, wp = height // patch_size, width // patch_size
+    pixel_mask = inputs.get("pixel_attention_mask")
+    pixel_mask = torch.ones(pv.shape[:2] + pv.shape[-2:], dtype=torch.bool) if pixel_mask is None else pixel_mask
+    pixel_mask = pixel_mask.bool().cpu()
+    # The model drops all-zero tiles (padding) and counts a patch as real when any of its pixels is.
+    real_tile = (pv != 0).flatten(2).any(-1).cpu()
+    blocks = pixel_mask[..., : hp * patch_size, : wp * patch_size].reshape(
+        batch, n_tiles, hp, patch_size, wp, patch_size
+    )
+    real = blocks.any(-1).any(-2) & real_tile[..., None, None]
+    units, per_tile = _dense_units(real.reshape(batch * n_tiles, hp, wp))
+    return PatchMap(
+        layout="tiles",
+        patch_size=patch_size,
+        units=units.reshape(batch, n_tiles, hp, wp),
+        units_per_segment=per_tile,
+        segments_per_sample=_segments_per_sample(inputs, "tiles"),
+        sample_rows=_sample_rows(inputs, "tiles"),
+        expand=lambda m: _pixel_grid(m, patch_size, height, width)[:, :, None],
+        fill=black[:, None, None],
+        real_pixels=(pixel_mask & real_tile[..., None, None]).to(pv.device)[:, :, None],
+    )
+
+
+def _whole_images_map(inputs, layout: str, patch_size: int, black: torch.Tensor, pixel_real: torch.Tensor) -> PatchMap:
+    """``images`` and ``sized_images``: one image per dim-0 row, real where ``pixel_real`` (n, H, W) says."""
+    pv = inputs["pixel_values"]
+    n_images, (height, width) = pv.shape[0], pv.shape[-2:]
+    hp, wp = height // patch_size, width // patch_size
+    real = pixel_real[:, : hp * patch_size, : wp * patch_size].reshape(n_images, hp, patch_size, wp, patch_size)
+    units, per_image = _dense_units(real.any(-1).any(-2))
+    return PatchMap(
+        layout=layout,
+        patch_size=patch_size,
+        units=units,
+        units_per_segment=per_image,
+        segments_per_sample=_segments_per_sample(inputs, layout),
+        sample_rows=_sample_rows(inputs, layout),
+        expand=lambda m: _pixel_grid(m, patch_size, height, width)[:, None],
+        fill=black[:, None, None],
+        real_pixels=pixel_real.to(pv.device)[:, None],
+    )
+
+
+def _images_map(inputs, patch_size: int, black: torch.Tensor, merge_size: int) -> PatchMap:
+    pv = inputs["pixel_values"]
+    every_pixel = torch.ones(pv.shape[0], *pv.shape[-2:], dtype=torch.bool)
+    return _whole_images_map(inputs, "images", patch_size, black, every_pixel)
+
+
+def _sized_images_map(inputs, patch_size: int, black: torch.Tensor, merge_size: int) -> PatchMap:
+    pv, sizes = inputs["pixel_values"], inputs["image_sizes"].long().cpu()
+    if sizes.shape != (pv.shape[0], 2):
+        raise ValueError(f"image_sizes {tuple(sizes.shape)} does not fit pixel_values {tuple(pv.shape)}")
+    ys, xs = torch.arange(pv.shape[-2]), torch.arange(pv.shape[-1])
+    top_left = (ys[None, :, None] < sizes[:, 0, None, None]) & (xs[None, None, :] < sizes[:, 1, None, None])
+    return _whole_images_map(inputs, "sized_images", patch_size, black, top_left)
+
+
+PATCH_MAP_BUILDERS: dict[str, Callable[..., PatchMap]] = {
+    "grid_rows": _grid_rows_map,
+    "tile_rows": _tile_rows_map,
+    "tiles": _tiles_map,
+    "images": _images_map,
+    "sized_images": _sized_images_map,
+}
+
+
+def patch_map(
+    inputs: dict[str, Any],
     *,
+    patch_size: int,
     image_mean: Sequence[float],
     image_std: Sequence[float],
-) -> torch.Tensor:
-    """Black out the rows (1-D ``selected``: whole patches) or values (2-D ``selected``) of 2-D Qwen-VL
-    ``pixel_values`` chosen by ``selected``; returns a new tensor."""
-    if pixel_values.dim() != 2:
-        raise ValueError(f"apply_mask expects 2-D (n_patches, C*T*P*P) pixel_values, got {tuple(pixel_values.shape)}")
-    if selected.shape[0] != pixel_values.shape[0] or (selected.dim() == 2 and selected.shape != pixel_values.shape):
-        raise ValueError(
-            f"mask of shape {tuple(selected.shape)} does not fit pixel_values {tuple(pixel_values.shape)}"
-        )
-    black = black_pixel_values(image_mean, image_std)
-    black_row = black.repeat_interleave(pixel_values.shape[1] // black.numel())
-    black_row = black_row.to(device=pixel_values.device, dtype=pixel_values.dtype)[None, :]
-    selected = selected.to(pixel_values.device)
-    return torch.where(selected[:, None] if selected.dim() == 1 else selected, black_row, pixel_values)
+    merge_size: int = 1,
+) -> PatchMap:
+    """The ``PatchMap`` of a batch. ``merge_size > 1`` (grid rows only) makes each 2x2 merge unit one unit."""
+    layout = detect_layout(inputs)
+    if merge_size > 1 and layout != "grid_rows":
+        raise ValueError(f"mask_type='merge_unit' needs the grid_rows (Qwen-VL) layout, this batch is {layout}")
+    return PATCH_MAP_BUILDERS[layout](inputs, patch_size, black_pixel_values(image_mean, image_std), merge_size)
+
+
+# ---- a prompt's identity ----
+
+# Tensors that are indexed like pixel_values along dim 0 (same images/tiles): a sample's share of each is its image.
+_ROW_ALIGNED = ("pixel_values", "image_grid_thw", "pixel_attention_mask", "spatial_shapes", "image_sizes")
+
+
+def _raw(t: torch.Tensor) -> torch.Tensor:
+    """The tensor's bytes as a flat uint8 tensor (where it lives): equal exactly when the bytes are."""
+    return t.detach().contiguous().reshape(-1).view(torch.uint8)
+
+
+def _sample_parts(inputs: dict[str, Any]) -> tuple[str, list[tuple[torch.Tensor, list[tuple[str, torch.Tensor]]]]]:
+    """The layout (empty for a text-only batch) and, per sample, its unpadded prompt tokens and its share of every
+    row-aligned image tensor."""
+    prompt_ids, prompt_mask = inputs["prompt_ids"], inputs["prompt_mask"]
+    tokens = [prompt_ids[i][prompt_mask[i].bool()] for i in range(len(prompt_ids))]
+    if inputs.get("pixel_values") is None:
+        return "", [(t, []) for t in tokens]
+    layout = detect_layout(inputs)
+    rows = _sample_rows(inputs, layout)
+    # image_grid_thw has one row per image; in grid_rows the other aligned tensors have one row per patch
+    images = _ranges(_segments_per_sample(inputs, layout)) if layout == "grid_rows" else rows
+    parts = []
+    for i, (start, end) in enumerate(rows):
+        named = []
+        for name in _ROW_ALIGNED:
+            value = inputs.get(name)
+            if isinstance(value, torch.Tensor):
+                a, b = images[i] if name == "image_grid_thw" else (start, end)
+                named.append((name, value[a:b]))
+        parts.append((tokens[i], named))
+    return layout, parts
+
+
+def group_samples(inputs: dict[str, Any], pixel_values: torch.Tensor | None = None) -> list[list[int]]:
+    """The batch's rows grouped by prompt, in order of first appearance: equal unpadded prompt tokens and byte-equal
+    images (``pixel_values`` and every tensor aligned with it). ``pixel_values``, when given, stands in for the
+    batch's own (the shared prefix groups by the masked images). Compared with ``torch.equal`` where the tensors
+    live, after a host-side match of tokens, dtypes and shapes."""
+    if pixel_values is not None:
+        inputs = {**inputs, "pixel_values": pixel_values}
+    return _groups(_sample_parts(inputs)[1])
+
+
+def _groups(parts) -> list[list[int]]:
+    groups: list[list[int]] = []
+    candidates: dict[tuple, list[tuple[list[torch.Tensor], int]]] = {}  # tokens and shapes -> (raw parts, group)
+    for i, (tokens, named) in enumerate(parts):
+        raw = [_raw(part) for _, part in named]
+        signature = (tuple(tokens.tolist()), tuple((name, part.dtype, tuple(part.shape)) for name, part in named))
+        same = (g for earlier, g in candidates.get(signature, []) if all(map(torch.equal, raw, earlier)))
+        group = next(same, None)
+        if group is None:
+            group = len(groups)
+            groups.append([])
+            candidates.setdefault(signature, []).append((raw, group))
+        groups[group].append(i)
+    return groups
+
+
+def sample_keys(inputs: dict[str, Any]) -> list[str]:
+    """One key per completion, equal exactly when two completions are the same prompt (``group_samples``), also
+    across device batches: a hash of the first sample's bytes in each group (one host copy per distinct prompt)."""
+    layout, parts = _sample_parts(inputs)
+    keys: list[str] = [""] * len(parts)
+    for group in _groups(parts):
+        tokens, named = parts[group[0]]
+        digest = hashlib.blake2b(digest_size=16)
+        digest.update(layout.encode())
+        digest.update(_raw(tokens).cpu().numpy().tobytes())
+        for name, part in named:
+            digest.update(name.encode() + _raw(part).cpu().numpy().tobytes())
+        for i in group:
+            keys[i] = digest.hexdigest()
+    return keys

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from trl import GRPOTrainer
 
-from . import masking_layouts, shared_prefix
+from . import masking, shared_prefix
 from .contract import ENTROPY_GRAD_GATE, VLM_FORWARD_KEYWORDS, validate_trl_parent_contract
 from .papo_config import PAPOGConfig
 from .probe_reduce import sharded
@@ -236,11 +236,11 @@ class PAPOGTrainer(GRPOTrainer):
             raise ValueError(f"cannot tell the model's vision patch size for masking: found {sizes or 'none'}")
         return next(iter(sizes.values()))
 
-    def batch_patch_map(self, inputs: dict[str, Any]) -> masking_layouts.PatchMap:
-        """The real patches of this batch's pixel_values, in whichever layout it has (``masking_layouts``)."""
+    def batch_patch_map(self, inputs: dict[str, Any]) -> masking.PatchMap:
+        """The real patches of this batch's pixel_values, in whichever layout it has (``masking``)."""
         image_processor = self.processing_class.image_processor
         merge = getattr(image_processor, "merge_size", 2) if self.args.mask_type == "merge_unit" else 1
-        return masking_layouts.patch_map(
+        return masking.patch_map(
             inputs,
             patch_size=self.mask_patch_size(),
             image_mean=image_processor.image_mean,
@@ -248,13 +248,13 @@ class PAPOGTrainer(GRPOTrainer):
             merge_size=merge,
         )
 
-    def _draw_mask(self, patches: masking_layouts.PatchMap, sample: int, sample_pixels: torch.Tensor) -> torch.Tensor:
+    def _draw_mask(self, patches: masking.PatchMap, sample: int, sample_pixels: torch.Tensor) -> torch.Tensor:
         """A fresh mask for one sample: a bool per patch unit, or (``random``) a coin per pixel value."""
         if self.args.mask_type == "random":
             return torch.rand(sample_pixels.shape, generator=self.mask_generator) < self.args.mask_ratio
-        return masking_layouts.select_units(patches.sample_segments(sample), self.args.mask_ratio, self.mask_generator)
+        return masking.select_units(patches.sample_segments(sample), self.args.mask_ratio, self.mask_generator)
 
-    def _sample_masks(self, inputs: dict[str, Any], patches: masking_layouts.PatchMap) -> list[torch.Tensor]:
+    def _sample_masks(self, inputs: dict[str, Any], patches: masking.PatchMap) -> list[torch.Tensor]:
         """One mask per sample. ``mask_sharing='prompt'``: drawn once per prompt (content key) per generation round
         and reused by every rollout of that prompt, in this device batch or a later one of the same round (TRL
         shuffles rollouts across them); ``'completion'``: a fresh draw for each sample."""
@@ -264,7 +264,7 @@ class PAPOGTrainer(GRPOTrainer):
         round_ = self._mask_round()
         if round_ is None or round_ != self._mask_cache_round or len(self._mask_cache) > MASK_CACHE_LIMIT:
             self._mask_cache, self._mask_cache_round = {}, round_
-        keys = masking_layouts.sample_keys(inputs, patches)
+        keys = masking.sample_keys(inputs)
         for i, (start, end) in enumerate(patches.sample_rows):
             if keys[i] not in self._mask_cache:
                 self._mask_cache[keys[i]] = self._draw_mask(patches, i, pixel_values[start:end])

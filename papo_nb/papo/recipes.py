@@ -1,10 +1,14 @@
 """The official PAPO-G recipes as named presets of PAPOGConfig fields: the one place they are written down.
 
-Source: github.com/MikeWangWZHL/PAPO at fb63bf4 (2026-01-30). Each value names the file and line it comes from:
+Source: the official repository at commit fb63bf4 (2026-01-30),
+https://github.com/MikeWangWZHL/PAPO/tree/fb63bf4533b78da5a2bb17bc812375dcb620887d. Each value names the file and line
+it comes from, under that URL (append ``/<file>#L<line>`` after ``blob/<commit>``):
 ``sh3b`` = examples/papo_grpo/qwen2_5_vl_3b_grpo_papo.sh, ``sh7b`` = examples/papo_grpo/qwen2_5_vl_7b_grpo_papo.sh,
 ``shnokl`` = examples/papo_grpo/qwen2_5_vl_{3b,7b}_grpo_papo_no_kl_ref.sh (identical but for the model),
 ``yaml`` = examples/configs/config_grpo_papo.yaml, ``actor`` = verl/workers/actor/config.py,
-``dp`` = verl/workers/actor/dp_actor.py.
+``dp`` = verl/workers/actor/dp_actor.py, ``ray_trainer.py`` = verl/trainer/ray_trainer.py,
+``papo_utils.py`` = verl/trainer/papo_utils.py. For example ``sh3b:28`` is
+https://github.com/MikeWangWZHL/PAPO/blob/fb63bf4533b78da5a2bb17bc812375dcb620887d/examples/papo_grpo/qwen2_5_vl_3b_grpo_papo.sh#L28
 
 Left out on purpose: what depends on the hardware or the data pipeline (bf16 via FSDP, rollout batch 384 prompts and
 update batch 128 prompts, i.e. 3 optimizer steps per rollout batch, max prompt length 4096, the data seed), which a

@@ -126,32 +126,9 @@ def record(trainer, shared: bool, reason: str, share: float | None) -> None:
 
 
 def prompt_groups(inputs: dict[str, Any], pixel_values: torch.Tensor | None) -> list[list[int]]:
-    """Rows of the batch that share their prompt tokens, image grid and (masked) pixel rows, in order of first
-    appearance. Tokens are compared on the host; pixel rows with ``torch.equal`` against the group's first row."""
-    prompt_ids, prompt_mask = inputs["prompt_ids"], inputs["prompt_mask"]
-    grid, num_images = inputs.get("image_grid_thw"), inputs.get("num_images")
-    token_rows = torch.cat([prompt_ids, prompt_mask.to(prompt_ids.dtype)], dim=1).tolist()
-    has_images = pixel_values is not None and grid is not None
-    ranges = masking.sample_row_ranges(grid, num_images) if has_images else None
-    image_offsets = torch.tensor([0, *num_images]).cumsum(0).tolist() if has_images else None
-    grid_rows = grid.tolist() if has_images else None
-    candidates: dict[tuple, list[int]] = {}  # token/grid key -> indices of groups with that key
-    groups: list[list[int]] = []
-    for i, tokens in enumerate(token_rows):
-        key = tuple(tokens)
-        if has_images:
-            key += tuple(map(tuple, grid_rows[image_offsets[i] : image_offsets[i + 1]]))
-        for g in candidates.get(key, []):
-            first = groups[g][0]
-            if not has_images or torch.equal(
-                pixel_values[ranges[i][0] : ranges[i][1]], pixel_values[ranges[first][0] : ranges[first][1]]
-            ):
-                groups[g].append(i)
-                break
-        else:
-            candidates.setdefault(key, []).append(len(groups))
-            groups.append([i])
-    return groups
+    """Rows of the batch that are the same prompt with the same (masked) images, in order of first appearance: the
+    prompt identity of the masks (``masking.group_samples``), on ``pixel_values``."""
+    return masking.group_samples(inputs, pixel_values)
 
 
 def _chunks(groups: list[list[int]], max_rows: int) -> list[list[int]]:

@@ -1,15 +1,26 @@
 """The PAPO-G per-token maths, free of the trainer: the bounded k3 perception KL and the GRPO-style reductions.
 
 Everything here runs in fp32 whatever the model dtype, as the official code does (verl's ``compute_kl`` upcasts both
-log-probs, core_algos.py:585); the masks and token counts are fp32 too, so a bf16 step cannot round a count.
+log-probs, ``verl/trainer/core_algos.py`` line 585 of the official repository, linked below); the masks and token
+counts are fp32 too, so a bf16 step cannot round a count.
+
+Sources, by URL and line:
+
+- official ``low_var_kl`` and its fp32 upcast:
+  https://github.com/MikeWangWZHL/PAPO/blob/fb63bf4533b78da5a2bb17bc812375dcb620887d/verl/trainer/core_algos.py#L585-L601
+- official optional perception-KL clamp (``use_kl_prcp_clipping``):
+  https://github.com/MikeWangWZHL/PAPO/blob/fb63bf4533b78da5a2bb17bc812375dcb620887d/verl/workers/actor/dp_actor.py#L352-L354
+- TRL 1.9.1's reduction of the policy term, which ``normalise_like_parent`` repeats for the PAPO terms:
+  https://github.com/huggingface/trl/blob/v1.9.1/trl/trainer/grpo_trainer.py#L3124-L3153
 """
 
 from __future__ import annotations
 
 import torch
 
-# verl's low_var_kl (core_algos.py:597-601): the log-ratio clamped to [-20, 20] and the k3 value to at most 10, so one
-# token whose masked branch is far more confident cannot produce a gradient that grows like exp(r).
+# The official low_var_kl (core_algos.py lines 597-601, linked above): the log-ratio clamped to [-20, 20] and the k3
+# value to at most 10, so one token whose masked branch is far more confident cannot produce a gradient that grows
+# like exp(r).
 LOG_RATIO_BOUND = 20.0
 K3_BOUND = 10.0
 
@@ -18,7 +29,7 @@ def bounded_k3(masked_logps: torch.Tensor, logps: torch.Tensor, extra_clamp: flo
     """Per-token k3 estimate of KL(pi(.|I) || pi(.|I_mask)), in fp32: ``exp(d) - d - 1``, d = logp_masked - logp.
 
     ``extra_clamp`` is the official optional ``use_kl_prcp_clipping``: clamp the value to ``[0, extra_clamp]``
-    (dp_actor.py:353-354)."""
+    (``dp_actor.py`` lines 353-354, linked in the module docstring)."""
     log_ratio = (masked_logps.float() - logps.float()).clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
     per_token = (torch.exp(log_ratio) - log_ratio - 1.0).clamp(max=K3_BOUND)
     if extra_clamp is not None:
@@ -45,7 +56,8 @@ def normalise_like_parent(
     training: bool,
 ) -> torch.Tensor:
     """Reduce a (B, T) per-token quantity exactly as GRPOTrainer 1.9.1 reduces its policy term
-    (grpo_trainer.py:3124-3153); ``accumulation`` is 1 outside training, as there."""
+    (``grpo_trainer.py`` lines 3124-3153, linked in the module docstring); ``accumulation`` is 1 outside training,
+    as there."""
     masked = zero_outside(per_token, mask) * mask
     if loss_type in ("grpo", "sapo"):
         return (masked.sum(-1) / mask.sum(-1).clamp(min=1.0)).mean() / accumulation

@@ -5,7 +5,7 @@ family's own special tokens, a ChatML-style template that places the family's im
 processor with small sizes, and a config of a few hundred thousand parameters. ``*_tiled`` variants split images into
 tiles (Idefics3/SmolVLM image splitting, LFM2-VL tiling with a thumbnail), so batches carry padded tiles.
 
-Each family produces the image layout named in ``papo_nb/papo/masking_layouts.py``.
+Each family produces the image layout named in ``papo_nb/papo/masking.py``.
 """
 
 from __future__ import annotations
@@ -338,7 +338,7 @@ def _mistral3():
 class Family:
     build: object  # () -> (processor, config)
     model_cls: type
-    layout: str  # masking_layouts layout its batches carry
+    layout: str  # masking layout its batches carry
 
 
 FAMILIES = {

@@ -20,7 +20,7 @@ from typing import TextIO
 import yaml
 
 from papo_nb.infra.servers import free_port, stop_process_group
-from papo_nb.train.run_folder import PROGRESS_PREFIX, SUMMARY_FILE, LaunchError
+from papo_nb.train.run_folder import PROGRESS_PREFIX, SUMMARY_FILE, LaunchError, LaunchFailed
 from papo_nb.workbook.config.params import WorkbookParams
 
 CONFIG_DIR = Path("configs") / "accelerate"
@@ -202,24 +202,9 @@ class LaunchResult:
             )
         return json.loads(path.read_text())
 
-    @property
-    def log_history(self) -> list[dict]:
-        return self.summary()["log_history"]
-
-    @property
-    def probe_evidence(self) -> dict | None:
-        return self.summary()["probe"]
-
-    @property
-    def last_checkpoint(self) -> Path | None:
-        last = self.summary()["last_checkpoint"]
-        return Path(last) if last else None
-
     def check(self) -> LaunchResult:
         if not self.ok:
-            raise RuntimeError(
-                f"the launched training run failed with exit code {self.returncode}: {' '.join(self.command)}"
-            )
+            raise LaunchFailed(self.returncode, self.command)
         return self
 
 

@@ -33,6 +33,14 @@ class LaunchError(RuntimeError):
     """A run that must not start; the message says why and what to do instead."""
 
 
+class LaunchFailed(RuntimeError):
+    """A launched job (``accelerate launch``) that exited with an error; ``returncode`` is its exit code."""
+
+    def __init__(self, returncode: int, command: list[str]):
+        super().__init__(f"the launched training run failed with exit code {returncode}: {' '.join(command)}")
+        self.returncode = returncode
+
+
 def write_atomic(path: Path, text: str) -> None:
     """Write via a temporary file and rename, so a reader (or a kill) never sees half a file."""
     path.parent.mkdir(parents=True, exist_ok=True)

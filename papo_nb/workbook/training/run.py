@@ -1,38 +1,22 @@
-"""One PAPO-G training run from workbook parameters: the body of notebook 03 (and of ``papo-nb train``)."""
+"""The pieces of one PAPO-G training run that need no run folder and no launcher: the trainer built from workbook
+parameters, the start record (with its trainable-parameter check) and the probe-status tags.
+
+``papo_nb.train.runner.run_training`` composes them into the one training path that notebook 03 and
+``papo-nb train`` share; notebooks 01, 02 and the study build trainers with ``prepare_training`` alone.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from papo_nb.workbook.config.params import WorkbookParams
 from papo_nb.workbook.training.builder import build_trainer, load_datasets, load_policy, papo_config
-from papo_nb.workbook.training.checkpoints import (
-    RestoredAdapter,
-    describe_reference,
-    latest_checkpoint,
-    load_trainable_adapter,
-)
+from papo_nb.workbook.training.checkpoints import RestoredAdapter, load_trainable_adapter
 from papo_nb.workbook.training.review import attach_review
 
-
-@dataclass
-class TrainingResult:
-    trainer: Any
-    eval_dataset: Any
-    output_dir: Path
-    last_checkpoint: Path | None
-    restored_adapter: RestoredAdapter | None
-    reference_policy: str
-    log_history: list[dict]
-
-    @property
-    def step_logs(self) -> list[dict]:
-        """Per-step training logs (the final summary entry excluded)."""
-        from papo_nb.workbook.training.figures import step_logs
-
-        return step_logs(self.log_history)
+PROBE_STATUS_TAG = "papo_nb.probe_status"
+PROBE_WARNING_TAG = "papo_nb.probe_warning"
+MLFLOW_TAG_LIMIT = 5000  # characters MLflow keeps in a tag value
 
 
 def prepare_training(params: WorkbookParams, output_dir: str | Path, *, report_to: str = "none", **config_overrides):
@@ -53,34 +37,41 @@ def prepare_training(params: WorkbookParams, output_dir: str | Path, *, report_t
     return trainer, eval_dataset, restored
 
 
+def training_phase(params: WorkbookParams) -> str:
+    return "phase2 (resumed adapter)" if params.init_adapter else "phase1 (fresh adapter)"
+
+
+def start_record(params: WorkbookParams, trainer, restored: RestoredAdapter | None, reference: str) -> dict:
+    """What a run starts from: phase, trainable parameters, KL reference, restored adapter, processes.
+
+    Raises ValueError when nothing is trainable (a saved adapter loaded with ``is_trainable=False`` trains nothing,
+    silently), before the first step."""
+    trainable = sum(p.numel() for p in trainer.model.parameters() if p.requires_grad)
+    if trainable == 0:
+        raise ValueError(
+            f"no trainable parameters in {type(trainer.model).__name__} (init_adapter = {params.init_adapter!r}): "
+            "the run would train nothing; load the adapter trainable or leave init_adapter empty"
+        )
+    return {
+        "phase": training_phase(params),
+        "trainable_parameters": trainable,
+        "reference_policy": reference,
+        "restored_adapter": restored.to_dict() if restored else None,
+        "num_processes": params.num_processes,
+    }
+
+
 def tag_probe_status(trainer) -> str | None:
     """Tag the active MLflow run ``papo_nb.probe_status`` with the in-training probe's status ("passed",
-    "underpowered", "pending", ...) so an underpowered probe shows as a warning next to the run; returns it."""
+    "underpowered", "pending", ...) and, when underpowered, ``papo_nb.probe_warning`` with its message, so the
+    warning shows next to the run; returns the status (None without a probe or evidence)."""
     evidence = getattr(getattr(trainer, "probe", None), "evidence", None)
     if evidence is None:
         return None
     import mlflow
 
     if mlflow.active_run() is not None:
-        mlflow.set_tag("papo_nb.probe_status", evidence.status)
+        mlflow.set_tag(PROBE_STATUS_TAG, evidence.status)
         if evidence.status == "underpowered":
-            mlflow.set_tag("papo_nb.probe_warning", evidence.message[:5000])
+            mlflow.set_tag(PROBE_WARNING_TAG, evidence.message[:MLFLOW_TAG_LIMIT])
     return evidence.status
-
-
-def run_training(
-    params: WorkbookParams, output_dir: str | Path, *, report_to: str = "none", **config_overrides
-) -> TrainingResult:
-    trainer, eval_dataset, restored = prepare_training(params, output_dir, report_to=report_to, **config_overrides)
-    trainer.train()
-    tag_probe_status(trainer)
-    output_dir = Path(output_dir)
-    return TrainingResult(
-        trainer,
-        eval_dataset,
-        output_dir,
-        latest_checkpoint(output_dir),
-        restored,
-        describe_reference(trainer),
-        list(trainer.state.log_history),
-    )
