@@ -37,7 +37,7 @@ from mlflow.entities import LoggedModelOutput
 from PIL import Image
 from transformers import TrainerCallback
 
-from papo_nb.papo.masking_layouts import select_units
+from papo_nb.papo.masking import select_units
 from papo_nb.workbook.training.checkpoints import holds_model
 
 REVIEW_PROMPTS = 2  # prompts per completions table (each with all its completions, at most the next bound)
