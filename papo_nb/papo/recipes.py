@@ -19,12 +19,13 @@ _PAPO_G_3B: dict[str, Any] = {
     "perception_loss_weight": 0.02,  # sh3b:28 KL_PRCP_COEF=0.02, sh3b:44
     "perception_loss_schedule": "fixed",  # yaml:43
     "perception_kl_clamp": None,  # actor:127 use_kl_prcp_clipping False
-    "mask_type": "patch",  # yaml:40-42 14-px squares (papo_utils.py:17-30)
+    "mask_type": "auto",  # yaml:40-42 14-px squares (papo_utils.py:17-30): here whole patches of the model
     "mask_ratio": 0.6,  # yaml:42 black_prob
     "mask_sharing": "prompt",  # ray_trainer.py:602-614 masks the prompt's images before the repeat at :644
     "entropy_estimator": "sampled",  # dp:289, dp:326
     "original_entropy_weight": 0.0,  # yaml:52 use_ori_entropy_loss false
     "masked_entropy_weight": 0.0,  # yaml:49 use_aug_entropy_loss false
+    "masked_branch": "rollout",  # ray_trainer.py:759-769: once per rollout batch, before the update loop
     "masked_branch_grad": False,  # dp:46 RECOMPUTE_AUG_LOG_PROBS=False
     "beta": 0.01,  # yaml:26-28 use_kl_loss, low_var_kl, kl_coef 1e-2
     "loss_type": "bnpo",  # actor:93 loss_avg_mode "token"; dp:357 and dp:400 (/ gradient_accumulation)

@@ -154,6 +154,27 @@ def prompt_groups(inputs: dict[str, Any], pixel_values: torch.Tensor | None) -> 
     return groups
 
 
+def select_rows(inputs: dict[str, Any], rows: list[int]) -> dict[str, Any]:
+    """The batch of ``rows`` only, for the layouts this path supports (flattened pixel rows with ``image_grid_thw``
+    and ``num_images``): every per-row tensor and list, each row's pixel rows and grids; the rest as it is."""
+    n = len(inputs["prompt_ids"])
+    out = {}
+    for key, value in inputs.items():
+        if isinstance(value, torch.Tensor) and value.dim() > 0 and value.size(0) == n and key != "pixel_values":
+            out[key] = value[rows]
+        elif isinstance(value, list) and len(value) == n:
+            out[key] = [value[i] for i in rows]
+        else:
+            out[key] = value
+    grid, num_images = inputs.get("image_grid_thw"), inputs.get("num_images")
+    if inputs.get("pixel_values") is not None and grid is not None:
+        ranges = masking.sample_row_ranges(grid, num_images)
+        offsets = torch.tensor([0, *num_images]).cumsum(0).tolist()
+        out["pixel_values"] = torch.cat([inputs["pixel_values"][ranges[i][0] : ranges[i][1]] for i in rows])
+        out["image_grid_thw"] = torch.cat([grid[offsets[i] : offsets[i + 1]] for i in rows])
+    return out
+
+
 def _chunks(groups: list[list[int]], max_rows: int) -> list[list[int]]:
     """Consecutive whole groups, at most ``max_rows`` rows per chunk (a larger group is a chunk of its own)."""
     chunks, current = [], []
@@ -192,12 +213,15 @@ def shared_prefix_logps(
     compute_entropy: bool,
     groups: list[list[int]] | None = None,
     max_chunk_rows: int | None = None,
+    group_pixel_values: list[torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``(logps, entropies)`` of the completions of ``inputs`` (a ``_compute_loss`` batch) with ``pixel_values`` in
     place of its own, each ``(B, C)``, computed with one prefill per distinct prompt (``groups``; found if None).
 
     ``model`` is what the trainer calls (possibly wrapped); ``max_chunk_rows`` bounds the completion rows per
-    forward (default: the largest group)."""
+    forward (default: the largest group). ``group_pixel_values`` (one tensor per group: its first row's pixel rows)
+    replaces ``pixel_values`` where only the groups' images were built (the rollout-time branch masks each
+    distinct prompt once); ``groups`` must then be given."""
     from trl.trainer.utils import entropy_from_logits, selective_log_softmax
 
     hf_model = core_model(model)
@@ -209,9 +233,11 @@ def shared_prefix_logps(
         inputs.get("mm_token_type_ids"),
     )
     n_prompt, n_completion = prompt_ids.shape[1], completion_ids.shape[1]
+    if group_pixel_values is not None and groups is None:
+        raise ValueError("shared_prefix_logps: group_pixel_values needs the groups it was built for")
     groups = groups if groups is not None else prompt_groups(inputs, pixel_values)
     firsts = [g[0] for g in groups]
-    has_images = pixel_values is not None
+    has_images = pixel_values is not None or group_pixel_values is not None
 
     input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
     attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)
@@ -229,9 +255,11 @@ def shared_prefix_logps(
     if mm_types is not None:
         prefill["mm_token_type_ids"] = mm_types[firsts, :n_prompt]
     if has_images:
-        ranges = masking.sample_row_ranges(grid, num_images)
         image_offsets = torch.tensor([0, *num_images]).cumsum(0).tolist()
-        prefill["pixel_values"] = torch.cat([pixel_values[ranges[i][0] : ranges[i][1]] for i in firsts])
+        if group_pixel_values is None:
+            ranges = masking.sample_row_ranges(grid, num_images)
+            group_pixel_values = [pixel_values[ranges[i][0] : ranges[i][1]] for i in firsts]
+        prefill["pixel_values"] = torch.cat(group_pixel_values)
         prefill["image_grid_thw"] = torch.cat([grid[image_offsets[i] : image_offsets[i + 1]] for i in firsts])
     cache = DynamicCache()
     prefill[cache_key] = cache
@@ -285,8 +313,17 @@ def masked_forward(trainer, model, inputs: dict[str, Any], pixel_values, compute
     if not shared:
         record(trainer, False, reason, None)
         return None
+    # Under FSDP/ZeRO-3 a forward is a collective: every rank runs one prefill and one completion forward here,
+    # whatever its groups (chunks of whole groups would make the count depend on the batch).
+    max_rows = len(inputs["prompt_ids"]) if trainer.accelerator.num_processes > 1 else None
     result = shared_prefix_logps(
-        model, inputs, pixel_values, temperature=trainer.temperature, compute_entropy=compute_entropy, groups=groups
+        model,
+        inputs,
+        pixel_values,
+        temperature=trainer.temperature,
+        compute_entropy=compute_entropy,
+        groups=groups,
+        max_chunk_rows=max_rows,
     )
     record(trainer, True, reason, len(inputs["prompt_ids"]) / len(groups))
     return result
