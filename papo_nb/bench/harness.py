@@ -110,8 +110,8 @@ def bench_params(seed: int = 0, n_prompts: int = 4, **fields) -> WorkbookParams:
     The fixed batch (``n_prompts`` x 4 completions) is also the trainers' own batch, so the in-training probe check
     sees the same size. lr 1e-3 moves a fresh LoRA within a few steps; beta 0 (no reference forward) and TRL's
     default loss aggregation (dapo) keep the GRPO step what TRL's defaults make it; the PAPO-G terms are at the
-    paper's values (gamma 0.02, eta1 = eta2 = 0.03, whole-patch mask at 0.6), stated here so that the benchmark measures
-    the same step whatever the workbook's defaults become. ``fields`` change any of these.
+    paper's values (gamma 0.02, eta1 = eta2 = 0.03, whole patches masked at 0.6), stated here so that the
+    benchmark measures the same step whatever the workbook's defaults become. ``fields`` change any of these.
     """
     settings = dict(
         model_name_or_path="tiny:qwen2_vl",

@@ -234,10 +234,11 @@ class PAPOGTrainer(GRPOTrainer):
     def papo_loss_parts(self, model, inputs) -> tuple[torch.Tensor, PerceptionTerms]:
         """The parent's loss and the adapter's terms for ``inputs`` (which is never modified).
 
-        The masked branch is the one stored with the batch by this trainer's rollout pass (``masked_branch=
-        "rollout"``; a device batch of a round without it raises), else computed now. The masked forward runs *before* the parent's: under no-grad (the default) its full-vocabulary logits are
-        freed before the parent's forward creates the logits autograd keeps for backward, so the two never coexist
-        (it is the same math in either order)."""
+        The masked branch is the one this trainer's rollout pass stored with the batch (``masked_branch="rollout"``;
+        a device batch of a round without it raises), else it is computed now. Computed now, it runs *before* the
+        parent's forward: under no-grad (the default) its full-vocabulary logits are freed before the parent's
+        forward creates the logits autograd keeps for backward, so the two never coexist (same math in either
+        order)."""
         has_images = inputs.get("pixel_values") is not None
         stored = rollout_branch.stored_branch(self, inputs)
         if self.args.masked_branch == "rollout" and (
