@@ -105,9 +105,9 @@ class PAPOGTrainer(GRPOTrainer):
     ):
         """The parent's parameters (same names and order, TRL 1.9.1); ``args`` must be a [`PAPOGConfig`]."""
         validate_trl_parent_contract(GRPOTrainer)
-        if args is not None and not isinstance(args, PAPOGConfig):
+        if not isinstance(args, PAPOGConfig):  # GRPOTrainer would build a GRPOConfig without the PAPO fields
             raise TypeError(f"PAPOGTrainer needs args=PAPOGConfig(...), got {type(args).__name__}")
-        if getattr(args, "use_liger_kernel", False):
+        if args.use_liger_kernel:
             # GRPOTrainer.compute_loss sends a Liger run to compute_liger_loss and never calls _compute_loss
             # (grpo_trainer.py:2913-2917): the PAPO terms and the probe would vanish without a word.
             raise ValueError(
@@ -130,8 +130,6 @@ class PAPOGTrainer(GRPOTrainer):
             rollout_func=rollout_func,
             environment_factory=environment_factory,
         )
-        if not isinstance(self.args, PAPOGConfig):
-            raise TypeError(f"PAPOGTrainer needs args=PAPOGConfig(...), got {type(self.args).__name__}")
         # Trainer sets this in its training loop; the probe and fixed-batch losses may run before train().
         self.current_gradient_accumulation_steps = self.args.gradient_accumulation_steps
         self._capture_parent_logps = False
@@ -143,7 +141,7 @@ class PAPOGTrainer(GRPOTrainer):
         # the shared prefix where it cannot run.
         self.masked_forward_plan = shared_prefix.plan(self.args, self.model)
         self.masked_branch_owner = rollout_branch.new_owner_tag()
-        self.masked_branch_seconds = 0.0  # wall time spent in the masked branch, wherever it ran
+        self.masked_branch_seconds, self.masked_branch_calls = 0.0, 0  # wall time and passes, wherever it ran
         self.step_guard = NonFiniteStepGuard(self.args.max_consecutive_nonfinite_grad_steps)
         self.probe = None
         if self.args.require_gpu_contract_probe:
@@ -257,6 +255,7 @@ class PAPOGTrainer(GRPOTrainer):
             if not has_images and any_images:
                 self._masked_forward(model, inputs)  # result unused: see _images_on_any_rank
             self.masked_branch_seconds += time.perf_counter() - start
+            self.masked_branch_calls += 1
         self._capture_parent_logps, self._captured_parent_logps = True, None
         try:
             parent_loss = super()._compute_loss(model, inputs)

@@ -169,6 +169,7 @@ def masked_branch_entries(trainer, batch: dict[str, Any]) -> dict[str, Any]:
         logps, entropies = _full(trainer, batch, compute_entropy)
         shared_prefix.record(trainer, False, plan.reason, None)
     trainer.masked_branch_seconds += time.perf_counter() - start
+    trainer.masked_branch_calls += 1
     entries = {MASKED_LOGPS_KEY: logps, OWNER_KEY: torch.tensor(trainer.masked_branch_owner)}
     if entropies is not None:
         entries[MASKED_ENTROPIES_KEY] = entropies
