@@ -27,7 +27,7 @@ from trl import GRPOTrainer
 
 from . import masking_layouts, rollout_branch, shared_prefix, update_branch
 from .citation import PAPO_PAPER
-from .contract import ENTROPY_GRAD_GATE, validate_trl_parent_contract
+from .contract import ENTROPY_GRAD_GATE, validate_grad_norm_hook, validate_trl_parent_contract
 from .papo_config import PAPOGConfig
 from .perception_metrics import log_perception_metrics
 from .rollout_branch import logp_call_arguments
@@ -105,6 +105,7 @@ class PAPOGTrainer(GRPOTrainer):
     ):
         """The parent's parameters (same names and order, TRL 1.9.1); ``args`` must be a [`PAPOGConfig`]."""
         validate_trl_parent_contract(GRPOTrainer)
+        validate_grad_norm_hook(GRPOTrainer)
         if not isinstance(args, PAPOGConfig):  # GRPOTrainer would build a GRPOConfig without the PAPO fields
             raise TypeError(f"PAPOGTrainer needs args=PAPOGConfig(...), got {type(args).__name__}")
         if args.use_liger_kernel:
