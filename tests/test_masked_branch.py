@@ -67,15 +67,17 @@ def test_the_round_carries_the_masked_branch_and_both_timings_agree_on_it(tiny_v
             masked_forward=masked_forward,
         )
         assert rollout_branch.stored_branch(update, batch) is None, "another trainer's branch is not reused"
-        before = rollout.masked_branch_seconds
+        before = rollout.masked_branch_clock.seconds
         losses, grads = [], []
         for trainer in (rollout, update):
             trainer.current_gradient_accumulation_steps = 1
             loss = trainer._compute_loss(trainer.model, batch)
             losses.append(loss.detach())
             grads.append(trainable_grads(trainer.model, loss))
-        assert rollout.masked_branch_seconds == before, "the rollout trainer must not recompute the masked branch"
-        assert update.masked_branch_seconds > 0
+        assert rollout.masked_branch_clock.seconds == before, (
+            "the rollout trainer must not recompute the masked branch"
+        )
+        assert update.masked_branch_clock.seconds > 0
         assert torch.allclose(losses[0], losses[1], atol=FP32_TOL, rtol=0), (losses, masked_forward)
         assert (grads[0] - grads[1]).norm() <= FP32_TOL * grads[1].norm(), masked_forward
         assert grads[1].norm() > 0
@@ -164,7 +166,7 @@ def test_iterations_and_accumulation_compute_the_masked_branch_as_the_timing_say
     expected = rounds if timing == "rollout" else loss_calls
     # the shared/full metric is recorded where the branch runs: once per round, or in every loss call
     assert len(logged(trainer, shared_prefix.METRIC)) == (1 if timing == "rollout" else 2)
-    assert trainer.masked_branch_calls == expected, (timing, trainer.masked_branch_calls)
+    assert trainer.masked_branch_clock.calls == expected, (timing, trainer.masked_branch_clock.calls)
 
 
 def test_a_round_batch_without_its_masked_branch_is_refused(tiny_vlm_path, shapes_dataset, tmp_path):

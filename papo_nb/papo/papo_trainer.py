@@ -18,7 +18,6 @@ are gone before the parent's (kept for backward) exist.
 from __future__ import annotations
 
 import os
-import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -142,7 +141,7 @@ class PAPOGTrainer(GRPOTrainer):
         # the shared prefix where it cannot run.
         self.masked_forward_plan = shared_prefix.plan(self.args, self.model)
         self.masked_branch_owner = rollout_branch.new_owner_tag()
-        self.masked_branch_seconds, self.masked_branch_calls = 0.0, 0  # wall time and passes, wherever it ran
+        self.masked_branch_clock = rollout_branch.BranchClock()  # its time and passes, wherever it runs
         self.step_guard = NonFiniteStepGuard(self.args.max_consecutive_nonfinite_grad_steps)
         self.probe = None
         if self.args.require_gpu_contract_probe:
@@ -250,13 +249,11 @@ class PAPOGTrainer(GRPOTrainer):
                 )
             masked = stored if has_images else None  # the same choice on every rank: no collective needed
         else:  # masked_branch='update', or a batch built outside a round (probe, tests, benchmarks): compute it now
-            start = time.perf_counter()
-            any_images = self._images_on_any_rank(has_images)  # a collective: every rank calls it, images or not
-            masked = self._masked_forward(model, inputs) if has_images else None
-            if not has_images and any_images:
-                self._masked_forward(model, inputs)  # result unused: see _images_on_any_rank
-            self.masked_branch_seconds += time.perf_counter() - start
-            self.masked_branch_calls += 1
+            with self.masked_branch_clock.timing():
+                any_images = self._images_on_any_rank(has_images)  # a collective: every rank calls it
+                masked = self._masked_forward(model, inputs) if has_images else None
+                if not has_images and any_images:
+                    self._masked_forward(model, inputs)  # result unused: see _images_on_any_rank
         self._capture_parent_logps, self._captured_parent_logps = True, None
         try:
             parent_loss = super()._compute_loss(model, inputs)

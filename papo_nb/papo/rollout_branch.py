@@ -21,8 +21,10 @@ through): another trainer, with other masks or another forward, computes its own
 
 from __future__ import annotations
 
+import contextlib
 import secrets
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -43,6 +45,25 @@ def logp_call_arguments(inputs: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
     return (input_ids, attention_mask, inputs["completion_ids"].size(1)), {
         key: inputs.get(key) for key in VLM_FORWARD_KEYWORDS
     }
+
+
+@dataclass
+class BranchClock:
+    """Where the masked branch's time goes: wall and process CPU seconds, and how many passes ran."""
+
+    seconds: float = 0.0
+    cpu_seconds: float = 0.0
+    calls: int = 0
+
+    @contextlib.contextmanager
+    def timing(self):
+        wall, cpu = time.perf_counter(), time.process_time()
+        try:
+            yield
+        finally:
+            self.seconds += time.perf_counter() - wall
+            self.cpu_seconds += time.process_time() - cpu
+            self.calls += 1
 
 
 def new_owner_tag() -> int:
@@ -158,18 +179,15 @@ def masked_branch_entries(trainer, batch: dict[str, Any]) -> dict[str, Any]:
     trainer._images_on_any_rank(has_images)
     if not has_images:
         return {}
-    start = time.perf_counter()
-    compute_entropy = trainer.args.entropy_estimator == "full"
-    plan = trainer.masked_forward_plan
-    shared = plan.shared and batch.get("image_grid_thw") is not None
-    if shared:
-        logps, entropies, completions, prefills = _shared(trainer, batch, compute_entropy)
-        shared_prefix.record(trainer, True, plan.reason + ", once per generation round", completions / prefills)
-    else:
-        logps, entropies = _full(trainer, batch, compute_entropy)
-        shared_prefix.record(trainer, False, plan.reason, None)
-    trainer.masked_branch_seconds += time.perf_counter() - start
-    trainer.masked_branch_calls += 1
+    with trainer.masked_branch_clock.timing():
+        compute_entropy = trainer.args.entropy_estimator == "full"
+        plan = trainer.masked_forward_plan
+        if plan.shared and batch.get("image_grid_thw") is not None:
+            logps, entropies, completions, prefills = _shared(trainer, batch, compute_entropy)
+            shared_prefix.record(trainer, True, plan.reason + ", once per generation round", completions / prefills)
+        else:
+            logps, entropies = _full(trainer, batch, compute_entropy)
+            shared_prefix.record(trainer, False, plan.reason, None)
     entries = {MASKED_LOGPS_KEY: logps, OWNER_KEY: torch.tensor(trainer.masked_branch_owner)}
     if entropies is not None:
         entries[MASKED_ENTROPIES_KEY] = entropies
