@@ -228,3 +228,36 @@ def test_nonfinite_gradient_norm_skips_the_step_and_several_in_a_row_stop_the_ru
     lora.register_hook(lambda g: g * float("nan") if again.state.global_step >= 1 else g)
     with pytest.raises(NonFiniteGradientError, match=r"2 optimizer steps in a row .*\(1, nan\), \(2, nan\)"):
         again.train()
+
+
+@pytest.mark.slow
+def test_papo_nb_train_with_three_steps_per_round_logs_g_completions_per_prefill(tmp_path):
+    """The issue's own reproduction, as a new user would run it: ``papo-nb train --params params/smoke.yaml -p
+    steps_per_generation=3`` logged 1.22 completions per prefill with the masked branch in the loss; the rollout
+    pass serves each prompt's G completions with one prefill."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from mlflow import MlflowClient
+
+    from papo_nb.infra.tracking import EXPERIMENT_NAME
+    from papo_nb.workbook.config.params import load_params
+
+    root = Path(__file__).resolve().parents[1]
+    smoke = root / "params" / "smoke.yaml"
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    overrides = ["steps_per_generation=3", "max_steps=3", "save_steps=3", "require_gpu_contract_probe=false"]
+    command = [sys.executable, "-m", "papo_nb.cli", "train", "--params", str(smoke)]
+    command += [a for o in overrides for a in ("-p", o)] + ["--output-dir", str(tmp_path / "run")]
+    env = {**os.environ, "MLFLOW_TRACKING_URI": uri, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(root)}
+    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    client = MlflowClient(uri)
+    (run,) = client.search_runs([client.get_experiment_by_name(EXPERIMENT_NAME).experiment_id])
+    shares = [m.value for m in client.get_metric_history(run.info.run_id, shared_prefix.SHARE_METRIC)]
+    generations = load_params(smoke).num_generations
+    print(f"\npapo-nb train, 3 steps per round: {shared_prefix.SHARE_METRIC} = {shares} (G = {generations})")
+    assert shares and all(s == generations for s in shares), shares
+    assert [m.value for m in client.get_metric_history(run.info.run_id, shared_prefix.METRIC)] == [1.0] * len(shares)
