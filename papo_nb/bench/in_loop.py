@@ -340,6 +340,8 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="papo_in_loop_") as work:
         for layout in chosen:
             results["layouts"].append(measure_layout(layout, args, Path(work) / layout.name))
+            if args.out:  # after every layout: a run cut short keeps what it measured
+                args.out.write_text(json.dumps(results, indent=2))
             print(f"{layout.name} done at {time.perf_counter() - started:.0f} s", file=sys.stderr, flush=True)
     results["load_after"] = [round(x, 2) for x in os.getloadavg()]
     results["wall_s"] = time.perf_counter() - started

@@ -11,7 +11,8 @@ The rollout-time masked branch overrides ``_generate_and_score_completions``: th
 batch keys the override reads from what it returns, and that ``_prepare_inputs`` still buffers its result (so the
 stored masked log-probs travel with the round as ``old_per_token_logps`` does).
 
-The pinned upstream SHA-256 is checked against the real wheel by ``papo_nb.workbook.verification.provenance``.
+The pinned upstream SHA-256 is that of the file inside the ``trl==0.29.1`` wheel on PyPI
+(https://github.com/huggingface/trl/blob/v0.29.1/trl/experimental/papo/papo_trainer.py).
 """
 
 from __future__ import annotations

@@ -164,8 +164,8 @@ class PAPOGTrainer(GRPOTrainer):
         return self.state.max_steps if self.state.max_steps > 0 else self.args.max_steps
 
     def current_gamma(self) -> float:
-        """gamma_t: fixed, or the official linear annealing (core_algos.py:75-90, ray_trainer.py:327-338) over
-        ``int(total_steps * perception_annealing_ratio)`` steps, counted in optimizer steps (``state.global_step``)."""
+        """gamma_t: fixed, or the official linear annealing (MikeWangWZHL/PAPO at fb63bf4, verl/trainer/core_algos.py
+        L75-L90, ray_trainer.py L327-L338) over ``int(total_steps * perception_annealing_ratio)`` optimizer steps."""
         args = self.args
         total = self.schedule_steps()
         if args.perception_loss_schedule == "fixed" or total <= 0:
@@ -176,7 +176,7 @@ class PAPOGTrainer(GRPOTrainer):
         return start + (end - start) * progress
 
     def annealing_discount(self) -> float:
-        """gamma_t / gamma_0, the factor the official code applies to both entropy terms (dp_actor.py:364-381)."""
+        """gamma_t / gamma_0, the official factor on both entropy terms (the module docstring's dp_actor.py link)."""
         gamma0 = self.args.perception_loss_weight
         return self.current_gamma() / gamma0 if gamma0 > 0 else 1.0
 

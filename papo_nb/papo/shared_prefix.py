@@ -5,8 +5,9 @@ image. Under no-grad (``masked_branch_grad=False``, the default) the masked forw
 the prompt's key/values once per prompt: each distinct prompt of the device batch is prefilled once with its masked
 image (``use_cache=True``); its cache is copied to its completions, which run against it; the last prefill logit
 predicts the first completion token. Completion log-probs and entropies are those of TRL 1.9.1's
-``_get_per_token_logps_and_entropies`` (grpo_trainer.py:1435-1545: logits / temperature, ``selective_log_softmax``,
-``entropy_from_logits``), to float rounding.
+``_get_per_token_logps_and_entropies``
+(https://github.com/huggingface/trl/blob/v1.9.1/trl/trainer/grpo_trainer.py#L1435-L1545: logits / temperature,
+``selective_log_softmax``, ``entropy_from_logits``), to float rounding.
 
 Positions are exact: Qwen's multimodal rotary positions of the *whole* prompt + completion sequence are taken from
 ``get_rope_index`` (what the full forward computes, Qwen2VLModel.compute_3d_position_ids) and sliced per forward;
@@ -34,7 +35,7 @@ from . import masking
 logger = logging.get_logger(__name__)
 
 # model_type of the language-vision models whose forward, cache and get_rope_index this path was checked against
-# (tests/test_shared_prefix.py: tiny:qwen2_vl and tiny:qwen2_5_vl, fp32 and bf16).
+# (tiny Qwen2-VL and Qwen2.5-VL models, fp32 and bf16, against the full forward).
 SUPPORTED_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl")
 METRIC = "papo/masked_forward_shared"  # 1 when the shared-prefix path ran for the batch, 0 for the full forward
 SHARE_METRIC = "papo/masked_forward_share"  # completions per prefilled prompt (shared path only)
