@@ -301,7 +301,9 @@ def verdicts(results: dict[str, Any]) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="2 timed rounds after 1 short warm-up, no memory pass")
+    parser.add_argument(
+        "--quick", action="store_true", help="1 prompt per step, 2 timed rounds after 1 short warm-up (~10-25 min)"
+    )
     parser.add_argument("--clock", choices=("cpu", "wall"), default=None, help="default: cpu on the CPU, wall on cuda")
     parser.add_argument("--layouts", default=",".join(layout.name for layout in LAYOUTS))
     parser.add_argument("--repeats", type=int, default=5)
@@ -318,7 +320,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--markdown", type=Path, default=None)
     args = parser.parse_args(argv)
     if args.quick:
-        args.repeats, args.warmup, args.memory = 2, 1, False
+        args.repeats, args.warmup, args.prompts = 2, 1, 1
     args.clock = args.clock or ("wall" if args.device == "cuda" else "cpu")
     known = {layout.name: layout for layout in LAYOUTS}
     chosen = [known[name] for name in args.layouts.split(",") if name in known]
@@ -327,6 +329,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--layouts: unknown {unknown}; allowed: {', '.join(known)}")
     torch.set_num_threads(1)
     results: dict[str, Any] = dict(
+        clock=args.clock,
         device=args.device,
         threads=torch.get_num_threads(),
         repeats=args.repeats,
