@@ -261,3 +261,27 @@ def test_papo_nb_train_with_three_steps_per_round_logs_g_completions_per_prefill
     print(f"\npapo-nb train, 3 steps per round: {shared_prefix.SHARE_METRIC} = {shares} (G = {generations})")
     assert shares and all(s == generations for s in shares), shares
     assert [m.value for m in client.get_metric_history(run.info.run_id, shared_prefix.METRIC)] == [1.0] * len(shares)
+
+
+def test_in_loop_benchmark_reports_every_variant_and_ratio(tmp_path):
+    """The in-loop benchmark end to end on the smallest shapes (well-formedness only: timings are not asserted)."""
+    import json
+
+    from papo_nb.bench import in_loop
+
+    out = tmp_path / "in_loop.json"
+    argv = ["--layouts", "G5_k3", "--repeats", "1", "--warmup", "0", "--image-px", "56", "--completion", "4"]
+    argv += ["--prompts", "1", "--no-memory", "--cache-dir", str(tmp_path / "models"), "--out", str(out)]
+    assert in_loop.main(argv) == 0
+    (layout,) = json.loads(out.read_text())["layouts"]
+    assert layout["G"] == 5 and layout["steps_per_round"] == 3 and layout["P"] >= 4 * layout["R"]
+    for name in in_loop.VARIANTS:
+        assert layout[name]["no_sampling_cpu_s"] < layout[name]["total_cpu_s"], name
+    assert layout["papo_rollout"]["share"] == 5.0 and layout["papo_update"]["share"] < 5.0
+    assert layout["grpo"]["masked_cpu_s"] == 0.0 < layout["papo_rollout"]["masked_cpu_s"]
+    for key in ("papo_rollout/grpo_no_sampling_cpu_s", "papo_update/grpo_total_s"):
+        assert layout[key]["min"] <= layout[key]["median"] <= layout[key]["max"], key
+    assert (
+        layout["flop_bound"] == pytest.approx(in_loop.flop_bound(layout["P"], layout["R"], 5), rel=1e-12)
+        and 1.0 < layout["flop_bound"] < 2.0
+    )
