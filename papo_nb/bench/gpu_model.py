@@ -147,7 +147,9 @@ def build_gpu_setup(
     )
     trainers = {
         "grpo": harness.make_trainer(settings, model, processor, dataset, work_dir, "grpo", GRPOTrainer, **overrides),
-        "papo": harness.make_trainer(settings, model, processor, dataset, work_dir, "papo", **overrides),
+        "papo": harness.make_trainer(
+            settings, model, processor, dataset, work_dir, "papo", masked_branch="update", **overrides
+        ),
         "papo_grad": harness.make_trainer(
             settings,
             model,

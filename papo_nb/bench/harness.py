@@ -207,10 +207,13 @@ def build_setup(
 
     trainers = {
         "grpo": trainer("grpo", GRPOTrainer),
-        "papo": trainer("papo"),
+        # "update": the masked branch inside the timed step (a rollout-time branch would ride in with the batch)
+        "papo": trainer("papo", masked_branch="update"),
         "papo_grad": trainer("papo_grad", masked_branch="update", masked_branch_grad=True),
         # memory only: PAPO-G without the entropy terms, to separate eta1's entropy gradient from the masked branch
-        "papo_eta0": trainer("papo_eta0", original_entropy_weight=0.0, masked_entropy_weight=0.0),
+        "papo_eta0": trainer(
+            "papo_eta0", masked_branch="update", original_entropy_weight=0.0, masked_entropy_weight=0.0
+        ),
     }
     if batch is None:  # given: a batch this function made before (saved by the RSS measurement for its workers)
         batch = rollout_batch(trainers["papo"], dataset, n_prompts, seed=seed)
