@@ -213,8 +213,9 @@ def measure_layout(layout: Layout, args, work: Path) -> dict[str, Any]:
     for _ in range(args.warmup):  # one short train() each: first-call costs off the clock
         for name in VARIANTS:
             one_run(trainers[name], clock, args.device, layout.steps_per_round)
-    for _ in range(args.repeats):  # interleaved: every variant once per round
-        for name in VARIANTS:
+    for round_index in range(args.repeats):  # interleaved, every variant once per round, the order rotated
+        order = VARIANTS[round_index % len(VARIANTS) :] + VARIANTS[: round_index % len(VARIANTS)]
+        for name in order:
             runs[name].append(one_run(trainers[name], clock, args.device, args.steps))
     steps = layout.steps_per_round
     peaks = {name: peak_mib(trainers[name], args.device, steps) for name in VARIANTS} if args.memory else {}
