@@ -2,13 +2,16 @@
 # GPU check of PAPO-G's step overhead, of the gamma-zero probe in real bf16 and of the paper-like shapes (issue 14),
 # sized for ONE device call of at most 600 s with room for a retry: the whole script stops within 420 s (7 min).
 #
-#   usage: [WHEELS=DIR] [PYTHON=...] [PAPER_SHAPES=0] [TOTAL_S=420] benchmarks/gpu_check.sh OUT_DIR [gpu_check.py options]
+#   usage: [WHEELS=DIR] [PYTHON=...] [PAPER_SHAPES=0] [IN_LOOP=0] [TOTAL_S=420] benchmarks/gpu_check.sh OUT_DIR [gpu_check.py options]
 #
 # Each part has its own time budget, enforced by `timeout` and never past the script's deadline (TOTAL_S):
 #   1. install, only with WHEELS set: a venv from carried wheels, offline    <= 120 s
 #      (WHEELS: a folder filled beforehand, where there is network, by `pip download -d WHEELS .`)
 #   2. main check (gpu_check.py --time-budget 170: timed rounds adapt to it) <= 190 s -> OUT_DIR/gpu_check.json
-#   3. paper shapes (gpu_check.py --paper-shapes-only --prefix-repeats 3)   <= 110 s -> OUT_DIR/gpu_paper_shapes.json
+#   3. in-loop (issue 22: python -m papo_nb.bench.in_loop --device cuda)    <= 120 s -> OUT_DIR/gpu_in_loop.json
+#      GRPO, PAPO-G rollout and update inside trainer.train(), G 5/8 x 1/3 steps per round; the JSON is rewritten
+#      after each layout, so a timeout keeps what was measured (IN_LOOP=0 skips it)
+#   4. paper shapes (gpu_check.py --paper-shapes-only --prefix-repeats 3)   <= 110 s -> OUT_DIR/gpu_paper_shapes.json
 #      (PAPER_SHAPES=0 skips it; it gets what is left of the deadline if that is less)
 # Without WHEELS it installs nothing and runs $PYTHON (default: .venv/bin/python of this repository if present, else
 # `python` on PATH), which must already have the pinned stack (papo_nb is put on sys.path from this repository).
@@ -48,6 +51,16 @@ fi
 STATUS=0
 timeout "$(budget 190)" "$PYTHON" "$HERE/gpu_check.py" --out-dir "$OUT_DIR" --time-budget 170 "$@" 2>&1 \
   | tee -a "$OUT_DIR/gpu_check.log" || { STATUS=$?; echo "gpu_check.sh: main check exited $STATUS (124: timeout)"; }
+# Issue 22: the masked branch once per generation round against in every loss call, inside real training loops.
+if [[ "${IN_LOOP:-1}" != 0 ]]; then
+  IN_LOOP_ARGS=(--device cuda --image-px 448 --completion 64 --prompts 4 --repeats 2 --steps 3)
+  for a in "$@"; do [[ "$a" == --cpu-dry-run ]] && IN_LOOP_ARGS=(--device cpu --layouts G5_k3 --repeats 1 --warmup 0 \
+    --no-memory --image-px 56 --completion 4 --prompts 1 --steps 3); done
+  (cd "$ROOT" && PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" timeout "$(budget 120)" "$PYTHON" -m papo_nb.bench.in_loop \
+    "${IN_LOOP_ARGS[@]}" --out "$OUT_DIR/gpu_in_loop.json" --markdown "$OUT_DIR/gpu_in_loop.md") 2>&1 \
+    | tee "$OUT_DIR/gpu_in_loop.log" || { rc=$?; STATUS=$((rc > STATUS ? rc : STATUS))
+    echo "gpu_check.sh: in-loop exited $rc (124: timeout)"; }
+fi
 # Issue 14: GRPO vs PAPO-G with the full masked forward vs the shared prompt prefix, G = 8, prompt >= 4x completion.
 if [[ "${PAPER_SHAPES:-1}" != 0 ]]; then
   timeout "$(budget 110)" "$PYTHON" "$HERE/gpu_check.py" --out-dir "$OUT_DIR" --paper-shapes-only --prefix-repeats 3 \

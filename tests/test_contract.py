@@ -119,3 +119,44 @@ def test_verdict_warns_on_an_underpowered_probe_and_fails_an_unfinished_one(stat
     assert verdict["passed"] is passed and verdict["probe_status"] == status
     assert bool(verdict["warnings"]) is warned and ("WARNING" in verdict["verdict"]) is warned
     assert verdict["probe_passed"] is (status == "passed")
+
+
+def test_static_check_names_a_drifted_generation_round():
+    """What the rollout-time masked branch relies on: the method's signature, the keys it reads from the returned
+    batch, and _prepare_inputs buffering that batch."""
+    source = _installed_grpo_source()
+    renamed = source.replace(
+        "def _generate_and_score_completions(\n        self, inputs:",
+        "def _generate_and_score_completions(\n        self, batch:",
+        1,
+    )
+    assert renamed != source
+    assert contract.static_contract_violations(renamed) == [
+        "GRPOTrainer._generate_and_score_completions signature changed: ('self', 'batch') != ('self', 'inputs')"
+    ]
+    no_key = source.replace('"completion_mask": completion_mask,\n            "advantages"', '"advantages"', 1)
+    assert no_key != source
+    assert contract.static_contract_violations(no_key) == [
+        "GRPOTrainer._generate_and_score_completions no longer returns 'completion_mask'"
+    ]
+    unbuffered = source.replace("self._buffered_inputs = [", "buffered = [", 1).replace(
+        "inputs = self._buffered_inputs[", "inputs = buffered[", 1
+    )
+    unbuffered = unbuffered.replace("or self._buffered_inputs is None", "", 1)
+    assert contract.static_contract_violations(unbuffered) == [
+        "GRPOTrainer._prepare_inputs no longer buffers the result of _generate_and_score_completions in "
+        "self._buffered_inputs"
+    ]
+
+
+def test_grad_norm_hook_holds_and_names_its_drift():
+    import transformers
+
+    contract.validate_grad_norm_hook(transformers.Trainer)
+
+    class Drifted(transformers.Trainer):
+        def _get_grad_norm(self, model):
+            return None
+
+    with pytest.raises(contract.ContractError, match=r"_get_grad_norm signature changed: \('self', 'model'\)"):
+        contract.validate_grad_norm_hook(Drifted)

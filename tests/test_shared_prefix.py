@@ -220,7 +220,7 @@ def test_auto_falls_back_with_its_reason_in_the_metrics(setup, caplog):
     cases = [
         (dict(), 1.0, "masked_forward='auto'", batch),
         (dict(masked_forward="full"), 0.0, "masked_forward='full'", batch),
-        (dict(masked_branch_grad=True), 0.0, "masked_branch_grad=True", batch),
+        (dict(masked_branch="update", masked_branch_grad=True), 0.0, "masked_branch_grad=True", batch),
         (dict(mask_sharing="completion"), 0.0, "mask_sharing='completion'", batch),
         (dict(), 0.0, "no prompt has two completions", select_rows(setup["batch"], [0, 4, 8])),
     ]

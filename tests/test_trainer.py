@@ -146,7 +146,9 @@ def test_entropy_weights_change_the_gradient(policy, shapes_dataset, batch, tmp_
     assert (eta1 - base).norm() > 1e-3 * base.norm(), "eta1 must regularise the original-image entropy"
     eta2_no_grad = grad_for(original_entropy_weight=0.0, masked_entropy_weight=0.5)
     assert torch.equal(eta2_no_grad, base), "with a no-grad masked branch eta2 is a constant"
-    eta2_grad = grad_for(original_entropy_weight=0.0, masked_entropy_weight=0.5, masked_branch_grad=True)
+    eta2_grad = grad_for(
+        original_entropy_weight=0.0, masked_entropy_weight=0.5, masked_branch="update", masked_branch_grad=True
+    )
     assert (eta2_grad - base).norm() > 1e-3 * base.norm(), "with masked_branch_grad eta2 must act"
 
 
@@ -181,7 +183,10 @@ def test_gamma_pushes_the_gradient_and_linear_schedule_anneals(policy, shapes_da
     [
         ("perception_loss_weight", -0.1, ">= 0"),
         ("mask_ratio", 1.5, "(0, 1]"),
-        ("mask_type", "grid", "'patch', 'merge_unit', 'random'"),
+        ("mask_type", "grid", "'auto', 'merge_unit', 'random'"),
+        ("mask_type", "patch", "'auto', 'merge_unit', 'random'"),
+        ("masked_branch", "loss", "'rollout', 'update'"),
+        ("max_consecutive_nonfinite_grad_steps", 0, "an int >= 1"),
         ("perception_loss_schedule", "cosine", "'fixed', 'linear'"),
         ("perception_kl_clamp", 0.0, "None or a finite number > 0"),
         ("probe_max_degenerate_batches", 0, "an int >= 1"),
@@ -199,12 +204,11 @@ def test_config_defaults_are_the_official_3b_recipe(tmp_path):
     args = PAPOGConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False)
     papo_fields = {f.name for f in dataclasses.fields(PAPOGConfig)} - {f.name for f in dataclasses.fields(GRPOConfig)}
     official = recipes.recipe("papo_g_3b")
-    for name in (papo_fields | {"beta", "loss_type"}) - {"mask_type"}:
+    for name in papo_fields | {"beta", "loss_type"}:
         if name in official:
             assert getattr(args, name) == official[name], name
-    # "auto" is the recipe's "patch" (whole patches) on whichever layout the batch has: tests/test_families.py
-    # checks that both give the same masks.
-    assert args.mask_type == "auto" and official["mask_type"] == "patch"
+    assert args.mask_type == official["mask_type"] == "auto"
+    assert args.masked_branch == "rollout" and not args.masked_branch_grad, "official: once per round, no grad"
     assert (args.perception_loss_weight, args.mask_ratio, args.beta, args.loss_type) == (0.02, 0.6, 0.01, "bnpo")
     assert args.original_entropy_weight == args.masked_entropy_weight == 0.0, "official 3B: no double entropy"
     assert args.entropy_estimator == "sampled" and args.mask_sharing == "prompt" and args.perception_kl_clamp is None

@@ -147,9 +147,19 @@ def build_gpu_setup(
     )
     trainers = {
         "grpo": harness.make_trainer(settings, model, processor, dataset, work_dir, "grpo", GRPOTrainer, **overrides),
-        "papo": harness.make_trainer(settings, model, processor, dataset, work_dir, "papo", **overrides),
+        "papo": harness.make_trainer(
+            settings, model, processor, dataset, work_dir, "papo", masked_branch="update", **overrides
+        ),
         "papo_grad": harness.make_trainer(
-            settings, model, processor, dataset, work_dir, "papo_grad", masked_branch_grad=True, **overrides
+            settings,
+            model,
+            processor,
+            dataset,
+            work_dir,
+            "papo_grad",
+            masked_branch="update",
+            masked_branch_grad=True,
+            **overrides,
         ),
     }
     batch = check_batch(processor, args, config.text_config.vocab_size, device, seed=args.seed)

@@ -110,8 +110,8 @@ def bench_params(seed: int = 0, n_prompts: int = 4, **fields) -> WorkbookParams:
     The fixed batch (``n_prompts`` x 4 completions) is also the trainers' own batch, so the in-training probe check
     sees the same size. lr 1e-3 moves a fresh LoRA within a few steps; beta 0 (no reference forward) and TRL's
     default loss aggregation (dapo) keep the GRPO step what TRL's defaults make it; the PAPO-G terms are at the
-    paper's values (gamma 0.02, eta1 = eta2 = 0.03, patch mask at 0.6), stated here so that the benchmark measures
-    the same step whatever the workbook's defaults become. ``fields`` change any of these.
+    paper's values (gamma 0.02, eta1 = eta2 = 0.03, whole patches masked at 0.6), stated here so that the
+    benchmark measures the same step whatever the workbook's defaults become. ``fields`` change any of these.
     """
     settings = dict(
         model_name_or_path="tiny:qwen2_vl",
@@ -125,7 +125,7 @@ def bench_params(seed: int = 0, n_prompts: int = 4, **fields) -> WorkbookParams:
         max_completion_length=16,
         perception_loss_weight=0.02,
         perception_loss_schedule="fixed",
-        mask_type="patch",
+        mask_type="auto",
         mask_ratio=0.6,
         original_entropy_weight=0.03,
         masked_entropy_weight=0.03,
@@ -207,10 +207,13 @@ def build_setup(
 
     trainers = {
         "grpo": trainer("grpo", GRPOTrainer),
-        "papo": trainer("papo"),
-        "papo_grad": trainer("papo_grad", masked_branch_grad=True),
+        # "update": the masked branch inside the timed step (a rollout-time branch would ride in with the batch)
+        "papo": trainer("papo", masked_branch="update"),
+        "papo_grad": trainer("papo_grad", masked_branch="update", masked_branch_grad=True),
         # memory only: PAPO-G without the entropy terms, to separate eta1's entropy gradient from the masked branch
-        "papo_eta0": trainer("papo_eta0", original_entropy_weight=0.0, masked_entropy_weight=0.0),
+        "papo_eta0": trainer(
+            "papo_eta0", masked_branch="update", original_entropy_weight=0.0, masked_entropy_weight=0.0
+        ),
     }
     if batch is None:  # given: a batch this function made before (saved by the RSS measurement for its workers)
         batch = rollout_batch(trainers["papo"], dataset, n_prompts, seed=seed)

@@ -69,8 +69,8 @@ def build_trainers(settings, model, processor, dataset, work_dir: Path, **overri
 
     return {
         "grpo": make("grpo", GRPOTrainer),
-        "papo_full": make("papo_full", masked_forward="full"),
-        "papo_shared": make("papo_shared", masked_forward="shared_prefix"),
+        "papo_full": make("papo_full", masked_forward="full", masked_branch="update"),
+        "papo_shared": make("papo_shared", masked_forward="shared_prefix", masked_branch="update"),
     }
 
 

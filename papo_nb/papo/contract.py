@@ -4,8 +4,15 @@
   methods the adapter overrides and calls, with the parameters it passes.
 - ``static_contract_violations(source)``: the same rules applied with ``ast`` to the text of
   ``trl/trainer/grpo_trainer.py`` of any TRL release, without importing it.
+- ``validate_grad_norm_hook(cls)``: the Hugging Face Trainer still computes the gradient norm in the method the
+  adapter overrides to skip a non-finite step, before the optimizer steps.
 
-The pinned upstream SHA-256 is checked against the real wheel by ``papo_nb.workbook.verification.provenance``.
+The rollout-time masked branch overrides ``_generate_and_score_completions``: the contract pins its signature, the
+batch keys the override reads from what it returns, and that ``_prepare_inputs`` still buffers its result (so the
+stored masked log-probs travel with the round as ``old_per_token_logps`` does).
+
+The pinned upstream SHA-256 is that of the file inside the ``trl==0.29.1`` wheel on PyPI
+(https://github.com/huggingface/trl/blob/v0.29.1/trl/experimental/papo/papo_trainer.py).
 """
 
 from __future__ import annotations
@@ -68,6 +75,15 @@ VLM_FORWARD_KEYWORDS = (
     "mm_token_type_ids",
     "image_position_ids",
 )
+ROLLOUT_METHOD = "_generate_and_score_completions"
+ROLLOUT_PARAMETERS = ("self", "inputs")
+# What the rollout-time masked branch reads from the parent's returned batch (the VLM keys too, where present).
+ROLLOUT_RETURNED_KEYS = ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask") + VLM_FORWARD_KEYWORDS
+PREPARE_METHOD = "_prepare_inputs"
+BUFFER_ATTRIBUTE = "_buffered_inputs"
+# The Trainer method whose result decides whether the optimizer steps (transformers 5.x Trainer._run_epoch).
+GRAD_NORM_METHOD = "_get_grad_norm"
+GRAD_NORM_PARAMETERS = ("self", "model", "grad_norm")
 # The adapter flips this attribute around the parent's entropy computation to get entropies with
 # gradient (TRL computes them under no_grad otherwise); the log-prob method must still read it.
 ENTROPY_GRAD_GATE = "_entropy_bonus_enabled"
@@ -78,10 +94,15 @@ class ContractError(RuntimeError):
 
 
 def contract_violations(
-    loss_parameters: tuple[str, ...], logp_parameters: Iterable[str], logp_reads_gate: bool
+    loss_parameters: tuple[str, ...],
+    logp_parameters: Iterable[str],
+    logp_reads_gate: bool,
+    rollout: ast.FunctionDef | None = None,
+    prepare: ast.FunctionDef | None = None,
 ) -> list[str]:
-    """The contract's rules, shared by the live (inspect) and static (ast) checks."""
-    problems = []
+    """The contract's rules, shared by the live (inspect) and static (ast) checks; ``rollout`` and ``prepare`` are
+    the parsed ``_generate_and_score_completions`` and ``_prepare_inputs``."""
+    problems = rollout_violations(rollout, prepare)
     if tuple(loss_parameters) != LOSS_PARAMETERS:
         problems.append(
             f"{PARENT_CLASS}.{LOSS_METHOD} signature changed: {tuple(loss_parameters)} != {LOSS_PARAMETERS}"
@@ -91,6 +112,57 @@ def contract_violations(
         problems.append(f"{PARENT_CLASS}.{LOGP_METHOD} has no parameter {name!r}")
     if not logp_reads_gate:
         problems.append(f"{PARENT_CLASS}.{LOGP_METHOD} no longer reads self.{ENTROPY_GRAD_GATE}")
+    return problems
+
+
+def returned_keys(function: ast.FunctionDef) -> set[str]:
+    """The string keys of the dict the function builds as ``output`` (a literal and ``output[KEY] = ...``)."""
+    keys = set()
+    for node in ast.walk(function):
+        assigns_output = isinstance(node, ast.Assign) and any(
+            isinstance(t, ast.Name) and t.id == "output" for t in node.targets
+        )
+        if assigns_output and isinstance(node.value, ast.Dict):
+            keys |= {k.value for k in node.value.keys if isinstance(k, ast.Constant)}
+        stores_output = (
+            isinstance(node, ast.Subscript)
+            and isinstance(node.value, ast.Name)
+            and node.value.id == "output"
+            and isinstance(node.ctx, ast.Store)
+        )
+        if stores_output and isinstance(node.slice, ast.Constant):
+            keys.add(node.slice.value)
+    return keys
+
+
+def _calls(node: ast.AST, name: str) -> bool:
+    return any(
+        isinstance(n, ast.Call) and isinstance(n.func, (ast.Attribute, ast.Name)) and name in ast.unparse(n.func)
+        for n in ast.walk(node)
+    )
+
+
+def rollout_violations(rollout: ast.FunctionDef | None, prepare: ast.FunctionDef | None) -> list[str]:
+    """What the rollout-time masked branch relies on in the parent's generation round."""
+    if rollout is None or prepare is None:
+        return [
+            f"{PARENT_CLASS} has no method {m}"
+            for m, f in ((ROLLOUT_METHOD, rollout), (PREPARE_METHOD, prepare))
+            if f is None
+        ]
+    problems = []
+    if tuple(_arg_names(rollout)) != ROLLOUT_PARAMETERS:
+        problems.append(
+            f"{PARENT_CLASS}.{ROLLOUT_METHOD} signature changed: {tuple(_arg_names(rollout))} != {ROLLOUT_PARAMETERS}"
+        )
+    missing = [key for key in ROLLOUT_RETURNED_KEYS if key not in returned_keys(rollout)]
+    for key in missing:
+        problems.append(f"{PARENT_CLASS}.{ROLLOUT_METHOD} no longer returns {key!r}")
+    if not (_calls(prepare, ROLLOUT_METHOD) and _reads_attribute(prepare, BUFFER_ATTRIBUTE)):
+        problems.append(
+            f"{PARENT_CLASS}.{PREPARE_METHOD} no longer buffers the result of {ROLLOUT_METHOD} in "
+            f"self.{BUFFER_ATTRIBUTE}"
+        )
     return problems
 
 
@@ -109,7 +181,39 @@ def live_contract_violations(grpo_trainer_class: Any) -> list[str]:
         tuple(inspect.signature(loss_method).parameters),
         inspect.signature(logp_method).parameters,
         _reads_attribute(logp_tree, ENTROPY_GRAD_GATE),
+        _parsed_method(grpo_trainer_class, ROLLOUT_METHOD),
+        _parsed_method(grpo_trainer_class, PREPARE_METHOD),
     )
+
+
+def _parsed_method(cls: Any, name: str) -> ast.FunctionDef | None:
+    method = getattr(cls, name, None)
+    if method is None:
+        return None
+    method = inspect.unwrap(method)  # TRL wraps _prepare_inputs in its profiling decorator
+    return ast.parse(textwrap.dedent(inspect.getsource(method))).body[0]
+
+
+def validate_grad_norm_hook(trainer_class: Any) -> None:
+    """Raise ContractError unless ``trainer_class`` computes the gradient norm in ``_get_grad_norm(model,
+    grad_norm)`` and its training loop calls it before ``optimizer.step()``."""
+    import transformers
+
+    method = getattr(trainer_class, GRAD_NORM_METHOD, None)
+    problems = []
+    if method is None:
+        problems.append(f"{trainer_class.__name__} has no method {GRAD_NORM_METHOD}")
+    elif tuple(inspect.signature(method).parameters) != GRAD_NORM_PARAMETERS:
+        problems.append(
+            f"{trainer_class.__name__}.{GRAD_NORM_METHOD} signature changed: "
+            f"{tuple(inspect.signature(method).parameters)} != {GRAD_NORM_PARAMETERS}"
+        )
+    loop = inspect.getsource(transformers.Trainer._run_epoch)
+    call, step = loop.find(f"self.{GRAD_NORM_METHOD}("), loop.find("self.optimizer.step()")
+    if not 0 <= call < step:
+        problems.append(f"Trainer._run_epoch no longer calls {GRAD_NORM_METHOD} before optimizer.step()")
+    if problems:
+        raise ContractError("transformers Trainer contract broken:\n- " + "\n- ".join(problems))
 
 
 def validate_trl_parent_contract(grpo_trainer_class: Any) -> None:
@@ -136,5 +240,9 @@ def static_contract_violations(grpo_trainer_source: str) -> list[str]:
         return missing
     logp = methods[LOGP_METHOD]
     return contract_violations(
-        tuple(_arg_names(methods[LOSS_METHOD])), _arg_names(logp), _reads_attribute(logp, ENTROPY_GRAD_GATE)
+        tuple(_arg_names(methods[LOSS_METHOD])),
+        _arg_names(logp),
+        _reads_attribute(logp, ENTROPY_GRAD_GATE),
+        methods.get(ROLLOUT_METHOD),
+        methods.get(PREPARE_METHOD),
     )

@@ -14,11 +14,12 @@ from trl import GRPOConfig
 
 from .contract import PAPO_PROBE_MAX_DEGENERATE_BATCHES
 
-MASK_TYPES = ("auto", "patch", "merge_unit", "random")
+MASK_TYPES = ("auto", "merge_unit", "random")
 MASK_SHARING = ("prompt", "completion")
 GAMMA_SCHEDULES = ("fixed", "linear")
 ENTROPY_ESTIMATORS = ("sampled", "full")
 MASKED_FORWARDS = ("auto", "full", "shared_prefix")
+MASKED_BRANCH_TIMINGS = ("rollout", "update")
 # Every loss_type TRL 1.9.1's GRPOTrainer._compute_loss aggregates (grpo_trainer.py:3124-3153).
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo")
 
@@ -47,6 +48,8 @@ FIELD_RULES = {
     "masked_entropy_weight": (lambda v: _finite(v) and v >= 0, "a finite number >= 0"),
     "masked_branch_grad": (lambda v: isinstance(v, bool), "a bool"),
     "masked_forward": (lambda v: v in MASKED_FORWARDS, f"one of {MASKED_FORWARDS}"),
+    "masked_branch": (lambda v: v in MASKED_BRANCH_TIMINGS, f"one of {MASKED_BRANCH_TIMINGS}"),
+    "max_consecutive_nonfinite_grad_steps": (lambda v: _int(v) and v >= 1, "an int >= 1"),
     "require_gpu_contract_probe": (lambda v: isinstance(v, bool), "a bool"),
     "probe_max_degenerate_batches": (lambda v: _int(v) and v >= 1, "an int >= 1"),
     "beta": (lambda v: _finite(v) and v >= 0, "a finite number >= 0"),
@@ -66,9 +69,11 @@ class PAPOGConfig(GRPOConfig):
 
     Defaults are the official PAPO-G 3B recipe (MikeWangWZHL/PAPO `examples/papo_grpo/qwen2_5_vl_3b_grpo_papo.sh`
     with `examples/configs/config_grpo_papo.yaml`), not TRL 0.29.1's experimental trainer (gamma 0.1, mask 0.3).
-    `papo_nb.papo.recipes` holds the official recipes as named presets. docs/FIDELITY.md compares every component.
+    `recipes.py` holds the official recipes as named presets.
 
     Parameters:
+        > Parameters that control the perception KL
+
         perception_loss_weight (`float`, defaults to `0.02`):
             gamma, the weight of the perception KL that is *maximised* (subtracted from the loss). Official PAPO-G
             3B and 7B: 0.02; 0.04 collapsed at 3B ("KL_prcp hacking").
@@ -85,13 +90,16 @@ class PAPOGConfig(GRPOConfig):
             Optional extra clamp of the per-token KL to `[0, perception_kl_clamp]` (official
             `use_kl_prcp_clipping`, off; value 0.2). The official bounds (log-ratio in [-20, 20], k3 <= 10, fp32)
             always apply.
+
+        > Parameters that control the masked image
+
         mask_type (`str`, defaults to `"auto"`):
             How the masked image is made from `pixel_values`: `"auto"` blacks out whole vision patches of the
             model's own patch size (the processed-tensor equivalent of the official raw-image 14-px squares) on
-            whichever image layout the batch carries, detected from its keys and shapes (README, "Supported model
-            families"; an unknown layout raises with the keys and shapes seen); `"patch"` is the same (the name
-            older params files use); `"merge_unit"` whole 2x2 merge units (Qwen-VL layouts only); `"random"` single
-            pixel values inside real patches. Masked values are black after normalisation; padding is never masked.
+            whichever image layout the batch carries, detected from its keys and shapes (an unknown layout raises
+            with the keys and shapes seen); `"merge_unit"` whole 2x2 merge units (Qwen-VL layouts only);
+            `"random"` single pixel values inside real patches. Masked values are black after normalisation;
+            padding is never masked.
         mask_ratio (`float`, defaults to `0.6`):
             Fraction of patches/units (or probability per value for `"random"`) that are blacked out.
             Official `black_prob` 0.6; paper ablation at 3B: 0.6 best; 1.0 raises collapse risk.
@@ -101,6 +109,31 @@ class PAPOGConfig(GRPOConfig):
         mask_seed (`int`, defaults to `0`):
             Seed of the adapter's own `torch.Generator` for masks; each process seeds it with
             `mask_seed + process_index`, so ranks draw different masks. Saved and restored with checkpoints.
+
+        > Parameters that control the masked branch
+
+        masked_branch (`str`, defaults to `"rollout"`):
+            When the masked log-probs are computed. `"rollout"` (the official default,
+            [verl/trainer/ray_trainer.py#L759-L769](https://github.com/MikeWangWZHL/PAPO/blob/fb63bf4/verl/trainer/ray_trainer.py#L759-L769)):
+            once per generation round, right after the completions are scored, under no-grad with the rollout-time
+            policy, grouped by prompt; they travel with the round like TRL's `old_per_token_logps`, so with several
+            optimizer steps (or `num_iterations`) per round the later steps compare the current policy with that
+            rollout-time target. `"update"`: in every loss call with the current policy (required by
+            `masked_branch_grad=True`, the official `RECOMPUTE_AUG_LOG_PROBS=True`).
+        masked_branch_grad (`bool`, defaults to `False`):
+            Backpropagate through the masked forward (official `RECOMPUTE_AUG_LOG_PROBS=False`: no). Needs
+            `masked_branch="update"`.
+        masked_forward (`str`, defaults to `"auto"`):
+            How the no-grad masked branch runs. `"shared_prefix"`: the vision tower and the prompt's key/values once
+            per prompt (and masked image), its completions run against that cache (`shared_prefix.py`; Qwen2-VL and
+            Qwen2.5-VL, `masked_branch_grad=False`); `"full"`: one full forward per completion, as the parent
+            computes log-probs; `"auto"`: the shared prefix where it applies (no grad, masks per prompt, a supported
+            model, a prompt with two completions in the batch), else the full forward. The metric
+            `papo/masked_forward_shared` says which ran, `papo/masked_forward_share` how many completions each
+            prefill served, and a log line says why when it is the full one.
+
+        > Parameters that control the entropy terms
+
         entropy_estimator (`str`, defaults to `"sampled"`):
             `"sampled"`: the official estimator `-mean(log pi(o_t))` over completion tokens, built from the log-probs
             the step already has (no vocabulary-sized tensor kept for backward); `"full"`: the exact
@@ -111,22 +144,25 @@ class PAPOGConfig(GRPOConfig):
         masked_entropy_weight (`float`, defaults to `0.0`):
             eta2, weight of the entropy on masked images, scaled by the discount. With `masked_branch_grad=False`
             (official default) this term is a constant and contributes no gradient, as the official author confirmed
-            (their issue 20); set `masked_branch_grad=True` for it to regularise. Official 3B: off; 7B: 0.05.
-        masked_branch_grad (`bool`, defaults to `False`):
-            Backpropagate through the masked forward (official `RECOMPUTE_AUG_LOG_PROBS=False`: no).
-        masked_forward (`str`, defaults to `"auto"`):
-            How the no-grad masked branch runs. `"shared_prefix"`: the vision tower and the prompt's key/values once
-            per prompt (and masked image), its completions run against that cache (`papo_nb.papo.shared_prefix`;
-            Qwen2-VL and Qwen2.5-VL, `masked_branch_grad=False`); `"full"`: one full forward per completion, as the
-            parent computes log-probs; `"auto"`: the shared prefix where it applies (no grad, masks per prompt, a
-            supported model, a prompt with two completions in the batch), else the full forward. The metric
-            `papo/masked_forward_shared` says which ran, and a log line says why when it is the full one.
+            ([MikeWangWZHL/PAPO issue 20](https://github.com/MikeWangWZHL/PAPO/issues/20)); set
+            `masked_branch_grad=True` (with `masked_branch="update"`) for it to regularise. Official 3B: off; 7B: 0.05.
+
+        > Parameters that control the checks
+
         require_gpu_contract_probe (`bool`, defaults to `False`):
             Run the gamma-zero reduction probe inside training until it has evidence (smoke and CI runs set
             this true; main runs leave it false so no probe code runs at all).
         probe_max_degenerate_batches (`int`, defaults to `20`):
             How many image-invariant batches (mean perception KL exactly 0), and separately how many underpowered
             batches (leak-detection power < 1), the probe may defer on before it ends.
+        max_consecutive_nonfinite_grad_steps (`int`, defaults to `5`):
+            An optimizer step whose gradient norm is not finite is skipped (its gradients dropped, as the official
+            actor does:
+            [verl/workers/actor/dp_actor.py#L185-L188](https://github.com/MikeWangWZHL/PAPO/blob/fb63bf4/verl/workers/actor/dp_actor.py#L185-L188)),
+            logged and counted (`papo/nonfinite_grad_steps`); this many in a row stop the run with the norms seen.
+
+        > GRPO fields whose defaults PAPO-G restates
+
         beta (`float`, defaults to `0.01`):
             Reference KL coefficient (official `kl_coef` 1e-2, low_var_kl; the no-KL-reference recipes use 0).
         loss_type (`str`, defaults to `"bnpo"`):
@@ -153,7 +189,7 @@ class PAPOGConfig(GRPOConfig):
     mask_type: str = field(
         default="auto",
         metadata={
-            "help": "'auto' (= 'patch': whole patches, any layout), 'merge_unit' or 'random'.",
+            "help": "'auto' (whole patches, any layout), 'merge_unit' or 'random'.",
             "choices": MASK_TYPES,
         },
     )
@@ -172,6 +208,13 @@ class PAPOGConfig(GRPOConfig):
     )
     original_entropy_weight: float = field(default=0.0, metadata={"help": "eta1: entropy weight, original images."})
     masked_entropy_weight: float = field(default=0.0, metadata={"help": "eta2: entropy weight, masked images."})
+    masked_branch: str = field(
+        default="rollout",
+        metadata={
+            "help": "When the masked branch runs: 'rollout' (once per generation round, official) or 'update'.",
+            "choices": MASKED_BRANCH_TIMINGS,
+        },
+    )
     masked_branch_grad: bool = field(default=False, metadata={"help": "Backpropagate through the masked forward."})
     masked_forward: str = field(
         default="auto",
@@ -184,6 +227,9 @@ class PAPOGConfig(GRPOConfig):
     probe_max_degenerate_batches: int = field(
         default=PAPO_PROBE_MAX_DEGENERATE_BATCHES,
         metadata={"help": "Image-invariant (and, apart, underpowered) batches the probe may defer on."},
+    )
+    max_consecutive_nonfinite_grad_steps: int = field(
+        default=5, metadata={"help": "Optimizer steps with a non-finite gradient norm in a row before the run stops."}
     )
     beta: float = field(default=0.01, metadata={"help": "Reference KL coefficient (official: 0.01)."})
     loss_type: str = field(
@@ -205,6 +251,12 @@ class PAPOGConfig(GRPOConfig):
             raise ValueError(
                 "PAPOGConfig.masked_forward='shared_prefix' is invalid with masked_branch_grad=True: the shared "
                 "prefix is a no-grad path; allowed: masked_forward 'auto' or 'full', or masked_branch_grad=False"
+            )
+        if self.masked_branch == "rollout" and self.masked_branch_grad:
+            raise ValueError(
+                "PAPOGConfig.masked_branch='rollout' is invalid with masked_branch_grad=True: the rollout-time masked "
+                "branch is computed once per generation round without gradient; allowed: masked_branch='update' "
+                "(the official RECOMPUTE_AUG_LOG_PROBS=True), or masked_branch_grad=False"
             )
 
 

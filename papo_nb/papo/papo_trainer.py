@@ -6,17 +6,18 @@ The parent computes the GRPO loss untouched (``super()._compute_loss``); the ada
 
 with the official bounded k3 estimator for KL_prcp (log-ratio in [-20, 20], k3 <= 10, fp32: ``terms.py``), restricted
 to completion tokens and normalised the way the parent normalises its policy term; d_t = gamma_t / gamma_0 is the
-official annealing discount of the entropy terms (dp_actor.py:364-381). H is the official sampled-token estimator
--mean(log pi(o_t)) by default, or the full-vocabulary entropy. The unmasked log-probs are the parent's own: a thin
-override of ``_get_per_token_logps_and_entropies`` captures them while the parent computes its loss, so only one extra
-(masked) forward runs per step. It runs before the parent's, so that under no-grad its logits are gone before the
-parent's (kept for backward) exist. docs/FIDELITY.md compares every component with the official code.
+official annealing discount of the entropy terms
+(https://github.com/MikeWangWZHL/PAPO/blob/fb63bf4/verl/workers/actor/dp_actor.py#L364-L381). H is the official
+sampled-token estimator -mean(log pi(o_t)) by default, or the full-vocabulary entropy. The unmasked log-probs are the
+parent's own: a thin override of ``_get_per_token_logps_and_entropies`` captures them while the parent computes its
+loss. The masked branch runs once per generation round by default (``rollout_branch.py``, the official timing), or
+in every loss call (``masked_branch="update"``), then before the parent's forward, so that under no-grad its logits
+are gone before the parent's (kept for backward) exist.
 """
 
 from __future__ import annotations
 
 import os
-import textwrap
 from collections import deque
 from dataclasses import dataclass
 from typing import Any
@@ -24,23 +25,17 @@ from typing import Any
 import torch
 from trl import GRPOTrainer
 
-from . import masking, shared_prefix
-from .contract import ENTROPY_GRAD_GATE, VLM_FORWARD_KEYWORDS, validate_trl_parent_contract
+from . import masking, rollout_branch, shared_prefix, update_branch
+from .citation import PAPO_PAPER
+from .contract import ENTROPY_GRAD_GATE, validate_grad_norm_hook, validate_trl_parent_contract
 from .papo_config import PAPOGConfig
-from .probe_reduce import sharded
+from .perception_metrics import log_perception_metrics
+from .rollout_branch import logp_call_arguments
+from .step_guard import NonFiniteStepGuard
 from .terms import bounded_k3, normalise_like_parent, zero_outside
 
 MASK_CACHE_LIMIT = 4096  # prompt masks remembered within one generation round (bounds memory outside train())
-
-
-def logp_call_arguments(inputs: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
-    """``(input_ids, attention_mask, logits_to_keep)`` and the VLM keywords for ``_get_per_token_logps_and_entropies``
-    on a ``_compute_loss`` batch, built as the parent builds them."""
-    input_ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
-    attention_mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
-    return (input_ids, attention_mask, inputs["completion_ids"].size(1)), {
-        key: inputs.get(key) for key in VLM_FORWARD_KEYWORDS
-    }
+__all__ = ["PAPOGTrainer", "PerceptionTerms", "logp_call_arguments"]
 
 
 @dataclass
@@ -55,56 +50,87 @@ class PerceptionTerms:
     has_images: bool
 
 
-# As TRL 0.29.1 credited them (trl/experimental/papo/papo_trainer.py:96-112).
-PAPO_AUTHORS = (
-    "Zhenhailong Wang",
-    "Xuehang Guo",
-    "Sofia Stoica",
-    "Haiyang Xu",
-    "Hongru Wang",
-    "Hyeonjeong Ha",
-    "Xiusi Chen",
-    "Yangyi Chen",
-    "Ming Yan",
-    "Fei Huang",
-    "Heng Ji",
-)
-
-
 class PAPOGTrainer(GRPOTrainer):
-    """GRPOTrainer plus the PAPO-G perception and double-entropy terms. See the module docstring."""
+    """[`~trl.GRPOTrainer`] plus the PAPO-G perception KL and double-entropy terms.
+
+    What changes against the parent:
+
+    - ``_compute_loss``: the parent's loss, untouched, plus the PAPO-G terms (``assemble_loss``);
+    - ``_get_per_token_logps_and_entropies``: captures the parent's own log-probs (and, for the full-vocabulary
+      estimator with eta1 > 0, entropies with gradient) while it computes its loss;
+    - ``_generate_and_score_completions``: with ``masked_branch="rollout"`` (default) adds the masked branch of the
+      round to the batch it returns (``rollout_branch.py``);
+    - ``_get_grad_norm``: skips an optimizer step whose gradient norm is not finite (``step_guard.py``);
+    - ``_save_rng_state`` / ``_load_rng_state``: also save and restore the masking generator.
+
+    Everything else (generation, rewards, advantages, reference KL, clipping, logging) is the parent's.
+
+    Example:
+
+    ```python
+    from datasets import load_dataset
+    from papo_nb.papo import PAPOGConfig, PAPOGTrainer
+
+    dataset = load_dataset("trl-lib/...", split="train")  # prompts with images
+    trainer = PAPOGTrainer(
+        model="Qwen/Qwen2.5-VL-3B-Instruct",
+        reward_funcs=my_reward,
+        args=PAPOGConfig(output_dir="papo-g", num_generations=5),
+        train_dataset=dataset,
+    )
+    trainer.train()
+    ```
+    """
 
     _tag_names = ["trl", "grpo", "papo", "papo-g"]
     _name = "PAPO-G"
-    _paper = {
-        "title": "Perception-Aware Policy Optimization for Multimodal Reasoning",
-        "id": "2507.06448",
-        # docstyle-ignore
-        "citation": textwrap.dedent("""\
-            @misc{wang2025perceptionawarepolicyoptimizationmultimodal,
-                title        = {{Perception-Aware Policy Optimization for Multimodal Reasoning}},
-                author       = {AUTHORS},
-                year         = 2025,
-                url          = {https://arxiv.org/abs/2507.06448},
-                archivePrefix= {arXiv},
-                eprint       = {2507.06448},
-                primaryClass = {cs.CL}
-            }""").replace("AUTHORS", " and ".join(PAPO_AUTHORS)),
-    }
+    _paper = PAPO_PAPER
 
-    def __init__(self, *args, **kwargs):
+    def __init__(
+        self,
+        model,
+        reward_funcs=None,
+        args: PAPOGConfig | None = None,
+        train_dataset=None,
+        eval_dataset=None,
+        processing_class=None,
+        reward_processing_classes=None,
+        callbacks=None,
+        optimizers=(None, None),
+        quantization_config=None,
+        peft_config=None,
+        tools=None,
+        rollout_func=None,
+        environment_factory=None,
+    ):
+        """The parent's parameters (same names and order, TRL 1.9.1); ``args`` must be a [`PAPOGConfig`]."""
         validate_trl_parent_contract(GRPOTrainer)
-        config = kwargs.get("args", args[2] if len(args) > 2 else None)
-        if getattr(config, "use_liger_kernel", False):
+        validate_grad_norm_hook(GRPOTrainer)
+        if not isinstance(args, PAPOGConfig):  # GRPOTrainer would build a GRPOConfig without the PAPO fields
+            raise TypeError(f"PAPOGTrainer needs args=PAPOGConfig(...), got {type(args).__name__}")
+        if args.use_liger_kernel:
             # GRPOTrainer.compute_loss sends a Liger run to compute_liger_loss and never calls _compute_loss
             # (grpo_trainer.py:2913-2917): the PAPO terms and the probe would vanish without a word.
             raise ValueError(
                 "PAPOGConfig.use_liger_kernel=True is invalid: GRPOTrainer's Liger loss bypasses _compute_loss, so "
                 "the perception and entropy terms would silently not be trained; allowed: False"
             )
-        super().__init__(*args, **kwargs)
-        if not isinstance(self.args, PAPOGConfig):
-            raise TypeError(f"PAPOGTrainer needs args=PAPOGConfig(...), got {type(self.args).__name__}")
+        super().__init__(
+            model,
+            reward_funcs,
+            args=args,
+            train_dataset=train_dataset,
+            eval_dataset=eval_dataset,
+            processing_class=processing_class,
+            reward_processing_classes=reward_processing_classes,
+            callbacks=callbacks,
+            optimizers=optimizers,
+            quantization_config=quantization_config,
+            peft_config=peft_config,
+            tools=tools,
+            rollout_func=rollout_func,
+            environment_factory=environment_factory,
+        )
         # Trainer sets this in its training loop; the probe and fixed-batch losses may run before train().
         self.current_gradient_accumulation_steps = self.args.gradient_accumulation_steps
         self._capture_parent_logps = False
@@ -117,6 +143,9 @@ class PAPOGTrainer(GRPOTrainer):
         # Which form the no-grad masked branch takes (shared prompt prefix or full forward); raises if asked for
         # the shared prefix where it cannot run.
         self.masked_forward_plan = shared_prefix.plan(self.args, self.model)
+        self.masked_branch_owner = rollout_branch.new_owner_tag()
+        self.masked_branch_clock = rollout_branch.BranchClock()  # its time and passes, wherever it runs
+        self.step_guard = NonFiniteStepGuard(self.args.max_consecutive_nonfinite_grad_steps)
         self.probe = None
         if self.args.require_gpu_contract_probe:
             from .probe import GammaZeroProbe
@@ -138,8 +167,8 @@ class PAPOGTrainer(GRPOTrainer):
         return self.state.max_steps if self.state.max_steps > 0 else self.args.max_steps
 
     def current_gamma(self) -> float:
-        """gamma_t: fixed, or the official linear annealing (core_algos.py:75-90, ray_trainer.py:327-338) over
-        ``int(total_steps * perception_annealing_ratio)`` steps, counted in optimizer steps (``state.global_step``)."""
+        """gamma_t: fixed, or the official linear annealing (MikeWangWZHL/PAPO at fb63bf4, verl/trainer/core_algos.py
+        L75-L90, ray_trainer.py L327-L338) over ``int(total_steps * perception_annealing_ratio)`` optimizer steps."""
         args = self.args
         total = self.schedule_steps()
         if args.perception_loss_schedule == "fixed" or total <= 0:
@@ -150,7 +179,7 @@ class PAPOGTrainer(GRPOTrainer):
         return start + (end - start) * progress
 
     def annealing_discount(self) -> float:
-        """gamma_t / gamma_0, the factor the official code applies to both entropy terms (dp_actor.py:364-381)."""
+        """gamma_t / gamma_0, the official factor on both entropy terms (the module docstring's dp_actor.py link)."""
         gamma0 = self.args.perception_loss_weight
         return self.current_gamma() / gamma0 if gamma0 > 0 else 1.0
 
@@ -162,6 +191,18 @@ class PAPOGTrainer(GRPOTrainer):
         outputs = self._with_entropy_grad(self._full_entropy_grad(self.args.original_entropy_weight), *args, **kwargs)
         self._captured_parent_logps = outputs
         return outputs
+
+    def _generate_and_score_completions(self, inputs):
+        batch = super()._generate_and_score_completions(inputs)
+        if self.args.masked_branch == "rollout":
+            batch.update(rollout_branch.masked_branch_entries(self, batch))
+        return batch
+
+    def _get_grad_norm(self, model, grad_norm=None):
+        norm = super()._get_grad_norm(model, grad_norm=grad_norm)
+        if self.step_guard.check(self, model, norm):  # not finite: gradients dropped, so the optimizer skips
+            self._metrics["train"]["papo/nonfinite_grad_steps"].append(float(self.step_guard.total))
+        return norm
 
     def _compute_loss(self, model, inputs):
         parent_loss, terms = self.papo_loss_parts(model, inputs)
@@ -194,14 +235,28 @@ class PAPOGTrainer(GRPOTrainer):
     def papo_loss_parts(self, model, inputs) -> tuple[torch.Tensor, PerceptionTerms]:
         """The parent's loss and the adapter's terms for ``inputs`` (which is never modified).
 
-        The masked forward runs *before* the parent's: under no-grad (the default) its full-vocabulary logits are
-        freed before the parent's forward creates the logits autograd keeps for backward, so the two never coexist
-        (it is the same math in either order)."""
+        The masked branch is the one this trainer's rollout pass stored with the batch (``masked_branch="rollout"``;
+        a device batch of a round without it raises), else it is computed now. Computed now, it runs *before* the
+        parent's forward: under no-grad (the default) its full-vocabulary logits are freed before the parent's
+        forward creates the logits autograd keeps for backward, so the two never coexist (same math in either
+        order)."""
         has_images = inputs.get("pixel_values") is not None
-        any_images = self._images_on_any_rank(has_images)  # a collective: every rank calls it, images or not
-        masked = self._masked_forward(model, inputs) if has_images else None
-        if not has_images and any_images:
-            self._masked_forward(model, inputs)  # result unused: see _images_on_any_rank
+        stored = rollout_branch.stored_branch(self, inputs)
+        if self.args.masked_branch == "rollout" and (
+            stored is not None or rollout_branch.in_buffered_round(self, inputs)
+        ):
+            if has_images and stored is None:
+                raise RuntimeError(
+                    "masked_branch='rollout': a device batch of this generation round has images but no stored "
+                    f"masked branch ({rollout_branch.MASKED_LOGPS_KEY} missing or from another trainer)"
+                )
+            masked = stored if has_images else None  # the same choice on every rank: no collective needed
+        else:  # masked_branch='update', or a batch built outside a round (probe, tests, benchmarks): compute it now
+            with self.masked_branch_clock.timing():
+                any_images = self._images_on_any_rank(has_images)  # a collective: every rank calls it
+                masked = self._masked_forward(model, inputs) if has_images else None
+                if not has_images and any_images:
+                    self._masked_forward(model, inputs)  # result unused: see _images_on_any_rank
         self._capture_parent_logps, self._captured_parent_logps = True, None
         try:
             parent_loss = super()._compute_loss(model, inputs)
@@ -325,46 +380,14 @@ class PAPOGTrainer(GRPOTrainer):
             token_count=token_count,
             has_images=has_images,
         )
-        self._log_perception_metrics(sums, token_count, parent_loss)
+        log_perception_metrics(self, sums, token_count, parent_loss)
         return terms
 
     def _masked_forward(self, model, inputs):
-        positional, vlm_kwargs = logp_call_arguments(inputs)
-        if inputs.get("pixel_values") is not None:  # else a text-only batch's parity forward (see _images_on_any_rank)
-            vlm_kwargs["pixel_values"] = self.masked_pixel_values(inputs)
-        args = self.args
-        want_entropy_grad = args.masked_branch_grad and self._full_entropy_grad(args.masked_entropy_weight)
-        # The sampled estimator needs only log-probs; the full one asks the parent for vocabulary entropies.
-        compute_entropy = args.entropy_estimator == "full"
-        # Under no-grad, one prefill per prompt and its completions against the cached prefix (same numbers, see
-        # shared_prefix.py); None where it does not apply (the reason is logged and in the metrics).
-        shared = shared_prefix.masked_forward(self, model, inputs, vlm_kwargs.get("pixel_values"), compute_entropy)
-        if shared is not None:
-            return shared
-        with torch.set_grad_enabled(args.masked_branch_grad and torch.is_grad_enabled()):
-            logps, entropies, _ = self._with_entropy_grad(
-                want_entropy_grad, model, *positional, compute_entropy=compute_entropy, **vlm_kwargs
-            )
-        return logps, entropies
+        return update_branch.masked_forward(self, model, inputs)
 
     def _images_on_any_rank(self, has_images: bool) -> bool:
-        """Whether any process's batch has images; every process must call it (one scalar all-reduce).
-
-        Under DDP (buffer broadcast), ZeRO-3 and FSDP a forward is a collective, so every process must run the same
-        number of forwards: a text-only batch next to an image batch on another rank runs the masked forward too
-        (on its unmasked inputs, result unused; its perception term stays exactly 0). One process: no collective."""
-        if self.accelerator.num_processes == 1:
-            return has_images
-        flag = torch.tensor([float(has_images)], device=self.accelerator.device)
-        ranks = int(self.accelerator.reduce(flag, reduction="sum").item())
-        if 0 < ranks < self.accelerator.num_processes and sharded(list(self.model.parameters())):
-            # Only the image ranks would run the sharded vision tower, whose all-gathers the others never join
-            # (measured: a 2-rank FSDP job aborts in all_gather); the same on every rank, so all raise.
-            raise RuntimeError(
-                f"under FSDP every rank's batch must have images or none; {ranks} of "
-                f"{self.accelerator.num_processes} ranks have images in this batch (mixed text-only data)"
-            )
-        return ranks > 0
+        return update_branch.images_on_any_rank(self, has_images)
 
     # ---- checkpoints: the masking generator is resumed with the RNG states the Trainer saves ----
     def _mask_rng_file(self, folder: str) -> str:
@@ -379,29 +402,3 @@ class PAPOGTrainer(GRPOTrainer):
         if checkpoint is not None and os.path.isfile(self._mask_rng_file(checkpoint)):
             self.mask_generator.set_state(torch.load(self._mask_rng_file(checkpoint), weights_only=True))
             self._mask_cache, self._mask_cache_round = {}, None  # TRL regenerates rollouts after a resume
-
-    def _log_perception_metrics(self, sums, token_count, parent_loss) -> None:
-        """Every term on its own, as token means over all ranks (so comparable with the official actor/* logs):
-        KL, both entropies, gamma * KL, each weighted entropy term, gamma, the discount and the parent's loss."""
-        # One all-reduce per step: the parent's loss rides along (its mean over ranks is its sum / processes).
-        parent = sums.new_zeros(1) if parent_loss is None else parent_loss.detach().float().reshape(1)
-        totals = self.accelerator.reduce(torch.cat([sums, token_count[None], parent]).float(), reduction="sum")
-        kl, original_h, masked_h = (totals[:3] / totals[3].clamp(min=1.0)).tolist()
-        gamma, discount = self.current_gamma(), self.annealing_discount()
-        eta1, eta2 = self.args.original_entropy_weight * discount, self.args.masked_entropy_weight * discount
-        metrics = self._metrics["train" if self.model.training else "eval"]
-        values = {
-            "perception_kl": kl,
-            "perception_loss": -kl,
-            "masked_entropy": masked_h,
-            "original_entropy": original_h,
-            "perception_gamma": gamma,
-            "papo/gamma_kl": gamma * kl,
-            "papo/original_entropy_term": eta1 * original_h,
-            "papo/masked_entropy_term": eta2 * masked_h,
-            "papo/discount": discount,
-        }
-        if parent_loss is not None:
-            values["papo/parent_loss"] = (totals[4] / self.accelerator.num_processes).item()
-        for key, value in values.items():
-            metrics[key].append(value)

@@ -23,12 +23,13 @@ _PAPO_G_3B: dict[str, Any] = {
     "perception_loss_weight": 0.02,  # sh3b:28 KL_PRCP_COEF=0.02, sh3b:44
     "perception_loss_schedule": "fixed",  # yaml:43
     "perception_kl_clamp": None,  # actor:127 use_kl_prcp_clipping False
-    "mask_type": "patch",  # yaml:40-42 14-px squares (papo_utils.py:17-30)
+    "mask_type": "auto",  # yaml:40-42 14-px squares (papo_utils.py:17-30): here whole patches of the model
     "mask_ratio": 0.6,  # yaml:42 black_prob
     "mask_sharing": "prompt",  # ray_trainer.py:602-614 masks the prompt's images before the repeat at :644
     "entropy_estimator": "sampled",  # dp:289, dp:326
     "original_entropy_weight": 0.0,  # yaml:52 use_ori_entropy_loss false
     "masked_entropy_weight": 0.0,  # yaml:49 use_aug_entropy_loss false
+    "masked_branch": "rollout",  # ray_trainer.py:759-769: once per rollout batch, before the update loop
     "masked_branch_grad": False,  # dp:46 RECOMPUTE_AUG_LOG_PROBS=False
     "beta": 0.01,  # yaml:26-28 use_kl_loss, low_var_kl, kl_coef 1e-2
     "loss_type": "bnpo",  # actor:93 loss_avg_mode "token"; dp:357 and dp:400 (/ gradient_accumulation)
@@ -48,8 +49,16 @@ _PAPO_G_3B: dict[str, Any] = {
 
 RECIPES: dict[str, dict[str, Any]] = {
     "papo_g_3b": _PAPO_G_3B,
-    # sh7b:31-34 and :51-54: both entropy terms on at 0.05; everything else as 3B.
-    "papo_g_7b": {**_PAPO_G_3B, "original_entropy_weight": 0.05, "masked_entropy_weight": 0.05},
+    # sh7b:31-34 and :51-54: both entropy terms on at 0.05; everything else as 3B. Qwen2.5-VL-7B unties its head
+    # (tie_word_embeddings false; 3B ties it), so TRL's cast_lm_head_to_fp32 applies: fp32 logits, as the official
+    # log-probs are (verl/utils/torch_functional.py:48-69). Measured on an untied tiny Qwen2-VL: bf16 weights move
+    # the perception KL by up to 4.5%, 0.31% with the cast; under bf16 autocast the cast is re-cast to bf16.
+    "papo_g_7b": {
+        **_PAPO_G_3B,
+        "original_entropy_weight": 0.05,
+        "masked_entropy_weight": 0.05,
+        "cast_lm_head_to_fp32": True,
+    },
     # shnokl:28-34 and :50-55: gamma 0.01, disable_kl (no reference KL), both entropy terms at 0.03.
     "papo_g_no_kl_ref": {
         **_PAPO_G_3B,

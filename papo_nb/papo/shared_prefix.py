@@ -5,8 +5,9 @@ image. Under no-grad (``masked_branch_grad=False``, the default) the masked forw
 the prompt's key/values once per prompt: each distinct prompt of the device batch is prefilled once with its masked
 image (``use_cache=True``); its cache is copied to its completions, which run against it; the last prefill logit
 predicts the first completion token. Completion log-probs and entropies are those of TRL 1.9.1's
-``_get_per_token_logps_and_entropies`` (grpo_trainer.py:1435-1545: logits / temperature, ``selective_log_softmax``,
-``entropy_from_logits``), to float rounding.
+``_get_per_token_logps_and_entropies``
+(https://github.com/huggingface/trl/blob/v1.9.1/trl/trainer/grpo_trainer.py#L1435-L1545: logits / temperature,
+``selective_log_softmax``, ``entropy_from_logits``), to float rounding.
 
 Positions are exact: Qwen's multimodal rotary positions of the *whole* prompt + completion sequence are taken from
 ``get_rope_index`` (what the full forward computes, Qwen2VLModel.compute_3d_position_ids) and sliced per forward;
@@ -34,7 +35,7 @@ from . import masking
 logger = logging.get_logger(__name__)
 
 # model_type of the language-vision models whose forward, cache and get_rope_index this path was checked against
-# (tests/test_shared_prefix.py: tiny:qwen2_vl and tiny:qwen2_5_vl, fp32 and bf16).
+# (tiny Qwen2-VL and Qwen2.5-VL models, fp32 and bf16, against the full forward).
 SUPPORTED_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl")
 METRIC = "papo/masked_forward_shared"  # 1 when the shared-prefix path ran for the batch, 0 for the full forward
 SHARE_METRIC = "papo/masked_forward_share"  # completions per prefilled prompt (shared path only)
@@ -131,6 +132,27 @@ def prompt_groups(inputs: dict[str, Any], pixel_values: torch.Tensor | None) -> 
     return masking.group_samples(inputs, pixel_values)
 
 
+def select_rows(inputs: dict[str, Any], rows: list[int]) -> dict[str, Any]:
+    """The batch of ``rows`` only, for the layouts this path supports (flattened pixel rows with ``image_grid_thw``
+    and ``num_images``): every per-row tensor and list, each row's pixel rows and grids; the rest as it is."""
+    n = len(inputs["prompt_ids"])
+    out = {}
+    for key, value in inputs.items():
+        if isinstance(value, torch.Tensor) and value.dim() > 0 and value.size(0) == n and key != "pixel_values":
+            out[key] = value[rows]
+        elif isinstance(value, list) and len(value) == n:
+            out[key] = [value[i] for i in rows]
+        else:
+            out[key] = value
+    grid, num_images = inputs.get("image_grid_thw"), inputs.get("num_images")
+    if inputs.get("pixel_values") is not None and grid is not None:
+        ranges = masking.sample_row_ranges(grid, num_images)
+        offsets = torch.tensor([0, *num_images]).cumsum(0).tolist()
+        out["pixel_values"] = torch.cat([inputs["pixel_values"][ranges[i][0] : ranges[i][1]] for i in rows])
+        out["image_grid_thw"] = torch.cat([grid[offsets[i] : offsets[i + 1]] for i in rows])
+    return out
+
+
 def _chunks(groups: list[list[int]], max_rows: int) -> list[list[int]]:
     """Consecutive whole groups, at most ``max_rows`` rows per chunk (a larger group is a chunk of its own)."""
     chunks, current = [], []
@@ -169,12 +191,15 @@ def shared_prefix_logps(
     compute_entropy: bool,
     groups: list[list[int]] | None = None,
     max_chunk_rows: int | None = None,
+    group_pixel_values: list[torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``(logps, entropies)`` of the completions of ``inputs`` (a ``_compute_loss`` batch) with ``pixel_values`` in
     place of its own, each ``(B, C)``, computed with one prefill per distinct prompt (``groups``; found if None).
 
     ``model`` is what the trainer calls (possibly wrapped); ``max_chunk_rows`` bounds the completion rows per
-    forward (default: the largest group)."""
+    forward (default: the largest group). ``group_pixel_values`` (one tensor per group: its first row's pixel rows)
+    replaces ``pixel_values`` where only the groups' images were built (the rollout-time branch masks each
+    distinct prompt once); ``groups`` must then be given."""
     from trl.trainer.utils import entropy_from_logits, selective_log_softmax
 
     hf_model = core_model(model)
@@ -186,9 +211,11 @@ def shared_prefix_logps(
         inputs.get("mm_token_type_ids"),
     )
     n_prompt, n_completion = prompt_ids.shape[1], completion_ids.shape[1]
+    if group_pixel_values is not None and groups is None:
+        raise ValueError("shared_prefix_logps: group_pixel_values needs the groups it was built for")
     groups = groups if groups is not None else prompt_groups(inputs, pixel_values)
     firsts = [g[0] for g in groups]
-    has_images = pixel_values is not None
+    has_images = pixel_values is not None or group_pixel_values is not None
 
     input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
     attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)
@@ -206,9 +233,11 @@ def shared_prefix_logps(
     if mm_types is not None:
         prefill["mm_token_type_ids"] = mm_types[firsts, :n_prompt]
     if has_images:
-        ranges = masking.sample_row_ranges(grid, num_images)
         image_offsets = torch.tensor([0, *num_images]).cumsum(0).tolist()
-        prefill["pixel_values"] = torch.cat([pixel_values[ranges[i][0] : ranges[i][1]] for i in firsts])
+        if group_pixel_values is None:
+            ranges = masking.sample_row_ranges(grid, num_images)
+            group_pixel_values = [pixel_values[ranges[i][0] : ranges[i][1]] for i in firsts]
+        prefill["pixel_values"] = torch.cat(group_pixel_values)
         prefill["image_grid_thw"] = torch.cat([grid[image_offsets[i] : image_offsets[i + 1]] for i in firsts])
     cache = DynamicCache()
     prefill[cache_key] = cache
@@ -262,8 +291,17 @@ def masked_forward(trainer, model, inputs: dict[str, Any], pixel_values, compute
     if not shared:
         record(trainer, False, reason, None)
         return None
+    # Under FSDP/ZeRO-3 a forward is a collective: every rank runs one prefill and one completion forward here,
+    # whatever its groups (chunks of whole groups would make the count depend on the batch).
+    max_rows = len(inputs["prompt_ids"]) if trainer.accelerator.num_processes > 1 else None
     result = shared_prefix_logps(
-        model, inputs, pixel_values, temperature=trainer.temperature, compute_entropy=compute_entropy, groups=groups
+        model,
+        inputs,
+        pixel_values,
+        temperature=trainer.temperature,
+        compute_entropy=compute_entropy,
+        groups=groups,
+        max_chunk_rows=max_rows,
     )
     record(trainer, True, reason, len(inputs["prompt_ids"]) / len(groups))
     return result
