@@ -32,7 +32,7 @@ PRECISIONS = {"fp32": None, "bf16": torch.bfloat16}
 FALSE_ALARM_BATCHES = 25  # x 2 precisions = 50 clean probe evaluations under real roundoff
 
 
-def testbed_trainer(testbed_path, folder, **overrides):
+def make_testbed_trainer(testbed_path, folder, **overrides):
     """Notebook 02's testbed settings (params/calibration_testbed.yaml) on the session's testbed build."""
     from papo_nb.workbook.config.params import WorkbookParams, load_params
     from papo_nb.workbook.training.run import prepare_training
@@ -53,7 +53,7 @@ def rollouts(trainer, n: int, seed: int = 0):
 
 @pytest.fixture(scope="module")
 def testbed(testbed_path, tmp_path_factory):
-    trainer = testbed_trainer(testbed_path, tmp_path_factory.mktemp("testbed_probe"))
+    trainer = make_testbed_trainer(testbed_path, tmp_path_factory.mktemp("testbed_probe"))
     return trainer, rollouts(trainer, 8)
 
 
@@ -106,7 +106,7 @@ def test_a_value_neutral_leak_of_each_term_at_the_recipe_gamma_fails(testbed, pr
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_a_masked_entropy_leak_fails_when_the_masked_branch_has_gradient(testbed_path, tmp_path, precision):
-    trainer = testbed_trainer(testbed_path, tmp_path, masked_branch_grad=True)
+    trainer = make_testbed_trainer(testbed_path, tmp_path, masked_branch_grad=True)
     batches = rollouts(trainer, 6)
     clean = probe(trainer, batches, precision, roundoff="reordered")
     assert clean.status == "passed" and clean.term_leaks["masked_entropy"]["testable"], clean.message

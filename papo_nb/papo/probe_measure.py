@@ -38,7 +38,7 @@ def _autocast_state() -> tuple[bool, str | None]:
 def _gradients(trainer, model, params, parent_loss, terms, assembles, inputs, roundoff):
     """Every gradient both tests need, reduced to the rank mean: g_parent, one g_zero per assembly, the difference
     each injected ``RECIPE_GAMMA`` leak makes (per term with graph, on the first assembly), the terms' gradients (None
-    without graph), two roundoff samples and the squared magnitudes the tested sum rounds at; and whether the
+    without graph), the roundoff samples and the squared magnitudes the tested sum rounds at; and whether the
     parameters are FSDP2 shards."""
     shards = probe_reduce.sharded(params)
     if shards:  # FSDP2: one backward per loss, FSDP reduce-scatters each to the rank mean (probe_reduce.py)
@@ -111,7 +111,7 @@ def measure_gamma_zero_variants(
     parent_norm, perception_norm, *sample_norms = norm(
         [g_parent, perception if perception is not None else 0 * g_parent, *samples]
     )
-    sample_norm = math.sqrt(sum(n * n for n in sample_norms) / len(sample_norms))
+    sample_norm = math.sqrt(sum(n * n for n in sample_norms) / len(sample_norms))  # root mean square
     tolerance = gradient_tolerance(parent_norm)
     kl_totals = trainer.accelerator.reduce(
         torch.stack([terms.kl_sum, terms.token_count]).detach().float(), reduction="sum"
@@ -157,7 +157,7 @@ def measure_gamma_zero_variants(
                 gamma=gamma,
                 gamma_leak_detection_power=gamma * perception_norm / tolerance,
                 roundoff_mode=roundoff,
-                roundoff_norm=sample_norm,  # root mean square over the two samples
+                roundoff_norm=sample_norm,  # root mean square over the samples
                 roundoff_relative=sample_norm / parent_norm if parent_norm > 0 else 0.0,
                 term_leaks=leaks,
                 projection_statistic=max((e["statistic"] for e in tested), default=None),

@@ -10,10 +10,11 @@ coefficient of order 1; the projection sees ``c_k`` directly, whatever the paren
 
 Noise floor. Roundoff of one gradient element is independent of the others, so the projection of roundoff ``r`` on
 the terms has covariance ``G^-1 S G^-1`` with ``S = [sum_i w_i^2 g_k,i g_l,i v_i]``, ``v_i`` the variance of element
-``i``, taken from two *measured* roundoff samples (``probe_roundoff``), the mean of ``r_i^2``, plus the fp32
+``i``, taken from the *measured* roundoff samples (``probe_roundoff``), the mean of ``r_i^2``, plus the fp32
 representation error of the parent gradient, ``(eps_fp32 * g_parent,i)^2`` (no gradient held in fp32 resolves
-less). The noise floor of ``c_k`` is the square root of the diagonal; a leak is seen when ``|c_k| > PROJECTION_Z *
-floor_k``, and that threshold is the smallest coefficient this test detects.
+less). The noise floor of ``c_k`` is the square root of the diagonal, or the root mean square of the coefficients
+fitted to the measured samples themselves where that is larger (correlated roundoff, few elements). A leak is seen
+when ``|c_k| > PROJECTION_Z * floor_k``, and that threshold is the smallest coefficient this test detects.
 
 Power by injection. In bf16 a leak 1000x below the parent gradient can be rounded away inside the backward (each
 activation gradient is rounded with the parent's part in it), which no roundoff floor shows. So the probe also
@@ -87,11 +88,11 @@ def term_leaks(
     that leak is seen (bf16 can round a small leak away, which no noise floor shows). A term with None gradient has no
     graph; ``reduce_sums`` sums local sums over ranks."""
     names = [k for k, g in term_grads.items() if g is not None]
-    k, width = len(names), len(ds) + len(names)
+    k, width = len(names), len(ds) + len(names) + len(samples)
     weights = _weights(magnitude, reduce_sums)
     variance = torch.stack([r * r for r in samples]).mean(0) + (FP32_EPS * g_parent) ** 2
     grads = torch.stack([term_grads[n] for n in names]) if names else torch.zeros(0, g_parent.numel()).double()
-    targets = torch.stack([*ds, *[injected[n] for n in names]])
+    targets = torch.stack([*ds, *[injected[n] for n in names], *samples])
     weighted = grads * weights
     # One collective for every sum: the plain and weighted Gram matrices, the projections, the roundoff covariance.
     local = torch.cat(
@@ -124,7 +125,11 @@ def term_leaks(
         return out
     inverse = torch.linalg.inv(gram[kept][:, kept])
     coefficients = inverse @ projections[kept]  # (kept terms, ds + injections)
-    floors = (inverse @ noise[kept][:, kept] @ inverse).diagonal().clamp(min=0).sqrt()
+    modelled = (inverse @ noise[kept][:, kept] @ inverse).diagonal().clamp(min=0)
+    # The measured samples' own coefficients: where few elements carry a term (or roundoff is correlated across
+    # elements, as bf16 rounding of a shared activation gradient is), their spread exceeds the elementwise model.
+    empirical = coefficients[:, len(ds) + len(names) :].pow(2).mean(-1)
+    floors = torch.maximum(modelled, empirical).sqrt()
     for j, i in enumerate(kept):
         name, grad_norm, floor = names[i], math.sqrt(plain[i].item()), floors[j].item()
         detectable = PROJECTION_Z * floor

@@ -10,7 +10,7 @@ projection test, from a pass independent of the one it tests:
   passes themselves carry.
 - ``"reordered"`` (calibration, notebook 02): the zero-gamma gradient accumulated over another split of the batch's
   sequences (two chunks, reversed and alternating), each chunk a forward and backward of its own, the way gradient
-  accumulation would; the two roundoff samples are the parent gradient accumulated over two further splits. Each
+  accumulation would; the four roundoff samples are the parent gradient accumulated over four further splits. Each
   chunk's gradient is rounded to the autocast dtype before the sum, so fp32 and bf16 both show real,
   different-order roundoff. What it does not emulate: GPU atomics (nondeterministic order inside one kernel) and
   TF32 matmuls (a 10-bit mantissa inside fp32 kernels); those only show on a GPU, with ``"repeat"``.
@@ -91,14 +91,19 @@ def _split(rows: list[int], side: Callable[[int], int]) -> list[list[int]]:
 
 
 def splits(n: int) -> tuple[list[list[int]], list[list[list[int]]]]:
-    """Three different 2-chunk splits of ``n`` sequences, every chunk mixing rollouts of different prompts: reversed
-    and alternating (the tested pass), then two others (the two roundoff samples)."""
+    """2-chunk splits of ``n`` sequences, every chunk mixing rollouts of different prompts: reversed and alternating
+    (the tested pass), then four others (the roundoff samples)."""
     if n < 4:
         raise ValueError(f"probe roundoff='reordered' needs a batch of at least 4 sequences to split, got {n}")
     rows = list(range(n))
     tested = _split(rows[::-1], lambda i: i % 2)
-    samples = [_split(rows, lambda i: (i // 2) % 2), _split(rows, lambda i: (i + i // 2) % 2)]
-    return tested, samples
+    sides = (
+        lambda i: (i // 2) % 2,
+        lambda i: (i + i // 2) % 2,
+        lambda i: (i // 4 + i // 2) % 2,
+        lambda i: (i + i // 4) % 2,
+    )
+    return tested, [_split(rows, side) for side in sides]
 
 
 def accumulated_gradients(
@@ -142,7 +147,7 @@ def accumulated_gradients(
 def reordered_gradients(
     trainer, model, inputs, params, assembles: Sequence[Callable], parent_loss: torch.Tensor, g_parent: torch.Tensor
 ) -> tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor]:
-    """The zero-gamma gradient of each assembly over the tested split; two roundoff samples (the parent gradient
+    """The zero-gamma gradient of each assembly over the tested split; four roundoff samples (the parent gradient
     over each other split, minus ``g_parent``); and the squared magnitudes the tested sum rounds at (chunk gradients
     and ``g_parent``), which weight the projection."""
     tested, sample_splits = splits(batch_size(inputs))
