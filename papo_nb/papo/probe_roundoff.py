@@ -1,9 +1,9 @@
 """Where the probe's roundoff comes from: a second backward over the same graph, or the batch split another way.
 
 Two backward passes over one graph on the CPU run the same deterministic kernels, so ``g_zero - g_parent`` is exactly
-0 there; on a GPU the atomic adds of the two passes land in different orders and leave real roundoff (the spec's
-calibration, about 2.4% relative in bf16). The probe needs a *measured* roundoff sample to set the noise floor of its
-projection test, from a pass independent of the one it tests:
+0 there; on a GPU the atomic adds of the two passes land in different orders and leave real roundoff (about 2.4%
+relative in bf16 on a trained policy, the figure REL_TOL is set from: contract.py). The probe needs a *measured*
+roundoff sample to set the noise floor of its projection test, from a pass independent of the one it tests:
 
 - ``"repeat"`` (the in-training default, two more backward passes on the graph the probe already holds): the parent
   gradient twice more. Exactly 0 on a deterministic backend, GPU atomic noise on a GPU: the noise the two probe
@@ -16,8 +16,9 @@ projection test, from a pass independent of the one it tests:
   TF32 matmuls (a 10-bit mantissa inside fp32 kernels); those only show on a GPU, with ``"repeat"``.
 
 The chunks are exact pieces of the batch loss: each chunk loss is weighted the way TRL 1.9.1 normalises
-``loss_type`` (grpo_trainer.py:3124-3153), so the weighted chunk losses add up to the batch loss; the sum is checked
-against the batch loss value before any gradient is trusted.
+``loss_type`` (https://github.com/huggingface/trl/blob/v1.9.1/trl/trainer/grpo_trainer.py#L3124-L3153), so the
+weighted chunk losses add up to the batch loss; the sum is checked against the batch loss value before any gradient
+is trusted.
 """
 
 from __future__ import annotations
@@ -72,7 +73,8 @@ def select_sequences(inputs: dict[str, Any], rows: Sequence[int]) -> dict[str, A
 
 
 def chunk_weight(loss_type: str, inputs: dict[str, Any], rows: Sequence[int]) -> float:
-    """The factor that makes the chunk's loss its exact share of the batch loss, per TRL's ``loss_type``."""
+    """The factor that makes the chunk's loss its exact share of the batch loss, per TRL's ``loss_type``
+    (the reductions of ``normalise_like_parent`` in terms.py)."""
     if loss_type in _SEQUENCE_MEAN:
         return len(rows) / batch_size(inputs)
     if loss_type in _TOKEN_MEAN:
