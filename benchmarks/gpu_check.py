@@ -102,7 +102,7 @@ def probe_evidence(setup: harness.BenchSetup, args, context, device) -> list[dic
                 injected_leak_diff=leaky["grad_diff_norm"],
                 perception_kl=evidence["perception_kl"],
                 loss_bit_equal=evidence["loss_bit_equal"],
-                separation_ratio=evidence["separation_ratio"],
+                leak_detection_power=evidence["leak_detection_power"],
                 dtype=evidence["dtype"],
                 autocast_enabled=evidence["autocast_enabled"],
                 autocast_dtype=evidence["autocast_dtype"],

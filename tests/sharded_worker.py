@@ -6,7 +6,10 @@ this drives ``fully_shard`` directly, with the trainer's own ``papo_loss_parts``
 inside), the gamma-zero probe and torch.distributed.checkpoint for the sharded state.
 
     torchrun --nproc_per_node 2 tests/sharded_worker.py --setup SETUP.pt --out DIR [--steps N --save-every K
-        --kill-after S --resume]
+        --kill-after S --resume --bf16 --ddp]
+
+``--ddp`` leaves the model unsharded (plain data parallel: the probe all-reduces its gradients to the rank mean)
+and stops after the probe.
 
 SETUP.pt (written by the test in one process) holds the model folder, the rollout batch and the adapter's initial
 weights, so both ranks and the single-process reference see the same batch and the same adapter. Each rank writes
@@ -34,6 +37,7 @@ from tiny_trainers import tiny_trainer, unit_params  # noqa: E402
 
 from papo_nb.papo import PAPOGTrainer  # noqa: E402
 from papo_nb.papo.probe import GammaZeroProbe, ProbeFailure  # noqa: E402
+from papo_nb.papo.probe_reduce import local_piece  # noqa: E402
 from papo_nb.testbed.models import load_vlm  # noqa: E402
 from papo_nb.testbed.shapes import make_shapes_dataset  # noqa: E402
 from papo_nb.train.distributed import fully_shard_blocks  # noqa: E402
@@ -99,6 +103,7 @@ def main() -> None:
     parser.add_argument("--kill-after", type=int, default=0, help="rank 0 SIGKILLs itself after this step")
     parser.add_argument("--resume", action="store_true")
     parser.add_argument("--bf16", action="store_true", help="FSDP mixed precision: bf16 compute, fp32 reduce")
+    parser.add_argument("--ddp", action="store_true", help="no sharding: plain data parallel (the probe all-reduces)")
     a = parser.parse_args()
     torch.set_num_threads(1)
     out = Path(a.out)
@@ -113,7 +118,7 @@ def main() -> None:
         from torch.distributed.fsdp import MixedPrecisionPolicy
 
         options["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    blocks = fully_shard_blocks(model, **options)
+    blocks = [] if a.ddp else fully_shard_blocks(model, **options)
     model.train()
     batch = setup["batch"]
     record = {"rank": rank, "world": world, "sharded_blocks": blocks, "backend": dist.get_backend()}
@@ -124,7 +129,7 @@ def main() -> None:
             p.grad = torch.full_like(p, 0.25)
         record["probe"] = probe_once(trainer, batch)
         record["accumulated_grads_kept"] = all(
-            torch.equal(p.grad.to_local(), torch.full_like(p.to_local(), 0.25)) for p in trainable
+            torch.equal(local_piece(p.grad), torch.full_like(local_piece(p), 0.25)) for p in trainable
         )
         for p in trainable:
             p.grad = None
@@ -132,6 +137,11 @@ def main() -> None:
         record["leaky_probe"] = probe_once(trainer, batch, leaky_assemble)
         reset_masks(trainer)
         # one rank text-only, the other with images: refused on every rank (the vision all-gathers would not pair)
+        if a.ddp:  # nothing is gathered without sharding
+            (out / f"probe-rank{rank}.json").write_text(json.dumps(record, indent=1, sort_keys=True))
+            dist.barrier()
+            dist.destroy_process_group()
+            return
         text_only = {k: v for k, v in batch.items() if k not in IMAGE_KEYS}
         text_only["prompt_ids"], text_only["prompt_mask"] = batch["prompt_ids"][:, -4:], batch["prompt_mask"][:, -4:]
         try:

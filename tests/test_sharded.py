@@ -1,4 +1,5 @@
-"""Sharded training (issue 15): FSDP2 on two CPU processes over gloo, the gamma-zero probe on the shards, a SIGKILLed
+"""Sharded training (issue 15): FSDP2 on two CPU processes over gloo, the gamma-zero probe on the shards (and on two
+unsharded data-parallel ranks: both tests' numbers, norms and dot products, equal the one-process probe's), a SIGKILLed
 sharded run resumed, and the sharded accelerate configs checked against accelerate's own loaders.
 
 What runs where. accelerate 1.15 does not shard on the CPU: ``configs/accelerate/fsdp.yaml`` under ``papo-nb train``
@@ -32,6 +33,7 @@ SMOKE = ROOT / "params" / "smoke_fast.yaml"
 CONFIGS = ROOT / "configs" / "accelerate"
 STEPS, SAVE_EVERY, KILL_AFTER = 4, 2, 3
 NORMS = ("parent_grad_norm", "zero_gamma_grad_norm", "grad_diff_norm", "perception_grad_norm")
+TERM_NUMBERS = ("coefficient", "noise_floor", "detectable_coefficient", "injected_leak_coefficient", "grad_norm")
 STEP_LINE = re.compile(r"sharded step (\d+)/\d+ loss (\S+)")
 
 
@@ -91,6 +93,41 @@ def killed_and_resumed(setup):
     return dict(out=out, killed=killed, resumed=resumed, probe_ranks=ranks, wall=wall)
 
 
+def assert_same_projection(ranked: dict, single: dict) -> None:
+    """The projection test's numbers per term equal the one-process probe's: dot products reduced, not rank-local."""
+    for name, reference in single["term_leaks"].items():
+        mine = ranked["term_leaks"][name]
+        assert mine["testable"] == reference["testable"] and mine.get("reason") == reference.get("reason"), name
+        if reference["testable"]:
+            for key in TERM_NUMBERS:
+                assert mine[key] == pytest.approx(reference[key], rel=1e-6, abs=1e-12), (name, key)
+            assert mine["leak_seen"] == reference["leak_seen"] and mine["powered"] == reference["powered"], name
+    assert ranked["powered"] == single["powered"]
+
+
+@pytest.fixture(scope="module")
+def ddp(setup):
+    """Two unsharded ranks (plain data parallel, gloo): the probe, real and leaking, on the setup's batch."""
+    out = setup["folder"] / "ddp"
+    result = torchrun("--setup", str(setup["path"]), "--out", str(out), "--probe", "--ddp")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return [json.loads((out / f"probe-rank{r}.json").read_text()) for r in range(2)]
+
+
+def test_the_ddp_probe_matches_the_one_process_probe_on_the_same_batch(setup, ddp):
+    single = setup["single"]
+    assert all(r["world"] == 2 and r["sharded_blocks"] == [] for r in ddp)
+    for rank in ddp:
+        probe, leaky = rank["probe"], rank["leaky_probe"]
+        assert probe["status"] == single["status"] == "passed" and probe["loss_bit_equal"]
+        for key in NORMS + ("tolerance", "leak_detection_power", "projection_statistic"):
+            assert probe[key] == pytest.approx(single[key], rel=1e-6, abs=1e-9), key
+        assert_same_projection(probe, single)
+        assert leaky["status"] == setup["single_leaky"]["status"] == "failed"
+        assert_same_projection(leaky, setup["single_leaky"])
+    assert ddp[0]["probe"] == ddp[1]["probe"] and ddp[0]["leaky_probe"] == ddp[1]["leaky_probe"]
+
+
 def test_the_sharded_probe_matches_the_unsharded_probe_on_the_same_batch(setup, killed_and_resumed):
     single, ranks = setup["single"], killed_and_resumed["probe_ranks"]
     assert all(r["world"] == 2 and r["backend"] == "gloo" for r in ranks)
@@ -109,6 +146,8 @@ def test_the_sharded_probe_matches_the_unsharded_probe_on_the_same_batch(setup, 
         for key in NORMS + ("tolerance", "leak_detection_power"):
             assert sharded[key] == pytest.approx(single[key], rel=1e-6, abs=1e-9), key
         assert sharded["perception_grad_norm"] > 0 and sharded["grad_diff_norm"] <= sharded["tolerance"]
+        assert_same_projection(sharded, single)
+        assert_same_projection(rank["leaky_probe"], setup["single_leaky"])
     # every rank took the same verdict from the same numbers: reduced, not rank-local
     assert ranks[0]["probe"] == ranks[1]["probe"]
     # a gradient being accumulated before the probe is left as it was (the probe runs its own backward passes)

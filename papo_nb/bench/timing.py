@@ -88,13 +88,18 @@ def ratios(times: dict[str, list[float]]) -> dict[str, float]:
     return out
 
 
+def probe_calls(probe) -> dict[str, int]:
+    """How much probe code ran in a trainer: batches observed and batches measured, read from its probe object (none
+    when the run built no probe, so nothing of it can have run)."""
+    if probe is None:
+        return {"observe": 0, "measure": 0}
+    return {"observe": probe.evaluations, "measure": probe.measurements}
+
+
 def training_probe_checks(setup: BenchSetup, steps: int) -> dict[str, Any]:
     """Real ``trainer.train()`` runs (generation included) on the same model: with the probe off, count probe
     calls (must be 0); with it on, time every ``observe`` call. LoRA weights are restored afterwards."""
-    from papo_nb.papo import probe as probe_module
-
     out: dict[str, Any] = {"train_steps": steps}
-    before = dict(probe_module.PROBE_CALLS)
     off = make_trainer(
         setup.settings,
         setup.model,
@@ -110,7 +115,7 @@ def training_probe_checks(setup: BenchSetup, steps: int) -> dict[str, Any]:
     out["probe_off"] = dict(
         train_s=time.perf_counter() - start,
         probe_object=off.probe is not None,
-        probe_calls={k: probe_module.PROBE_CALLS[k] - before[k] for k in before},
+        probe_calls=probe_calls(off.probe),
     )
     setup.snapshot.restore()
 
@@ -135,7 +140,6 @@ def training_probe_checks(setup: BenchSetup, steps: int) -> dict[str, Any]:
             observe_cpu.append(time.process_time() - cpu_start)
 
     on.probe.observe = timed_observe
-    before = dict(probe_module.PROBE_CALLS)
     start = time.perf_counter()
     on.train()
     train_s = time.perf_counter() - start
@@ -149,7 +153,7 @@ def training_probe_checks(setup: BenchSetup, steps: int) -> dict[str, Any]:
         observe_cpu_s=observe_cpu,
         probe_total_cpu_s=sum(observe_cpu),
         passed=bool(on.probe.evidence and on.probe.evidence.passed),
-        probe_calls={k: probe_module.PROBE_CALLS[k] - before[k] for k in before},
+        probe_calls=probe_calls(on.probe),
         logged_step_time_s=step_times,
         evidence={
             k: evidence[k]
@@ -159,7 +163,8 @@ def training_probe_checks(setup: BenchSetup, steps: int) -> dict[str, Any]:
                 "grad_diff_norm",
                 "grad_diff_relative",
                 "perception_kl",
-                "separation_ratio",
+                "leak_detection_power",
+                "weakest_margin_at_recipe_gamma",
             )
         }
         if evidence

@@ -1,29 +1,35 @@
 """The gamma-zero reduction probe: run-time proof that the PAPO-G adapter is wired correctly.
 
 Reduction half. ``zero_gamma_loss = trainer.assemble_loss(parent_loss, terms, 0, 0, 0)`` must equal the
-parent loss bit for bit, and its gradient must equal the parent's up to roundoff:
+parent loss bit for bit, and its gradient must equal the parent's up to roundoff. Two tests look at the difference
+``d = g_zero - g_parent``; a batch fails if either sees a leak:
 
-    PASS iff ||g_zero - g_parent|| <= max(REL_TOL * ||g_parent||, ABS_FLOOR)
+- the spec's norm rule (its constants are requirements): PASS iff ||d|| <= max(REL_TOL * ||g_parent||, ABS_FLOOR);
+- the projection test (``probe_projection``): the coefficient of each PAPO term's gradient in ``d`` (perception KL,
+  both entropies), against a noise floor taken from a measured roundoff sample (``probe_roundoff``).
 
-Both losses have the same value, so this compares two backward passes over graphs of different shape:
-it catches an adapter whose zero-gamma path still lets perception gradient through (a leak), which a
-value comparison cannot see.
+Both losses have the same value, so this compares two backward passes over graphs of different shape: it catches an
+adapter whose zero-gamma path still lets a term's gradient through (a leak), which a value comparison cannot see.
 
 Liveness half. ``perception_kl > 0`` and ``||grad perception_kl|| > 0``: the masked forward really
 reaches the logits. A batch whose log-probs do not move under masking (mean KL exactly 0) is legitimate
 but shows nothing, so the probe defers on it without paying for gradients; after
 ``max_degenerate_batches`` such batches in a row it fails. A batch without images is not counted.
 
-Power. A leak adds about ``||grad perception_kl||`` to the gradient difference, so the check can only see a leak
-when ``leak_detection_power = ||grad perception_kl|| / tolerance`` is at least 1. A batch below that is not a pass:
-the probe defers it (counted apart from image-invariant batches) and looks at the next; after
-``max_degenerate_batches`` such batches it ends with status ``"underpowered"`` (neither passed nor failed: the run
-goes on, and the notebook verdict and an MLflow tag warn).
+Power. The norm rule sees a leak of ``c * T`` only when ``c * ||grad T||`` exceeds the tolerance: on a trained policy
+(parent gradient 10-20x the perception gradient) that is c of order 1, so it is reported
+(``leak_detection_power = ||grad perception_kl|| / tolerance``) but does not decide power. A batch is powered when the
+projection test detects a leak coefficient of at most the recipe's gamma (0.02) for every testable term, checked by
+injecting such a leak on the batch (it must measure at least ``POWER_MARGIN`` = 20 noise floors). A batch
+below that is not a pass: the probe defers it (counted apart from image-invariant batches) and looks at the next;
+after ``max_degenerate_batches`` such batches it ends with status ``"underpowered"`` (neither passed nor failed: the
+run goes on, and the notebook verdict and an MLflow tag warn).
 
 Several processes. Every input to a decision is reduced across ranks first (finiteness, images, KL sums, and
-the three gradients, all-reduced to DDP's mean: the gradient the optimizer applies), so every rank defers,
+the gradients, all-reduced to DDP's mean: the gradient the optimizer applies), so every rank defers,
 passes or fails together and no rank is left waiting in a collective. One process reduces nothing. Under FSDP2
-(sharded parameters) the gradients come from the shards and the norms are summed across ranks (probe_reduce.py).
+(sharded parameters) the gradients come from the shards, and norms and dot products are sums over the ranks
+(probe_reduce.py).
 """
 
 from __future__ import annotations
@@ -35,30 +41,38 @@ from typing import Any
 
 import torch
 
-from . import probe_reduce
+from . import probe_projection, probe_roundoff
 from .contract import (
     GAMMA_ZERO_GRADIENT_ABS_FLOOR,
     GAMMA_ZERO_GRADIENT_REL_TOL,
     PAPO_ADAPTER_VERSION,
     PAPO_PROBE_MAX_DEGENERATE_BATCHES,
 )
+from .probe_measure import (
+    GRADIENT_NORMS,
+    ProbeFailure,
+    gradient_tolerance,
+    measure_gamma_zero,
+    measure_gamma_zero_variants,
+)
+from .probe_projection import POWER_MARGIN, PROJECTION_Z, RECIPE_GAMMA
 
-PASS_RULE = "||g_zero - g_parent|| <= max(REL_TOL * ||g_parent||, ABS_FLOOR)"
+__all__ = [
+    "PASS_RULE",
+    "GammaZeroProbe",
+    "ProbeEvidence",
+    "ProbeFailure",
+    "gradient_tolerance",
+    "measure_gamma_zero",
+    "measure_gamma_zero_variants",
+    "probe_batch",
+    "probe_batches",
+]
 
-# Process-wide counts of probe work, so a run (or a benchmark) can prove how much probe code ran.
-PROBE_CALLS = {"observe": 0, "measure": 0}
-
-
-class ProbeFailure(RuntimeError):
-    """The adapter failed the gamma-zero reduction or liveness check."""
-
-
-def gradient_tolerance(
-    parent_grad_norm: float,
-    rel_tol: float = GAMMA_ZERO_GRADIENT_REL_TOL,
-    abs_floor: float = GAMMA_ZERO_GRADIENT_ABS_FLOOR,
-) -> float:
-    return max(rel_tol * parent_grad_norm, abs_floor)
+PASS_RULE = (
+    "||g_zero - g_parent|| <= max(REL_TOL * ||g_parent||, ABS_FLOOR) and, per PAPO term, "
+    f"|leak coefficient| <= {PROJECTION_Z:g} x its roundoff noise floor"
+)
 
 
 @dataclass
@@ -79,12 +93,22 @@ class ProbeEvidence:
     tolerance: float | None = None
     rel_tol: float = GAMMA_ZERO_GRADIENT_REL_TOL
     abs_floor: float = GAMMA_ZERO_GRADIENT_ABS_FLOOR
+    norm_statistic: float | None = None  # ||g_zero - g_parent|| / tolerance; > 1 fails
     perception_kl: float | None = None
     perception_grad_norm: float | None = None
-    separation_ratio: float | None = None  # the same number as leak_detection_power (older name)
-    leak_detection_power: float | None = None  # ||grad perception term|| / tolerance; < 1: a leak could hide
+    leak_detection_power: float | None = None  # norm rule: ||grad perception term|| / tolerance
     gamma: float | None = None  # the run's gamma_t when measured
     gamma_leak_detection_power: float | None = None  # gamma_t * power: for a leak of the gamma-weighted term
+    roundoff_mode: str = "repeat"  # where the roundoff sample came from (probe_roundoff)
+    roundoff_norm: float | None = None  # ||roundoff sample||
+    roundoff_relative: float | None = None  # ||roundoff sample|| / ||g_parent||
+    term_leaks: dict | None = None  # per PAPO term: coefficient, noise floor, detectable coefficients (or untestable)
+    projection_statistic: float | None = None  # max over testable terms of |coefficient| / detectable; > 1 fails
+    perception_detectable_coefficient: float | None = None  # smallest perception leak the projection test sees
+    weakest_margin_at_recipe_gamma: float | None = None  # min over testable terms of 0.02 / detectable
+    recipe_gamma: float = RECIPE_GAMMA
+    projection_z: float = PROJECTION_Z
+    powered: bool | None = None
     degenerate_batches_skipped: int = 0
     underpowered_batches_skipped: int = 0
     batches_without_images: int = 0
@@ -106,104 +130,19 @@ class ProbeEvidence:
         return {**asdict(self), "passed": self.passed, "underpowered": self.underpowered}
 
 
-def _flat_grad(loss: torch.Tensor, params: list[torch.Tensor]) -> torch.Tensor:
-    if not loss.requires_grad:
-        return torch.zeros(sum(p.numel() for p in params), dtype=torch.float64)
-    grads = torch.autograd.grad(loss, params, retain_graph=True, allow_unused=True)
-    return torch.cat([(torch.zeros_like(p) if g is None else g).reshape(-1).double() for g, p in zip(grads, params)])
-
-
-def _autocast_state() -> tuple[bool, str | None]:
-    for device in ("cuda", "cpu"):
-        if torch.is_autocast_enabled(device):
-            return True, str(torch.get_autocast_dtype(device)).replace("torch.", "")
-    return False, None
-
-
-def measure_gamma_zero(
-    trainer, model, parent_loss: torch.Tensor, terms, assemble: Callable | None = None
-) -> dict[str, Any]:
-    """The reduction and liveness numbers for one batch (no verdict). ``assemble`` defaults to the trainer's."""
-    import trl
-
-    PROBE_CALLS["measure"] += 1
-    assemble = assemble or trainer.assemble_loss
-    zero_gamma_loss = assemble(parent_loss, terms, 0.0, 0.0, 0.0)
-    params = [p for p in model.parameters() if p.requires_grad]
-    if not params:
-        raise ProbeFailure(
-            "the model has no trainable parameters: nothing to probe (was the adapter loaded with is_trainable=False?)"
-        )
-    shards = probe_reduce.sharded(params)
-    if shards:  # FSDP2: one backward per loss, FSDP reduce-scatters each to the rank mean (probe_reduce.py)
-        g_parent, g_zero, g_perception = probe_reduce.shard_gradients(
-            [parent_loss, zero_gamma_loss, terms.perception_kl], params
-        )
-    else:
-        g_parent = _flat_grad(parent_loss, params)
-        g_zero = _flat_grad(zero_gamma_loss, params)
-        g_perception = _flat_grad(terms.perception_kl, params)
-    parent_value, zero_value = parent_loss.item(), zero_gamma_loss.item()
-    # In float64 so that a bf16 parent loss and its fp32 sum with the (fp32) PAPO terms compare by value, exactly.
-    loss_bit_equal = bool(torch.equal(zero_gamma_loss.detach().double(), parent_loss.detach().double()))
-    processes = trainer.accelerator.num_processes
-    if processes > 1:
-        # Several processes: the gradient the optimizer applies is DDP's mean of the per-rank gradients, so the
-        # norms and the verdict are those of the all-reduced (mean) gradients, identical on every rank; the losses
-        # are rank means, and bit equality must hold on every rank. One process: nothing is reduced.
-        if not shards:  # FSDP's shards already hold the rank mean
-            g_parent, g_zero, g_perception = trainer.accelerator.reduce(
-                torch.stack([g_parent, g_zero, g_perception]), reduction="mean"
-            )
-        losses = trainer.accelerator.reduce(
-            torch.tensor(
-                [parent_value, zero_value, float(not loss_bit_equal)], dtype=torch.float64, device=g_parent.device
-            ),
-            reduction="sum",
-        )
-        parent_value, zero_value = (losses[:2] / processes).tolist()
-        loss_bit_equal = losses[2].item() == 0
-    # Sharded: every rank holds disjoint pieces, so each norm sums squares over the ranks (one all-reduce).
-    norm = probe_reduce.global_norms if shards else lambda vs: [torch.linalg.vector_norm(v).item() for v in vs]
-    parent_norm, zero_norm, diff, perception_norm = norm([g_parent, g_zero, g_zero - g_parent, g_perception])
-    tolerance = gradient_tolerance(parent_norm)
-    kl_totals = trainer.accelerator.reduce(
-        torch.stack([terms.kl_sum, terms.token_count]).detach().float(), reduction="sum"
-    )
-    autocast_enabled, autocast_dtype = _autocast_state()
-    gamma = float(trainer.current_gamma()) if hasattr(trainer, "current_gamma") else 0.0
-    return dict(
-        parent_loss=parent_value,
-        zero_gamma_loss=zero_value,
-        loss_bit_equal=loss_bit_equal,
-        parent_grad_norm=parent_norm,
-        zero_gamma_grad_norm=zero_norm,
-        grad_diff_norm=diff,
-        grad_diff_relative=diff / parent_norm if parent_norm > 0 else (0.0 if diff == 0 else math.inf),
-        tolerance=tolerance,
-        perception_kl=(kl_totals[0] / kl_totals[1].clamp(min=1.0)).item(),
-        perception_grad_norm=perception_norm,
-        separation_ratio=perception_norm / tolerance,
-        leak_detection_power=perception_norm / tolerance,
-        gamma=gamma,
-        gamma_leak_detection_power=gamma * perception_norm / tolerance,
-        dtype=str(parent_loss.dtype).replace("torch.", ""),
-        autocast_enabled=autocast_enabled,
-        autocast_dtype=autocast_dtype,
-        trl_version=trl.__version__,
-    )
-
-
 class GammaZeroProbe:
     """Stateful probe: defers on image-invariant batches, then gives one verdict and stops running."""
 
-    def __init__(self, max_degenerate_batches: int = PAPO_PROBE_MAX_DEGENERATE_BATCHES):
+    def __init__(self, max_degenerate_batches: int = PAPO_PROBE_MAX_DEGENERATE_BATCHES, roundoff: str = "repeat"):
+        probe_roundoff.check_mode(roundoff)
         self.max_degenerate_batches = max_degenerate_batches
+        self.roundoff = roundoff
         self.pending = True
         self.degenerate_batches = 0
         self.underpowered_batches = 0
         self.batches_without_images = 0
-        self.evaluations = 0  # batches looked at; benchmarks count probe work with it
+        self.evaluations = 0  # batches looked at (observe calls); benchmarks count probe work with it
+        self.measurements = 0  # batches whose gradients were measured (the expensive part)
         self.evidence: ProbeEvidence | None = None
 
     def _record(self, status: str, message: str, step: int | None, **numbers) -> ProbeEvidence:
@@ -229,10 +168,11 @@ class GammaZeroProbe:
         terms,
         step: int | None = None,
         assemble: Callable | None = None,
+        inputs: dict[str, Any] | None = None,
     ) -> ProbeEvidence:
-        """Look at one batch; returns the evidence (pending or passed) or raises ProbeFailure."""
+        """Look at one batch; returns the evidence (pending, passed or underpowered) or raises ProbeFailure.
+        ``inputs`` (the batch) is needed only with ``roundoff="reordered"``."""
         self.evaluations += 1
-        PROBE_CALLS["observe"] += 1
         values = torch.stack(
             [
                 parent_loss.detach().float(),
@@ -284,12 +224,13 @@ class GammaZeroProbe:
                 f"probe deferred: image-invariant batch {self.degenerate_batches}/{self.max_degenerate_batches}",
                 step,
             )
-        numbers = measure_gamma_zero(trainer, model, parent_loss, terms, assemble)
-        if not all(
-            math.isfinite(numbers[k])
-            for k in ("parent_grad_norm", "zero_gamma_grad_norm", "grad_diff_norm", "perception_grad_norm")
-        ):
+        self.measurements += 1
+        numbers = measure_gamma_zero(
+            trainer, model, parent_loss, terms, assemble, inputs=inputs, roundoff=self.roundoff
+        )
+        if not all(math.isfinite(numbers[k]) for k in GRADIENT_NORMS + ("roundoff_norm",)):
             return self._record("failed", f"probe: non-finite gradient norms {numbers}", step, **numbers)
+        leaks = numbers["term_leaks"]
         problems = []
         if not numbers["loss_bit_equal"]:
             problems.append(
@@ -299,8 +240,15 @@ class GammaZeroProbe:
             problems.append(
                 "perception gradient leaks through the gamma=0 path: "
                 f"||g_zero - g_parent|| = {numbers['grad_diff_norm']:.3e} > tolerance {numbers['tolerance']:.3e} "
-                f"({PASS_RULE})"
+                "(the spec's norm rule)"
             )
+        for name, e in leaks.items():
+            if e["testable"] and e["leak_seen"]:
+                problems.append(
+                    f"{name} leaks through the gamma=0 path: its gradient is in g_zero - g_parent with coefficient "
+                    f"{e['coefficient']:.3e}, beyond {PROJECTION_Z:g} x its roundoff noise floor "
+                    f"{e['noise_floor']:.2e} (projection test)"
+                )
         if not numbers["perception_kl"] > 0:
             problems.append(f"perception KL is {numbers['perception_kl']!r}, not > 0")
         if not numbers["perception_grad_norm"] > 0:
@@ -309,13 +257,12 @@ class GammaZeroProbe:
             )
         if problems:
             return self._record("failed", "probe failed: " + "; ".join(problems), step, **numbers)
-        power = numbers["leak_detection_power"]
-        if power < 1.0:
+        if not numbers["powered"]:
             self.underpowered_batches += 1
             weak = (
-                f"leak-detection power {power:.3g} < 1: the perception gradient "
-                f"({numbers['perception_grad_norm']:.3e}) is below the tolerance ({numbers['tolerance']:.3e}), "
-                "so a leak that large would pass unseen"
+                f"a value-neutral leak of {RECIPE_GAMMA} x some term, injected on this batch, measures under "
+                f"{POWER_MARGIN:g} noise floors ({probe_projection.describe(leaks)}): a leak at the recipe's gamma "
+                "could pass unseen"
             )
             if self.underpowered_batches >= self.max_degenerate_batches:
                 message = f"probe UNDERPOWERED after {self.underpowered_batches} batches, none powered; last: {weak}"
@@ -326,8 +273,9 @@ class GammaZeroProbe:
             "passed",
             (
                 f"probe passed: ||g_zero - g_parent|| = {numbers['grad_diff_norm']:.3e} <= "
-                f"{numbers['tolerance']:.3e}; perception KL {numbers['perception_kl']:.3e}, "
-                f"leak-detection power {power:.3g}"
+                f"{numbers['tolerance']:.3e}; perception KL {numbers['perception_kl']:.3e}; "
+                f"{probe_projection.describe(leaks)}; weakest margin at gamma {RECIPE_GAMMA}: "
+                f"{numbers['weakest_margin_at_recipe_gamma']:.3g}x"
             ),
             step,
             **numbers,
@@ -337,11 +285,12 @@ class GammaZeroProbe:
         """Numeric evidence for the trainer's metrics (and so MLflow)."""
         if self.evidence is None:
             return {}
-        return {
+        numbers = {
             k: float(v)
             for k, v in self.evidence.to_dict().items()
-            if isinstance(v, (int, float)) and k not in ("rel_tol", "abs_floor")
+            if isinstance(v, (int, float)) and k not in ("rel_tol", "abs_floor", "recipe_gamma", "projection_z")
         }
+        return {**numbers, **probe_projection.flat_metrics(self.evidence.term_leaks or {})}
 
 
 def probe_batches(
@@ -352,20 +301,23 @@ def probe_batches(
     autocast_dtype: torch.dtype | None = None,
     max_degenerate_batches: int = PAPO_PROBE_MAX_DEGENERATE_BATCHES,
     raise_on_failure: bool = True,
+    roundoff: str = "repeat",
+    assemble: Callable | None = None,
 ) -> ProbeEvidence:
     """Feed prepared batches (``_compute_loss`` inputs) to one probe, optionally under autocast, until it reaches a
     verdict ("passed", "failed" or "underpowered") or the batches run out (then its last evidence, "pending").
 
     With ``raise_on_failure=False`` a failed verdict is returned (``status="failed"``) instead of raised.
+    ``roundoff="reordered"`` is the calibration mode (``probe_roundoff``); ``assemble`` replaces the trainer's.
     """
     model = model or trainer.model
     device_type = next(model.parameters()).device.type
-    probe = GammaZeroProbe(max_degenerate_batches)
+    probe = GammaZeroProbe(max_degenerate_batches, roundoff=roundoff)
     for inputs in batches:
         with torch.autocast(device_type, dtype=autocast_dtype or torch.bfloat16, enabled=autocast_dtype is not None):
             parent_loss, terms = trainer.papo_loss_parts(model, inputs)
             try:
-                probe.observe(trainer, model, parent_loss, terms)
+                probe.observe(trainer, model, parent_loss, terms, assemble=assemble, inputs=inputs)
             except ProbeFailure:
                 if raise_on_failure:
                     raise

@@ -5,8 +5,9 @@ the autograd graph of the shard, so ``torch.autograd.grad(loss, shards)`` sees n
 zeros: a silent pass). The gradient reaches the shard only through FSDP's own backward hooks, which reduce-scatter
 it into ``shard.grad`` as the mean over ranks: the gradient the optimizer applies, the same mean that the DDP path
 of the probe all-reduces. So here each loss gets its own ``backward(retain_graph=True)``, this rank keeps its local
-pieces (``grad.to_local()``), and a norm is the square root of the sum over ranks of the local sums of squares.
-Every rank ends with the same numbers and so takes the same verdict.
+pieces (``grad.to_local()``), a norm is the square root of the sum over ranks of the local sums of squares, and a dot
+product (the probe's projection test) the sum over ranks of the local dot products. Every rank ends with the same
+numbers and so takes the same verdict.
 """
 
 from __future__ import annotations
@@ -64,3 +65,12 @@ def global_norms(vectors: list[torch.Tensor]) -> list[float]:
     if dist.is_available() and dist.is_initialized():
         dist.all_reduce(squares, op=dist.ReduceOp.SUM)
     return squares.sqrt().tolist()
+
+
+def global_sums(local_sums: torch.Tensor) -> torch.Tensor:
+    """Sums over parameters whose disjoint pieces lie on the ranks (dot products, Gram matrices): the local sums,
+    all-reduced (sum) in one collective; a copy, the input is left as it was."""
+    total = local_sums.clone()
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(total, op=dist.ReduceOp.SUM)
+    return total

@@ -1,27 +1,45 @@
-"""Probe calibration: do the spec's gamma-zero tolerances separate backward roundoff from real perception leaks?
+"""Probe calibration: do the probe's two tests separate real backward roundoff from leaks of the PAPO terms?
 
-For each phase (fresh adapter, trained policy), precision and batch it measures the parent gradient norm,
-the gamma-zero gradient difference (roundoff; must sit under the tolerance) and two leak magnitudes (must sit
-over it): the perception gradient norm, which is what a leaking adapter adds, and the difference an injected
-leak actually produces through the probe.
+For each phase (fresh adapter, trained policy), precision and batch it runs the probe in its calibration mode (real
+roundoff on the CPU: the zero-gamma gradient accumulated over another split of the batch, ``probe_roundoff``) on the
+clean adapter and on value-neutral leaks of ``RECIPE_GAMMA`` (0.02) x each PAPO term, and records per batch: the
+parent gradient, the roundoff, the spec norm rule's numbers (and an injected leak of the whole perception term, as
+before), and per term the projection test's leak coefficient, noise floor and the smallest coefficient each test
+detects. A batch where a term cannot be tested (its gradient is exactly 0) or where the injected 0.02 leak measures
+under 20 noise floors is set aside as the probe itself would set it aside (deferred), never counted as a pass.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
+from typing import Any
 
-import matplotlib
-import numpy as np
 import torch
-from matplotlib.figure import Figure
 
 from papo_nb.papo.contract import (
     GAMMA_ZERO_GRADIENT_ABS_FLOOR,
     GAMMA_ZERO_GRADIENT_REL_TOL,
     PAPO_PROBE_MAX_DEGENERATE_BATCHES,
 )
-from papo_nb.papo.probe import measure_gamma_zero, probe_batches
+from papo_nb.papo.probe import measure_gamma_zero_variants, probe_batches
+from papo_nb.papo.probe_projection import POWER_MARGIN, PROJECTION_Z, RECIPE_GAMMA, TERM_NAMES, leak_assembly
 from papo_nb.workbook.verification.batches import rollout_batch
+from papo_nb.workbook.verification.calibration_plots import plot_both_tests, plot_calibration, plot_power, zero_floor
+
+__all__ = [
+    "PRECISIONS",
+    "CalibrationPoint",
+    "calibrate_phase",
+    "false_alarms",
+    "leaking_assembly",
+    "phase_table",
+    "plot_both_tests",
+    "plot_calibration",
+    "plot_power",
+    "probe_rollouts",
+    "separation_margins",
+    "zero_floor",
+]
 
 PRECISIONS = {"fp32": None, "bf16": torch.bfloat16}
 
@@ -32,14 +50,24 @@ class CalibrationPoint:
     precision: str
     batch: int
     parent_grad_norm: float
-    grad_diff_norm: float  # ||g_zero - g_parent||: roundoff
+    grad_diff_norm: float  # ||g_zero - g_parent|| of the clean adapter: roundoff
     tolerance: float
-    perception_grad_norm: float  # what a leak of the perception term would add
-    injected_leak_diff: float  # ||g_zero - g_parent|| measured with a leaking assembly
+    perception_grad_norm: float  # what a leak of the whole perception term would add
+    injected_leak_diff: float  # ||g_zero - g_parent|| measured with a leak of injected_leak_scale x perception KL
     perception_kl: float
     loss_bit_equal: bool
-    # perception gradient / tolerance: < 1 means a leak that size would pass unseen (computed when not given)
+    # perception gradient / tolerance: the norm rule's power (computed when not given)
     leak_detection_power: float | None = None
+    roundoff_mode: str = "reordered"
+    roundoff_norm: float | None = None  # the measured roundoff sample (root mean square of two)
+    norm_statistic: float | None = None  # clean ||g_zero - g_parent|| / tolerance
+    projection_statistic: float | None = None  # clean max |coefficient| / detectable
+    clean_failed: bool = False  # a false alarm: the clean adapter failed either test
+    powered: bool | None = None
+    testable: bool = True  # False: the perception term cannot be tested on this batch (set aside)
+    # per term: testable, coefficient, noise floor, detectable (projection), norm-rule detectable, injected leak,
+    # and whether the probe fails a value-neutral RECIPE_GAMMA leak of that term ("leak_detected")
+    terms: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def __post_init__(self):
         if self.leak_detection_power is None:
@@ -48,15 +76,70 @@ class CalibrationPoint:
     def to_dict(self):
         return asdict(self)
 
+    def row(self) -> dict[str, Any]:
+        """Flat: one column per number (``<term>/<number>``), for tables and MLflow."""
+        flat = {k: v for k, v in asdict(self).items() if k != "terms"}
+        for name, numbers in self.terms.items():
+            flat.update({f"{name}/{k}": v for k, v in numbers.items()})
+        return flat
 
-def leaking_assembly(trainer, scale: float):
-    """The trainer's own assembly plus a value-neutral leak: ``scale * (kl - kl.detach())`` is 0.0 in value."""
 
-    def assemble(parent_loss, terms, gamma, eta1, eta2):
-        leak = scale * (terms.perception_kl - terms.perception_kl.detach())
-        return trainer.assemble_loss(parent_loss, terms, gamma, eta1, eta2) + leak
+def leaking_assembly(trainer, scale: float, term: str = "perception_kl"):
+    """The trainer's own assembly plus a value-neutral leak: ``scale * (T - T.detach())`` is 0.0 in value."""
+    return leak_assembly(trainer.assemble_loss, term, scale)
 
-    return assemble
+
+def _fails(numbers: dict) -> bool:
+    """Either test sees a leak (or the zero-gamma loss is not the parent's)."""
+    leaks = numbers["term_leaks"].values()
+    return (
+        not numbers["loss_bit_equal"]
+        or numbers["grad_diff_norm"] > numbers["tolerance"]
+        or any(e["testable"] and e["leak_seen"] for e in leaks)
+    )
+
+
+def measure_point(trainer, model, batch, phase: str, precision: str, b: int, leak_scale: float) -> CalibrationPoint:
+    """One batch under one precision: the clean adapter, a leak of ``leak_scale`` x perception (the norm rule's
+    check), and a ``RECIPE_GAMMA`` leak of each term, all from the same forward and roundoff samples."""
+    dtype = PRECISIONS[precision]
+    device_type = next(model.parameters()).device.type
+    assembles = [trainer.assemble_loss, leaking_assembly(trainer, leak_scale)]
+    assembles += [leaking_assembly(trainer, RECIPE_GAMMA, term) for term in TERM_NAMES]
+    with torch.autocast(device_type, dtype=dtype or torch.bfloat16, enabled=dtype is not None):
+        parent, terms = trainer.papo_loss_parts(model, batch)
+        clean, whole, *leaks = measure_gamma_zero_variants(
+            trainer, model, parent, terms, assembles, inputs=batch, roundoff="reordered"
+        )
+    per_term = {}
+    for name, leaky in zip(TERM_NAMES, leaks):
+        numbers = dict(clean["term_leaks"][name])
+        if numbers["testable"]:
+            numbers["leak_detected"] = _fails(leaky)
+            numbers["leak_coefficient_measured"] = leaky["term_leaks"][name]["coefficient"]
+        per_term[name] = numbers
+    testable = clean["perception_kl"] > 0 and per_term["perception_kl"]["testable"]
+    return CalibrationPoint(
+        phase,
+        precision,
+        b,
+        clean["parent_grad_norm"],
+        clean["grad_diff_norm"],
+        clean["tolerance"],
+        clean["perception_grad_norm"],
+        whole["grad_diff_norm"],
+        clean["perception_kl"],
+        clean["loss_bit_equal"],
+        clean["leak_detection_power"],
+        roundoff_mode=clean["roundoff_mode"],
+        roundoff_norm=clean["roundoff_norm"],
+        norm_statistic=clean["norm_statistic"],
+        projection_statistic=clean["projection_statistic"],
+        clean_failed=_fails(clean),
+        powered=bool(testable and clean["powered"]),
+        testable=testable,
+        terms=per_term,
+    )
 
 
 def calibrate_phase(
@@ -70,36 +153,19 @@ def calibrate_phase(
     n_prompts: int = 2,
     seed: int = 0,
 ) -> list[CalibrationPoint]:
-    """Measure ``n_batches`` fresh rollout batches under each precision (autocast on the model's device)."""
-    model = trainer.model
-    device_type = next(model.parameters()).device.type
+    """Measure ``n_batches`` fresh rollout batches under each precision (autocast on the model's device), in the
+    probe's calibration mode (real roundoff)."""
+    unknown = [p for p in precisions if p not in PRECISIONS]
+    if unknown:
+        raise ValueError(
+            f"calibration_precisions={list(precisions)!r}: unknown {unknown}; allowed: {list(PRECISIONS)}"
+        )
     points = []
     for b in range(n_batches):
         start = (b * n_prompts) % max(len(dataset) - n_prompts + 1, 1)
         batch = rollout_batch(trainer, dataset, n_prompts, start=start, seed=seed + b)
         for precision in precisions:
-            dtype = PRECISIONS[precision]
-            with torch.autocast(device_type, dtype=dtype or torch.bfloat16, enabled=dtype is not None):
-                parent, terms = trainer.papo_loss_parts(model, batch)
-                clean = measure_gamma_zero(trainer, model, parent, terms)
-                leaky = measure_gamma_zero(
-                    trainer, model, parent, terms, assemble=leaking_assembly(trainer, leak_scale)
-                )
-            points.append(
-                CalibrationPoint(
-                    phase,
-                    precision,
-                    b,
-                    clean["parent_grad_norm"],
-                    clean["grad_diff_norm"],
-                    clean["tolerance"],
-                    clean["perception_grad_norm"],
-                    leaky["grad_diff_norm"],
-                    clean["perception_kl"],
-                    clean["loss_bit_equal"],
-                    clean["leak_detection_power"],
-                )
-            )
+            points.append(measure_point(trainer, trainer.model, batch, phase, precision, b, leak_scale))
     return points
 
 
@@ -131,143 +197,115 @@ def probe_rollouts(
     )
 
 
-def separation_margins(points: list[CalibrationPoint]) -> dict:
-    """Largest roundoff as a fraction of its tolerance, smallest leak as a multiple of its tolerance, verdict."""
-    roundoff = [p.grad_diff_norm / p.tolerance for p in points]
-    leaks = [v / p.tolerance for p in points for v in (p.perception_grad_norm, p.injected_leak_diff)]
-    worst_roundoff, weakest_leak = max(roundoff), min(leaks)
-    separated = worst_roundoff <= 1.0 < weakest_leak and all(p.loss_bit_equal for p in points)
+def false_alarms(points: list[CalibrationPoint]) -> dict:
+    """The clean adapter under real roundoff: evaluations, failures, and the largest statistic of each test (a
+    statistic over 1 fails: norm rule ``||g_zero - g_parent|| / tolerance``, projection ``|c| / detectable``)."""
+    norm = max(points, key=lambda p: p.norm_statistic)
+    projected = [p for p in points if p.projection_statistic is not None]
+    projection = max(projected, key=lambda p: p.projection_statistic) if projected else None
+    failures = [p for p in points if p.clean_failed]
     return {
-        "max_roundoff_fraction_of_tolerance": worst_roundoff,
-        "min_leak_multiple_of_tolerance": weakest_leak,
-        "points": len(points),
-        "all_losses_bit_equal": all(p.loss_bit_equal for p in points),
-        "separated": separated,
-        "verdict": (
-            f"{'SEPARATED' if separated else 'NOT SEPARATED'}: worst roundoff is {worst_roundoff:.3g} of tolerance, "
-            f"weakest leak is {weakest_leak:.3g}x tolerance (REL_TOL={GAMMA_ZERO_GRADIENT_REL_TOL}, "
-            f"ABS_FLOOR={GAMMA_ZERO_GRADIENT_ABS_FLOOR})"
+        "evaluations": len(points),
+        "failures": len(failures),
+        "max_norm_statistic": norm.norm_statistic,
+        "max_norm_statistic_at": f"{norm.phase}, {norm.precision}, batch {norm.batch}",
+        "max_projection_statistic": projection.projection_statistic if projection else None,
+        "max_projection_statistic_at": (
+            f"{projection.phase}, {projection.precision}, batch {projection.batch}" if projection else None
         ),
+        "threshold": 1.0,
     }
 
 
-def zero_floor(values) -> float:
-    """Where exact zeros are drawn on a log axis: a decade below the smallest positive value shown."""
-    positive = [v for v in values if v > 0]
-    return 10 ** (np.floor(np.log10(min(positive))) - 1) if positive else 1e-12
-
-
-def plot_calibration(points: list[CalibrationPoint]):
-    """Log-log: gamma-zero difference and leak magnitudes against the parent gradient norm, with the boundary."""
-    fig = Figure(figsize=(12, 6))  # no pyplot: no global figure state, no backend choice forced on the caller
-    ax = fig.subplots()
-    x_all = [p.parent_grad_norm for p in points]
-    y_all = (
-        [p.grad_diff_norm for p in points]
-        + [p.perception_grad_norm for p in points]
-        + [p.injected_leak_diff for p in points]
-    )
-    floor = zero_floor(y_all + [GAMMA_ZERO_GRADIENT_ABS_FLOOR])
-    phases = sorted({p.phase for p in points})
-    colours = dict(zip(phases, matplotlib.colormaps["tab10"].colors))
-    markers = {"fp32": "o", "bf16": "s"}
-    for phase in phases:
+def phase_table(points: list[CalibrationPoint]) -> list[dict]:
+    """Per phase and precision, over its powered batches (medians; the weakest margin is the minimum): parent
+    gradient, roundoff, the norm rule's and the projection test's detectable perception leak coefficient, and the
+    margin at gamma 0.02 (0.02 / detectable, weakest term)."""
+    rows = []
+    for phase in sorted({p.phase for p in points}):
         for precision in sorted({p.precision for p in points}):
             sel = [p for p in points if p.phase == phase and p.precision == precision]
+            powered = [p for p in sel if p.powered]
             if not sel:
                 continue
-            x = [p.parent_grad_norm for p in sel]
-            diffs = [p.grad_diff_norm for p in sel]
-            c, m = colours[phase], markers.get(precision, "o")
-            ax.scatter(
-                x,
-                [d if d > 0 else floor for d in diffs],
-                color=c,
-                marker=m,
-                s=50,
-                label=f"roundoff ||g0 - g||, {phase}, {precision}",
+
+            def median(values):
+                values = sorted(values)
+                return values[len(values) // 2] if values else None
+
+            kl = [p.terms["perception_kl"] for p in powered]
+            margins = [e["margin_at_recipe_gamma"] for p in powered for e in p.terms.values() if e["testable"]]
+            rows.append(
+                dict(
+                    phase=phase,
+                    precision=precision,
+                    batches=len(sel),
+                    powered=len(powered),
+                    not_testable=sum(not p.testable for p in sel),
+                    parent_grad_norm=median([p.parent_grad_norm for p in sel]),
+                    # a batch whose rollouts all scored alike has parent gradient 0: no relative roundoff to show
+                    roundoff_relative=median(
+                        [p.grad_diff_norm / p.parent_grad_norm for p in sel if p.parent_grad_norm]
+                    ),
+                    norm_rule_detectable_coefficient=median([e["norm_rule_detectable_coefficient"] for e in kl]),
+                    projection_detectable_coefficient=median([e["detectable_coefficient"] for e in kl]),
+                    weakest_margin_at_recipe_gamma=min(margins) if margins else None,
+                )
             )
-            ax.scatter(
-                x,
-                [p.perception_grad_norm for p in sel],
-                color=c,
-                marker="^",
-                s=60,
-                facecolors="none",
-                label=f"leak: perception grad, {phase}, {precision}",
-            )
-            ax.scatter(
-                x,
-                [p.injected_leak_diff for p in sel],
-                color=c,
-                marker="x",
-                s=60,
-                label=f"leak: injected, {phase}, {precision}",
-            )
-    xs = np.logspace(np.log10(min(x_all) / 3), np.log10(max(x_all) * 3), 200)
-    ax.plot(
-        xs,
-        np.maximum(GAMMA_ZERO_GRADIENT_REL_TOL * xs, GAMMA_ZERO_GRADIENT_ABS_FLOOR),
-        "k-",
-        lw=2,
-        label=f"tolerance boundary max({GAMMA_ZERO_GRADIENT_REL_TOL} x, {GAMMA_ZERO_GRADIENT_ABS_FLOOR:g})",
+    return rows
+
+
+def separation_margins(points: list[CalibrationPoint]) -> dict:
+    """The verdict. SEPARATED when: no false alarm on any batch; every phase and precision has a powered batch, with
+    non-zero measured roundoff; on every powered batch the probe fails a ``RECIPE_GAMMA`` leak of each testable term,
+    which measures at least ``POWER_MARGIN`` noise floors; all zero-gamma losses bit-equal the parent's. The norm
+    rule's old margins (roundoff and the whole-perception leak against the tolerance) are reported beside."""
+    roundoff = [p.grad_diff_norm / p.tolerance for p in points]
+    # over testable batches only: a batch whose perception gradient is exactly 0 is set aside, not a leak of size 0
+    leaks = [v / p.tolerance for p in points if p.testable for v in (p.perception_grad_norm, p.injected_leak_diff)]
+    alarms = false_alarms(points)
+    combos = sorted({(p.phase, p.precision) for p in points})
+    powered = [p for p in points if p.powered]
+    unpowered_combos = [c for c in combos if not any((p.phase, p.precision) == c for p in powered)]
+    silent_combos = [
+        c for c in combos if not any((p.phase, p.precision) == c and p.grad_diff_norm > 0 for p in points)
+    ]
+    tested = [(p, n, e) for p in powered for n, e in p.terms.items() if e["testable"]]
+    missed = [f"{p.phase}/{p.precision}/b{p.batch}/{n}" for p, n, e in tested if not e["leak_detected"]]
+    weakest = min((e["injected_leak_over_floor"] for _, _, e in tested), default=0.0)
+    bit_equal = all(p.loss_bit_equal for p in points)
+    separated = (
+        alarms["failures"] == 0
+        and not unpowered_combos
+        and not silent_combos
+        and not missed
+        and weakest >= POWER_MARGIN
+        and bit_equal
     )
-    ax.axhline(floor, color="grey", ls=":", lw=1.5, label=f"exact zero (drawn at {floor:.0e})")
-    ax.set_xscale("log")
-    ax.set_yscale("log")
-    ax.set_xlabel("parent gradient norm ||g_parent|| (L2, loss units per parameter)")
-    ax.set_ylabel("gradient difference / leak magnitude (L2, same units)")
-    ax.set_title("Gamma-zero probe calibration: roundoff below the boundary, leaks above")
-    ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
-    ax.grid(True, which="both", alpha=0.3)
-    fig.tight_layout()
-    return fig
-
-
-def weakest_power(points: list[CalibrationPoint]) -> dict:
-    """The point with the smallest leak-detection power, and a sentence saying whether every point is powered."""
-    weakest = min(points, key=lambda p: p.leak_detection_power)
-    underpowered = [p for p in points if p.leak_detection_power < 1.0]
-    where = f"{weakest.phase}, {weakest.precision}, batch {weakest.batch}"
     return {
-        "min_leak_detection_power": weakest.leak_detection_power,
-        "weakest_point": where,
-        "underpowered_points": len(underpowered),
-        "statement": (
-            f"weakest leak-detection power {weakest.leak_detection_power:.3g} ({where}); "
-            + (
-                f"{len(underpowered)} of {len(points)} points are UNDERPOWERED (< 1): there a leak as large as the "
-                "perception gradient would pass the gamma-zero check unseen"
-                if underpowered
-                else f"all {len(points)} points are powered (>= 1): a leak as large as the perception gradient shows"
-            )
+        "max_roundoff_fraction_of_tolerance": max(roundoff),
+        "min_leak_multiple_of_tolerance": min(leaks, default=0.0),
+        "points": len(points),
+        "powered_points": len(powered),
+        "not_testable_points": sum(not p.testable for p in points),
+        "zero_roundoff_points": sum(p.grad_diff_norm == 0 for p in points),
+        "false_alarm_evaluations": alarms["evaluations"],
+        "false_alarms": alarms["failures"],
+        "max_clean_norm_statistic": alarms["max_norm_statistic"],
+        "max_clean_projection_statistic": alarms["max_projection_statistic"],
+        "weakest_injected_leak_over_floor": weakest,
+        "weakest_margin_at_recipe_gamma": min((e["margin_at_recipe_gamma"] for _, _, e in tested), default=0.0),
+        "missed_leaks": missed,
+        "unpowered_phase_precisions": [f"{a}/{b}" for a, b in unpowered_combos],
+        "all_losses_bit_equal": bit_equal,
+        "separated": separated,
+        "verdict": (
+            f"{'SEPARATED' if separated else 'NOT SEPARATED'}: worst roundoff is {max(roundoff):.3g} of tolerance "
+            f"(REL_TOL={GAMMA_ZERO_GRADIENT_REL_TOL}, ABS_FLOOR={GAMMA_ZERO_GRADIENT_ABS_FLOOR}); projection test: "
+            f"{alarms['failures']} false alarms in {alarms['evaluations']} clean evaluations (largest statistic "
+            f"{alarms['max_projection_statistic'] or 0:.3g} of its threshold, {PROJECTION_Z:g} floors), a "
+            f"{RECIPE_GAMMA} leak of each term measures >= {weakest:.3g} noise floors on the {len(powered)} powered "
+            f"of {len(points)} batches (needed: {POWER_MARGIN:g}); missed leaks: {len(missed)}; phase/precisions "
+            f"without a powered batch: {len(unpowered_combos)}"
         ),
     }
-
-
-def plot_power(points: list[CalibrationPoint]):
-    """Leak-detection power of every calibration point (log scale), with the power-1 line and the weakest marked."""
-    fig = Figure(figsize=(10, 4.5))
-    ax = fig.subplots()
-    labels = [f"{p.phase}\n{p.precision} b{p.batch}" for p in points]
-    powers = [p.leak_detection_power for p in points]
-    colours = ["tab:red" if v < 1.0 else "tab:blue" for v in powers]
-    ax.bar(range(len(points)), powers, color=colours)
-    ax.axhline(1.0, color="k", lw=1.5, label="power 1: a leak the size of the perception gradient just shows")
-    weakest = int(np.argmin(powers))
-    ax.annotate(
-        f"weakest {powers[weakest]:.3g}",
-        (weakest, powers[weakest]),
-        textcoords="offset points",
-        xytext=(0, 6),
-        ha="center",
-        fontsize=8,
-    )
-    ax.set_yscale("log")
-    ax.set_xticks(range(len(points)), labels, fontsize=7)
-    ax.set_ylabel("leak-detection power = ||grad perception|| / tolerance")
-    ax.set_title("Gamma-zero probe power per calibration point (red: underpowered, < 1)")
-    ax.legend(fontsize=8)
-    ax.grid(True, which="both", axis="y", alpha=0.3)
-    fig.tight_layout()
-    return fig

@@ -1,0 +1,192 @@
+"""The probe's measurement of one batch: the gradients (parent, zero-gamma, each PAPO term, a roundoff sample), reduced
+across ranks, and every number both tests decide on. The verdict is ``probe.GammaZeroProbe``'s.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from . import probe_projection, probe_reduce, probe_roundoff
+from .contract import GAMMA_ZERO_GRADIENT_ABS_FLOOR, GAMMA_ZERO_GRADIENT_REL_TOL
+
+GRADIENT_NORMS = ("parent_grad_norm", "zero_gamma_grad_norm", "grad_diff_norm", "perception_grad_norm")
+
+
+class ProbeFailure(RuntimeError):
+    """The adapter failed the gamma-zero reduction or liveness check."""
+
+
+def gradient_tolerance(
+    parent_grad_norm: float,
+    rel_tol: float = GAMMA_ZERO_GRADIENT_REL_TOL,
+    abs_floor: float = GAMMA_ZERO_GRADIENT_ABS_FLOOR,
+) -> float:
+    return max(rel_tol * parent_grad_norm, abs_floor)
+
+
+def _autocast_state() -> tuple[bool, str | None]:
+    for device in ("cuda", "cpu"):
+        if torch.is_autocast_enabled(device):
+            return True, str(torch.get_autocast_dtype(device)).replace("torch.", "")
+    return False, None
+
+
+def _gradients(trainer, model, params, parent_loss, terms, assembles, inputs, roundoff):
+    """Every gradient both tests need, reduced to the rank mean: g_parent, one g_zero per assembly, the difference
+    each injected ``RECIPE_GAMMA`` leak makes (per term with graph, on the first assembly), the terms' gradients (None
+    without graph), the roundoff samples and the squared magnitudes the tested sum rounds at; and whether the
+    parameters are FSDP2 shards."""
+    shards = probe_reduce.sharded(params)
+    if shards:  # FSDP2: one backward per loss, FSDP reduce-scatters each to the rank mean (probe_reduce.py)
+        if roundoff != "repeat":
+            raise ValueError(f"probe roundoff={roundoff!r} runs unsharded only; allowed under FSDP2: 'repeat'")
+
+        def backward(tensors):
+            return probe_reduce.shard_gradients(list(tensors), params)
+    else:
+
+        def backward(tensors):
+            return [probe_roundoff.flat_grad(t, params) for t in tensors]
+
+    term_grads = probe_projection.term_gradients(terms, backward)
+    names = [n for n, g in term_grads.items() if g is not None]
+    every = [*assembles, *[probe_projection.leak_assembly(assembles[0], n) for n in names]]
+    if roundoff == "repeat":
+        losses = [a(parent_loss, terms, 0.0, 0.0, 0.0) for a in every]
+        g_parent, *rest = backward([parent_loss, *losses, parent_loss, parent_loss])
+        g_zeros, samples = rest[: len(every)], [g - g_parent for g in rest[len(every) :]]
+        magnitude = g_parent * g_parent
+    else:
+        (g_parent,) = backward([parent_loss])
+        g_zeros, samples, magnitude = probe_roundoff.reordered_gradients(
+            trainer, model, inputs, params, every, parent_loss, g_parent
+        )
+    if trainer.accelerator.num_processes > 1 and not shards:  # FSDP's shards already hold the rank mean
+        stacked = torch.stack([g_parent, *g_zeros, *samples, magnitude, *[term_grads[n] for n in names]])
+        g_parent, *rest = trainer.accelerator.reduce(stacked, reduction="mean")
+        g_zeros, rest = rest[: len(every)], rest[len(every) :]
+        samples, magnitude, rest = rest[: len(samples)], rest[len(samples)], rest[len(samples) + 1 :]
+        term_grads.update(zip(names, rest))
+    injected = {n: g - g_parent for n, g in zip(names, g_zeros[len(assembles) :])}
+    return g_parent, g_zeros[: len(assembles)], injected, term_grads, samples, magnitude, shards
+
+
+def measure_gamma_zero_variants(
+    trainer,
+    model,
+    parent_loss: torch.Tensor,
+    terms,
+    assembles: list[Callable],
+    *,
+    inputs: dict[str, Any] | None = None,
+    roundoff: str = "repeat",
+) -> list[dict[str, Any]]:
+    """``measure_gamma_zero`` for several assemblies of the same batch, sharing the parent gradient, the terms'
+    gradients and the roundoff sample (one number dict per assembly)."""
+    import trl
+
+    probe_roundoff.check_mode(roundoff)
+    if roundoff == "reordered" and inputs is None:
+        raise ValueError("probe roundoff='reordered' re-runs the batch in chunks: pass the batch as inputs=")
+    params = [p for p in model.parameters() if p.requires_grad]
+    if not params:
+        raise ProbeFailure(
+            "the model has no trainable parameters: nothing to probe (was the adapter loaded with is_trainable=False?)"
+        )
+    g_parent, g_zeros, injected, term_grads, samples, magnitude, shards = _gradients(
+        trainer, model, params, parent_loss, terms, assembles, inputs, roundoff
+    )
+    processes = trainer.accelerator.num_processes
+    parent_value = parent_loss.item()
+    # Sharded: every rank holds disjoint pieces, so norms and dot products sum over the ranks (one all-reduce each).
+    if shards:
+        norm, reduce_sums = probe_reduce.global_norms, probe_reduce.global_sums
+    else:
+        norm, reduce_sums = (lambda vs: [torch.linalg.vector_norm(v).item() for v in vs]), (lambda t: t)
+    perception = term_grads["perception_kl"]
+    parent_norm, perception_norm, *sample_norms = norm(
+        [g_parent, perception if perception is not None else 0 * g_parent, *samples]
+    )
+    sample_norm = math.sqrt(sum(n * n for n in sample_norms) / len(sample_norms))  # root mean square
+    tolerance = gradient_tolerance(parent_norm)
+    kl_totals = trainer.accelerator.reduce(
+        torch.stack([terms.kl_sum, terms.token_count]).detach().float(), reduction="sum"
+    )
+    autocast_enabled, autocast_dtype = _autocast_state()
+    gamma = float(trainer.current_gamma()) if hasattr(trainer, "current_gamma") else 0.0
+    every_leak = probe_projection.term_leaks(
+        [g - g_parent for g in g_zeros], injected, g_parent, samples, magnitude, term_grads, tolerance, reduce_sums
+    )
+    results = []
+    for assemble, g_zero, leaks in zip(assembles, g_zeros, every_leak):
+        zero_gamma_loss = assemble(parent_loss, terms, 0.0, 0.0, 0.0)
+        zero_value = zero_gamma_loss.item()
+        # In float64 so that a bf16 parent loss and its fp32 sum with the (fp32) PAPO terms compare by value, exactly.
+        loss_bit_equal = bool(torch.equal(zero_gamma_loss.detach().double(), parent_loss.detach().double()))
+        mean_parent = parent_value
+        if processes > 1:  # the losses are rank means; bit equality must hold on every rank
+            losses = trainer.accelerator.reduce(
+                torch.tensor(
+                    [parent_value, zero_value, float(not loss_bit_equal)], dtype=torch.float64, device=g_parent.device
+                ),
+                reduction="sum",
+            )
+            mean_parent, zero_value = (losses[:2] / processes).tolist()
+            loss_bit_equal = losses[2].item() == 0
+        d = g_zero - g_parent
+        zero_norm, diff = norm([g_zero, d])
+        tested = [e for e in leaks.values() if e["testable"]]
+        results.append(
+            dict(
+                parent_loss=mean_parent,
+                zero_gamma_loss=zero_value,
+                loss_bit_equal=loss_bit_equal,
+                parent_grad_norm=parent_norm,
+                zero_gamma_grad_norm=zero_norm,
+                grad_diff_norm=diff,
+                grad_diff_relative=diff / parent_norm if parent_norm > 0 else (0.0 if diff == 0 else math.inf),
+                tolerance=tolerance,
+                norm_statistic=diff / tolerance,
+                perception_kl=(kl_totals[0] / kl_totals[1].clamp(min=1.0)).item(),
+                perception_grad_norm=perception_norm,
+                leak_detection_power=perception_norm / tolerance,
+                gamma=gamma,
+                gamma_leak_detection_power=gamma * perception_norm / tolerance,
+                roundoff_mode=roundoff,
+                roundoff_norm=sample_norm,  # root mean square over the samples
+                roundoff_relative=sample_norm / parent_norm if parent_norm > 0 else 0.0,
+                term_leaks=leaks,
+                projection_statistic=max((e["statistic"] for e in tested), default=None),
+                perception_detectable_coefficient=leaks["perception_kl"].get("detectable_coefficient"),
+                weakest_margin_at_recipe_gamma=min((e["margin_at_recipe_gamma"] for e in tested), default=None),
+                powered=probe_projection.powered(leaks),
+                dtype=str(parent_loss.dtype).replace("torch.", ""),
+                autocast_enabled=autocast_enabled,
+                autocast_dtype=autocast_dtype,
+                trl_version=trl.__version__,
+            )
+        )
+    return results
+
+
+def measure_gamma_zero(
+    trainer,
+    model,
+    parent_loss: torch.Tensor,
+    terms,
+    assemble: Callable | None = None,
+    *,
+    inputs: dict[str, Any] | None = None,
+    roundoff: str = "repeat",
+) -> dict[str, Any]:
+    """The reduction and liveness numbers for one batch (no verdict). ``assemble`` defaults to the trainer's;
+    ``roundoff`` says where the roundoff sample comes from (``probe_roundoff``; "reordered" needs ``inputs``)."""
+    assemble = assemble or trainer.assemble_loss
+    (numbers,) = measure_gamma_zero_variants(
+        trainer, model, parent_loss, terms, [assemble], inputs=inputs, roundoff=roundoff
+    )
+    return numbers
