@@ -16,6 +16,8 @@ from papo_nb.testbed.models import load_vlm
 from papo_nb.workbook.training.builder import lora_config
 from papo_nb.workbook.verification.batches import clone_batch, rollout_batch
 
+pytestmark = pytest.mark.model  # every test here builds and runs a VLM
+
 G = 4
 FP32_TOL = 1e-5
 

@@ -237,6 +237,7 @@ def test_probe_batches_looks_at_the_next_batch(real):
     assert evidence.passed and evidence.leak_detection_power >= 1
 
 
+@pytest.mark.model
 def test_probe_roundoff_modes_are_checked_before_any_gradient(real):
     trainer, batch = real
     with pytest.raises(ValueError, match="roundoff='bogus' is not a roundoff mode; allowed: repeat, reordered"):
@@ -250,6 +251,7 @@ def test_probe_roundoff_modes_are_checked_before_any_gradient(real):
         splits(2)
 
 
+@pytest.mark.model
 @pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dapo"])
 def test_the_reordered_split_adds_up_to_the_batch_gradient(tiny_vlm_path, shapes_dataset, tmp_path, loss_type):
     """Chunks weighted per loss_type are exact pieces of the batch loss: their gradients sum to the batch gradient up
@@ -269,6 +271,7 @@ def test_the_reordered_split_adds_up_to_the_batch_gradient(tiny_vlm_path, shapes
     assert torch.all(squares >= 0) and squares.sum() > 0
 
 
+@pytest.mark.model
 def test_the_probe_in_calibration_mode_measures_real_roundoff_and_never_fails_clean(real):
     trainer, batch = real
     for dtype in (None, torch.bfloat16):

@@ -27,6 +27,8 @@ from papo_nb.papo.probe_projection import (
     term_leaks,
 )
 
+pytestmark = pytest.mark.model  # every test here builds and runs a VLM
+
 ROOT = Path(__file__).resolve().parents[1]
 PRECISIONS = {"fp32": None, "bf16": torch.bfloat16}
 FALSE_ALARM_BATCHES = 25  # x 2 precisions = 50 clean probe evaluations under real roundoff
