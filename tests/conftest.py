@@ -73,3 +73,17 @@ def smoke_workbook(tmp_path_factory):
     )
     assert result.ok, result.failure_message
     return result
+
+
+@pytest.fixture
+def mlflow_store(tmp_path, monkeypatch) -> str:
+    """A fresh sqlite MLflow store for one test, named by MLFLOW_TRACKING_URI; no run, model or URI outlives it."""
+    import mlflow
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    yield uri
+    while mlflow.active_run():
+        mlflow.end_run()
+    mlflow.clear_active_model()
+    mlflow.set_tracking_uri(None)

@@ -22,20 +22,9 @@ ROOT = Path(__file__).resolve().parents[1]
 STEPS = 2
 
 
-@pytest.fixture
-def store(tmp_path, monkeypatch) -> str:
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
-    yield uri
-    while mlflow.active_run():
-        mlflow.end_run()
-    mlflow.clear_active_model()
-    mlflow.set_tracking_uri(None)
-
-
-def test_dataset_inputs_name_source_digest_schema_and_context(store, shapes_dataset):
-    run, _ = tracking.attach_run(store, "", run_name="lineage", tags={})
-    client = MlflowClient(store)
+def test_dataset_inputs_name_source_digest_schema_and_context(mlflow_store, shapes_dataset):
+    run, _ = tracking.attach_run(mlflow_store, "", run_name="lineage", tags={})
+    client = MlflowClient(mlflow_store)
     source = review.dataset_source(load_params(None, ["seed=3"]), "synthetic")
     review.log_dataset_inputs(client, run.info.run_id, {"synthetic-train": (shapes_dataset, source, "training")})
     (logged,) = client.get_run(run.info.run_id).inputs.dataset_inputs

@@ -35,16 +35,6 @@ from papo_nb.infra.tracking import (  # noqa: E402
 from papo_nb.papo.contract import PAPO_ADAPTER_VERSION  # noqa: E402
 
 
-@pytest.fixture
-def store(tmp_path, monkeypatch) -> str:
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
-    yield uri
-    while mlflow.active_run():
-        mlflow.end_run()
-    mlflow.set_tracking_uri(None)
-
-
 def test_default_uri_is_absolute(tmp_path, monkeypatch):
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     project = Path(papo_nb.__file__).resolve().parents[1]
@@ -56,11 +46,11 @@ def test_default_uri_is_absolute(tmp_path, monkeypatch):
     assert absolute_tracking_uri("http://127.0.0.1:5000") == "http://127.0.0.1:5000"
 
 
-def test_interactive_attach_then_evidence_figure_tags(tmp_path, store):
+def test_interactive_attach_then_evidence_figure_tags(tmp_path, mlflow_store):
     run = attach_notebook_run("", "")  # as in JupyterLab: no runner, default (here: env) store
     assert mlflow.active_run().info.run_id == run.info.run_id
-    assert attach_notebook_run(store, run.info.run_id).info.run_id == run.info.run_id  # re-running the cell
-    experiment = MlflowClient(store).get_experiment(run.info.experiment_id)
+    assert attach_notebook_run(mlflow_store, run.info.run_id).info.run_id == run.info.run_id  # re-running the cell
+    experiment = MlflowClient(mlflow_store).get_experiment(run.info.experiment_id)
     assert experiment.name == EXPERIMENT_NAME
     assert experiment.artifact_location == (tmp_path / "mlartifacts" / EXPERIMENT_NAME).as_uri()
 
@@ -81,7 +71,7 @@ def test_interactive_attach_then_evidence_figure_tags(tmp_path, store):
     tags = standard_tags(upstream_sha_verified=False, phase="phase2", precision="bf16")
     mlflow.end_run()
 
-    client = MlflowClient(store)
+    client = MlflowClient(mlflow_store)
     finished = client.get_run(run.info.run_id)
     assert finished.data.metrics == {**logged}
     assert finished.data.tags["papo_nb.interactive"] == "true"
@@ -101,7 +91,7 @@ def test_interactive_attach_then_evidence_figure_tags(tmp_path, store):
     png = tmp_path / "mlartifacts" / EXPERIMENT_NAME / run.info.run_id / "artifacts" / "figures" / "loss_curve.png"
     assert png.read_bytes()[:4] == b"\x89PNG"  # artifacts land next to the database
 
-    frame = search_workbook_runs(store, filter_string="tags.`papo_nb.phase` = 'phase2'")
+    frame = search_workbook_runs(mlflow_store, filter_string="tags.`papo_nb.phase` = 'phase2'")
     assert list(frame["run_id"]) == [run.info.run_id]
     assert frame["metrics.calib/gap/fp32"].iloc[0] == 1e-7
 

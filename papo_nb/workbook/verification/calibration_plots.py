@@ -43,31 +43,14 @@ def plot_calibration(points: list):
             x = [p.parent_grad_norm for p in sel]
             diffs = [p.grad_diff_norm for p in sel]
             c, m = colours[phase], markers.get(precision, "o")
-            ax.scatter(
-                x,
-                [d if d > 0 else floor for d in diffs],
-                color=c,
-                marker=m,
-                s=50,
-                label=f"roundoff ||g0 - g||, {phase}, {precision}",
+            series = (
+                ([d if d > 0 else floor for d in diffs], m, "roundoff ||g0 - g||", {}),
+                ([p.perception_grad_norm for p in sel], "^", "leak: perception grad", {"facecolors": "none"}),
+                ([p.injected_leak_diff for p in sel], "x", "leak: injected", {}),
             )
-            ax.scatter(
-                x,
-                [p.perception_grad_norm for p in sel],
-                color=c,
-                marker="^",
-                s=60,
-                facecolors="none",
-                label=f"leak: perception grad, {phase}, {precision}",
-            )
-            ax.scatter(
-                x,
-                [p.injected_leak_diff for p in sel],
-                color=c,
-                marker="x",
-                s=60,
-                label=f"leak: injected, {phase}, {precision}",
-            )
+            for values, marker, name, style in series:
+                size = 50 if marker == m else 60
+                ax.scatter(x, values, color=c, marker=marker, s=size, label=f"{name}, {phase}, {precision}", **style)
     xs = np.logspace(np.log10(min(x_all) / 3), np.log10(max(x_all) * 3), 200)
     ax.plot(
         xs,
