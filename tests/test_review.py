@@ -45,7 +45,7 @@ def trained(tiny_vlm_path, tmp_path_factory):
     folder = tmp_path_factory.mktemp("reviewed")
     uri = f"sqlite:///{folder / 'mlflow.db'}"
     params = load_params(
-        ROOT / "params" / "smoke.yaml",
+        ROOT / "params" / "smoke_fast.yaml",
         [f"model_name_or_path={tiny_vlm_path}", f"max_steps={STEPS}", "save_steps=1", "n_train_prompts=8"],
     )
     with pytest.MonkeyPatch.context() as patch:
