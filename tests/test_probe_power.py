@@ -108,7 +108,7 @@ def test_a_value_neutral_leak_of_each_term_at_the_recipe_gamma_fails(testbed, pr
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_a_masked_entropy_leak_fails_when_the_masked_branch_has_gradient(testbed_path, tmp_path, precision):
-    trainer = make_testbed_trainer(testbed_path, tmp_path, masked_branch_grad=True)
+    trainer = make_testbed_trainer(testbed_path, tmp_path, masked_branch_grad=True, masked_branch="update")
     batches = rollouts(trainer, 6)
     clean = probe(trainer, batches, precision, roundoff="reordered")
     assert clean.status == "passed" and clean.term_leaks["masked_entropy"]["testable"], clean.message
