@@ -267,7 +267,9 @@ def test_ui_serves_on_localhost_and_stops_on_ctrl_c(tmp_path, store):
     try:
         line = proc.stdout.readline()  # blocks until the server answers
         assert line.startswith("MLflow UI: http://127.0.0.1:"), line + proc.stderr.read() if proc.poll() else line
-        url = line.split()[2]
+        landing = line.split()[2]  # the workbook experiment's runs page: <base>/#/experiments/<id>/runs?...
+        url, _, page = landing.partition("/#/")
+        assert page.startswith("experiments/") and "workflowType=machine_learning" in page, landing
         with urllib.request.urlopen(f"{url}/health", timeout=10) as response:
             assert response.status == 200
         query = f"{url}/api/2.0/mlflow/experiments/get-by-name?experiment_name={EXPERIMENT_NAME}"
@@ -286,39 +288,45 @@ def test_ui_serves_on_localhost_and_stops_on_ctrl_c(tmp_path, store):
 
 
 # --------------------------------------------------------------------------------------------
-# the one training path: notebook 03 and ``papo-nb train`` tag an underpowered probe alike
+# the one training path: notebook 03 and ``papo-nb train`` tag the probe status alike
 # --------------------------------------------------------------------------------------------
 
 ROOT = Path(__file__).resolve().parents[1]
-SMOKE = ROOT / "params" / "smoke.yaml"
-# Measured on the tiny Qwen2-VL (seed 0): with 1% of the image blacked out the perception gradient is about a
-# quarter of the gamma-zero tolerance (leak-detection power 0.2-0.4), so two underpowered batches end the probe.
-UNDERPOWERED = ["mask_ratio=0.01", "probe_max_degenerate_batches=2", "max_steps=2", "save_steps=2", "n_eval_prompts=4"]
+SMOKE = ROOT / "params" / "smoke_fast.yaml"  # the tiny model: these tests are about the runner, not the policy
+# The weakest case the tiny model offers: 1% of the image blacked out (one patch of 64). Before the projection test
+# (issue 20) this ended the probe underpowered (leak-detection power 0.2-0.4); the projection test powers it
+# (recorded: weakest margin at the recipe's gamma about 6e4), so the run's probe passes and the tags say so.
+WEAK_PERCEPTION = [
+    "mask_ratio=0.01",
+    "probe_max_degenerate_batches=2",
+    "max_steps=2",
+    "save_steps=2",
+    "n_eval_prompts=4",
+]
 
 
-def assert_underpowered_tags(tags: dict[str, str]) -> None:
-    assert tags["papo_nb.probe_status"] == "underpowered", tags
-    assert tags["papo_nb.probe_warning"].startswith("probe UNDERPOWERED after 2 batches"), tags
-    assert "leak-detection power" in tags["papo_nb.probe_warning"]
+def assert_probe_tags(tags: dict[str, str], status: str) -> None:
+    assert tags["papo_nb.probe_status"] == status, tags
+    assert ("papo_nb.probe_warning" in tags) == (status == "underpowered"), tags
 
 
-def test_notebook_03_tags_an_underpowered_probe(tmp_path, store):
+def test_notebook_03_tags_the_probe_status(tmp_path, store):
     result = run_workbook(
         [ROOT / "notebooks" / "03_training_run.ipynb"],
         SMOKE,
-        UNDERPOWERED,
+        WEAK_PERCEPTION,
         run_root=tmp_path / "runs",
         tracking_uri=store,
     )
     assert result.ok, result.failure_message
     run = MlflowClient(store).get_run(result.notebooks[0].run_id)
-    assert_underpowered_tags(run.data.tags)
-    assert run.data.metrics["probe_final/underpowered"] == 1.0 and run.data.metrics["start/trainable_parameters"] > 0
+    assert_probe_tags(run.data.tags, "passed")
+    assert run.data.metrics["probe_final/underpowered"] == 0.0 and run.data.metrics["start/trainable_parameters"] > 0
 
 
 @pytest.mark.slow
-def test_papo_nb_train_tags_an_underpowered_probe(tmp_path, store):
-    overrides = [arg for override in UNDERPOWERED for arg in ("-p", override)]
+def test_papo_nb_train_tags_the_probe_status(tmp_path, store):
+    overrides = [arg for override in WEAK_PERCEPTION for arg in ("-p", override)]
     out = tmp_path / "run"
     process = run_cli("train", "--params", str(SMOKE), *overrides, "--output-dir", str(out), uri=store, cwd=tmp_path)
     stdout, stderr = process.communicate(timeout=600)
@@ -326,5 +334,5 @@ def test_papo_nb_train_tags_an_underpowered_probe(tmp_path, store):
     run_id = json.loads((out / "run_info.json").read_text())["mlflow_run_id"]
     run = MlflowClient(store).get_run(run_id)
     assert run.info.status == "FINISHED" and run.data.tags["papo_nb.kind"] == "train"
-    assert_underpowered_tags(run.data.tags)
-    assert json.loads((out / "train_summary.json").read_text())["probe"]["status"] == "underpowered"
+    assert_probe_tags(run.data.tags, "passed")
+    assert json.loads((out / "train_summary.json").read_text())["probe"]["status"] == "passed"

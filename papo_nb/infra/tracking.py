@@ -144,6 +144,9 @@ def attach_run(
         if (run_id and active.info.run_id == run_id) or (reuse_active and not run_id):
             return active, False
         mlflow.end_run()
+    # A run attached anew never inherits a logged model made active by an earlier run (mlflow exports it to child
+    # processes as _MLFLOW_ACTIVE_MODEL_ID): its metrics would be linked to a model of another run or store.
+    mlflow.clear_active_model()
     tracking_client(tracking_uri)
     if run_id:
         return mlflow.start_run(run_id=run_id), True

@@ -263,6 +263,7 @@ class ReviewCallback(TrainerCallback):
         run = mlflow.active_run()
         if run is None or not state.is_world_process_zero:
             return
+        mlflow.clear_active_model()  # this run's metrics belong to its own checkpoints, not an earlier run's model
         from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
 
         self.run_id, self.client = run.info.run_id, MlflowClient(mlflow.get_tracking_uri())
