@@ -9,7 +9,12 @@ import pytest
 # net: a test that takes one of these fixtures but carries no tier marker would land in the fast tier, so collection
 # stops and names it.
 TIER_MARKERS = ("model", "slow", "notebook", "browser")
-MARKER_OF_FIXTURE = {"tiny_vlm_path": "model", "testbed_path": "model", "smoke_workbook": "notebook"}
+MARKER_OF_FIXTURE = {
+    "tiny_vlm_path": "model",
+    "testbed_path": "model",
+    "prior_testbed_path": "model",
+    "smoke_workbook": "notebook",
+}
 
 
 def unmarked_heavy_tests(items) -> list[str]:
@@ -46,6 +51,14 @@ def testbed_path(tmp_path_factory):
     from papo_nb.testbed.policy import build_testbed
 
     return build_testbed("shapes", seed=0, cache_dir=tmp_path_factory.mktemp("testbed_cache"))
+
+
+@pytest.fixture(scope="session")
+def prior_testbed_path(testbed_path):
+    """Folder of the language-prior testbed (testbed:shapes_prior), built beside testbed_path (about a minute)."""
+    from papo_nb.testbed.policy import build_testbed
+
+    return build_testbed("shapes_prior", seed=0, cache_dir=testbed_path.parent)
 
 
 @pytest.fixture(scope="session")

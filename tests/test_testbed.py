@@ -175,3 +175,51 @@ def test_the_builder_resolves_testbed_names(testbed_path):
     train, held_out = load_datasets(params)
     assert len(train) == 6 and len(held_out) == 3 and "vision_dependent" in train.column_names
     assert train["answer"] != held_out["answer"] or train["prompt"] != held_out["prompt"]
+
+
+# ---- the language-prior testbed (shapes_prior) ----
+
+
+def prior_vision_items(data):
+    """(tag, answer) of each vision-dependent item, the tag read back from the question."""
+    items = []
+    for prompt, answer, vision in zip(data["prompt"], data["answer"], data["vision_dependent"]):
+        if vision:
+            text = prompt[0]["content"][1]["text"]
+            tag = next(t for t in perception.PRIOR_COLOURS if perception.PRIOR_QUESTION.format(tag=t) in text)
+            items.append((tag, answer))
+    return items
+
+
+def test_the_prior_task_follows_its_prior_in_training_and_breaks_it_held_out():
+    recipe = perception.TESTBED_RECIPES["shapes_prior"]
+    train, held_out = perception.task_datasets("shapes_prior", 1200, 600, seed=0, eval_seed=10_000)
+    training = prior_vision_items(train)
+    following = sum(perception.PRIOR_COLOURS[tag] == answer for tag, answer in training) / len(training)
+    assert len(training) == 800 and abs(following - recipe.prior_rate) < 0.04, following  # 0.75 +/- 2.5 sd
+    # held out, the number never names the square's colour: text alone scores 0, a guesser 1/4
+    assert all(perception.PRIOR_COLOURS[tag] != answer for tag, answer in prior_vision_items(held_out))
+    # the text-answerable items are the plain testbed's
+    assert Counter(held_out["vision_dependent"]) == {True: 400, False: 200}
+    plain_train, _ = perception.task_datasets("shapes", 30, 3, seed=3, eval_seed=4)
+    assert plain_train["prompt"] == perception.make_perception_dataset(30, seed=3)["prompt"]
+
+
+def test_the_prior_question_is_the_only_change_to_an_item():
+    with_prior = perception.make_item(random.Random(2), "text", prior_rate=0.75)
+    assert with_prior["prompt"] == perception.make_item(random.Random(2), "text")["prompt"]
+    vision = perception.make_item(random.Random(2), "vision", prior_rate=1.0)
+    tag = prior_vision_items({"prompt": [vision["prompt"]], "answer": [vision["answer"]], "vision_dependent": [True]})
+    assert tag == [(tag[0][0], perception.PRIOR_COLOURS[tag[0][0]])]  # rate 1: the square has its number's colour
+
+
+@pytest.mark.model
+@pytest.mark.slow
+def test_the_prior_testbed_follows_the_text_when_blind_and_reads_the_image_when_it_can(prior_testbed_path):
+    card = testbed_policy.read_card(prior_testbed_path)
+    accuracy, chance = card["greedy_accuracy"], perception.CHANCE_VISION
+    assert card["prior_rate"] == 0.75 and card["sft_stopped_by_validation"]
+    # all black: the prior decides: right on most prior-consistent items, below a guesser on prior-breaking ones
+    assert accuracy["masked_1.0/vision_consistent"] > 0.5 and accuracy["masked_1.0/vision"] < chance, accuracy
+    # with the image it reads some prior-breaking items, so RL has something to strengthen, and room to do it
+    assert chance < accuracy["original/vision"] < 0.8, accuracy

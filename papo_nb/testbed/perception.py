@@ -21,6 +21,13 @@ Two testbeds share the task and differ in their warm start (``TESTBED_RECIPES``)
   the format the official reward grades, and stops later, at 65%: the smoke workbook's policy, whose every notebook
   then has a number above chance to show, notebook 05 included.
 
+A third, ``shapes_prior``, gives its task a *language prior*, the regime PAPO is motivated by: each vision-dependent
+question names a square by number ("What colour is square 3?", ``PRIOR_QUESTION``), and in training the square has
+its number's colour (``PRIOR_COLOURS``) on ``prior_rate`` = 75% of items, so a policy that ignores the image still
+earns 75% there. Its held-out items break the prior: the square never has its number's colour, so only reading the
+image scores, and a policy that follows the text scores 0 (below a guesser's 25%). Its card reports
+prior-consistent and prior-breaking items apart.
+
 ``papo_nb.testbed.policy.build_testbed`` makes the policy (it scores with the workbook's generation and
 masks, so it lives a layer up): the offline tiny Qwen2-VL of ``papo_nb.testbed.models`` (about 200k
 parameters) trained by plain cross-entropy on the answer tokens for a fixed number of steps, stopped on
@@ -43,7 +50,7 @@ from papo_nb.testbed.shapes import ANSWER_INSTRUCTION, COLOURS
 
 TESTBED_PREFIX = "testbed:"
 # Bump when the task or the warm-start recipe changes, so old caches are not reused.
-TESTBED_VERSION = 1
+TESTBED_VERSION = 2  # 2: the shapes_prior testbed; every card rebuilt from this code
 CARD_FILE = "testbed_card.json"
 
 IMAGE_SIZE = 56  # the processor's minimum: 4x4 patches of 14 px, 4 merged image tokens
@@ -53,6 +60,8 @@ VISION_QUESTION = "What colour is the square?"
 TEXT_QUESTION = "What colour is the {colour} circle?"
 KINDS = ("vision", "vision", "text")  # two vision-dependent items for each text-answerable one
 CHANCE_VISION = 1 / len(COLOURS)
+PRIOR_QUESTION = "What colour is square {tag}?"
+PRIOR_COLOURS = {str(tag): colour for tag, colour in enumerate(COLOURS, start=1)}  # "1" -> red, ... "4" -> yellow
 
 # the shapes task's columns plus the vision-dependency flag
 FEATURES = datasets.Features({**shapes.FEATURES, "vision_dependent": datasets.Value("bool")})
@@ -67,20 +76,26 @@ SFT_BATCH = 16
 SFT_LR = 3e-3
 STOP_VISION_ACCURACY = 0.45
 BOXED_INSTRUCTION = "Put the final answer in \\boxed{}."
+STOP_PRIOR_BREAKING_ACCURACY = 0.35
 
 
 @dataclass(frozen=True)
 class TestbedRecipe:
     """How one testbed's warm start differs from the others (same task, model, batch and learning rate)."""
 
-    stop_vision_accuracy: float  # the validation check that ends the warm start
+    stop_vision_accuracy: float  # the validation check that ends the warm start (prior-breaking items if a prior)
     boxed_every: int = 0  # every n-th warm-start item asks for \boxed{} instead of <answer>; 0: none
+    prior_rate: float | None = None  # share of training vision items with their number's colour; None: no prior
+    check_every: int = SFT_CHECK_EVERY  # warm-start steps between validation checks
 
 
 TESTBED_RECIPES = {
     "shapes": TestbedRecipe(stop_vision_accuracy=STOP_VISION_ACCURACY),
     # Stopped where a few RL steps, sampling at temperature 1 and the collapse arm's gamma still leave it above chance.
     "shapes_boxed": TestbedRecipe(stop_vision_accuracy=0.65, boxed_every=2),
+    # Its vision accuracy jumps from 0 to 1 within about 100 steps (measured, seed 0: 0.0 at step 600, 0.58 at 700,
+    # 1.0 at 800), so it is checked often enough to stop inside the jump.
+    "shapes_prior": TestbedRecipe(stop_vision_accuracy=STOP_PRIOR_BREAKING_ACCURACY, prior_rate=0.75, check_every=10),
 }
 TESTBEDS = tuple(TESTBED_RECIPES)
 VALIDATION_ITEMS = 96
@@ -89,10 +104,15 @@ CARD_ITEMS = 192  # held-out items scored greedily at build time (the card)
 CARD_SEED = 99_999  # a stream neither the warm-start, the validation nor the study's data use
 
 
-def make_item(rng: random.Random, kind: str, boxed: bool = False) -> dict:
+def make_item(rng: random.Random, kind: str, boxed: bool = False, prior_rate: float | None = None) -> dict:
     """One item of ``kind`` ("vision" or "text"), every choice drawn from ``rng``; ``boxed`` asks for the answer in
-    ``\\boxed{}`` (``target`` is the completion the warm start teaches)."""
+    ``\\boxed{}`` (``target`` is the completion the warm start teaches). ``prior_rate`` (vision items only) asks
+    ``PRIOR_QUESTION`` and gives the square its number's colour with that probability, another colour otherwise."""
     colour = rng.choice(list(COLOURS))
+    if prior_rate is not None and kind == "vision":
+        tag = rng.choice(list(PRIOR_COLOURS))
+        others = [c for c in COLOURS if c != PRIOR_COLOURS[tag]]
+        colour = PRIOR_COLOURS[tag] if rng.random() < prior_rate else rng.choice(others)
     cell = rng.randrange(GRID * GRID)
     row, col = divmod(cell, GRID)
     image = Image.new("RGB", (IMAGE_SIZE, IMAGE_SIZE), "black")
@@ -100,7 +120,7 @@ def make_item(rng: random.Random, kind: str, boxed: bool = False) -> dict:
         (col * CELL, row * CELL, col * CELL + CELL - 1, row * CELL + CELL - 1), fill=COLOURS[colour]
     )
     if kind == "vision":
-        question, answer = VISION_QUESTION, colour
+        question, answer = VISION_QUESTION if prior_rate is None else PRIOR_QUESTION.format(tag=tag), colour
     elif kind == "text":
         answer = rng.choice(list(COLOURS))  # independent of the image's square: a distractor
         question = TEXT_QUESTION.format(colour=answer)
@@ -118,13 +138,24 @@ def make_item(rng: random.Random, kind: str, boxed: bool = False) -> dict:
     }
 
 
-def make_perception_dataset(n: int, seed: int = 0) -> datasets.Dataset:
-    """``n`` items in TRL's conversational VLM format, kinds cycling vision, vision, text; deterministic."""
+def make_perception_dataset(n: int, seed: int = 0, prior_rate: float | None = None) -> datasets.Dataset:
+    """``n`` items in TRL's conversational VLM format, kinds cycling vision, vision, text; deterministic.
+    ``prior_rate``: the language-prior task (``make_item``), None: the plain one."""
     if n < 1:
         raise ValueError(f"n={n} must be at least 1")
     rng = random.Random(seed)
-    rows = [make_item(rng, KINDS[i % len(KINDS)]) for i in range(n)]
+    rows = [make_item(rng, KINDS[i % len(KINDS)], prior_rate=prior_rate) for i in range(n)]
     return datasets.Dataset.from_dict({key: [row[key] for row in rows] for key in FEATURES}, features=FEATURES)
+
+
+def task_datasets(name: str, n_train: int, n_eval: int, seed: int, eval_seed: int):
+    """(training, held-out) items of testbed ``name``'s task: with a language prior, training follows it at the
+    recipe's ``prior_rate`` and the held-out items break it (rate 0)."""
+    prior_rate = TESTBED_RECIPES[name].prior_rate
+    return (
+        make_perception_dataset(n_train, seed=seed, prior_rate=prior_rate),
+        make_perception_dataset(n_eval, seed=eval_seed, prior_rate=None if prior_rate is None else 0.0),
+    )
 
 
 def make_official_perception_dataset(n: int, seed: int = 0, kind: str = "vision") -> datasets.Dataset:
@@ -199,12 +230,13 @@ def _sft_batch(processor, items: list[dict]) -> dict[str, torch.Tensor]:
 
 def warm_start(
     model, processor, *, steps: int, seed: int, batch_size: int = SFT_BATCH, lr: float = SFT_LR, after_step=None,
-    boxed_every: int = 0, progress=None,
+    boxed_every: int = 0, prior_rate: float | None = None, progress=None,
 ) -> list:  # fmt: skip
     """Cross-entropy on the answer tokens for ``steps`` AdamW steps on fresh items; returns the losses.
 
     ``after_step(step)``, if given, runs after each optimizer step; a true result stops the pass there. Every
-    ``boxed_every``-th item (0: none) asks for and is taught a ``\\boxed{}`` answer. ``progress``, if given, is
+    ``boxed_every``-th item (0: none) asks for and is taught a ``\\boxed{}`` answer; ``prior_rate`` as in
+    ``make_item``. ``progress``, if given, is
     called with each step's loss (a progress bar's update)."""
     rng = random.Random(seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
@@ -213,7 +245,12 @@ def warm_start(
     for step in range(steps):
         index = [step * batch_size + i for i in range(batch_size)]
         items = [
-            make_item(rng, KINDS[n % len(KINDS)], boxed=bool(boxed_every) and n % boxed_every == boxed_every - 1)
+            make_item(
+                rng,
+                KINDS[n % len(KINDS)],
+                boxed=bool(boxed_every) and n % boxed_every == boxed_every - 1,
+                prior_rate=prior_rate,
+            )  # fmt: skip
             for n in index
         ]
         batch = _sft_batch(processor, items)

@@ -22,7 +22,6 @@ from papo_nb.testbed.perception import (
     CARD_SEED,
     CHANCE_VISION,
     SFT_BATCH,
-    SFT_CHECK_EVERY,
     SFT_LR,
     SFT_MAX_STEPS,
     TESTBED_RECIPES,
@@ -38,22 +37,30 @@ from papo_nb.testbed.rewards import accuracy_reward
 
 
 def score_card(
-    model, processor, n_items: int = CARD_ITEMS, seed: int = CARD_SEED, ratios=(0.0, 0.6, 1.0)
+    model, processor, name: str = "shapes", n_items: int = CARD_ITEMS, seed: int = CARD_SEED, ratios=(0.0, 0.6, 1.0)
 ) -> dict[str, float]:
     """Held-out greedy accuracy per split (``<condition>/vision|text|all``) with original images (ratio 0) and
-    images masked with the official 14x14 squares at each other ratio (``masked_<ratio>``)."""
-    data = make_perception_dataset(n_items, seed=seed)
-    prompts, answers, split = list(data["prompt"]), list(data["answer"]), list(data["vision_dependent"])
-    images = list(data["image"])
+    images masked with the official 14x14 squares at each other ratio (``masked_<ratio>``).
+
+    A testbed with a language prior scores its held-out distribution (vision items that break the prior, text
+    items: ``vision``, ``text``, ``all``) and, apart, ``vision_consistent``: vision items that follow it."""
+    with_prior = TESTBED_RECIPES[name].prior_rate is not None
+    sets = {"": make_perception_dataset(n_items, seed=seed, prior_rate=0.0 if with_prior else None)}
+    if with_prior:
+        sets["_consistent"] = make_perception_dataset(n_items, seed=seed, prior_rate=1.0)
     card = {}
     for ratio in ratios:
         condition = f"masked_{ratio}" if ratio else "original"
-        shown = [mask_pil_squares(im, ratio, seed=seed + i) for i, im in enumerate(images)] if ratio else images
-        rewards = accuracy_reward(generate_answers(model, processor, prompts, shown, batch_size=32), answers)
-        for name, keep in (("vision", True), ("text", False)):
-            picked = [r for r, v in zip(rewards, split) if v == keep]
-            card[f"{condition}/{name}"] = sum(picked) / len(picked)
-        card[f"{condition}/all"] = sum(rewards) / len(rewards)
+        for suffix, data in sets.items():
+            prompts, answers, split = list(data["prompt"]), list(data["answer"]), list(data["vision_dependent"])
+            images = list(data["image"])
+            shown = [mask_pil_squares(im, ratio, seed=seed + i) for i, im in enumerate(images)] if ratio else images
+            rewards = accuracy_reward(generate_answers(model, processor, prompts, shown, batch_size=32), answers)
+            for split_name, keep in (("vision", True), ("text", False)) if not suffix else (("vision", True),):
+                picked = [r for r, v in zip(rewards, split) if v == keep]
+                card[f"{condition}/{split_name}{suffix}"] = sum(picked) / len(picked)
+            if not suffix:
+                card[f"{condition}/all"] = sum(rewards) / len(rewards)
     return card
 
 
@@ -74,9 +81,9 @@ def _write_testbed(folder: Path, name: str, seed: int) -> None:
             bar = tqdm(total=SFT_MAX_STEPS, desc=f"building testbed:{name} (warm start)", mininterval=10, unit="step")
 
             def stop_when_seeing(step: int) -> bool:
-                if step % SFT_CHECK_EVERY:
+                if step % recipe.check_every:
                     return False
-                check = score_card(model, processor, VALIDATION_ITEMS, VALIDATION_SEED, ratios=(0.0,))
+                check = score_card(model, processor, name, VALIDATION_ITEMS, VALIDATION_SEED, ratios=(0.0,))
                 model.train()
                 bar.set_postfix(vision_accuracy=f"{check['original/vision']:.2f}", goal=recipe.stop_vision_accuracy)
                 if check["original/vision"] >= recipe.stop_vision_accuracy:
@@ -86,11 +93,11 @@ def _write_testbed(folder: Path, name: str, seed: int) -> None:
             try:
                 losses = warm_start(
                     model, processor, steps=SFT_MAX_STEPS, seed=seed, after_step=stop_when_seeing,
-                    boxed_every=recipe.boxed_every, progress=lambda loss: bar.update(),
+                    boxed_every=recipe.boxed_every, prior_rate=recipe.prior_rate, progress=lambda loss: bar.update(),
                 )  # fmt: skip
             finally:
                 bar.close()
-            card = score_card(model, processor)
+            card = score_card(model, processor, name)
     finally:
         torch.set_num_threads(threads)
     for key in ("eos_token_id", "pad_token_id", "bos_token_id"):
@@ -106,6 +113,8 @@ def _write_testbed(folder: Path, name: str, seed: int) -> None:
         "sft_stopped_by_validation": bool(stopped_at),
         "stop_vision_accuracy": recipe.stop_vision_accuracy,
         "boxed_every": recipe.boxed_every,
+        "prior_rate": recipe.prior_rate,
+        "check_every": recipe.check_every,
         "sft_batch": SFT_BATCH,
         "sft_lr": SFT_LR,
         "sft_final_loss": sum(losses[-10:]) / len(losses[-10:]),

@@ -8,7 +8,7 @@ import torch
 
 from papo_nb.papo import PAPOGConfig, PAPOGTrainer
 from papo_nb.testbed.models import load_vlm, vision_special_token_ids
-from papo_nb.testbed.perception import make_perception_dataset, testbed_name
+from papo_nb.testbed.perception import task_datasets, testbed_name
 from papo_nb.testbed.rewards import accuracy_reward, format_reward
 from papo_nb.testbed.shapes import load_vlm_dataset, make_shapes_dataset
 from papo_nb.workbook.config.params import PAPO_PARAM_FIELDS, WorkbookParams
@@ -35,10 +35,13 @@ def load_datasets(params: WorkbookParams):
     hub/local dataset's train/test splits; ``dataset_schema='official'``: PAPO's data (``recipe_data``)."""
     if params.dataset_schema == "official":
         return official_datasets(params, resolve_model_path(params))
-    if testbed_name(params.dataset) is not None:
-        return (
-            make_perception_dataset(params.n_train_prompts, seed=params.seed),
-            make_perception_dataset(params.n_eval_prompts, seed=params.seed + EVAL_SEED_OFFSET),
+    if (name := testbed_name(params.dataset)) is not None:
+        return task_datasets(
+            name,
+            params.n_train_prompts,
+            params.n_eval_prompts,
+            seed=params.seed,
+            eval_seed=params.seed + EVAL_SEED_OFFSET,
         )
     if params.dataset == "synthetic":
         return (
