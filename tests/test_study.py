@@ -238,9 +238,11 @@ def reduced_study(tmp_path_factory, testbed_path):
     folder = tmp_path_factory.mktemp("study")
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("PAPO_NB_CACHE", str(testbed_path.parent))  # the kernel finds the session's testbed build
+        patch.chdir(folder)  # the page's relative folder is the caller's, not the notebook's
         result = run_workbook(
             [ROOT / "notebooks" / "04_method_study.ipynb"],
             ROOT / "params" / "study_reduced.yaml",
+            ["study_report_dir=page"],
             run_root=folder / "runs",
             tracking_uri=f"sqlite:///{folder}/mlflow.db",
         )
@@ -292,6 +294,29 @@ def test_reduced_study_logs_nested_runs_figures_and_tables(reduced_study):
     assert len(claims["data"]) == 5
 
 
+@pytest.mark.slow
+@pytest.mark.notebook
+@pytest.mark.model
+def test_reduced_study_writes_its_results_page(reduced_study, tmp_path):
+    from papo_nb.workbook.study.publish import summary_markdown
+
+    page_dir = Path(reduced_study.run_dir).parent.parent / "page"
+    page = (page_dir / "results.md").read_text()
+    sections = ("## Settings", "build card", "## Dose-response", "## Power", "## The paper's claims", "## Runtime")
+    assert all(section in page for section in sections), page
+    assert "| 0.02 | 1 |" in page and "| 20 | 1 |" in page  # a dose-response row per gamma, one seed each
+    assert {p.name for p in page_dir.glob("*.png")} == {"dose_response.png", "accuracy.png", "curves.png"}
+    card = json.loads((page_dir / "testbed_card.json").read_text())
+    assert card["testbed"] == "shapes" and "build_seconds" not in card
+    summary = json.loads((page_dir / "summary.json").read_text())
+    assert summary["seeds"] == [0] and summary["finetuning"] == "lora" and summary["collapse_gamma"] == 20.0
+    vision = summary["papo_g_vs_grpo"]["avg_at_k/original/vision"]
+    assert vision["verdict"].startswith("not detected") and "MDE unknown" in vision["verdict"]  # one seed: no spread
+    (tmp_path / "page").symlink_to(page_dir)
+    row = summary_markdown(tmp_path).splitlines()[2]
+    assert row.startswith("| [page](page/results.md) | testbed:shapes | lora | [0] |"), row
+
+
 def test_claims_table_without_a_text_split_says_so():
     """The shapes task (the smoke run's) has only vision-dependent items."""
     results = {
@@ -302,3 +327,9 @@ def test_claims_table_without_a_text_split_says_so():
     arms = {"control": "grpo", "treatment": "papo_g", "collapse": "papo_g_collapse"}
     vision = next(r for r in claims_table(results, collapse, arms, **CHANCE) if r["claim"] == "vision")
     assert "no text-only split" in vision["here"] and vision["verdict"] == "detected (+0.100, p = 0.0131)"
+
+
+def test_equal_differences_on_every_seed_say_so_rather_than_asking_for_seeds():
+    same = {"grpo": {s: {"m": 0.5 + s / 10} for s in range(3)}, "papo_g": {s: {"m": 0.5 + s / 10} for s in range(3)}}
+    line = comparison_table(summary_rows(same, ["m"], control="grpo"), "grpo")[0]
+    assert line["papo_g - grpo"] == "0.000 ± 0.000 (p: none, every seed gave the same difference)"

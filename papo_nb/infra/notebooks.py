@@ -37,6 +37,7 @@ from papo_nb.workbook.config.params import ParamsError, WorkbookParams, load_par
 
 # Values the runner supplies to any notebook that declares them, on top of the WorkbookParams fields.
 RUNTIME_PARAMETERS = ("mlflow_tracking_uri", "mlflow_run_id", "run_dir")
+OUTPUT_PATH_PARAMETERS = ("study_report_dir",)  # folders a notebook writes into, given relative to the caller
 
 FINISHED, FAILED, NOT_RUN = "FINISHED", "FAILED", "NOT_RUN"
 
@@ -157,6 +158,9 @@ def run_workbook(
     run_dir = (Path(run_root) / f"{stamp}-{secrets.token_hex(3)}").resolve()
     run_dir.mkdir(parents=True)
     values = params.model_dump(mode="json")
+    for name in OUTPUT_PATH_PARAMETERS:  # the kernel runs beside its notebook; a relative path means the caller's
+        if values[name]:
+            values[name] = str(Path(values[name]).resolve())
     params_yaml = run_dir / "params.yaml"
     params_yaml.write_text(yaml.safe_dump(values, sort_keys=False))
 

@@ -152,6 +152,9 @@ class WorkbookParams(PAPOParams):
     study_eval_samples: int = Field(
         4, ge=1, le=64, description="k of the held-out avg@k at temperature 1.0 (paper: avg@8)"
     )
+    study_report_dir: str = Field(
+        "", description="folder the study writes its results page into (docs/study/<name>); empty: none"
+    )
 
     # --- scale-out (papo-nb train) ---
     num_processes: int = Field(

@@ -337,8 +337,10 @@ def _pm(centre: float, half: float) -> str:
     return f"{centre:.3f}" if math.isnan(half) else f"{centre:.3f} ± {half:.3f}"
 
 
-def _p(p_value: float) -> str:
-    return f"p={p_value:.2g}" if math.isfinite(p_value) else "p: needs 2+ seeds"
+def _p(p_value: float, seeds: int) -> str:
+    if math.isfinite(p_value):
+        return f"p={p_value:.2g}"
+    return "p: needs 2+ seeds" if seeds < 2 else "p: none, every seed gave the same difference"
 
 
 def comparison_table(rows: list[dict], control: str) -> list[dict]:
@@ -351,7 +353,7 @@ def comparison_table(rows: list[dict], control: str) -> list[dict]:
         if row["arm"] != control:
             diff = _pm(row[f"diff_vs_{control}"], row[f"diff_ci95_vs_{control}"])
             p_value = row[f"p_value_vs_{control}"]
-            line[f"{row['arm']} - {control}"] = diff if diff == NO_ITEMS else f"{diff} ({_p(p_value)})"
+            line[f"{row['arm']} - {control}"] = diff if diff == NO_ITEMS else f"{diff} ({_p(p_value, row['seeds'])})"
     return list(table.values())
 
 
