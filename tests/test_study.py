@@ -272,6 +272,7 @@ def test_reduced_study_logs_nested_runs_figures_and_tables(reduced_study):
         collapse = json.loads(Path(client.download_artifacts(child.info.run_id, "evidence/collapse.json")).read_text())
         assert set(collapse) >= {"collapsed", "step", "mode", "symptoms"}
     gammas = {r.data.tags["papo_nb.study_arm"]: float(r.data.params["gamma"]) for r in children}
+    assert {r.data.params["finetuning"] for r in children} == {"lora"}
     assert gammas == {"grpo": 0.0, "papo_g": 0.02, "sweep": 20.0}
     assert notebook_run.data.metrics["study/collapse_gamma"] == 20.0
     assert notebook_run.data.metrics["testbed/greedy_accuracy/original/vision"] == pytest.approx(

@@ -145,7 +145,9 @@ def run_one(
         run_name=f"{arm}-gamma{gamma:g}-seed{seed}", nested=True, experiment_id=experiment_id
     ) as run:
         mlflow.set_tags({"papo_nb.kind": "study_run", "papo_nb.study_arm": arm, "papo_nb.study_seed": str(seed)})
-        mlflow.log_params({"arm": arm, "seed": seed, "gamma": gamma, "max_steps": params.max_steps})
+        mlflow.log_params(
+            {"arm": arm, "seed": seed, "gamma": gamma, "max_steps": params.max_steps, "finetuning": params.finetuning}
+        )
         trainer, _, _ = prepare_training(
             run_params, work_dir / f"{arm}-g{gamma:g}-s{seed}", save_strategy="no", require_gpu_contract_probe=False
         )
