@@ -101,6 +101,7 @@ def plot_dose_response(rows: list[dict], title: str = "") -> Figure:
                 ax.axvline(row["gamma"], color="tab:red", linestyle=":", linewidth=1)
         if positive:
             ax.set_xscale("symlog", linthresh=min(positive))
+        ax.set_xlim(left=0)  # gamma is never negative; autoscaling would open the symlog axis's negative side
         ax.set_xlabel("gamma (perception_loss_weight)")
         ax.set_title(panel, fontsize=10)
         ax.grid(alpha=0.3)
