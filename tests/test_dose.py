@@ -52,3 +52,21 @@ def test_markdown_says_no_items_for_a_missing_split_and_plots_every_panel():
     fig = plot_dose_response(rows)
     assert [ax.get_xscale() for ax in fig.axes] == ["symlog"] * 4
     assert all(ax.lines for ax in fig.axes) and not math.isnan(rows[-1]["avg_at_k/gap/vision"])
+
+
+def test_contrasts_pair_each_gamma_with_grpo_on_the_same_seeds():
+    from papo_nb.workbook.study.dose import dose_contrasts, run_records
+
+    records = run_records(_study())
+    assert sorted((r["gamma"], r["seed"]) for r in records) == [(g, s) for g in (0.0, 0.02, 5.0) for s in (0, 1)]
+    rows = {row["gamma"]: row for row in dose_contrasts(records)}
+    assert list(rows) == [0.02, 5.0]
+    # 0.02: +0.02 on both seeds, so no spread: not detected, and no MDE can be estimated
+    assert rows[0.02]["avg_at_k/original/vision vs gamma 0"] == (
+        "not detected (+0.020; MDE unknown: seed spread not estimable)"
+    )
+    # 5.0: vision 0.3 against 0.5 and 0.6 (diffs -0.2, -0.3: sd 0.0707, 2 pairs, p = 0.126)
+    assert rows[5.0]["avg_at_k/original/vision vs gamma 0"].startswith("not detected (-0.250; MDE ")
+    many = [{"gamma": g, "seed": s, "scores": {"avg_at_k/original/vision": 0.5 + s / 100 - (g > 0) * (0.1 + s / 1000)}}
+            for g in (0.0, 1.0) for s in range(5)]  # fmt: skip
+    assert dose_contrasts(many)[0]["avg_at_k/original/vision vs gamma 0"].startswith("detected (-0.102, p = ")

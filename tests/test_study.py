@@ -3,6 +3,7 @@ through papermill with its evidence read back from MLflow."""
 
 import json
 import math
+import shutil
 from pathlib import Path
 
 import pytest
@@ -299,7 +300,8 @@ def test_reduced_study_logs_nested_runs_figures_and_tables(reduced_study):
 @pytest.mark.notebook
 @pytest.mark.model
 def test_reduced_study_writes_its_results_page(reduced_study, tmp_path):
-    from papo_nb.workbook.study.publish import summary_markdown
+    from papo_nb.workbook.study.publish import README_MARKERS, summary_markdown
+    from papo_nb.workbook.study.publish import main as publish_main
 
     page_dir = Path(reduced_study.run_dir).parent.parent / "page"
     page = (page_dir / "results.md").read_text()
@@ -313,9 +315,18 @@ def test_reduced_study_writes_its_results_page(reduced_study, tmp_path):
     assert summary["seeds"] == [0] and summary["finetuning"] == "lora" and summary["collapse_gamma"] == 20.0
     vision = summary["papo_g_vs_grpo"]["avg_at_k/original/vision"]
     assert vision["verdict"].startswith("not detected") and "MDE unknown" in vision["verdict"]  # one seed: no spread
-    (tmp_path / "page").symlink_to(page_dir)
-    row = summary_markdown(tmp_path).splitlines()[2]
+    assert [row["gamma"] for row in json.loads((page_dir / "dose_response.json").read_text())] == [0.0, 0.02, 20.0]
+    # publish's command redraws the figure from the page's table and writes the summary into README's block
+    shutil.copytree(page_dir, tmp_path / "study" / "page")
+    (tmp_path / "study" / "page" / "dose_response.png").unlink()
+    readme = tmp_path / "README.md"
+    readme.write_text(f"intro\n{README_MARKERS[0]}\nstale\n{README_MARKERS[1]}\nrest\n")
+    publish_main(tmp_path / "study", readme)
+    assert (tmp_path / "study" / "page" / "dose_response.png").stat().st_size > 0
+    row = summary_markdown(tmp_path / "study").splitlines()[2]
     assert row.startswith("| [page](page/results.md) | testbed:shapes | lora | [0] |"), row
+    assert row.replace("(page/", f"({(tmp_path / 'study').as_posix()}/page/") in readme.read_text()
+    assert "stale" not in readme.read_text() and readme.read_text().endswith("rest\n")
 
 
 def test_claims_table_without_a_text_split_says_so():

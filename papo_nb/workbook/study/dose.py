@@ -14,7 +14,8 @@ from statistics import mean
 from matplotlib.figure import Figure
 
 from papo_nb.workbook.study.arms import Study, StudyRun
-from papo_nb.workbook.study.stats import mean_ci
+from papo_nb.workbook.study.power import effect_verdict, power_row
+from papo_nb.workbook.study.stats import mean_ci, paired_test
 
 END_WINDOW = 3  # logged steps averaged for "at the end of training"
 SCORES = tuple(f"avg_at_k/{kind}/{split}" for split in ("vision", "text") for kind in ("original", "masked", "gap"))
@@ -108,3 +109,35 @@ def plot_dose_response(rows: list[dict], title: str = "") -> Figure:
         ax.legend(fontsize=8)
     fig.suptitle(title or "Dose-response: mean over seeds, band = 95% CI, dotted = a run flagged as collapsed")
     return fig
+
+
+CONTRASTS = ("avg_at_k/original/vision", "avg_at_k/gap/vision")  # the headline and the reliance gap
+
+
+def run_records(study: Study) -> list[dict]:
+    """Every trained run once, as plain records (``gamma``, ``seed``, ``scores``): what a results page keeps so its
+    contrasts can be recomputed by the code on main."""
+    return [
+        {"gamma": run.gamma, "seed": seed, "scores": run.scores}
+        for gamma, by_seed in runs_by_gamma(study).items()
+        for seed, run in sorted(by_seed.items())
+    ]
+
+
+def dose_contrasts(records: list[dict]) -> list[dict]:
+    """Each gamma > 0 against gamma 0 (GRPO), paired over the seeds both ran, on ``CONTRASTS``: the mean paired
+    difference, its p-value, the MDE at 80% power and the verdict (``power.effect_verdict``)."""
+    scores: dict[float, dict[int, dict]] = {}
+    for record in records:
+        scores.setdefault(record["gamma"], {})[record["seed"]] = record["scores"]
+    control = scores.get(0.0, {})
+    rows = []
+    for gamma in sorted(g for g in scores if g > 0):
+        row = {"gamma": gamma}
+        for metric in CONTRASTS:
+            seeds = sorted(s for s in set(scores[gamma]) & set(control) if metric in control[s])
+            ours, base = [scores[gamma][s][metric] for s in seeds], [control[s][metric] for s in seeds]
+            test = paired_test(ours, base)
+            row[f"{metric} vs gamma 0"] = effect_verdict(test["diff"], test["p_value"], power_row(ours, base)["mde"])
+        rows.append(row)
+    return rows

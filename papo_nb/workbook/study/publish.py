@@ -23,6 +23,8 @@ CARD = "testbed_card.json"
 SUMMARY = "summary.json"  # the page's verdicts, which ``summary_markdown`` sets side by side across pages
 SUMMARY_PAGE = "summary.md"
 DOSE_ROWS = "dose_response.json"  # the dose-response table, so its figure can be redrawn by the code on main
+RUNS = "runs.json"  # every run's held-out scores, so the paired contrasts can be recomputed by the code on main
+CONTRASTS_PAGE = "contrasts.md"
 SUMMARY_METRICS = ("avg_at_k/original/vision", "avg_at_k/gap/vision", "avg_at_k/original/all")
 # the parameters a reader needs to know what was trained (the rest are the study file's, named on the page)
 SETTINGS = (
@@ -71,6 +73,8 @@ def write_results_page(
         )
     dose_rows = dose.dose_rows(study)
     (folder / DOSE_ROWS).write_text(json.dumps(dose_rows, indent=1) + "\n")
+    (folder / RUNS).write_text(json.dumps(dose.run_records(study), indent=1) + "\n")
+    write_contrasts(folder)
     scores = study.scores()
     chance, vision_items = report.study_chance(params)
     metrics = list(study_stats.TABLE_METRICS)
@@ -86,7 +90,8 @@ def write_results_page(
         f"## The policy's build card (greedy, {card.get('card_items', 'n/a')} held-out items)\n"
         + (card_markdown(card) + f"\n\nWarm start: {card.get('sft_steps')} steps." if card else "not a testbed"),
         "## Dose-response (mean over seeds, +/- 95% CI)\n![dose-response](dose_response.png)\n\n"
-        + dose.dose_markdown(dose_rows),
+        + dose.dose_markdown(dose_rows)
+        + f"\n\nEach gamma against GRPO (gamma 0), paired over seeds: [{CONTRASTS_PAGE}]({CONTRASTS_PAGE}).",
         "## Power: PAPO-G at the recipe's gamma against GRPO, paired over seeds\n"
         "MDE: the smallest paired difference detected 80% of the time (two-sided 5%), from this run's seed spread; "
         "`pairs_for_target`: seed pairs needed for an MDE of 0.02.\n\n" + _records_markdown(power_rows),
@@ -115,6 +120,16 @@ def write_results_page(
     }
     (folder / SUMMARY).write_text(json.dumps(summary, indent=2) + "\n")
     return page
+
+
+def write_contrasts(folder: Path) -> None:
+    """``contrasts.md`` of a page: every gamma against gamma 0, paired over seeds, from the page's ``runs.json``."""
+    rows = dose.dose_contrasts(json.loads((folder / RUNS).read_text()))
+    (folder / CONTRASTS_PAGE).write_text(
+        "# Dose-response contrasts: each gamma against GRPO (gamma 0), paired over seeds\n\n"
+        "*detected (+x, p)*: the paired t-test rejects at 5%; *not detected (x; MDE y)*: it does not, and an effect "
+        "of y or more would have been detected 80% of the time.\n\n" + _records_markdown(rows) + "\n"
+    )
 
 
 def _arm_mean(scores: dict, arm: str, metric: str) -> float:
@@ -167,11 +182,13 @@ README_MARKERS = ("<!-- study-summary:start -->", "<!-- study-summary:end -->")
 
 
 def main(root: str | Path = "docs/study", readme: str | Path = "README.md") -> None:
-    """Redraw each page's dose-response figure from its table, rewrite ``<root>/summary.md`` and README's study
-    table from the pages' ``summary.json``."""
+    """Redraw each page's dose-response figure and rewrite its contrasts from its data, then ``<root>/summary.md``
+    and README's study table from the pages' ``summary.json``."""
     root, readme = Path(root), Path(readme)
     for rows in sorted(root.glob(f"*/{DOSE_ROWS}")):
         dose.plot_dose_response(json.loads(rows.read_text())).savefig(rows.with_suffix(".png"), dpi=80)
+    for runs in sorted(root.glob(f"*/{RUNS}")):
+        write_contrasts(runs.parent)
     (root / SUMMARY_PAGE).write_text(summary_markdown(root))
     readme.write_text(replace_block(readme.read_text(), summary_markdown(root, link_prefix=f"{root.as_posix()}/")))
     print(f"wrote {root / SUMMARY_PAGE} and the study table of {readme}")
