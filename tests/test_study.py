@@ -285,6 +285,7 @@ def test_reduced_study_logs_nested_runs_figures_and_tables(reduced_study):
     assert {"figures/study_curves.png", "figures/study_accuracy.png", "figures/study_dose_response.png"} <= artifacts
     assert {"evidence/study_table.json", "evidence/paper_claims.json", "evidence/collapse_sweep.json"} <= artifacts
     assert {"evidence/dose_response.json", "evidence/dose_response.md", "evidence/study_power.json"} <= artifacts
+    assert "evidence/dose_contrasts.json" in artifacts and "evidence/results.md" in artifacts
     dose = json.loads(
         Path(client.download_artifacts(notebook_run.info.run_id, "evidence/dose_response.json")).read_text()
     )
