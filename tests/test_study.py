@@ -322,7 +322,7 @@ def test_reduced_study_writes_its_results_page(reduced_study, tmp_path):
     (tmp_path / "study" / "page" / "dose_response.png").unlink()
     readme = tmp_path / "README.md"
     readme.write_text(f"intro\n{README_MARKERS[0]}\nstale\n{README_MARKERS[1]}\nrest\n")
-    publish_main(tmp_path / "study", readme)
+    publish_main(tmp_path / "study", [(readme, f"{(tmp_path / 'study').as_posix()}/")])
     assert (tmp_path / "study" / "page" / "dose_response.png").stat().st_size > 0
     row = summary_markdown(tmp_path / "study").splitlines()[2]
     assert row.startswith("| [page](page/results.md) | testbed:shapes | lora | [0] |"), row

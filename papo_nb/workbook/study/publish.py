@@ -181,17 +181,23 @@ def replace_block(text: str, block: str) -> str:
 README_MARKERS = ("<!-- study-summary:start -->", "<!-- study-summary:end -->")
 
 
-def main(root: str | Path = "docs/study", readme: str | Path = "README.md") -> None:
+# the pages that carry the summary table between README_MARKERS, and how each links to docs/study/
+SUMMARY_TARGETS = (("README.md", "docs/study/"), ("docs/study.md", "study/"))
+
+
+def main(root: str | Path = "docs/study", targets=SUMMARY_TARGETS) -> None:
     """Redraw each page's dose-response figure and rewrite its contrasts from its data, then ``<root>/summary.md``
-    and README's study table from the pages' ``summary.json``."""
-    root, readme = Path(root), Path(readme)
+    and the study table of every ``targets`` page (path, link prefix) from the pages' ``summary.json``."""
+    root = Path(root)
     for rows in sorted(root.glob(f"*/{DOSE_ROWS}")):
         dose.plot_dose_response(json.loads(rows.read_text())).savefig(rows.with_suffix(".png"), dpi=80)
     for runs in sorted(root.glob(f"*/{RUNS}")):
         write_contrasts(runs.parent)
     (root / SUMMARY_PAGE).write_text(summary_markdown(root))
-    readme.write_text(replace_block(readme.read_text(), summary_markdown(root, link_prefix=f"{root.as_posix()}/")))
-    print(f"wrote {root / SUMMARY_PAGE} and the study table of {readme}")
+    for target, prefix in targets:
+        path = Path(target)
+        path.write_text(replace_block(path.read_text(), summary_markdown(root, link_prefix=prefix)))
+    print(f"wrote {root / SUMMARY_PAGE} and the study table of {', '.join(str(t) for t, _ in targets)}")
 
 
 if __name__ == "__main__":  # python -m papo_nb.workbook.study.publish: after a study page is regenerated
