@@ -98,6 +98,16 @@ def test_one_step_per_round_trains_identically_with_both_timings(tiny_vlm_path, 
     assert min(runs["rollout"]["perception_kl"]) > 0
 
 
+def train_one_round(tiny_vlm_path, shapes_dataset, folder, timing, **overrides):
+    """A trainer with the masked branch at ``timing``, trained for one round of 3 optimizer steps."""
+    trainer = trainer_on(
+        tiny_vlm_path, shapes_dataset, folder / timing, masked_branch=timing, steps_per_generation=3, max_steps=3,
+        **overrides,
+    )  # fmt: skip
+    trainer.train()
+    return trainer
+
+
 def test_three_steps_per_round_serve_every_completion_of_a_prompt_with_one_prefill(
     tiny_vlm_path, shapes_dataset, tmp_path
 ):
@@ -105,16 +115,7 @@ def test_three_steps_per_round_serve_every_completion_of_a_prompt_with_one_prefi
     logged completions per prefill equal G; the update path, after the shuffle, gets far fewer."""
     shares = {}
     for timing in ("rollout", "update"):
-        trainer = trainer_on(
-            tiny_vlm_path,
-            shapes_dataset,
-            tmp_path / timing,
-            masked_branch=timing,
-            steps_per_generation=3,
-            per_device_train_batch_size=2 * G,
-            max_steps=3,
-        )
-        trainer.train()
+        trainer = train_one_round(tiny_vlm_path, shapes_dataset, tmp_path, timing, per_device_train_batch_size=2 * G)
         shares[timing] = logged(trainer, shared_prefix.SHARE_METRIC)
         assert logged(trainer, shared_prefix.METRIC), timing
     assert shares["rollout"] == [G] * len(shares["rollout"]) and shares["rollout"]
@@ -126,17 +127,7 @@ def test_several_steps_per_round_differ_only_by_the_staleness(tiny_vlm_path, sha
     the masked branch: step 1 of a round agrees, steps 2 and 3 (rollout: the rollout-time target) differ."""
     kls = {}
     for timing in ("rollout", "update"):
-        trainer = trainer_on(
-            tiny_vlm_path,
-            shapes_dataset,
-            tmp_path / timing,
-            masked_branch=timing,
-            steps_per_generation=3,
-            max_steps=3,
-            mask_ratio=1.0,
-            learning_rate=5e-2,
-        )
-        trainer.train()
+        trainer = train_one_round(tiny_vlm_path, shapes_dataset, tmp_path, timing, mask_ratio=1.0, learning_rate=5e-2)
         kls[timing] = logged(trainer, "perception_kl")
     assert kls["rollout"][0] == pytest.approx(kls["update"][0], rel=1e-4)
     staleness = [abs(a - b) / b for a, b in zip(kls["rollout"][1:], kls["update"][1:], strict=True)]
