@@ -46,16 +46,15 @@ def card_markdown(card: dict) -> str:
     return "\n".join(lines)
 
 
-def _records_markdown(rows: list[dict]) -> str:
-    def cell(value) -> str:
-        if isinstance(value, float):
-            return "nan" if math.isnan(value) else f"{value:.4g}"
-        return str(value)
+def _cell(value) -> str:
+    if isinstance(value, float):
+        return "nan" if math.isnan(value) else f"{value:.4g}"
+    return str(value)
 
-    columns = list(rows[0]) if rows else []
-    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
-    lines += ["| " + " | ".join(cell(row[c]) for c in columns) + " |" for row in rows]
-    return "\n".join(lines)
+
+def _records_markdown(rows: list[dict]) -> str:
+    """``study_stats.markdown_table`` with floats to 4 significant digits."""
+    return study_stats.markdown_table([{key: _cell(value) for key, value in row.items()} for row in rows])
 
 
 def write_results_page(
