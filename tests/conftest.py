@@ -46,19 +46,20 @@ def tiny_vlm_path(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def testbed_path(tmp_path_factory):
-    """Folder of the perception testbed (testbed:shapes), built once per session into a tmp cache (1-3 minutes)."""
-    from papo_nb.testbed.policy import build_testbed
+def testbed_path():
+    """Folder of the perception testbed (testbed:shapes): the shipped seed-0 weights, checked by SHA-256, so every
+    machine tests the same policy (a fresh build differs between CPUs' float paths: papo_nb.testbed.policy)."""
+    from papo_nb.testbed.policy import pinned_testbed
 
-    return build_testbed("shapes", seed=0, cache_dir=tmp_path_factory.mktemp("testbed_cache"))
+    return pinned_testbed("shapes")
 
 
 @pytest.fixture(scope="session")
-def prior_testbed_path(testbed_path):
-    """Folder of the language-prior testbed (testbed:shapes_prior), built beside testbed_path (about a minute)."""
-    from papo_nb.testbed.policy import build_testbed
+def prior_testbed_path():
+    """Folder of the language-prior testbed (testbed:shapes_prior): the shipped seed-0 weights."""
+    from papo_nb.testbed.policy import pinned_testbed
 
-    return build_testbed("shapes_prior", seed=0, cache_dir=testbed_path.parent)
+    return pinned_testbed("shapes_prior")
 
 
 @pytest.fixture(scope="session")

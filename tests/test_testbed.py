@@ -1,9 +1,12 @@
 """The perception testbed: a task split by vision dependency, and a warm-started tiny Qwen2-VL that reads its images.
 
-The build (1-3 minutes on 2 CPU cores) happens once per test session into a tmp cache (conftest's testbed_path).
+The tests of the built policy use the weights the package ships (conftest's testbed_path), the same on every
+machine; a fresh build is tested for what it must do anywhere: stop at its goal or fail loudly, never cache a miss.
 """
 
+import json
 import random
+import shutil
 from collections import Counter
 
 import pytest
@@ -143,8 +146,7 @@ def test_testbed_reads_its_images_between_chance_and_ceiling(testbed_path):
     assert accuracy["original/vision"] <= 0.85, accuracy  # ...but RL has room
     assert abs(accuracy["masked_1.0/vision"] - chance) <= 0.1, accuracy  # all black: chance
     assert accuracy["masked_0.6/vision"] < accuracy["original/vision"] - 0.05, accuracy  # the official mask hurts
-    assert (testbed_path / COMPLETE_MARKER).exists()
-    assert testbed_policy.build_testbed("shapes", seed=0, cache_dir=testbed_path.parent) == testbed_path
+    assert testbed_policy.pinned_testbed("shapes") == testbed_path == testbed_policy.PINNED_ROOT / "shapes"
 
 
 @pytest.mark.model
@@ -171,10 +173,49 @@ def test_the_builder_resolves_testbed_names(testbed_path):
             "n_eval_prompts": 3,
         }
     )
-    assert resolve_model_path(params, cache_dir=testbed_path.parent) == str(testbed_path)
+    assert resolve_model_path(params) == str(testbed_path)
     train, held_out = load_datasets(params)
     assert len(train) == 6 and len(held_out) == 3 and "vision_dependent" in train.column_names
     assert train["answer"] != held_out["answer"] or train["prompt"] != held_out["prompt"]
+
+
+def test_every_testbed_ships_its_weights_with_their_hashes():
+    manifest = json.loads(testbed_policy.PINNED_MANIFEST.read_text())
+    assert sorted(manifest) == sorted(perception.TESTBEDS)
+    for name, entry in manifest.items():
+        folder = testbed_policy.pinned_testbed(name)  # every file checked against its SHA-256
+        assert entry["testbed_version"] == perception.TESTBED_VERSION and entry["built_with"]["ATEN_CPU_CAPABILITY"]
+        assert set(entry["sha256"]) == {f.name for f in folder.iterdir()} >= {"model.safetensors", "config.json"}
+        card = testbed_policy.read_card(folder)
+        assert card["testbed"] == name and card["weights_sha256"] == entry["sha256"]["model.safetensors"]
+
+
+def test_pinned_weights_that_differ_from_their_hash_are_refused(tmp_path, monkeypatch):
+    copy = tmp_path / "pinned"
+    shutil.copytree(testbed_policy.PINNED_ROOT, copy)
+    monkeypatch.setattr(testbed_policy, "PINNED_ROOT", copy)
+    assert testbed_policy.pinned_testbed("shapes") == copy / "shapes"
+    weights = copy / "shapes" / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 1  # one bit of one weight
+    weights.write_bytes(bytes(data))
+    with pytest.raises(ValueError, match=r"pinned testbed:shapes: .*model.safetensors has SHA-256 [0-9a-f]{64}"):
+        testbed_policy.pinned_testbed("shapes")
+    (copy / "shapes" / "config.json").unlink()
+    with pytest.raises(ValueError, match=r"config.json has SHA-256 missing"):
+        testbed_policy.pinned_testbed("shapes")
+    with pytest.raises(ValueError, match=r"testbed name='nope' is unknown; allowed: \['shapes'"):
+        testbed_policy.pinned_testbed("nope")
+
+
+@pytest.mark.model
+def test_a_fresh_build_that_misses_its_goal_fails_loudly_and_caches_nothing(tmp_path, monkeypatch):
+    # 20 steps: far too few for the jump to seeing (hundreds of steps on every kernel path), so the goal is missed
+    monkeypatch.setattr(testbed_policy, "SFT_MAX_STEPS", 20)
+    message = r"testbed:shapes seed 3 missed its goal: .* >= 0.45 within 20 warm-start steps; it reached 0\.\d{3}"
+    with pytest.raises(testbed_policy.TestbedGoalMissed, match=message):
+        testbed_policy.build_testbed("shapes", seed=3, cache_dir=tmp_path)
+    assert list(tmp_path.iterdir()) == []  # no folder, no half-written staging
 
 
 # ---- the language-prior testbed (shapes_prior) ----

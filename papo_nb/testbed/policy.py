@@ -1,12 +1,23 @@
-"""The perception testbed's policy: build (warm start, validation stop, held-out card), cache and read back.
+"""The perception testbed's policy: the shipped (pinned) weights, and a fresh build (warm start, validation stop,
+held-out card) that is cached and read back.
 
 The task and the supervised warm start live in ``papo_nb.testbed.perception``; building the policy scores it with the
-workbook's greedy generation and the official raw-image mask, so it lives here. Workbook parameters name the result
-``testbed:shapes`` (``workbook.config.paths.resolve_model_path``).
+workbook's greedy generation and the official raw-image mask, so it lives here.
+
+Why the weights are shipped: the warm start is chaotic in floating point. Vision accuracy sits at chance for hundreds
+of steps and then jumps, and when it jumps depends on the last bits of every reduction, so the same code, seed and data
+build a different policy on another CPU's kernels (``ATEN_CPU_CAPABILITY=default|avx2|avx512``): measured for
+``shapes`` seed 0, the validation stop came at 950, 1600 and never (2400 steps, a blind policy) on the three paths.
+So workbook parameters ``testbed:<name>`` load the seed-0 weights this package ships (``PINNED_ROOT``, about 800 kB
+each), checked against their SHA-256 in ``pinned/manifest.json``: every machine starts from the same policy, and a card
+scored on it is the same to the last greedy answer. ``python -m papo_nb.testbed.pin`` rebuilds them (on the ``default``
+kernel path) and rewrites the manifest. ``build_testbed`` still builds fresh, for another seed or to check the recipe
+on this machine; a build that misses its goal raises ``TestbedGoalMissed`` and caches nothing.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import time
 from pathlib import Path
@@ -34,6 +45,37 @@ from papo_nb.testbed.perception import (
 )
 from papo_nb.testbed.raw_masks import mask_pil_squares
 from papo_nb.testbed.rewards import accuracy_reward
+
+PINNED_ROOT = Path(__file__).parent / "pinned"
+PINNED_MANIFEST = PINNED_ROOT / "manifest.json"
+WEIGHTS_FILE = "model.safetensors"
+
+
+class TestbedGoalMissed(RuntimeError):
+    """A fresh warm start ended at its step limit without reaching its validation goal: nothing was cached."""
+
+
+def file_sha256(path: str | Path) -> str:
+    with open(path, "rb") as handle:
+        return hashlib.file_digest(handle, "sha256").hexdigest()
+
+
+def pinned_testbed(name: str) -> Path:
+    """The shipped folder of testbed ``name`` (seed 0), after checking every file against the manifest's SHA-256."""
+    if name not in TESTBEDS:
+        raise ValueError(f"testbed name={name!r} is unknown; allowed: {list(TESTBEDS)}")
+    manifest = json.loads(PINNED_MANIFEST.read_text()) if PINNED_MANIFEST.exists() else {}
+    if name not in manifest:
+        raise FileNotFoundError(
+            f"testbed:{name} has no pinned weights in {PINNED_MANIFEST}; pinned: {sorted(manifest)}; "
+            "rebuild them with: python -m papo_nb.testbed.pin"
+        )
+    folder = PINNED_ROOT / name
+    for file, want in manifest[name]["sha256"].items():
+        got = file_sha256(folder / file) if (folder / file).exists() else "missing"
+        if got != want:
+            raise ValueError(f"pinned testbed:{name}: {folder / file} has SHA-256 {got}, the manifest says {want}")
+    return folder
 
 
 def score_card(
@@ -76,7 +118,7 @@ def _write_testbed(folder: Path, name: str, seed: int) -> None:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             model = FAMILIES["qwen2_vl"][1](config)
-            stopped_at = []
+            stopped_at, reached = [], []
             # mininterval: a handful of lines in a papermill log or a terminal, a widget in JupyterLab
             bar = tqdm(total=SFT_MAX_STEPS, desc=f"building testbed:{name} (warm start)", mininterval=10, unit="step")
 
@@ -86,6 +128,7 @@ def _write_testbed(folder: Path, name: str, seed: int) -> None:
                 check = score_card(model, processor, name, VALIDATION_ITEMS, VALIDATION_SEED, ratios=(0.0,))
                 model.train()
                 bar.set_postfix(vision_accuracy=f"{check['original/vision']:.2f}", goal=recipe.stop_vision_accuracy)
+                reached.append(check["original/vision"])
                 if check["original/vision"] >= recipe.stop_vision_accuracy:
                     stopped_at.append(step)
                 return bool(stopped_at)
@@ -97,6 +140,14 @@ def _write_testbed(folder: Path, name: str, seed: int) -> None:
                 )  # fmt: skip
             finally:
                 bar.close()
+            if not stopped_at:
+                raise TestbedGoalMissed(
+                    f"testbed:{name} seed {seed} missed its goal: greedy validation accuracy on vision items >= "
+                    f"{recipe.stop_vision_accuracy} within {SFT_MAX_STEPS} warm-start steps; it reached "
+                    f"{max(reached, default=0):.3f} at best (checked every {recipe.check_every} steps). Nothing was "
+                    "cached. The warm start is chaotic in floating point: use the pinned weights (testbed:"
+                    f"{name}) or another seed"
+                )
             card = score_card(model, processor, name)
     finally:
         torch.set_num_threads(threads)
@@ -143,5 +194,7 @@ def build_testbed(name: str = "shapes", seed: int = 0, cache_dir: str | Path | N
 
 
 def read_card(folder: str | Path) -> dict:
-    """The build-time card (accuracies, parameters, build seconds) of a testbed folder."""
-    return json.loads((Path(folder) / CARD_FILE).read_text())
+    """The build-time card (accuracies, parameters, build seconds) of a testbed folder, with ``weights_sha256``: the
+    hash of the weights it describes, which a results page records to say which policy it ran."""
+    card = json.loads((Path(folder) / CARD_FILE).read_text())
+    return {**card, "weights_sha256": file_sha256(Path(folder) / WEIGHTS_FILE)}

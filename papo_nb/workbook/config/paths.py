@@ -8,7 +8,7 @@ import torch
 
 from papo_nb.testbed.models import build_tiny_vlm
 from papo_nb.testbed.perception import testbed_name
-from papo_nb.testbed.policy import build_testbed
+from papo_nb.testbed.policy import pinned_testbed
 from papo_nb.workbook.config.params import WorkbookParams
 
 TINY_PREFIX = "tiny:"
@@ -23,12 +23,12 @@ def resolve_device(params: WorkbookParams) -> str:
 
 
 def resolve_model_path(params: WorkbookParams, cache_dir: str | Path | None = None) -> str:
-    """``tiny:<family>`` builds the offline tiny model (cached); ``testbed:<name>`` builds the warm-started
-    perception testbed (cached; always its build seed 0, so every run seed starts from the same policy); anything
+    """``tiny:<family>`` builds the offline tiny model (cached); ``testbed:<name>`` is the shipped warm-started
+    perception testbed (seed 0, checked by SHA-256: every machine and run seed starts from the same policy); anything
     else is a hub id or local folder."""
     testbed = testbed_name(params.model_name_or_path)
     if testbed is not None:
-        return str(build_testbed(testbed, seed=0, cache_dir=cache_dir))
+        return str(pinned_testbed(testbed))
     if params.model_name_or_path.startswith(TINY_PREFIX):
         family = params.model_name_or_path[len(TINY_PREFIX) :]
         return str(build_tiny_vlm(family, seed=params.seed, cache_dir=cache_dir))

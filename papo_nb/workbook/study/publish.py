@@ -87,7 +87,11 @@ def write_results_page(
         "Written by notebook 04 (`papo_nb.workbook.study.publish`); every number below is that run's.",
         f"## Settings\n{settings}",
         f"## The policy's build card (greedy, {card.get('card_items', 'n/a')} held-out items)\n"
-        + (card_markdown(card) + f"\n\nWarm start: {card.get('sft_steps')} steps." if card else "not a testbed"),
+        + (
+            card_markdown(card) + f"\n\nWarm start: {card.get('sft_steps')} steps. " + _policy_line(card)
+            if card
+            else "not a testbed"
+        ),
         "## Dose-response (mean over seeds, +/- 95% CI)\n![dose-response](dose_response.png)\n\n"
         + dose.dose_markdown(dose_rows)
         + f"\n\nEach gamma against GRPO (gamma 0), paired over seeds: [{CONTRASTS_PAGE}]({CONTRASTS_PAGE}).",
@@ -145,14 +149,33 @@ def _effect(scores: dict, power_row: dict) -> dict:
     return {"diff": test["diff"], "p_value": test["p_value"], "mde": power_row["mde"], "verdict": verdict}
 
 
+def _policy_line(card: dict) -> str:
+    if "weights_sha256" not in card:
+        return (
+            "Weights: not pinned (this page predates the shipped testbed weights; its card came from a fresh build)."
+        )
+    return (
+        f"Weights: SHA-256 `{card['weights_sha256']}`. Exact on any machine: this card, scored on these weights. "
+        "Statistical: every number after RL training, whose float path differs between CPUs; a fresh run on another "
+        "machine matches it within its confidence intervals, not bit for bit."
+    )
+
+
+def policy_hash(page: Path) -> str:
+    """The first 12 hex digits of the weights a page ran, or "not pinned" for a page written before they were."""
+    card = page / CARD
+    sha = json.loads(card.read_text()).get("weights_sha256") if card.exists() else None
+    return f"`{sha[:12]}`" if sha else "not pinned"
+
+
 def summary_markdown(root: str | Path, link_prefix: str = "") -> str:
     """One row per results page under ``root``: PAPO-G - GRPO on the headline metrics with its MDE and verdict,
     and the collapse arm's gamma; pages are linked as ``<link_prefix><page>/results.md``."""
     root = Path(root)
     lines = [
         "| page | testbed | finetuning | seeds | GRPO vision avg@k | PAPO-G - GRPO, vision avg@k | "
-        "PAPO-G - GRPO, reliance gap | collapse gamma |",
-        "|---|---|---|---|---:|---|---|---:|",
+        "PAPO-G - GRPO, reliance gap | collapse gamma | weights |",
+        "|---|---|---|---|---:|---|---|---:|---|",
     ]
     for path in sorted(root.glob(f"*/{SUMMARY}")):
         summary = json.loads(path.read_text())
@@ -163,7 +186,7 @@ def summary_markdown(root: str | Path, link_prefix: str = "") -> str:
             f"{summary['finetuning']} | "
             f"{summary['seeds']} | {summary['grpo']['avg_at_k/original/vision']:.3f} | "
             f"{effects['avg_at_k/original/vision']['verdict']} | {effects['avg_at_k/gap/vision']['verdict']} | "
-            f"{collapse} |"
+            f"{collapse} | {policy_hash(path.parent)} |"
         )
     return "\n".join(lines) + "\n"
 
