@@ -9,6 +9,7 @@ import trl
 from trl import GRPOTrainer
 
 from papo_nb.papo import contract
+from papo_nb.papo.probe import contract as probe_contract
 from papo_nb.workbook.verification import provenance
 
 
@@ -16,8 +17,8 @@ def test_constants_match_the_spec():
     assert contract.PAPO_ADAPTER_VERSION == "trl_0.29.1_papo_g_on_trl_1.9.1_v1"
     assert contract.PAPO_UPSTREAM_SOURCE_SHA256 == "9836f4505f7026c90cd5ca5b97151dd14c1bc27bcd2bc5a8fca6626c68279175"
     assert contract.PAPO_UPSTREAM_SOURCE_URL.endswith("/v0.29.1/trl/experimental/papo/papo_trainer.py")
-    assert contract.GAMMA_ZERO_GRADIENT_REL_TOL == 5e-2
-    assert contract.GAMMA_ZERO_GRADIENT_ABS_FLOOR == 1e-6
+    assert probe_contract.GAMMA_ZERO_GRADIENT_REL_TOL == 5e-2
+    assert probe_contract.GAMMA_ZERO_GRADIENT_ABS_FLOOR == 1e-6
     assert contract.PAPO_PROBE_MAX_DEGENERATE_BATCHES == 20
 
 

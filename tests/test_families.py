@@ -314,7 +314,7 @@ def test_gamma_zero_is_the_parent_bit_for_bit_and_masks_are_shared_per_prompt(fa
     before = batch["pixel_values"].clone()
     masked = papo.masked_pixel_values(batch)
     assert torch.equal(before, batch["pixel_values"]) and not torch.equal(masked, before)
-    patches = papo.batch_patch_map(batch)
+    patches = papo.masks.patch_map(batch)
     assert patches.layout == LAYOUT_OF[family] and patches.patch_size == patch_size_of(family)
     keys = masking.sample_keys(batch)
     pieces = [masked[a:b] for a, b in patches.sample_rows]

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from papo_nb.papo.probe import probe_batches
-from papo_nb.papo.probe_projection import (
+from papo_nb.papo.probe.projection import (
     COLLINEAR,
     NO_GRAPH,
     POWER_MARGIN,

@@ -9,7 +9,7 @@ from tiny_trainers import tiny_trainer, unit_params
 from trl import GRPOConfig, GRPOTrainer
 
 from papo_nb.papo import PAPOGConfig, PAPOGTrainer, masking, recipes
-from papo_nb.papo.papo_trainer import logp_call_arguments
+from papo_nb.papo.logp_inputs import logp_call_arguments
 from papo_nb.papo.terms import K3_BOUND, bounded_k3
 from papo_nb.testbed.models import load_vlm
 from papo_nb.workbook.training.builder import lora_config
@@ -217,11 +217,14 @@ def test_config_defaults_are_the_official_3b_recipe(tmp_path):
 
 @pytest.mark.parametrize("name", list(recipes.RECIPES))
 def test_every_recipe_builds_a_config_with_each_field_set(tmp_path, name):
-    args = recipes.recipe_config(
-        name, output_dir=str(tmp_path), use_cpu=True, bf16=False, per_device_train_batch_size=10
-    )
+    cpu = dict(output_dir=str(tmp_path), use_cpu=True, bf16=False)  # the machine's settings, no batch size
+    args = recipes.recipe_config(name, **cpu)  # one prompt's rollouts per device batch
     for field, value in recipes.recipe(name).items():
         assert getattr(args, field) == value, field
+    assert args.per_device_train_batch_size == args.num_generations == 5
+    assert args.generation_batch_size == 5
+    sized = recipes.recipe_config(name, **cpu, per_device_train_batch_size=10)  # a batch size of the run's own wins
+    assert (sized.per_device_train_batch_size, sized.generation_batch_size) == (10, 10)
     with pytest.raises(ValueError, match="allowed: papo_g_3b, papo_g_7b, papo_g_no_kl_ref"):
         recipes.recipe("papo_g_13b")
 
