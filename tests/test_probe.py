@@ -235,8 +235,13 @@ def test_a_leak_the_norm_rule_cannot_see_fails_the_projection_test(real):
 @pytest.mark.model
 def test_probe_batches_looks_at_the_next_batch(real):
     trainer, batch = real
-    evidence = probe_batches(trainer, [batch, batch], max_degenerate_batches=5)
-    assert evidence.passed and evidence.leak_detection_power >= 1
+    image_keys = ("pixel_values", "image_grid_thw", "num_images", "mm_token_type_ids")
+    text_only = {k: v for k, v in batch.items() if k not in image_keys}  # deferred: nothing to perceive
+    text_only["prompt_ids"], text_only["prompt_mask"] = batch["prompt_ids"][:, -4:], batch["prompt_mask"][:, -4:]
+    first = probe_batches(trainer, [text_only], max_degenerate_batches=5)
+    assert first.status == "pending" and first.batches_without_images == 1
+    evidence = probe_batches(trainer, [text_only, batch], max_degenerate_batches=5)
+    assert evidence.passed and evidence.batches_without_images == 1 and evidence.leak_detection_power >= 1
 
 
 @pytest.mark.model
