@@ -14,8 +14,8 @@ from trl import GRPOTrainer
 from papo_nb.papo import masking
 from papo_nb.testbed import families, models
 from papo_nb.workbook.config import params
+from papo_nb.workbook.rollouts import rollout_batch
 from papo_nb.workbook.training import builder
-from papo_nb.workbook.verification.batches import rollout_batch
 
 FAMILY_NAMES = models.TINY_FAMILIES
 LAYOUT_OF = {"qwen2_vl": "grid_rows", "qwen2_5_vl": "grid_rows"} | {n: f.layout for n, f in families.FAMILIES.items()}

@@ -13,8 +13,8 @@ from transformers import TrainerCallback
 from papo_nb.papo import rollout_branch, shared_prefix
 from papo_nb.papo.step_guard import NonFiniteGradientError
 from papo_nb.testbed.models import load_vlm
+from papo_nb.workbook.rollouts import clone_batch, rollout_batch
 from papo_nb.workbook.training.builder import lora_config
-from papo_nb.workbook.verification.batches import clone_batch, rollout_batch
 
 pytestmark = pytest.mark.model  # every test here builds and runs a VLM
 

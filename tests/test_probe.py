@@ -15,8 +15,8 @@ from papo_nb.papo.probe import PASS_RULE, GammaZeroProbe, ProbeFailure, probe_ba
 from papo_nb.papo.probe.contract import GAMMA_ZERO_GRADIENT_ABS_FLOOR, GAMMA_ZERO_GRADIENT_REL_TOL
 from papo_nb.papo.probe.projection import NO_GRAPH, POWER_MARGIN, RECIPE_GAMMA, leak_assembly
 from papo_nb.testbed.models import load_vlm
+from papo_nb.workbook.rollouts import rollout_batch
 from papo_nb.workbook.training.builder import lora_config
-from papo_nb.workbook.verification.batches import rollout_batch
 
 
 class LeakyPAPOGTrainer(PAPOGTrainer):

@@ -47,7 +47,7 @@ def make_testbed_trainer(testbed_path, folder, **overrides):
 
 
 def rollouts(trainer, n: int, seed: int = 0):
-    from papo_nb.workbook.verification.batches import rollout_batch
+    from papo_nb.workbook.rollouts import rollout_batch
 
     dataset = trainer.train_dataset
     return [rollout_batch(trainer, dataset, 2, start=(2 * b) % (len(dataset) - 1), seed=seed + b) for b in range(n)]

@@ -58,8 +58,8 @@ def setup(tiny_vlm_path, shapes_dataset, tmp_path_factory):
     from tiny_trainers import tiny_trainer, unit_params
 
     from papo_nb.testbed.models import load_vlm
+    from papo_nb.workbook.rollouts import rollout_batch
     from papo_nb.workbook.training.builder import lora_config
-    from papo_nb.workbook.verification.batches import rollout_batch
 
     folder = tmp_path_factory.mktemp("sharded")
     model, processor = load_vlm(str(tiny_vlm_path))

@@ -12,8 +12,8 @@ from trl import GRPOTrainer
 from papo_nb.papo import PAPOGConfig, masking, shared_prefix
 from papo_nb.papo.logp_inputs import logp_call_arguments
 from papo_nb.testbed.models import build_tiny_vlm, load_vlm
+from papo_nb.workbook.rollouts import rollout_batch
 from papo_nb.workbook.training.builder import lora_config
-from papo_nb.workbook.verification.batches import rollout_batch
 
 FAMILIES = ("qwen2_vl", "qwen2_5_vl")
 FP32_TOL = 1e-5

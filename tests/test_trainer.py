@@ -12,8 +12,8 @@ from papo_nb.papo import PAPOGConfig, PAPOGTrainer, masking, recipes
 from papo_nb.papo.logp_inputs import logp_call_arguments
 from papo_nb.papo.terms import K3_BOUND, bounded_k3
 from papo_nb.testbed.models import load_vlm
+from papo_nb.workbook.rollouts import clone_batch, rollout_batch
 from papo_nb.workbook.training.builder import lora_config
-from papo_nb.workbook.verification.batches import clone_batch, rollout_batch
 
 
 @pytest.fixture(scope="module")

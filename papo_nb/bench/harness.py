@@ -194,7 +194,7 @@ def build_setup(
     from trl import GRPOTrainer
 
     from papo_nb.testbed.shapes import make_shapes_dataset
-    from papo_nb.workbook.verification.batches import rollout_batch
+    from papo_nb.workbook.rollouts import rollout_batch
 
     start = time.perf_counter()
     work_dir = Path(work_dir or tempfile.mkdtemp(prefix="papo_bench_"))

@@ -172,7 +172,7 @@ def one_run(trainer, clock: GenerateClock, device: str, steps: int) -> dict[str,
 def token_shape(trainer, dataset, n_prompts: int) -> dict[str, float]:
     """Mean prompt (image tokens included) and completion tokens of one generated round of ``n_prompts`` (a whole
     round: TRL's chunked log-prob pass indexes past a batch smaller than its chunk)."""
-    from papo_nb.workbook.verification.batches import rollout_batch
+    from papo_nb.workbook.rollouts import rollout_batch
 
     batch = rollout_batch(trainer, dataset, n_prompts, seed=0)
     return dict(

@@ -170,24 +170,24 @@ def _assembly_numbers(trainer, zero_gamma_loss, parent_loss, g_zero, g_parent, l
     parent_norm, tolerance = batch["parent_grad_norm"], batch["tolerance"]
     zero_norm, diff = norm([g_zero, g_zero - g_parent])
     tested = [e for e in leaks.values() if e["testable"]]
-    numbers = dict(
-        parent_loss=mean_parent,
-        zero_gamma_loss=zero_value,
-        loss_bit_equal=loss_bit_equal,
-        parent_grad_norm=parent_norm,
-        zero_gamma_grad_norm=zero_norm,
-        grad_diff_norm=diff,
-        grad_diff_relative=diff / parent_norm if parent_norm > 0 else (0.0 if diff == 0 else math.inf),
-        tolerance=tolerance,
-        norm_statistic=diff / tolerance,
+    numbers = {
+        "parent_loss": mean_parent,
+        "zero_gamma_loss": zero_value,
+        "loss_bit_equal": loss_bit_equal,
+        "parent_grad_norm": parent_norm,
+        "zero_gamma_grad_norm": zero_norm,
+        "grad_diff_norm": diff,
+        "grad_diff_relative": diff / parent_norm if parent_norm > 0 else (0.0 if diff == 0 else math.inf),
+        "tolerance": tolerance,
+        "norm_statistic": diff / tolerance,
         **{k: batch[k] for k in ("perception_kl", "perception_grad_norm", "leak_detection_power", "gamma")},
         **{k: batch[k] for k in ("gamma_leak_detection_power", "roundoff_mode", "roundoff_norm", "roundoff_relative")},
-        term_leaks=leaks,
-        projection_statistic=max((e["statistic"] for e in tested), default=None),
-        perception_detectable_coefficient=leaks["perception_kl"].get("detectable_coefficient"),
-        weakest_margin_at_recipe_gamma=min((e["margin_at_recipe_gamma"] for e in tested), default=None),
-        powered=probe_projection.powered(leaks),
-    )
+        "term_leaks": leaks,
+        "projection_statistic": max((e["statistic"] for e in tested), default=None),
+        "perception_detectable_coefficient": leaks["perception_kl"].get("detectable_coefficient"),
+        "weakest_margin_at_recipe_gamma": min((e["margin_at_recipe_gamma"] for e in tested), default=None),
+        "powered": probe_projection.powered(leaks),
+    }
     return {**numbers, **{k: batch[k] for k in ("dtype", "autocast_enabled", "autocast_dtype", "trl_version")}}
 
 

@@ -20,7 +20,7 @@ from papo_nb.papo.contract import PAPO_PROBE_MAX_DEGENERATE_BATCHES
 from papo_nb.papo.probe import measure_gamma_zero_variants, probe_batches
 from papo_nb.papo.probe.contract import GAMMA_ZERO_GRADIENT_ABS_FLOOR, GAMMA_ZERO_GRADIENT_REL_TOL
 from papo_nb.papo.probe.projection import POWER_MARGIN, PROJECTION_Z, RECIPE_GAMMA, TERM_NAMES, leak_assembly
-from papo_nb.workbook.verification.batches import rollout_batch
+from papo_nb.workbook.rollouts import rollout_batch
 from papo_nb.workbook.verification.calibration_plots import plot_both_tests, plot_calibration, plot_power, zero_floor
 
 __all__ = [
