@@ -1,7 +1,7 @@
 """Probe calibration: do the probe's two tests separate real backward roundoff from leaks of the PAPO terms?
 
 For each phase (fresh adapter, trained policy), precision and batch it runs the probe in its calibration mode (real
-roundoff on the CPU: the zero-gamma gradient accumulated over another split of the batch, ``probe_roundoff``) on the
+roundoff on the CPU: the zero-gamma gradient accumulated over another split of the batch, ``probe.roundoff``) on the
 clean adapter and on value-neutral leaks of ``RECIPE_GAMMA`` (0.02) x each PAPO term, and records per batch: the
 parent gradient, the roundoff, the spec norm rule's numbers (and an injected leak of the whole perception term, as
 before), and per term the projection test's leak coefficient, noise floor and the smallest coefficient each test
