@@ -161,3 +161,19 @@ def test_grad_norm_hook_holds_and_names_its_drift():
 
     with pytest.raises(contract.ContractError, match=r"_get_grad_norm signature changed: \('self', 'model'\)"):
         contract.validate_grad_norm_hook(Drifted)
+
+
+def test_the_trainer_forwards_exactly_the_parents_parameters():
+    """``PAPOGTrainer.__init__`` spells out the parent's parameters (names, order, defaults) and forwards them by
+    name: a parameter TRL adds or renames shows here before it is silently dropped."""
+    import inspect
+
+    from trl import GRPOTrainer
+
+    from papo_nb.papo import PAPOGTrainer
+    from papo_nb.papo.papo_trainer import PARENT_PARAMETERS
+
+    ours = list(inspect.signature(PAPOGTrainer.__init__).parameters.values())[1:]
+    parents = list(inspect.signature(GRPOTrainer.__init__).parameters.values())[1:]
+    assert [p.name for p in ours] == [p.name for p in parents] == list(PARENT_PARAMETERS)
+    assert [p.default for p in ours] == [p.default for p in parents]

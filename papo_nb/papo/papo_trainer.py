@@ -37,7 +37,7 @@ from .terms import PerceptionTerms, normalise_like_parent, perception_terms
 
 # The parent's constructor parameters, which __init__ forwards by name (its own signature spells them out).
 PARENT_PARAMETERS = tuple(inspect.signature(GRPOTrainer.__init__).parameters)[1:]
-__all__ = ["PAPOGTrainer", "PerceptionTerms"]
+__all__ = ["PAPOGTrainer"]
 
 
 class PAPOGTrainer(GRPOTrainer):
