@@ -10,56 +10,14 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import platform
 import signal
 import sys
 import time
 from collections.abc import Callable, Sequence
-from importlib import metadata
 from pathlib import Path
 
 from papo_nb import __version__
-
-NOT_INSTALLED = "not installed"
-
-# Distributions whose versions ``environment_report`` lists, in this order.
-REPORTED_PACKAGES = ("torch", "torchvision", "trl", "transformers", "peft", "mlflow")
-
-
-# --------------------------------------------------------------------------------------------
-# environment report (also meant for notebooks)
-# --------------------------------------------------------------------------------------------
-
-
-def _version(distribution: str) -> str:
-    try:
-        return metadata.version(distribution)
-    except metadata.PackageNotFoundError:
-        return NOT_INSTALLED
-
-
-def environment_report() -> dict[str, str | bool]:
-    """Versions of Python and the key libraries, and whether CUDA is usable.
-
-    Keys: ``python``, ``torch``, ``torchvision``, ``trl``, ``transformers``, ``peft``,
-    ``mlflow`` (version strings, ``"not installed"`` when absent), ``cuda_available`` (bool)
-    and, only when CUDA is available, ``cuda_device`` (name of device 0).
-    """
-    report: dict[str, str | bool] = {"python": platform.python_version()}
-    for name in REPORTED_PACKAGES:
-        report[name] = _version(name)
-    cuda_available = False
-    device = None
-    if report["torch"] != NOT_INSTALLED:
-        import torch
-
-        cuda_available = bool(torch.cuda.is_available())
-        if cuda_available:
-            device = torch.cuda.get_device_name(0)
-    report["cuda_available"] = cuda_available
-    if device is not None:
-        report["cuda_device"] = device
-    return report
+from papo_nb.infra.environment import environment_report
 
 
 def _format_value(value: object) -> str:

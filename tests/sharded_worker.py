@@ -37,7 +37,7 @@ from tiny_trainers import tiny_trainer, unit_params  # noqa: E402
 
 from papo_nb.papo import PAPOGTrainer  # noqa: E402
 from papo_nb.papo.probe import GammaZeroProbe, ProbeFailure  # noqa: E402
-from papo_nb.papo.probe_reduce import local_piece  # noqa: E402
+from papo_nb.papo.probe.reduce import local_piece  # noqa: E402
 from papo_nb.testbed.models import load_vlm  # noqa: E402
 from papo_nb.testbed.shapes import make_shapes_dataset  # noqa: E402
 from papo_nb.train.distributed import fully_shard_blocks  # noqa: E402
@@ -72,8 +72,7 @@ def build(setup: dict, output_dir: Path, **overrides):
 def reset_masks(trainer) -> None:
     """Every rank draws the single-process masks (the trainer seeds mask_seed + rank), so both ranks compute the
     single process's gradient and FSDP's rank mean equals it."""
-    trainer.mask_generator.manual_seed(trainer.args.mask_seed)
-    trainer._mask_cache, trainer._mask_cache_round = {}, None
+    trainer.masks.restart(trainer.args.mask_seed)
 
 
 def probe_once(trainer, batch, assemble=None) -> dict:
@@ -87,7 +86,7 @@ def probe_once(trainer, batch, assemble=None) -> dict:
 
 def adapter_norm(model) -> float:
     """The 2-norm of the whole (gathered) trainable adapter: equal on every rank."""
-    from papo_nb.papo.probe_reduce import global_norms, local_piece
+    from papo_nb.papo.probe.reduce import global_norms, local_piece
 
     pieces = [local_piece(p.detach()).reshape(-1).double() for p in model.parameters() if p.requires_grad]
     return global_norms([torch.cat(pieces)])[0]

@@ -106,6 +106,32 @@ def test_a_violation_is_caught_and_named(module, source, expected):
     assert len(found) == 1 and expected in found[0], found
 
 
+CORE = "papo_nb.papo"
+PROBE = "papo_nb.papo.probe"
+
+
+def core_imports_of_the_probe(source: str, module: str, is_package: bool = False) -> list[str]:
+    """The imports by which a module of the adapter's core (``papo/`` outside ``papo/probe/``) reaches the probe."""
+    if not module.startswith(CORE) or module == PROBE or module.startswith(PROBE + "."):
+        return []
+    return [
+        f"{module}:{line} imports {name}: the core reaches the probe only through loss_observer.training_observer"
+        for line, name in imported_modules(source, module, is_package)
+        if name == PROBE or name.startswith(PROBE + ".")
+    ]
+
+
+@pytest.mark.parametrize("path", [p for p in MODULES if module_name(p).startswith(CORE)], ids=lambda p: p.name)
+def test_the_core_never_imports_the_probe(path):
+    assert core_imports_of_the_probe(path.read_text(), module_name(path), path.name == "__init__.py") == []
+
+
+def test_a_core_import_of_the_probe_is_caught():
+    lazy = "def f():\n    from .probe import GammaZeroProbe\n"
+    assert len(core_imports_of_the_probe(lazy, "papo_nb.papo.papo_trainer")) == 1
+    assert core_imports_of_the_probe("from ..fsdp import sharded\n", "papo_nb.papo.probe.reduce") == []
+
+
 def test_allowed_imports_pass():
     adapter = (
         "import torch\nfrom trl import GRPOTrainer\nfrom peft import PeftModel\nimport json\nfrom . import masking"

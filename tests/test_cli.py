@@ -14,7 +14,9 @@ import pytest
 
 import papo_nb
 from papo_nb import cli
-from papo_nb.cli import NOT_INSTALLED, REPORTED_PACKAGES, environment_report, main
+from papo_nb.cli import main
+from papo_nb.infra import environment
+from papo_nb.infra.environment import NOT_INSTALLED, REPORTED_PACKAGES, environment_report
 
 SCRIPT = Path(sys.executable).parent / ("papo-nb.exe" if os.name == "nt" else "papo-nb")
 BASE_KEYS = ["python", *REPORTED_PACKAGES, "cuda_available"]
@@ -120,7 +122,7 @@ def test_report_marks_missing_packages(monkeypatch):
             raise metadata.PackageNotFoundError(name)
         return real(name)
 
-    monkeypatch.setattr(cli.metadata, "version", fake_version)
+    monkeypatch.setattr(environment.metadata, "version", fake_version)
     report = environment_report()
     assert report["peft"] == NOT_INSTALLED
     assert report["torch"] == NOT_INSTALLED

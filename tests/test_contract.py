@@ -9,6 +9,7 @@ import trl
 from trl import GRPOTrainer
 
 from papo_nb.papo import contract
+from papo_nb.papo.probe import contract as probe_contract
 from papo_nb.workbook.verification import provenance
 
 
@@ -16,8 +17,8 @@ def test_constants_match_the_spec():
     assert contract.PAPO_ADAPTER_VERSION == "trl_0.29.1_papo_g_on_trl_1.9.1_v1"
     assert contract.PAPO_UPSTREAM_SOURCE_SHA256 == "9836f4505f7026c90cd5ca5b97151dd14c1bc27bcd2bc5a8fca6626c68279175"
     assert contract.PAPO_UPSTREAM_SOURCE_URL.endswith("/v0.29.1/trl/experimental/papo/papo_trainer.py")
-    assert contract.GAMMA_ZERO_GRADIENT_REL_TOL == 5e-2
-    assert contract.GAMMA_ZERO_GRADIENT_ABS_FLOOR == 1e-6
+    assert probe_contract.GAMMA_ZERO_GRADIENT_REL_TOL == 5e-2
+    assert probe_contract.GAMMA_ZERO_GRADIENT_ABS_FLOOR == 1e-6
     assert contract.PAPO_PROBE_MAX_DEGENERATE_BATCHES == 20
 
 
@@ -160,3 +161,19 @@ def test_grad_norm_hook_holds_and_names_its_drift():
 
     with pytest.raises(contract.ContractError, match=r"_get_grad_norm signature changed: \('self', 'model'\)"):
         contract.validate_grad_norm_hook(Drifted)
+
+
+def test_the_trainer_forwards_exactly_the_parents_parameters():
+    """``PAPOGTrainer.__init__`` spells out the parent's parameters (names, order, defaults) and forwards them by
+    name: a parameter TRL adds or renames shows here before it is silently dropped."""
+    import inspect
+
+    from trl import GRPOTrainer
+
+    from papo_nb.papo import PAPOGTrainer
+    from papo_nb.papo.papo_trainer import PARENT_PARAMETERS
+
+    ours = list(inspect.signature(PAPOGTrainer.__init__).parameters.values())[1:]
+    parents = list(inspect.signature(GRPOTrainer.__init__).parameters.values())[1:]
+    assert [p.name for p in ours] == [p.name for p in parents] == list(PARENT_PARAMETERS)
+    assert [p.default for p in ours] == [p.default for p in parents]

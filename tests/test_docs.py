@@ -17,7 +17,10 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 FIDELITY = ROOT / "docs" / "FIDELITY.md"
 ADAPTER = ROOT / "papo_nb" / "papo"
-ADAPTER_MODULES = frozenset(p.stem for p in ADAPTER.glob("*.py") if p.stem != "__init__")
+# Its modules and subpackages (``probe.projection.power_shortfall`` resolves under papo_nb.papo too).
+ADAPTER_MODULES = frozenset(p.stem for p in ADAPTER.glob("*.py") if p.stem != "__init__") | frozenset(
+    p.parent.name for p in ADAPTER.glob("*/__init__.py")
+)
 PACKAGE_MODULES = frozenset(p.stem for p in (ROOT / "papo_nb").rglob("*.py") if p.stem != "__init__")
 FILE_SUFFIXES = ("py", "sh", "yaml", "md", "json", "png", "ipynb", "safetensors")
 # Rows another change rewrites (the masked branch's timing and cost); until then they may still cite by line.
@@ -61,7 +64,9 @@ SYMBOLS = sorted(set(cited_symbols(TEXT)))
 
 
 def test_fidelity_cites_the_project_by_symbol():
-    assert len(SYMBOLS) >= 30, SYMBOLS  # the table cites the trainer, config, terms and masking throughout
+    # The table cites the trainer, config, terms, masking and the masked branch throughout: 47 distinct symbols
+    # (a row that cites another symbol or drops one changes this count on purpose).
+    assert len(SYMBOLS) == 47, SYMBOLS
 
 
 @pytest.mark.parametrize("symbol", SYMBOLS)

@@ -14,8 +14,8 @@ from trl import GRPOTrainer
 from papo_nb.papo import masking
 from papo_nb.testbed import families, models
 from papo_nb.workbook.config import params
+from papo_nb.workbook.rollouts import rollout_batch
 from papo_nb.workbook.training import builder
-from papo_nb.workbook.verification.batches import rollout_batch
 
 FAMILY_NAMES = models.TINY_FAMILIES
 LAYOUT_OF = {"qwen2_vl": "grid_rows", "qwen2_5_vl": "grid_rows"} | {n: f.layout for n, f in families.FAMILIES.items()}
@@ -314,7 +314,7 @@ def test_gamma_zero_is_the_parent_bit_for_bit_and_masks_are_shared_per_prompt(fa
     before = batch["pixel_values"].clone()
     masked = papo.masked_pixel_values(batch)
     assert torch.equal(before, batch["pixel_values"]) and not torch.equal(masked, before)
-    patches = papo.batch_patch_map(batch)
+    patches = papo.masks.patch_map(batch)
     assert patches.layout == LAYOUT_OF[family] and patches.patch_size == patch_size_of(family)
     keys = masking.sample_keys(batch)
     pieces = [masked[a:b] for a, b in patches.sample_rows]

@@ -6,7 +6,7 @@ import io
 import numpy as np
 import pytest
 
-from papo_nb.papo.contract import GAMMA_ZERO_GRADIENT_ABS_FLOOR, GAMMA_ZERO_GRADIENT_REL_TOL
+from papo_nb.papo.probe.contract import GAMMA_ZERO_GRADIENT_ABS_FLOOR, GAMMA_ZERO_GRADIENT_REL_TOL
 from papo_nb.workbook.training.figures import PANELS, plot_training_curves
 from papo_nb.workbook.verification.calibration import CalibrationPoint, plot_calibration, zero_floor
 

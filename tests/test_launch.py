@@ -319,6 +319,7 @@ def test_phase2_restores_the_trained_adapter_trainable_with_the_chosen_reference
 ):
     from safetensors.torch import load_file
 
+    from papo_nb.workbook.rollouts import rollout_batch
     from papo_nb.workbook.training.checkpoints import (
         REFERENCE_MATCH_TOL,
         adapter_tensors,
@@ -326,7 +327,6 @@ def test_phase2_restores_the_trained_adapter_trainable_with_the_chosen_reference
         reference_evidence,
     )
     from papo_nb.workbook.training.run import prepare_training
-    from papo_nb.workbook.verification.batches import rollout_batch
 
     trained = killed_and_resumed["out"] / f"checkpoint-{MAX_STEPS}"
     params = load_params(SMOKE, [f"init_adapter={trained}", f"reference_policy={reference}", "beta=0.01"])

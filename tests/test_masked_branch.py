@@ -13,8 +13,8 @@ from transformers import TrainerCallback
 from papo_nb.papo import rollout_branch, shared_prefix
 from papo_nb.papo.step_guard import NonFiniteGradientError
 from papo_nb.testbed.models import load_vlm
+from papo_nb.workbook.rollouts import clone_batch, rollout_batch
 from papo_nb.workbook.training.builder import lora_config
-from papo_nb.workbook.verification.batches import clone_batch, rollout_batch
 
 pytestmark = pytest.mark.model  # every test here builds and runs a VLM
 
@@ -54,7 +54,7 @@ def test_the_round_carries_the_masked_branch_and_both_timings_agree_on_it(tiny_v
         batch = rollout_batch(rollout, shapes_dataset, n_prompts=2, seed=0)
         stored = batch[rollout_branch.MASKED_LOGPS_KEY]
         assert stored.shape == batch["completion_ids"].shape and not stored.requires_grad
-        assert rollout_branch.stored_branch(rollout, batch) is not None
+        assert rollout.masked_branch.stored(batch) is not None
         assert rollout._metrics["train"][shared_prefix.METRIC] == [1.0 if masked_forward == "auto" else 0.0]
         if masked_forward == "auto":
             assert rollout._metrics["train"][shared_prefix.SHARE_METRIC] == [G]
@@ -68,18 +68,18 @@ def test_the_round_carries_the_masked_branch_and_both_timings_agree_on_it(tiny_v
             masked_branch="update",
             masked_forward=masked_forward,
         )
-        assert rollout_branch.stored_branch(update, batch) is None, "another trainer's branch is not reused"
-        before = rollout.masked_branch_clock.seconds
+        assert update.masked_branch.stored(batch) is None, "another trainer's branch is not reused"
+        before = rollout.masked_branch.clock.seconds
         losses, grads = [], []
         for trainer in (rollout, update):
             trainer.current_gradient_accumulation_steps = 1
             loss = trainer._compute_loss(trainer.model, batch)
             losses.append(loss.detach())
             grads.append(trainable_grads(trainer.model, loss))
-        assert rollout.masked_branch_clock.seconds == before, (
+        assert rollout.masked_branch.clock.seconds == before, (
             "the rollout trainer must not recompute the masked branch"
         )
-        assert update.masked_branch_clock.seconds > 0
+        assert update.masked_branch.clock.seconds > 0
         assert torch.allclose(losses[0], losses[1], atol=FP32_TOL, rtol=0), (losses, masked_forward)
         assert (grads[0] - grads[1]).norm() <= FP32_TOL * grads[1].norm(), masked_forward
         assert grads[1].norm() > 0
@@ -159,7 +159,7 @@ def test_iterations_and_accumulation_compute_the_masked_branch_as_the_timing_say
     expected = rounds if timing == "rollout" else loss_calls
     # the shared/full metric is recorded where the branch runs: once per round, or in every loss call
     assert len(logged(trainer, shared_prefix.METRIC)) == (1 if timing == "rollout" else 2)
-    assert trainer.masked_branch_clock.calls == expected, (timing, trainer.masked_branch_clock.calls)
+    assert trainer.masked_branch.clock.calls == expected, (timing, trainer.masked_branch.clock.calls)
 
 
 def test_a_round_batch_without_its_masked_branch_is_refused(tiny_vlm_path, shapes_dataset, tmp_path):
@@ -179,7 +179,9 @@ def test_text_only_round_stores_nothing_and_has_a_zero_perception_term(tiny_vlm_
         for k, v in batch.items()
         if k not in ("pixel_values", "image_grid_thw", "num_images", "mm_token_type_ids")
     }
-    assert rollout_branch.masked_branch_entries(trainer, text_only) == {}
+    assert (
+        trainer.masked_branch.rollout_entries(text_only, trainer.masked_pixel_values, trainer._with_entropy_grad) == {}
+    )
     text_only["prompt_ids"], text_only["prompt_mask"] = (
         text_only["prompt_ids"][:, -4:],
         text_only["prompt_mask"][:, -4:],

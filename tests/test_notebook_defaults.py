@@ -90,7 +90,13 @@ def test_comment_drift_names_the_contradiction(tmp_path):
 
 
 def test_notebooks_found():
-    assert len(NOTEBOOKS) >= 3, NOTEBOOKS
+    assert [p.stem for p in NOTEBOOKS] == [
+        "01_contract_verification",
+        "02_probe_calibration",
+        "03_training_run",
+        "04_method_study",
+        "05_evaluation",
+    ]
 
 
 @pytest.mark.parametrize("notebook", NOTEBOOKS, ids=lambda p: p.stem)

@@ -2,6 +2,7 @@
 
 import dataclasses
 import json
+import math
 
 import pytest
 import torch
@@ -9,12 +10,13 @@ from peft import get_peft_model
 from tiny_trainers import tiny_trainer, unit_params
 
 from papo_nb.papo import PAPOGTrainer
-from papo_nb.papo.contract import GAMMA_ZERO_GRADIENT_ABS_FLOOR, GAMMA_ZERO_GRADIENT_REL_TOL, PAPO_ADAPTER_VERSION
+from papo_nb.papo.contract import PAPO_ADAPTER_VERSION
 from papo_nb.papo.probe import PASS_RULE, GammaZeroProbe, ProbeFailure, probe_batch, probe_batches
-from papo_nb.papo.probe_projection import NO_GRAPH, POWER_MARGIN, RECIPE_GAMMA, leak_assembly
+from papo_nb.papo.probe.contract import GAMMA_ZERO_GRADIENT_ABS_FLOOR, GAMMA_ZERO_GRADIENT_REL_TOL
+from papo_nb.papo.probe.projection import NO_GRAPH, POWER_MARGIN, RECIPE_GAMMA, leak_assembly
 from papo_nb.testbed.models import load_vlm
+from papo_nb.workbook.rollouts import rollout_batch
 from papo_nb.workbook.training.builder import lora_config
-from papo_nb.workbook.verification.batches import rollout_batch
 
 
 class LeakyPAPOGTrainer(PAPOGTrainer):
@@ -233,8 +235,13 @@ def test_a_leak_the_norm_rule_cannot_see_fails_the_projection_test(real):
 @pytest.mark.model
 def test_probe_batches_looks_at_the_next_batch(real):
     trainer, batch = real
-    evidence = probe_batches(trainer, [batch, batch], max_degenerate_batches=5)
-    assert evidence.passed and evidence.leak_detection_power >= 1
+    image_keys = ("pixel_values", "image_grid_thw", "num_images", "mm_token_type_ids")
+    text_only = {k: v for k, v in batch.items() if k not in image_keys}  # deferred: nothing to perceive
+    text_only["prompt_ids"], text_only["prompt_mask"] = batch["prompt_ids"][:, -4:], batch["prompt_mask"][:, -4:]
+    first = probe_batches(trainer, [text_only], max_degenerate_batches=5)
+    assert first.status == "pending" and first.batches_without_images == 1
+    evidence = probe_batches(trainer, [text_only, batch], max_degenerate_batches=5)
+    assert evidence.passed and evidence.batches_without_images == 1 and evidence.leak_detection_power >= 1
 
 
 @pytest.mark.model
@@ -245,7 +252,7 @@ def test_probe_roundoff_modes_are_checked_before_any_gradient(real):
     parent, terms = trainer.papo_loss_parts(trainer.model, batch)
     with pytest.raises(ValueError, match="pass the batch as inputs="):
         GammaZeroProbe(roundoff="reordered").observe(trainer, trainer.model, parent, terms)
-    from papo_nb.papo.probe_roundoff import splits
+    from papo_nb.papo.probe.roundoff import splits
 
     with pytest.raises(ValueError, match="at least 4 sequences to split, got 2"):
         splits(2)
@@ -256,7 +263,7 @@ def test_probe_roundoff_modes_are_checked_before_any_gradient(real):
 def test_the_reordered_split_adds_up_to_the_batch_gradient(tiny_vlm_path, shapes_dataset, tmp_path, loss_type):
     """Chunks weighted per loss_type are exact pieces of the batch loss: their gradients sum to the batch gradient up
     to fp32 roundoff (not exactly: that roundoff is what the calibration mode measures)."""
-    from papo_nb.papo.probe_roundoff import accumulated_gradients, flat_grad, splits
+    from papo_nb.papo.probe.roundoff import accumulated_gradients, flat_grad, splits
 
     trainer, batch = build(tiny_vlm_path, shapes_dataset, tmp_path, loss_type=loss_type)
     params = [p for p in trainer.model.parameters() if p.requires_grad]
@@ -311,3 +318,45 @@ def test_probe_rollouts_starts_with_notebook_01s_batch(real, shapes_dataset):
     trainer, batch = real  # built from rollout_batch(trainer, dataset, n_prompts=2, seed=0)
     evidence = probe_rollouts(trainer, shapes_dataset, seed=0)
     assert evidence.passed and evidence == probe_batch(trainer, batch)
+
+
+def one_term_leaks(samples: list[torch.Tensor], injected_difference: torch.Tensor) -> dict:
+    """``term_leaks`` on a six-element gradient: the perception term lives on element 0, the parent on 3-5, the
+    batch's own difference is 0; ``injected_difference`` is what the injected leak left in the assembled gradient."""
+    from papo_nb.papo.probe.projection import term_leaks
+
+    g_parent = torch.tensor([0.0, 0.0, 0.0, 1.0, 1.0, 1.0], dtype=torch.float64)
+    g_term = torch.tensor([1.0, 0.0, 0.0, 0.0, 0.0, 0.0], dtype=torch.float64)
+    grads = {"perception_kl": g_term, "original_entropy": None, "masked_entropy": None}
+    (leaks,) = term_leaks(
+        [torch.zeros(6, dtype=torch.float64)],
+        {"perception_kl": injected_difference},
+        g_parent,
+        samples,
+        g_parent * g_parent,
+        grads,
+        1e-6,
+        lambda t: t,
+    )
+    return leaks
+
+
+def test_a_zero_floor_or_a_leak_that_rounds_away_never_powers_a_batch():
+    from papo_nb.papo.probe.projection import describe, powered
+
+    g_term = torch.tensor([1.0, 0.0, 0.0, 0.0, 0.0, 0.0], dtype=torch.float64)
+    noise = [torch.tensor([s * 1e-6, 0.0, 0.0, 0.0, 0.0, 0.0], dtype=torch.float64) for s in (1.0, -1.0)]
+    seen = one_term_leaks(noise, RECIPE_GAMMA * g_term)  # the control: roundoff measured, the leak seen
+    assert seen["perception_kl"]["powered"] and seen["perception_kl"]["power_shortfall"] is None and powered(seen)
+
+    # No roundoff where the term lives: the floor is exactly 0, so the seen leak "measures inf floors".
+    zero_floor = one_term_leaks([torch.zeros(6, dtype=torch.float64)] * 2, RECIPE_GAMMA * g_term)["perception_kl"]
+    assert zero_floor["noise_floor"] == 0.0 and zero_floor["injected_leak_over_floor"] == math.inf
+    assert zero_floor["powered"] is False and "noise floor is exactly 0" in zero_floor["power_shortfall"]
+    assert not powered({"perception_kl": zero_floor})
+
+    # The injected leak left nothing in the assembled gradient (bf16 rounded it away): coefficient exactly 0.
+    rounded = one_term_leaks(noise, torch.zeros(6, dtype=torch.float64))
+    assert rounded["perception_kl"]["injected_leak_coefficient"] == 0.0 and not powered(rounded)
+    assert "rounds away entirely" in rounded["perception_kl"]["power_shortfall"]
+    assert "not powered: the injected" in describe(rounded)

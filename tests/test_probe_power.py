@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from papo_nb.papo.probe import probe_batches
-from papo_nb.papo.probe_projection import (
+from papo_nb.papo.probe.projection import (
     COLLINEAR,
     NO_GRAPH,
     POWER_MARGIN,
@@ -47,7 +47,7 @@ def make_testbed_trainer(testbed_path, folder, **overrides):
 
 
 def rollouts(trainer, n: int, seed: int = 0):
-    from papo_nb.workbook.verification.batches import rollout_batch
+    from papo_nb.workbook.rollouts import rollout_batch
 
     dataset = trainer.train_dataset
     return [rollout_batch(trainer, dataset, 2, start=(2 * b) % (len(dataset) - 1), seed=seed + b) for b in range(n)]

@@ -58,8 +58,8 @@ def setup(tiny_vlm_path, shapes_dataset, tmp_path_factory):
     from tiny_trainers import tiny_trainer, unit_params
 
     from papo_nb.testbed.models import load_vlm
+    from papo_nb.workbook.rollouts import rollout_batch
     from papo_nb.workbook.training.builder import lora_config
-    from papo_nb.workbook.verification.batches import rollout_batch
 
     folder = tmp_path_factory.mktemp("sharded")
     model, processor = load_vlm(str(tiny_vlm_path))
@@ -72,8 +72,7 @@ def setup(tiny_vlm_path, shapes_dataset, tmp_path_factory):
     torch.save({"model": str(tiny_vlm_path), "batch": batch, "adapter": adapter}, path)
     single = build(torch.load(path, weights_only=False), folder / "single")
     real = probe_once(single, batch)
-    single.mask_generator.manual_seed(single.args.mask_seed)
-    single._mask_cache, single._mask_cache_round = {}, None
+    single.masks.restart(single.args.mask_seed)
     leaky = probe_once(single, batch, leaky_assemble)
     return dict(folder=folder, path=path, single=real, single_leaky=leaky)
 

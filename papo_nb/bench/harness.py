@@ -194,7 +194,7 @@ def build_setup(
     from trl import GRPOTrainer
 
     from papo_nb.testbed.shapes import make_shapes_dataset
-    from papo_nb.workbook.verification.batches import rollout_batch
+    from papo_nb.workbook.rollouts import rollout_batch
 
     start = time.perf_counter()
     work_dir = Path(work_dir or tempfile.mkdtemp(prefix="papo_bench_"))
@@ -330,7 +330,7 @@ def extra_forward(trainer, model, batch):
     """The floor: one more forward of the policy on the batch, exactly as the parent runs it, without gradient."""
     from trl import GRPOTrainer
 
-    from papo_nb.papo.papo_trainer import logp_call_arguments
+    from papo_nb.papo.logp_inputs import logp_call_arguments
 
     positional, vlm_kwargs = logp_call_arguments(batch)
     with torch.no_grad():

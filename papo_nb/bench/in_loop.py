@@ -11,7 +11,7 @@ tiny Qwen2-VL, 30.6M parameters), one thread, the variants interleaved round by 
 their full length (``min_new_tokens``), so that the weights a variant leaves behind do not change the next one's
 work. Per optimizer step it reports the wall time; the time without the sampling call itself (``model.generate``,
 timed around the call) with the masked branch counted wherever it runs; the masked branch's own time
-(``PAPOGTrainer.masked_branch_clock``); completions per prefill (``papo/masked_forward_share``); and the peak of
+(``PAPOGTrainer.masked_branch.clock``); completions per prefill (``papo/masked_forward_share``); and the peak of
 torch's CPU allocations (profiler; ``torch.cuda.max_memory_allocated`` on a GPU) in a separate, untimed run.
 
 The FLOP model of the no-sampling step: GRPO costs ``k * G * (P + R)`` per prompt (forward and backward, k = 3),
@@ -136,7 +136,7 @@ def one_run(trainer, clock: GenerateClock, device: str, steps: int) -> dict[str,
     from papo_nb.papo import shared_prefix
 
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
-    branch = getattr(trainer, "masked_branch_clock", None)
+    branch = getattr(getattr(trainer, "masked_branch", None), "clock", None)
     before = (
         clock.seconds,
         clock.cpu_seconds,
@@ -172,7 +172,7 @@ def one_run(trainer, clock: GenerateClock, device: str, steps: int) -> dict[str,
 def token_shape(trainer, dataset, n_prompts: int) -> dict[str, float]:
     """Mean prompt (image tokens included) and completion tokens of one generated round of ``n_prompts`` (a whole
     round: TRL's chunked log-prob pass indexes past a batch smaller than its chunk)."""
-    from papo_nb.workbook.verification.batches import rollout_batch
+    from papo_nb.workbook.rollouts import rollout_batch
 
     batch = rollout_batch(trainer, dataset, n_prompts, seed=0)
     return dict(

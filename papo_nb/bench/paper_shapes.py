@@ -9,7 +9,7 @@ model with LoRA, and these variants, interleaved round by round (``timing.time_i
     grpo_step           a GRPOTrainer optimizer step (loss + backward + clip + AdamW)
     papo_full_step      the same with PAPOGTrainer, ``masked_forward="full"`` (one full forward per completion)
     papo_shared_step    the same with ``masked_forward="shared_prefix"`` (one prefill per prompt)
-    masked_full         ``PAPOGTrainer._masked_forward`` alone, full form (masking + forward)
+    masked_full         ``PAPOGTrainer.masked_forward`` alone, full form (masking + forward)
     masked_shared       the same, shared-prefix form (masking + grouping + prefill + completions)
 
 Peak memory of each: torch's CPU allocation peak (profiler) or ``torch.cuda.max_memory_allocated`` above the start.
@@ -137,7 +137,7 @@ def make_variants(setup: harness.BenchSetup, context=contextlib.nullcontext) -> 
         return wrapped(lambda: harness.optimizer_step(trainer, s.model, s.batch, s.params, s.optimizer))
 
     def masked(name):
-        return wrapped(lambda: s.trainers[name]._masked_forward(s.model, s.batch))
+        return wrapped(lambda: s.trainers[name].masked_forward(s.model, s.batch))
 
     return {
         "grpo_step": harness.Variant(step("grpo"), s.reset),
@@ -166,9 +166,9 @@ def equivalence(setup: harness.BenchSetup, context=contextlib.nullcontext) -> di
     s = setup
     with torch.no_grad(), context():
         s.reset()
-        full = s.trainers["papo_full"]._masked_forward(s.model, s.batch)[0].float()
+        full = s.trainers["papo_full"].masked_forward(s.model, s.batch)[0].float()
         s.reset()
-        shared = s.trainers["papo_shared"]._masked_forward(s.model, s.batch)[0].float()
+        shared = s.trainers["papo_shared"].masked_forward(s.model, s.batch)[0].float()
         losses = []
         for name in ("papo_full", "papo_shared"):
             s.reset()

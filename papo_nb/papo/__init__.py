@@ -7,9 +7,12 @@ The core, read first:
 - ``terms.py``: the per-token maths (bounded k3 KL, the parent's reductions).
 - ``masking.py``: patch masks for every image layout TRL passes to the forward, and a prompt's identity.
 
-Set apart: ``shared_prefix.py`` (the masked branch with each prompt prefilled once), ``probe.py`` and
-``probe_reduce.py`` (the gamma-zero reduction probe, sharded too), ``contract.py`` (the spec's constants and the
-checks on TRL's private API), ``recipes.py`` (the official recipes as presets).
+Set apart: ``shared_prefix.py`` (the masked branch with each prompt prefilled once), ``contract.py`` (the TRL
+private API the trainer checks at construction), ``recipes.py`` (the official recipes as presets).
+
+Beside the core, never imported by it: ``probe/``, the gamma-zero probe (its verdicts, measurements, projection test,
+roundoff, FSDP2 reductions and the spec's tolerances). The trainer reaches it through one observer hook
+(``loss_observer.py``), and a copy of this folder without ``probe/`` trains as well.
 
 The folder imports only the standard library, torch, transformers, trl and peft, and itself by relative imports,
 so it lifts into another project by copying it.

@@ -29,13 +29,6 @@ PAPO_UPSTREAM_SOURCE_PATH = "trl/experimental/papo/papo_trainer.py"
 PAPO_UPSTREAM_SOURCE_URL = "https://github.com/huggingface/trl/blob/v0.29.1/trl/experimental/papo/papo_trainer.py"
 PAPO_UPSTREAM_SOURCE_SHA256 = "9836f4505f7026c90cd5ca5b97151dd14c1bc27bcd2bc5a8fca6626c68279175"
 
-# Gamma-zero probe tolerance: ||g_zero - g_parent|| <= max(REL_TOL * ||g_parent||, ABS_FLOOR).
-# REL_TOL is ~2x the bf16 backward roundoff seen on a resumed (trained) policy (2.4% relative);
-# ABS_FLOOR covers parents so small that REL_TOL * parent falls below that roundoff. A real leak
-# is of the order of the perception gradient, i.e. ~100% of the parent, far above both.
-GAMMA_ZERO_GRADIENT_REL_TOL = 5e-2
-GAMMA_ZERO_GRADIENT_ABS_FLOOR = 1e-6
-
 # A batch whose completion log-probs do not move when the image is masked (mean KL exactly 0)
 # cannot show liveness; the probe defers on it. This many in a row means the masked forward
 # never reaches the logits: a wiring bug, not bad luck.

@@ -77,8 +77,17 @@ def recipe(name: str) -> dict[str, Any]:
     return dict(RECIPES[name])
 
 
+# The fields that size a generation batch; a run that sets none of them gets one prompt's rollouts per device batch.
+BATCH_FIELDS = frozenset({"per_device_train_batch_size", "generation_batch_size", "steps_per_generation"})
+
+
 def recipe_config(name: str, **overrides):
-    """A PAPOGConfig of the named recipe; ``overrides`` (output_dir, batch sizes, bf16, ...) win."""
+    """A PAPOGConfig of the named recipe; ``overrides`` (output_dir, batch sizes, bf16, ...) win. With no batch size
+    among them, a device batch is one prompt's ``num_generations`` rollouts: TRL's default of 8 rows is not a
+    multiple of the recipes' 5 generations, which GRPOConfig refuses."""
     from .papo_config import PAPOGConfig
 
-    return PAPOGConfig(**{**recipe(name), **overrides})
+    fields = {**recipe(name), **overrides}
+    if not BATCH_FIELDS & overrides.keys():
+        fields["per_device_train_batch_size"] = fields["num_generations"]
+    return PAPOGConfig(**fields)

@@ -28,11 +28,8 @@ from typing import Any
 
 import torch
 from transformers import DynamicCache
-from transformers.utils import logging
 
 from . import masking
-
-logger = logging.get_logger(__name__)
 
 # model_type of the language-vision models whose forward, cache and get_rope_index this path was checked against
 # (tiny Qwen2-VL and Qwen2.5-VL models, fp32 and bf16, against the full forward).
@@ -88,42 +85,6 @@ def plan(args, model) -> Plan:
     if reason is None and choice == "auto" and args.mask_sharing != "prompt":
         reason = f"mask_sharing={args.mask_sharing!r}: no two completions share a masked image"
     return Plan(reason is None, reason or f"masked_forward={choice!r}")
-
-
-def choose(trainer, model, inputs: dict[str, Any], groups: list[list[int]] | None) -> tuple[bool, str]:
-    """The choice for one batch: the trainer's plan, the grad mode, and (``"auto"``, one process) whether any prompt
-    has two completions here. With several processes the choice must not depend on the batch: a forward is a
-    collective under FSDP/ZeRO-3, so every rank must run as many."""
-    static = trainer.masked_forward_plan
-    if not static.shared:
-        return False, static.reason
-    if trainer.args.masked_branch_grad and torch.is_grad_enabled():
-        return False, "masked_branch_grad=True with gradients enabled"
-    single = trainer.accelerator.num_processes == 1
-    if (
-        trainer.args.masked_forward == "auto"
-        and single
-        and groups is not None
-        and len(groups) == len(inputs["prompt_ids"])
-    ):
-        return False, "no prompt has two completions in this device batch"
-    return True, static.reason
-
-
-def record(trainer, shared: bool, reason: str, share: float | None) -> None:
-    """The metric per batch, and one log line per distinct reason."""
-    mode = "train" if trainer.model.training else "eval"
-    trainer._metrics[mode][METRIC].append(float(shared))
-    if share is not None:
-        trainer._metrics[mode][SHARE_METRIC].append(share)
-    seen = trainer.__dict__.setdefault("_masked_forward_reasons_logged", set())
-    key = (shared, reason)
-    if key not in seen:
-        seen.add(key)
-        if shared:
-            logger.info("PAPO-G masked branch: shared-prompt-prefix forward (%s)", reason)
-        else:
-            logger.warning("PAPO-G masked branch: full forward per completion, because %s", reason)
 
 
 def prompt_groups(inputs: dict[str, Any], pixel_values: torch.Tensor | None) -> list[list[int]]:
@@ -200,29 +161,46 @@ def shared_prefix_logps(
     forward (default: the largest group). ``group_pixel_values`` (one tensor per group: its first row's pixel rows)
     replaces ``pixel_values`` where only the groups' images were built (the rollout-time branch masks each
     distinct prompt once); ``groups`` must then be given."""
-    from trl.trainer.utils import entropy_from_logits, selective_log_softmax
-
     hf_model = core_model(model)
-    prompt_ids, prompt_mask = inputs["prompt_ids"], inputs["prompt_mask"]
-    completion_ids, completion_mask = inputs["completion_ids"], inputs["completion_mask"]
     grid, num_images, mm_types = (
         inputs.get("image_grid_thw"),
         inputs.get("num_images"),
         inputs.get("mm_token_type_ids"),
     )
-    n_prompt, n_completion = prompt_ids.shape[1], completion_ids.shape[1]
     if group_pixel_values is not None and groups is None:
         raise ValueError("shared_prefix_logps: group_pixel_values needs the groups it was built for")
     groups = groups if groups is not None else prompt_groups(inputs, pixel_values)
     firsts = [g[0] for g in groups]
     has_images = pixel_values is not None or group_pixel_values is not None
 
-    input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
-    attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)
+    input_ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
+    attention_mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
     positions = rope_positions(hf_model, input_ids, attention_mask, mm_types, grid if has_images else None)
     cache_key = _cache_keyword(hf_model)
 
-    # 1. one prefill per distinct prompt, with its (masked) image; keep the logit of its last token
+    if has_images and group_pixel_values is None:
+        ranges = masking.sample_row_ranges(grid, num_images)
+        group_pixel_values = [pixel_values[ranges[i][0] : ranges[i][1]] for i in firsts]
+    first_logits, prefix_kv = _prefill(model, inputs, positions, firsts, group_pixel_values, cache_key)
+    return _completions(
+        model,
+        inputs,
+        positions,
+        groups,
+        first_logits,
+        prefix_kv,
+        temperature=temperature,
+        compute_entropy=compute_entropy,
+        max_rows=max_chunk_rows or max(len(g) for g in groups),
+        cache_key=cache_key,
+    )
+
+
+def _prefill(model, inputs, positions, firsts, group_pixel_values, cache_key):
+    """One prefill per distinct prompt (its first row ``firsts``), with its (masked) image ``group_pixel_values``
+    (None: text only): the logit of its last token, ``(U, 1, V)``, and the prompts' key/values per layer."""
+    prompt_ids, prompt_mask = inputs["prompt_ids"], inputs["prompt_mask"]
+    mm_types, n_prompt = inputs.get("mm_token_type_ids"), prompt_ids.shape[1]
     prefill = dict(
         input_ids=prompt_ids[firsts],
         attention_mask=prompt_mask[firsts],
@@ -232,11 +210,9 @@ def shared_prefix_logps(
     )
     if mm_types is not None:
         prefill["mm_token_type_ids"] = mm_types[firsts, :n_prompt]
-    if has_images:
+    if group_pixel_values is not None:
+        grid, num_images = inputs.get("image_grid_thw"), inputs.get("num_images")
         image_offsets = torch.tensor([0, *num_images]).cumsum(0).tolist()
-        if group_pixel_values is None:
-            ranges = masking.sample_row_ranges(grid, num_images)
-            group_pixel_values = [pixel_values[ranges[i][0] : ranges[i][1]] for i in firsts]
         prefill["pixel_values"] = torch.cat(group_pixel_values)
         prefill["image_grid_thw"] = torch.cat([grid[image_offsets[i] : image_offsets[i + 1]] for i in firsts])
     cache = DynamicCache()
@@ -246,21 +222,28 @@ def shared_prefix_logps(
         raise RuntimeError(
             f"the prefill left {cache.get_seq_length()} of {n_prompt} prompt positions in the key/value cache"
         )
-    prefix_kv = [(layer.keys, layer.values) for layer in cache.layers]
-    del cache, prefill
+    return first_logits, [(layer.keys, layer.values) for layer in cache.layers]
 
-    # 2. the completions of whole groups, chunk by chunk, against a copy of their prompts' key/values
-    group_of = torch.empty(len(prompt_ids), dtype=torch.long)
+
+def _completions(
+    model, inputs, positions, groups, first_logits, prefix_kv, *, temperature, compute_entropy, max_rows, cache_key
+):
+    """The completions of whole groups, chunk by chunk of at most ``max_rows`` rows, against a copy of their
+    prompts' key/values: ``(logps, entropies or None)``, each ``(B, C)``."""
+    from trl.trainer.utils import entropy_from_logits, selective_log_softmax
+
+    completion_ids, n_prompt = inputs["completion_ids"], inputs["prompt_ids"].shape[1]
+    attention_mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
+    group_of = torch.empty(len(completion_ids), dtype=torch.long)
     for g, rows in enumerate(groups):
         group_of[rows] = g
     logps = torch.empty(completion_ids.shape, dtype=first_logits.dtype, device=first_logits.device)
     entropies = torch.empty_like(logps) if compute_entropy else None
-    max_rows = max_chunk_rows or max(len(g) for g in groups)
     for rows in _chunks(groups, max_rows):
         index = torch.tensor(rows, device=completion_ids.device)
         source = group_of[rows].to(first_logits.device)
         logits = first_logits.index_select(0, source)
-        if n_completion > 1:
+        if completion_ids.shape[1] > 1:
             chunk_cache = DynamicCache()
             for layer_idx, (keys, values) in enumerate(prefix_kv):
                 chunk_cache.update(keys.index_select(0, source), values.index_select(0, source), layer_idx)
@@ -279,29 +262,3 @@ def shared_prefix_logps(
             entropies[index] = entropy_from_logits(logits).to(entropies.dtype)
         del logits
     return logps, entropies
-
-
-def masked_forward(trainer, model, inputs: dict[str, Any], pixel_values, compute_entropy: bool):
-    """The trainer's masked branch: ``(logps, entropies)`` through the shared prefix where it applies (recorded in
-    the metrics), else None (the caller runs the full forward)."""
-    groups = None
-    if trainer.masked_forward_plan.shared and inputs.get("prompt_ids") is not None:
-        groups = prompt_groups(inputs, pixel_values)
-    shared, reason = choose(trainer, model, inputs, groups)
-    if not shared:
-        record(trainer, False, reason, None)
-        return None
-    # Under FSDP/ZeRO-3 a forward is a collective: every rank runs one prefill and one completion forward here,
-    # whatever its groups (chunks of whole groups would make the count depend on the batch).
-    max_rows = len(inputs["prompt_ids"]) if trainer.accelerator.num_processes > 1 else None
-    result = shared_prefix_logps(
-        model,
-        inputs,
-        pixel_values,
-        temperature=trainer.temperature,
-        compute_entropy=compute_entropy,
-        groups=groups,
-        max_chunk_rows=max_rows,
-    )
-    record(trainer, True, reason, len(inputs["prompt_ids"]) / len(groups))
-    return result

@@ -28,8 +28,9 @@ class NonFiniteStepGuard:
         self.total = 0  # skipped steps in the run
         self.in_a_row: list[tuple[int, float]] = []  # (optimizer step, norm) of the current run of skips
 
-    def check(self, trainer, model, norm) -> bool:
-        """True when the step is skipped (its gradients dropped); raises after ``limit`` in a row."""
+    def check(self, state, model, norm) -> bool:
+        """True when the step is skipped (its gradients dropped); raises after ``limit`` in a row. ``state``: the
+        Trainer's ``TrainerState`` (the step and the last logs, for the message)."""
         value = float(norm) if norm is not None else 0.0
         if math.isfinite(value):
             self.in_a_row = []
@@ -37,7 +38,7 @@ class NonFiniteStepGuard:
         for parameter in model.parameters():
             parameter.grad = None
         self.total += 1
-        step = trainer.state.global_step
+        step = state.global_step
         self.in_a_row.append((step, value))
         logger.warning(
             "PAPO-G: gradient norm %s at optimizer step %d is not finite; the step is skipped (%d in a row, %d in "
@@ -48,7 +49,7 @@ class NonFiniteStepGuard:
             self.total,
         )
         if len(self.in_a_row) >= self.limit:
-            last_logs = trainer.state.log_history[-1] if trainer.state.log_history else {}
+            last_logs = state.log_history[-1] if state.log_history else {}
             raise NonFiniteGradientError(
                 f"{len(self.in_a_row)} optimizer steps in a row had a non-finite gradient norm "
                 f"(max_consecutive_nonfinite_grad_steps={self.limit}): (step, norm) = {self.in_a_row}; "

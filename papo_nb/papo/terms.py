@@ -1,4 +1,5 @@
-"""The PAPO-G per-token maths, free of the trainer: the bounded k3 perception KL and the GRPO-style reductions.
+"""The PAPO-G per-token maths, free of the trainer: the bounded k3 perception KL, the GRPO-style reductions, and
+the terms of one batch built from them.
 
 Everything here runs in fp32 whatever the model dtype, as the official code does (verl's ``compute_kl`` upcasts both
 log-probs, ``verl/trainer/core_algos.py`` line 585 of the official repository, linked below); the masks and token
@@ -15,6 +16,10 @@ Sources, by URL and line:
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -73,3 +78,52 @@ def normalise_like_parent(
     if loss_type == "luspo":  # per-sequence mean times length = per-sequence sum
         return masked.sum(-1).mean() / accumulation
     raise ValueError(f"PAPOGTrainer does not know how to normalise for loss_type={loss_type!r}")
+
+
+@dataclass
+class PerceptionTerms:
+    """The adapter's differentiable pieces for one batch (fp32), each normalised like the parent's policy term."""
+
+    perception_kl: torch.Tensor  # normalised mean k3 KL, to be maximised
+    original_entropy: torch.Tensor
+    masked_entropy: torch.Tensor
+    kl_sum: torch.Tensor  # un-normalised sums (no grad), reduced across ranks by the probe
+    token_count: torch.Tensor
+    has_images: bool
+
+
+def perception_terms(
+    inputs: dict[str, Any], logps, entropies, masked, *, kl_clamp: float | None, estimator: str, normalise: Callable
+) -> tuple[PerceptionTerms, torch.Tensor, list[list[float]]]:
+    """The terms of one batch from the parent's ``logps`` (and ``entropies``) and the masked branch ``masked``
+    (``(logps, entropies)``, or None for a text-only batch), on completion tokens (times ``tool_mask`` where
+    present); ``normalise(per_token, mask)`` is the parent's reduction. Also returns the (KL, H, H_masked) sums
+    and, per completion, their token means (no grad). All fp32."""
+    mask = inputs["completion_mask"]
+    if "tool_mask" in inputs:
+        mask = mask * inputs["tool_mask"]
+    mask = mask.float()
+    has_images = inputs.get("pixel_values") is not None
+    if has_images:
+        masked_logps, masked_entropies = masked
+    else:  # the masked branch of a text-only batch is the original branch: KL 0, no forward needed
+        masked_logps, masked_entropies = logps.detach(), None if entropies is None else entropies.detach()
+    per_token_kl = bounded_k3(masked_logps, logps, kl_clamp)
+    if estimator == "sampled":  # -log pi(o_t): its mean is the sampled entropy estimate
+        original_h, masked_h = -logps.float(), -masked_logps.float()
+    else:
+        original_h, masked_h = entropies.float(), masked_entropies.float()
+    with torch.no_grad():
+        pieces = (per_token_kl, original_h, masked_h)
+        sums = torch.stack([(zero_outside(x, mask) * mask).sum() for x in pieces])
+        rows = torch.stack([(zero_outside(x, mask) * mask).sum(1) for x in pieces])
+        rows = (rows / mask.sum(1).clamp(min=1.0)).T.tolist()
+    terms = PerceptionTerms(
+        perception_kl=normalise(per_token_kl, mask),
+        original_entropy=normalise(original_h, mask),
+        masked_entropy=normalise(masked_h, mask),
+        kl_sum=sums[0],
+        token_count=mask.sum().detach(),
+        has_images=has_images,
+    )
+    return terms, sums, rows

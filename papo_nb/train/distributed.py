@@ -50,7 +50,7 @@ def refuse_unsupported(trainer) -> None:
     accelerate 1.15 on the CPU picks MULTI_CPU (DDP over gloo) and never looks at an FSDP config
     (``AcceleratorState.__init__``: the FSDP switch is only under the GPU-like types), so ``fsdp.yaml`` there would
     train unsharded without a word. (DeepSpeed, when installed, does run on the CPU; the check covers it alike.)
-    Under FSDP2 the probe reads the gradient shards (``papo/probe_reduce.py``); under ZeRO-3 the parameters are
+    Under FSDP2 the probe reads the gradient shards (``papo/probe/reduce.py``); under ZeRO-3 the parameters are
     partitioned in a way it does not read, and under ZeRO-2 DeepSpeed's own gradient reduction broke after it."""
     wanted = [
         name

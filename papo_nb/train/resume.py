@@ -150,7 +150,7 @@ def resume_callback(trainer, checkpoint: Path, is_main: bool, output_dir: Path):
                 return
             self.first_step = False
             evidence = self.evidence
-            mask_file = Path(trainer._mask_rng_file(str(checkpoint)))
+            mask_file = Path(trainer.masks.rng_file(str(checkpoint)))
             if mask_file.is_file():
                 evidence["mask_rng_restored"] = bool(
                     torch.equal(torch.load(mask_file, weights_only=True), trainer.mask_generator.get_state())

@@ -1,7 +1,7 @@
 """Probe calibration: do the probe's two tests separate real backward roundoff from leaks of the PAPO terms?
 
 For each phase (fresh adapter, trained policy), precision and batch it runs the probe in its calibration mode (real
-roundoff on the CPU: the zero-gamma gradient accumulated over another split of the batch, ``probe_roundoff``) on the
+roundoff on the CPU: the zero-gamma gradient accumulated over another split of the batch, ``probe.roundoff``) on the
 clean adapter and on value-neutral leaks of ``RECIPE_GAMMA`` (0.02) x each PAPO term, and records per batch: the
 parent gradient, the roundoff, the spec norm rule's numbers (and an injected leak of the whole perception term, as
 before), and per term the projection test's leak coefficient, noise floor and the smallest coefficient each test
@@ -16,14 +16,11 @@ from typing import Any
 
 import torch
 
-from papo_nb.papo.contract import (
-    GAMMA_ZERO_GRADIENT_ABS_FLOOR,
-    GAMMA_ZERO_GRADIENT_REL_TOL,
-    PAPO_PROBE_MAX_DEGENERATE_BATCHES,
-)
+from papo_nb.papo.contract import PAPO_PROBE_MAX_DEGENERATE_BATCHES
 from papo_nb.papo.probe import measure_gamma_zero_variants, probe_batches
-from papo_nb.papo.probe_projection import POWER_MARGIN, PROJECTION_Z, RECIPE_GAMMA, TERM_NAMES, leak_assembly
-from papo_nb.workbook.verification.batches import rollout_batch
+from papo_nb.papo.probe.contract import GAMMA_ZERO_GRADIENT_ABS_FLOOR, GAMMA_ZERO_GRADIENT_REL_TOL
+from papo_nb.papo.probe.projection import POWER_MARGIN, PROJECTION_Z, RECIPE_GAMMA, TERM_NAMES, leak_assembly
+from papo_nb.workbook.rollouts import rollout_batch
 from papo_nb.workbook.verification.calibration_plots import plot_both_tests, plot_calibration, plot_power, zero_floor
 
 __all__ = [

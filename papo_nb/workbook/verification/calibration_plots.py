@@ -8,8 +8,8 @@ import matplotlib
 import numpy as np
 from matplotlib.figure import Figure
 
-from papo_nb.papo.contract import GAMMA_ZERO_GRADIENT_ABS_FLOOR, GAMMA_ZERO_GRADIENT_REL_TOL
-from papo_nb.papo.probe_projection import POWER_MARGIN, PROJECTION_Z, RECIPE_GAMMA, TERM_NAMES
+from papo_nb.papo.probe.contract import GAMMA_ZERO_GRADIENT_ABS_FLOOR, GAMMA_ZERO_GRADIENT_REL_TOL
+from papo_nb.papo.probe.projection import POWER_MARGIN, PROJECTION_Z, RECIPE_GAMMA, TERM_NAMES
 
 MARKERS = {"fp32": "o", "bf16": "s"}
 TERM_COLOURS = dict(zip(TERM_NAMES, ("tab:blue", "tab:orange", "tab:green")))

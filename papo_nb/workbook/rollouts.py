@@ -1,4 +1,5 @@
-"""Fixed rollout batches: the exact ``_compute_loss`` inputs of one step, for probes, tests and benchmarks."""
+"""Fixed rollout batches: the exact ``_compute_loss`` inputs of one step, shared by the probe notebooks (01, 02),
+the benchmarks and the tests."""
 
 from __future__ import annotations
 

@@ -10,7 +10,10 @@ from typing import Any
 
 import torch
 
-from . import probe_projection, probe_reduce, probe_roundoff
+from ..fsdp import sharded
+from . import projection as probe_projection
+from . import reduce as probe_reduce
+from . import roundoff as probe_roundoff
 from .contract import GAMMA_ZERO_GRADIENT_ABS_FLOOR, GAMMA_ZERO_GRADIENT_REL_TOL
 
 GRADIENT_NORMS = ("parent_grad_norm", "zero_gamma_grad_norm", "grad_diff_norm", "perception_grad_norm")
@@ -40,8 +43,8 @@ def _gradients(trainer, model, params, parent_loss, terms, assembles, inputs, ro
     each injected ``RECIPE_GAMMA`` leak makes (per term with graph, on the first assembly), the terms' gradients (None
     without graph), the roundoff samples and the squared magnitudes the tested sum rounds at; and whether the
     parameters are FSDP2 shards."""
-    shards = probe_reduce.sharded(params)
-    if shards:  # FSDP2: one backward per loss, FSDP reduce-scatters each to the rank mean (probe_reduce.py)
+    shards = sharded(params)
+    if shards:  # FSDP2: one backward per loss, FSDP reduce-scatters each to the rank mean (reduce.py)
         if roundoff != "repeat":
             raise ValueError(f"probe roundoff={roundoff!r} runs unsharded only; allowed under FSDP2: 'repeat'")
 
@@ -100,8 +103,6 @@ def measure_gamma_zero_variants(
     g_parent, g_zeros, injected, term_grads, samples, magnitude, shards = _gradients(
         trainer, model, params, parent_loss, terms, assembles, inputs, roundoff
     )
-    processes = trainer.accelerator.num_processes
-    parent_value = parent_loss.item()
     # Sharded: every rank holds disjoint pieces, so norms and dot products sum over the ranks (one all-reduce each).
     if shards:
         norm, reduce_sums = probe_reduce.global_norms, probe_reduce.global_sums
@@ -121,56 +122,73 @@ def measure_gamma_zero_variants(
     every_leak = probe_projection.term_leaks(
         [g - g_parent for g in g_zeros], injected, g_parent, samples, magnitude, term_grads, tolerance, reduce_sums
     )
-    results = []
-    for assemble, g_zero, leaks in zip(assembles, g_zeros, every_leak):
-        zero_gamma_loss = assemble(parent_loss, terms, 0.0, 0.0, 0.0)
-        zero_value = zero_gamma_loss.item()
-        # In float64 so that a bf16 parent loss and its fp32 sum with the (fp32) PAPO terms compare by value, exactly.
-        loss_bit_equal = bool(torch.equal(zero_gamma_loss.detach().double(), parent_loss.detach().double()))
-        mean_parent = parent_value
-        if processes > 1:  # the losses are rank means; bit equality must hold on every rank
-            losses = trainer.accelerator.reduce(
-                torch.tensor(
-                    [parent_value, zero_value, float(not loss_bit_equal)], dtype=torch.float64, device=g_parent.device
-                ),
-                reduction="sum",
-            )
-            mean_parent, zero_value = (losses[:2] / processes).tolist()
-            loss_bit_equal = losses[2].item() == 0
-        d = g_zero - g_parent
-        zero_norm, diff = norm([g_zero, d])
-        tested = [e for e in leaks.values() if e["testable"]]
-        results.append(
-            dict(
-                parent_loss=mean_parent,
-                zero_gamma_loss=zero_value,
-                loss_bit_equal=loss_bit_equal,
-                parent_grad_norm=parent_norm,
-                zero_gamma_grad_norm=zero_norm,
-                grad_diff_norm=diff,
-                grad_diff_relative=diff / parent_norm if parent_norm > 0 else (0.0 if diff == 0 else math.inf),
-                tolerance=tolerance,
-                norm_statistic=diff / tolerance,
-                perception_kl=(kl_totals[0] / kl_totals[1].clamp(min=1.0)).item(),
-                perception_grad_norm=perception_norm,
-                leak_detection_power=perception_norm / tolerance,
-                gamma=gamma,
-                gamma_leak_detection_power=gamma * perception_norm / tolerance,
-                roundoff_mode=roundoff,
-                roundoff_norm=sample_norm,  # root mean square over the samples
-                roundoff_relative=sample_norm / parent_norm if parent_norm > 0 else 0.0,
-                term_leaks=leaks,
-                projection_statistic=max((e["statistic"] for e in tested), default=None),
-                perception_detectable_coefficient=leaks["perception_kl"].get("detectable_coefficient"),
-                weakest_margin_at_recipe_gamma=min((e["margin_at_recipe_gamma"] for e in tested), default=None),
-                powered=probe_projection.powered(leaks),
-                dtype=str(parent_loss.dtype).replace("torch.", ""),
-                autocast_enabled=autocast_enabled,
-                autocast_dtype=autocast_dtype,
-                trl_version=trl.__version__,
-            )
+    batch = dict(
+        parent_grad_norm=parent_norm,
+        tolerance=tolerance,
+        perception_kl=(kl_totals[0] / kl_totals[1].clamp(min=1.0)).item(),
+        perception_grad_norm=perception_norm,
+        leak_detection_power=perception_norm / tolerance,
+        gamma=gamma,
+        gamma_leak_detection_power=gamma * perception_norm / tolerance,
+        roundoff_mode=roundoff,
+        roundoff_norm=sample_norm,  # root mean square over the samples
+        roundoff_relative=sample_norm / parent_norm if parent_norm > 0 else 0.0,
+        dtype=str(parent_loss.dtype).replace("torch.", ""),
+        autocast_enabled=autocast_enabled,
+        autocast_dtype=autocast_dtype,
+        trl_version=trl.__version__,
+    )
+    return [
+        _assembly_numbers(
+            trainer, assemble(parent_loss, terms, 0.0, 0.0, 0.0), parent_loss, g_zero, g_parent, leaks, norm, batch
         )
-    return results
+        for assemble, g_zero, leaks in zip(assembles, g_zeros, every_leak)
+    ]
+
+
+def _zero_gamma_values(trainer, zero_gamma_loss, parent_loss, device) -> tuple[float, float, bool]:
+    """``(parent loss, zero-gamma loss, bit equal)``, as rank means and equal on every rank."""
+    parent_value, zero_value = parent_loss.item(), zero_gamma_loss.item()
+    # In float64 so that a bf16 parent loss and its fp32 sum with the (fp32) PAPO terms compare by value, exactly.
+    loss_bit_equal = bool(torch.equal(zero_gamma_loss.detach().double(), parent_loss.detach().double()))
+    processes = trainer.accelerator.num_processes
+    if processes > 1:  # the losses are rank means; bit equality must hold on every rank
+        losses = trainer.accelerator.reduce(
+            torch.tensor([parent_value, zero_value, float(not loss_bit_equal)], dtype=torch.float64, device=device),
+            reduction="sum",
+        )
+        parent_value, zero_value = (losses[:2] / processes).tolist()
+        loss_bit_equal = losses[2].item() == 0
+    return parent_value, zero_value, loss_bit_equal
+
+
+def _assembly_numbers(trainer, zero_gamma_loss, parent_loss, g_zero, g_parent, leaks, norm, batch) -> dict[str, Any]:
+    """One assembly's numbers: its losses and difference, its term leaks, and the batch's shared ``batch``."""
+    mean_parent, zero_value, loss_bit_equal = _zero_gamma_values(
+        trainer, zero_gamma_loss, parent_loss, g_parent.device
+    )
+    parent_norm, tolerance = batch["parent_grad_norm"], batch["tolerance"]
+    zero_norm, diff = norm([g_zero, g_zero - g_parent])
+    tested = [e for e in leaks.values() if e["testable"]]
+    numbers = {
+        "parent_loss": mean_parent,
+        "zero_gamma_loss": zero_value,
+        "loss_bit_equal": loss_bit_equal,
+        "parent_grad_norm": parent_norm,
+        "zero_gamma_grad_norm": zero_norm,
+        "grad_diff_norm": diff,
+        "grad_diff_relative": diff / parent_norm if parent_norm > 0 else (0.0 if diff == 0 else math.inf),
+        "tolerance": tolerance,
+        "norm_statistic": diff / tolerance,
+        **{k: batch[k] for k in ("perception_kl", "perception_grad_norm", "leak_detection_power", "gamma")},
+        **{k: batch[k] for k in ("gamma_leak_detection_power", "roundoff_mode", "roundoff_norm", "roundoff_relative")},
+        "term_leaks": leaks,
+        "projection_statistic": max((e["statistic"] for e in tested), default=None),
+        "perception_detectable_coefficient": leaks["perception_kl"].get("detectable_coefficient"),
+        "weakest_margin_at_recipe_gamma": min((e["margin_at_recipe_gamma"] for e in tested), default=None),
+        "powered": probe_projection.powered(leaks),
+    }
+    return {**numbers, **{k: batch[k] for k in ("dtype", "autocast_enabled", "autocast_dtype", "trl_version")}}
 
 
 def measure_gamma_zero(
@@ -184,7 +202,7 @@ def measure_gamma_zero(
     roundoff: str = "repeat",
 ) -> dict[str, Any]:
     """The reduction and liveness numbers for one batch (no verdict). ``assemble`` defaults to the trainer's;
-    ``roundoff`` says where the roundoff sample comes from (``probe_roundoff``; "reordered" needs ``inputs``)."""
+    ``roundoff`` says where the roundoff sample comes from (``roundoff.py``; "reordered" needs ``inputs``)."""
     assemble = assemble or trainer.assemble_loss
     (numbers,) = measure_gamma_zero_variants(
         trainer, model, parent_loss, terms, [assemble], inputs=inputs, roundoff=roundoff

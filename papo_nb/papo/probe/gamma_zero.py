@@ -5,8 +5,8 @@ parent loss bit for bit, and its gradient must equal the parent's up to roundoff
 ``d = g_zero - g_parent``; a batch fails if either sees a leak:
 
 - the spec's norm rule (its constants are requirements): PASS iff ||d|| <= max(REL_TOL * ||g_parent||, ABS_FLOOR);
-- the projection test (``probe_projection``): the coefficient of each PAPO term's gradient in ``d`` (perception KL,
-  both entropies), against a noise floor taken from a measured roundoff sample (``probe_roundoff``).
+- the projection test (``projection.py``): the coefficient of each PAPO term's gradient in ``d`` (perception KL,
+  both entropies), against a noise floor taken from a measured roundoff sample (``roundoff.py``).
 
 Both losses have the same value, so this compares two backward passes over graphs of different shape: it catches an
 adapter whose zero-gamma path still lets a term's gradient through (a leak), which a value comparison cannot see.
@@ -29,7 +29,7 @@ Several processes. Every input to a decision is reduced across ranks first (fini
 the gradients, all-reduced to DDP's mean: the gradient the optimizer applies), so every rank defers,
 passes or fails together and no rank is left waiting in a collective. One process reduces nothing. Under FSDP2
 (sharded parameters) the gradients come from the shards, and norms and dot products are sums over the ranks
-(probe_reduce.py).
+(reduce.py).
 """
 
 from __future__ import annotations
@@ -41,33 +41,12 @@ from typing import Any
 
 import torch
 
-from . import probe_projection, probe_roundoff
-from .contract import (
-    GAMMA_ZERO_GRADIENT_ABS_FLOOR,
-    GAMMA_ZERO_GRADIENT_REL_TOL,
-    PAPO_ADAPTER_VERSION,
-    PAPO_PROBE_MAX_DEGENERATE_BATCHES,
-)
-from .probe_measure import (
-    GRADIENT_NORMS,
-    ProbeFailure,
-    gradient_tolerance,
-    measure_gamma_zero,
-    measure_gamma_zero_variants,
-)
-from .probe_projection import POWER_MARGIN, PROJECTION_Z, RECIPE_GAMMA
-
-__all__ = [
-    "PASS_RULE",
-    "GammaZeroProbe",
-    "ProbeEvidence",
-    "ProbeFailure",
-    "gradient_tolerance",
-    "measure_gamma_zero",
-    "measure_gamma_zero_variants",
-    "probe_batch",
-    "probe_batches",
-]
+from ..contract import PAPO_ADAPTER_VERSION, PAPO_PROBE_MAX_DEGENERATE_BATCHES
+from . import projection as probe_projection
+from . import roundoff as probe_roundoff
+from .contract import GAMMA_ZERO_GRADIENT_ABS_FLOOR, GAMMA_ZERO_GRADIENT_REL_TOL
+from .measure import GRADIENT_NORMS, ProbeFailure, measure_gamma_zero
+from .projection import POWER_MARGIN, PROJECTION_Z, RECIPE_GAMMA
 
 PASS_RULE = (
     "||g_zero - g_parent|| <= max(REL_TOL * ||g_parent||, ABS_FLOOR) and, per PAPO term, "
@@ -99,7 +78,7 @@ class ProbeEvidence:
     leak_detection_power: float | None = None  # norm rule: ||grad perception term|| / tolerance
     gamma: float | None = None  # the run's gamma_t when measured
     gamma_leak_detection_power: float | None = None  # gamma_t * power: for a leak of the gamma-weighted term
-    roundoff_mode: str = "repeat"  # where the roundoff sample came from (probe_roundoff)
+    roundoff_mode: str = "repeat"  # where the roundoff sample came from (roundoff.py)
     roundoff_norm: float | None = None  # ||roundoff sample||
     roundoff_relative: float | None = None  # ||roundoff sample|| / ||g_parent||
     term_leaks: dict | None = None  # per PAPO term: coefficient, noise floor, detectable coefficients (or untestable)
@@ -128,6 +107,34 @@ class ProbeEvidence:
 
     def to_dict(self) -> dict[str, Any]:
         return {**asdict(self), "passed": self.passed, "underpowered": self.underpowered}
+
+
+def leak_problems(numbers: dict[str, Any]) -> list[str]:
+    """What fails a measured batch: a zero-gamma loss that is not the parent's, a leak seen by the norm rule or the
+    projection test, or no liveness (perception KL or its gradient not above 0)."""
+    problems = []
+    if not numbers["loss_bit_equal"]:
+        problems.append(f"zero-gamma loss {numbers['zero_gamma_loss']!r} != parent loss {numbers['parent_loss']!r}")
+    if numbers["grad_diff_norm"] > numbers["tolerance"]:
+        problems.append(
+            "perception gradient leaks through the gamma=0 path: "
+            f"||g_zero - g_parent|| = {numbers['grad_diff_norm']:.3e} > tolerance {numbers['tolerance']:.3e} "
+            "(the spec's norm rule)"
+        )
+    for name, e in numbers["term_leaks"].items():
+        if e["testable"] and e["leak_seen"]:
+            problems.append(
+                f"{name} leaks through the gamma=0 path: its gradient is in g_zero - g_parent with coefficient "
+                f"{e['coefficient']:.3e}, beyond {PROJECTION_Z:g} x its roundoff noise floor "
+                f"{e['noise_floor']:.2e} (projection test)"
+            )
+    if not numbers["perception_kl"] > 0:
+        problems.append(f"perception KL is {numbers['perception_kl']!r}, not > 0")
+    if not numbers["perception_grad_norm"] > 0:
+        problems.append(
+            "the perception term has zero gradient: the masked branch does not reach the trainable weights"
+        )
+    return problems
 
 
 class GammaZeroProbe:
@@ -173,6 +180,23 @@ class GammaZeroProbe:
         """Look at one batch; returns the evidence (pending, passed or underpowered) or raises ProbeFailure.
         ``inputs`` (the batch) is needed only with ``roundoff="reordered"``."""
         self.evaluations += 1
+        deferred = self._screen(trainer, parent_loss, terms, step)
+        if deferred is not None:
+            return deferred
+        self.measurements += 1
+        numbers = measure_gamma_zero(
+            trainer, model, parent_loss, terms, assemble, inputs=inputs, roundoff=self.roundoff
+        )
+        if not all(math.isfinite(numbers[k]) for k in GRADIENT_NORMS + ("roundoff_norm",)):
+            return self._record("failed", f"probe: non-finite gradient norms {numbers}", step, **numbers)
+        problems = leak_problems(numbers)
+        if problems:
+            return self._record("failed", "probe failed: " + "; ".join(problems), step, **numbers)
+        return self._verdict(numbers, step)
+
+    def _screen(self, trainer, parent_loss: torch.Tensor, terms, step: int | None) -> ProbeEvidence | None:
+        """The checks before any gradient: finite loss pieces, images, a perception KL above 0. Their evidence when
+        the batch stops here (failed or deferred), else None (measure it)."""
         values = torch.stack(
             [
                 parent_loss.detach().float(),
@@ -199,64 +223,39 @@ class GammaZeroProbe:
             return self._record(
                 "failed", f"probe: non-finite loss pieces{where} (parent, kl, H, H_masked) = {values.tolist()}", step
             )
-        flags = flags[1:]
-        if flags[0].item() == 0:
+        if flags[1].item() == 0:
             self.batches_without_images += 1
             return self._record(
                 "pending", "probe deferred: batch has no images, so zero perception KL is correct", step
             )
-        if flags[1].item() == 0.0:
-            self.degenerate_batches += 1
-            if self.degenerate_batches >= self.max_degenerate_batches:
-                return self._record(
-                    "failed",
-                    (
-                        f"probe: {self.degenerate_batches} consecutive image-invariant batches (perception KL "
-                        "exactly 0). The masked forward never changes the completion log-probs. Likely causes: the "
-                        "mask does not reach pixel_values (wrong layout, e.g. 2-D Qwen tensors treated as 4-D), the "
-                        "masked pixel_values are not passed to the forward, the vision tower output is ignored or "
-                        "zeroed, or every probe batch is answerable without the image."
-                    ),
-                    step,
-                )
+        if flags[2].item() == 0.0:
+            return self._image_invariant(step)
+        return None
+
+    def _image_invariant(self, step: int | None) -> ProbeEvidence:
+        """A batch whose log-probs do not move under masking: deferred, or failed after the bound in a row."""
+        self.degenerate_batches += 1
+        if self.degenerate_batches >= self.max_degenerate_batches:
             return self._record(
-                "pending",
-                f"probe deferred: image-invariant batch {self.degenerate_batches}/{self.max_degenerate_batches}",
+                "failed",
+                (
+                    f"probe: {self.degenerate_batches} consecutive image-invariant batches (perception KL "
+                    "exactly 0). The masked forward never changes the completion log-probs. Likely causes: the "
+                    "mask does not reach pixel_values (wrong layout, e.g. 2-D Qwen tensors treated as 4-D), the "
+                    "masked pixel_values are not passed to the forward, the vision tower output is ignored or "
+                    "zeroed, or every probe batch is answerable without the image."
+                ),
                 step,
             )
-        self.measurements += 1
-        numbers = measure_gamma_zero(
-            trainer, model, parent_loss, terms, assemble, inputs=inputs, roundoff=self.roundoff
+        return self._record(
+            "pending",
+            f"probe deferred: image-invariant batch {self.degenerate_batches}/{self.max_degenerate_batches}",
+            step,
         )
-        if not all(math.isfinite(numbers[k]) for k in GRADIENT_NORMS + ("roundoff_norm",)):
-            return self._record("failed", f"probe: non-finite gradient norms {numbers}", step, **numbers)
+
+    def _verdict(self, numbers: dict[str, Any], step: int | None) -> ProbeEvidence:
+        """A measured batch without a leak: passed when powered, else deferred (underpowered after the bound)."""
         leaks = numbers["term_leaks"]
-        problems = []
-        if not numbers["loss_bit_equal"]:
-            problems.append(
-                f"zero-gamma loss {numbers['zero_gamma_loss']!r} != parent loss {numbers['parent_loss']!r}"
-            )
-        if numbers["grad_diff_norm"] > numbers["tolerance"]:
-            problems.append(
-                "perception gradient leaks through the gamma=0 path: "
-                f"||g_zero - g_parent|| = {numbers['grad_diff_norm']:.3e} > tolerance {numbers['tolerance']:.3e} "
-                "(the spec's norm rule)"
-            )
-        for name, e in leaks.items():
-            if e["testable"] and e["leak_seen"]:
-                problems.append(
-                    f"{name} leaks through the gamma=0 path: its gradient is in g_zero - g_parent with coefficient "
-                    f"{e['coefficient']:.3e}, beyond {PROJECTION_Z:g} x its roundoff noise floor "
-                    f"{e['noise_floor']:.2e} (projection test)"
-                )
-        if not numbers["perception_kl"] > 0:
-            problems.append(f"perception KL is {numbers['perception_kl']!r}, not > 0")
-        if not numbers["perception_grad_norm"] > 0:
-            problems.append(
-                "the perception term has zero gradient: the masked branch does not reach the trainable weights"
-            )
-        if problems:
-            return self._record("failed", "probe failed: " + "; ".join(problems), step, **numbers)
         if not numbers["powered"]:
             self.underpowered_batches += 1
             weak = (
@@ -308,7 +307,7 @@ def probe_batches(
     verdict ("passed", "failed" or "underpowered") or the batches run out (then its last evidence, "pending").
 
     With ``raise_on_failure=False`` a failed verdict is returned (``status="failed"``) instead of raised.
-    ``roundoff="reordered"`` is the calibration mode (``probe_roundoff``); ``assemble`` replaces the trainer's.
+    ``roundoff="reordered"`` is the calibration mode (``roundoff.py``); ``assemble`` replaces the trainer's.
     """
     model = model or trainer.model
     device_type = next(model.parameters()).device.type

@@ -15,18 +15,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-
-def sharded(params: list[torch.Tensor]) -> bool:
-    """Whether any trainable parameter is a DTensor shard (FSDP2)."""
-    from torch.distributed.tensor import DTensor
-
-    return any(isinstance(p, DTensor) for p in params)
-
-
-def local_piece(p: torch.Tensor) -> torch.Tensor:
-    from torch.distributed.tensor import DTensor
-
-    return p.to_local() if isinstance(p, DTensor) else p
+from ..fsdp import local_piece
 
 
 def shard_gradients(losses: list[torch.Tensor], params: list[torch.Tensor]) -> list[torch.Tensor]:

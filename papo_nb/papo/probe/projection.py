@@ -10,7 +10,7 @@ coefficient of order 1; the projection sees ``c_k`` directly, whatever the paren
 
 Noise floor. Roundoff of one gradient element is independent of the others, so the projection of roundoff ``r`` on
 the terms has covariance ``G^-1 S G^-1`` with ``S = [sum_i w_i^2 g_k,i g_l,i v_i]``, ``v_i`` the variance of element
-``i``, taken from the *measured* roundoff samples (``probe_roundoff``), the mean of ``r_i^2``, plus the fp32
+``i``, taken from the *measured* roundoff samples (``roundoff.py``), the mean of ``r_i^2``, plus the fp32
 representation error of the parent gradient, ``(eps_fp32 * g_parent,i)^2`` (no gradient held in fp32 resolves
 less). The noise floor of ``c_k`` is the square root of the diagonal, or the root mean square of the coefficients
 fitted to the measured samples themselves where that is larger (correlated roundoff, few elements). A leak is seen
@@ -26,7 +26,7 @@ the masked branch without gradient; or an image-invariant batch) cannot be teste
 divided by.
 
 Every sum here is over parameters, so under FSDP2 (each rank holds a disjoint piece) the local sums are all-reduced
-in one collective (``probe_reduce.global_sums``) before any division: every rank computes the same coefficients.
+in one collective (``reduce.global_sums``) before any division: every rank computes the same coefficients.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from .recipes import RECIPES
+from ..recipes import RECIPES
 
 # Detection threshold in noise floors: a roundoff projection beyond 6 sigma has probability 2e-9 per term if
 # Gaussian, so 50 probe evaluations of 3 terms stay clear of false alarms with room for heavier tails.
@@ -71,6 +71,49 @@ def _weights(magnitude: torch.Tensor, reduce_sums) -> torch.Tensor:
     return 1.0 / (magnitude + WEIGHT_RIDGE * total.item() / count.item())
 
 
+def _leak_sums(ds, injected, g_parent, samples, magnitude, term_grads, reduce_sums):
+    """Every sum the fit needs, in one collective: the terms' squared norms, the weighted Gram matrix, the weighted
+    projections of the differences, injections and samples, and the roundoff covariance ``S``."""
+    names = [k for k, g in term_grads.items() if g is not None]
+    k, width = len(names), len(ds) + len(names) + len(samples)
+    weights = _weights(magnitude, reduce_sums)
+    variance = torch.stack([r * r for r in samples]).mean(0) + (FP32_EPS * g_parent) ** 2
+    grads = torch.stack([term_grads[n] for n in names]) if names else torch.zeros(0, g_parent.numel()).double()
+    targets = torch.stack([*ds, *[injected[n] for n in names], *samples])
+    weighted = grads * weights
+    local = torch.cat(
+        [
+            (grads * grads).sum(-1),
+            (weighted @ grads.T).reshape(-1),
+            (weighted @ targets.T).reshape(-1),
+            ((weighted * variance) @ weighted.T).reshape(-1),
+        ]
+    ).double()
+    sums = reduce_sums(local)
+    plain, sums = sums[:k], sums[k:]
+    gram, sums = sums[: k * k].view(k, k), sums[k * k :]
+    return plain, gram, sums[: k * width].view(k, width), sums[k * width :].view(k, k)
+
+
+def _testable_terms(names, term_grads, plain, gram) -> tuple[dict[str, dict], list[int]]:
+    """The entry of every term that cannot be tested (no graph, zero gradient, a combination of the earlier terms:
+    Gram-Schmidt on the weighted Gram matrix), and the indices into ``names`` of those that can."""
+    base: dict[str, dict] = {n: dict(testable=False, reason=NO_GRAPH, grad_norm=0.0) for n in term_grads}
+    kept: list[int] = []
+    for i, name in enumerate(names):
+        if plain[i].item() == 0:
+            base[name] = dict(testable=False, reason=ZERO_GRADIENT, grad_norm=0.0)
+            continue
+        if kept:
+            cross = gram[kept, i]
+            residual = gram[i, i] - cross @ torch.linalg.solve(gram[kept][:, kept], cross)
+            if residual.item() <= COLLINEAR_FRACTION**2 * gram[i, i].item():
+                base[name] = dict(testable=False, reason=COLLINEAR, grad_norm=math.sqrt(plain[i].item()))
+                continue
+        kept.append(i)
+    return base, kept
+
+
 def term_leaks(
     ds: list[torch.Tensor],
     injected: dict[str, torch.Tensor],
@@ -88,38 +131,8 @@ def term_leaks(
     that leak is seen (bf16 can round a small leak away, which no noise floor shows). A term with None gradient has no
     graph; ``reduce_sums`` sums local sums over ranks."""
     names = [k for k, g in term_grads.items() if g is not None]
-    k, width = len(names), len(ds) + len(names) + len(samples)
-    weights = _weights(magnitude, reduce_sums)
-    variance = torch.stack([r * r for r in samples]).mean(0) + (FP32_EPS * g_parent) ** 2
-    grads = torch.stack([term_grads[n] for n in names]) if names else torch.zeros(0, g_parent.numel()).double()
-    targets = torch.stack([*ds, *[injected[n] for n in names], *samples])
-    weighted = grads * weights
-    # One collective for every sum: the plain and weighted Gram matrices, the projections, the roundoff covariance.
-    local = torch.cat(
-        [
-            (grads * grads).sum(-1),
-            (weighted @ grads.T).reshape(-1),
-            (weighted @ targets.T).reshape(-1),
-            ((weighted * variance) @ weighted.T).reshape(-1),
-        ]
-    ).double()
-    sums = reduce_sums(local)
-    plain, sums = sums[:k], sums[k:]
-    gram, sums = sums[: k * k].view(k, k), sums[k * k :]
-    projections, noise = sums[: k * width].view(k, width), sums[k * width :].view(k, k)
-    base: dict[str, dict] = {n: dict(testable=False, reason=NO_GRAPH, grad_norm=0.0) for n in term_grads}
-    kept: list[int] = []
-    for i, name in enumerate(names):
-        if plain[i].item() == 0:
-            base[name] = dict(testable=False, reason=ZERO_GRADIENT, grad_norm=0.0)
-            continue
-        if kept:  # a combination of the earlier terms (Gram-Schmidt on the weighted Gram matrix) is not identifiable
-            cross = gram[kept, i]
-            residual = gram[i, i] - cross @ torch.linalg.solve(gram[kept][:, kept], cross)
-            if residual.item() <= COLLINEAR_FRACTION**2 * gram[i, i].item():
-                base[name] = dict(testable=False, reason=COLLINEAR, grad_norm=math.sqrt(plain[i].item()))
-                continue
-        kept.append(i)
+    plain, gram, projections, noise = _leak_sums(ds, injected, g_parent, samples, magnitude, term_grads, reduce_sums)
+    base, kept = _testable_terms(names, term_grads, plain, gram)
     out = [{n: dict(e) for n, e in base.items()} for _ in ds]
     if not kept:
         return out
@@ -135,6 +148,7 @@ def term_leaks(
         detectable = PROJECTION_Z * floor
         # The injected leak as this test measures it: the coefficient it adds on top of the first assembly's.
         injected_coefficient = coefficients[j, len(ds) + i].item() - coefficients[j, 0].item()
+        unpowered = power_shortfall(injected_coefficient, floor, detectable)
         for v, leaks in enumerate(out):
             coefficient = coefficients[j, v].item()
             leaks[name] = dict(
@@ -149,12 +163,32 @@ def term_leaks(
                 leak_seen=abs(coefficient) > detectable,
                 injected_leak_coefficient=injected_coefficient,
                 injected_leak_over_floor=injected_coefficient / floor if floor > 0 else math.inf,
-                powered=injected_coefficient > 0
-                and injected_coefficient >= POWER_MARGIN * floor
-                and detectable <= RECIPE_GAMMA,
+                powered=unpowered is None,
+                power_shortfall=unpowered,
                 margin_at_recipe_gamma=RECIPE_GAMMA / detectable if detectable > 0 else math.inf,
             )
     return out
+
+
+def power_shortfall(injected_coefficient: float, floor: float, detectable: float) -> str | None:
+    """Why a term is not powered on this batch, or None when it is: the injected ``RECIPE_GAMMA`` leak must be seen
+    in the assembled gradient (a coefficient above 0) and measure at least ``POWER_MARGIN`` noise floors, against a
+    floor above 0. A floor of exactly 0 (nothing measured where the term's gradient lies) makes any leak look
+    infinitely many floors tall and every coefficient "detectable at 0"; it proves nothing, so it never powers."""
+    if injected_coefficient == 0:
+        return (
+            f"the injected {RECIPE_GAMMA} leak rounds away entirely (measured coefficient exactly 0): the probe "
+            "cannot see a leak on this batch"
+        )
+    if floor == 0:
+        return "the noise floor is exactly 0: no roundoff was measured to set the leak against"
+    if injected_coefficient < POWER_MARGIN * floor:
+        return (
+            f"the injected {RECIPE_GAMMA} leak measures {injected_coefficient / floor:.3g} < {POWER_MARGIN:g} floors"
+        )
+    if detectable > RECIPE_GAMMA:
+        return f"the smallest detectable coefficient {detectable:.3g} is above the recipe's gamma {RECIPE_GAMMA}"
+    return None
 
 
 def powered(leaks: dict[str, dict]) -> bool:
@@ -188,6 +222,7 @@ def describe(leaks: dict[str, dict]) -> str:
                 f"{e['detectable_coefficient']:.2e}, injected {RECIPE_GAMMA} measures "
                 f"{e['injected_leak_over_floor']:.3g} floors; norm rule detects "
                 f"{e['norm_rule_detectable_coefficient']:.2e})"
+                + (f", not powered: {e['power_shortfall']}" if e["power_shortfall"] else "")
             )
     return "; ".join(parts)
 

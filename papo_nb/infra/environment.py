@@ -1,0 +1,42 @@
+"""Which Python, libraries and accelerator this process runs on: ``papo-nb env`` prints it, notebook 01 logs it."""
+
+from __future__ import annotations
+
+import platform
+from importlib import metadata
+
+NOT_INSTALLED = "not installed"
+
+# Distributions whose versions ``environment_report`` lists, in this order.
+REPORTED_PACKAGES = ("torch", "torchvision", "trl", "transformers", "peft", "mlflow")
+
+
+def _version(distribution: str) -> str:
+    try:
+        return metadata.version(distribution)
+    except metadata.PackageNotFoundError:
+        return NOT_INSTALLED
+
+
+def environment_report() -> dict[str, str | bool]:
+    """Versions of Python and the key libraries, and whether CUDA is usable.
+
+    Keys: ``python``, ``torch``, ``torchvision``, ``trl``, ``transformers``, ``peft``,
+    ``mlflow`` (version strings, ``"not installed"`` when absent), ``cuda_available`` (bool)
+    and, only when CUDA is available, ``cuda_device`` (name of device 0).
+    """
+    report: dict[str, str | bool] = {"python": platform.python_version()}
+    for name in REPORTED_PACKAGES:
+        report[name] = _version(name)
+    cuda_available = False
+    device = None
+    if report["torch"] != NOT_INSTALLED:
+        import torch
+
+        cuda_available = bool(torch.cuda.is_available())
+        if cuda_available:
+            device = torch.cuda.get_device_name(0)
+    report["cuda_available"] = cuda_available
+    if device is not None:
+        report["cuda_device"] = device
+    return report

@@ -1,0 +1,110 @@
+"""The trainer's masking state, one object: the generator, the per-round mask cache, the model's patch size, and the
+generator's save and load with the Trainer's RNG states.
+
+The masks themselves (layouts, patch maps, the draw of ``round(ratio * n)`` units) are ``masking.py``'s; this object
+only decides which mask a sample gets: drawn once per prompt per generation round and reused by every rollout of
+that prompt (``mask_sharing="prompt"``), or a fresh draw per sample (``"completion"``).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+from . import masking
+
+MASK_CACHE_LIMIT = 4096  # prompt masks remembered within one generation round (bounds memory outside train())
+
+
+class MaskState:
+    """Masks for one trainer process. ``model`` and ``processing_class`` are read when a mask is built (the
+    vision patch size, the processor's normalisation), ``args`` is the trainer's ``PAPOGConfig``."""
+
+    def __init__(self, args, model, processing_class):
+        self.args = args
+        self.model = model
+        self.processing_class = processing_class
+        self.generator = torch.Generator().manual_seed(args.mask_seed + args.process_index)
+        self.cache: dict[str, torch.Tensor] = {}
+        self.cache_round: int | None = None
+
+    def restart(self, seed: int | None = None) -> None:
+        """Forget the round's masks; with ``seed``, also reseed the generator (benchmarks and tests replay masks)."""
+        if seed is not None:
+            self.generator.manual_seed(seed)
+        self.cache, self.cache_round = {}, None
+
+    def patch_size(self) -> int:
+        """The model's own vision patch size: the vision config's, cross-checked with the image processor's."""
+        image_processor = self.processing_class.image_processor
+        vision = getattr(getattr(self.model, "config", None), "vision_config", None)
+        sizes = {
+            name: value
+            for name, value in (
+                ("vision_config.patch_size", getattr(vision, "patch_size", None)),
+                ("image_processor.patch_size", getattr(image_processor, "patch_size", None)),
+                ("image_processor.encoder_patch_size", getattr(image_processor, "encoder_patch_size", None)),
+            )
+            if isinstance(value, int)
+        }
+        if not sizes or len(set(sizes.values())) > 1:
+            raise ValueError(f"cannot tell the model's vision patch size for masking: found {sizes or 'none'}")
+        return next(iter(sizes.values()))
+
+    def patch_map(self, inputs: dict[str, Any]) -> masking.PatchMap:
+        """The real patches of this batch's pixel_values, in whichever layout it has (``masking``)."""
+        image_processor = self.processing_class.image_processor
+        merge = getattr(image_processor, "merge_size", 2) if self.args.mask_type == "merge_unit" else 1
+        return masking.patch_map(
+            inputs,
+            patch_size=self.patch_size(),
+            image_mean=image_processor.image_mean,
+            image_std=image_processor.image_std,
+            merge_size=merge,
+        )
+
+    def draw(self, patches: masking.PatchMap, sample: int, sample_pixels: torch.Tensor) -> torch.Tensor:
+        """A fresh mask for one sample: a bool per patch unit, or (``random``) a coin per pixel value."""
+        if self.args.mask_type == "random":
+            return torch.rand(sample_pixels.shape, generator=self.generator) < self.args.mask_ratio
+        return masking.select_units(patches.sample_segments(sample), self.args.mask_ratio, self.generator)
+
+    def sample_masks(self, inputs: dict[str, Any], patches: masking.PatchMap, round_: int | None) -> list:
+        """One mask per sample. ``mask_sharing='prompt'``: drawn once per prompt (content key) per generation round
+        ``round_`` (None: no round, nothing kept) and reused by every rollout of that prompt, in this device batch or
+        a later one of the same round (TRL shuffles rollouts across them); ``'completion'``: a fresh draw each."""
+        pixel_values = inputs["pixel_values"]
+        if self.args.mask_sharing != "prompt":
+            return [self.draw(patches, i, pixel_values[a:b]) for i, (a, b) in enumerate(patches.sample_rows)]
+        if round_ is None or round_ != self.cache_round or len(self.cache) > MASK_CACHE_LIMIT:
+            self.cache, self.cache_round = {}, round_
+        keys = masking.sample_keys(inputs)
+        for i, (start, end) in enumerate(patches.sample_rows):
+            if keys[i] not in self.cache:
+                self.cache[keys[i]] = self.draw(patches, i, pixel_values[start:end])
+        return [self.cache[key] for key in keys]
+
+    def masked_pixel_values(self, inputs: dict[str, Any], round_: int | None) -> torch.Tensor:
+        """``pixel_values`` with the masks of ``mask_type`` applied: black after normalisation, only on real patches
+        (padding pixels and padded tiles stay as they are); a new tensor, the input is never written."""
+        patches = self.patch_map(inputs)
+        masks = self.sample_masks(inputs, patches, round_)
+        if self.args.mask_type == "random":
+            return patches.apply_values(inputs["pixel_values"], torch.cat(masks))
+        return patches.apply(inputs["pixel_values"], torch.cat(masks))
+
+    # ---- checkpoints: the generator is resumed with the RNG states the Trainer saves ----
+    def rng_file(self, folder: str) -> str:
+        return os.path.join(folder, f"papo_mask_rng_{self.args.process_index}.pth")
+
+    def save(self, folder: str) -> None:
+        torch.save(self.generator.get_state(), self.rng_file(folder))
+
+    def load(self, folder: str | None) -> None:
+        """Resume the generator from ``folder`` where it holds one; the round's masks are dropped (TRL regenerates
+        rollouts after a resume)."""
+        if folder is not None and os.path.isfile(self.rng_file(folder)):
+            self.generator.set_state(torch.load(self.rng_file(folder), weights_only=True))
+            self.restart()

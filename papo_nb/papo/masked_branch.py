@@ -1,0 +1,209 @@
+"""The masked branch, one object per trainer: its plan (shared prompt prefix or full forward), its clock, the owner
+tag of the branches it stores, and its metrics and log lines.
+
+It runs in two places. In the loss call (``masked_branch="update"``, and batches built outside a round) as
+``compute``: with ``masked_branch_grad=True`` this is the official ``RECOMPUTE_AUG_LOG_PROBS=True``, a masked forward
+per update micro-batch with the current policy and with gradient
+(https://github.com/MikeWangWZHL/PAPO/blob/fb63bf4/verl/workers/actor/dp_actor.py#L46). Once per generation round
+(``masked_branch="rollout"``, the default) as ``rollout_entries`` (``rollout_branch.py``). Either way the caller hands
+it the model, the batch, the masked pixels (or the function that masks a batch) and the log-prob function
+explicitly; the object never reaches back into the trainer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import secrets
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from transformers.utils import logging
+
+from . import rollout_branch, shared_prefix
+from .fsdp import sharded
+from .logp_inputs import logp_call_arguments
+from .rollout_branch import MASKED_ENTROPIES_KEY, MASKED_LOGPS_KEY, OWNER_KEY
+
+logger = logging.get_logger(__name__)
+
+
+@dataclass
+class BranchClock:
+    """Where the masked branch's time goes: wall and process CPU seconds, and how many passes ran."""
+
+    seconds: float = 0.0
+    cpu_seconds: float = 0.0
+    calls: int = 0
+
+    @contextlib.contextmanager
+    def timing(self):
+        wall, cpu = time.perf_counter(), time.process_time()
+        try:
+            yield
+        finally:
+            self.seconds += time.perf_counter() - wall
+            self.cpu_seconds += time.process_time() - cpu
+            self.calls += 1
+
+
+class MaskedBranch:
+    """``args``: the trainer's ``PAPOGConfig``; ``model``: the trainer's model (its mode and parameters);
+    ``accelerator``: for the cross-rank choices; ``metrics``: the trainer's per-mode metric lists, where the branch
+    records which forward it took; ``temperature``: the parent's sampling temperature."""
+
+    def __init__(self, args, model, accelerator, metrics: dict, temperature: float):
+        self.args, self.model, self.accelerator = args, model, accelerator
+        self.metrics, self.temperature = metrics, temperature
+        # Which form the no-grad branch takes; raises if asked for the shared prefix where it cannot run.
+        self.plan = shared_prefix.plan(args, model)
+        self.owner = secrets.randbits(62)  # names this trainer's stored branches
+        self.clock = BranchClock()
+        self.reasons_logged: set[tuple[bool, str]] = set()
+
+    # ---- the branch stored with a round ----
+    def stored(self, inputs: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """``(masked logps, masked entropies or None)`` stored with ``inputs`` by this branch's rollout pass, or
+        None."""
+        owner = inputs.get(OWNER_KEY)
+        if owner is None or int(owner) != self.owner or MASKED_LOGPS_KEY not in inputs:
+            return None
+        logps = inputs[MASKED_LOGPS_KEY]
+        if logps.shape != inputs["completion_ids"].shape:
+            raise RuntimeError(
+                f"the stored masked log-probs have shape {tuple(logps.shape)}, the batch's completions "
+                f"{tuple(inputs['completion_ids'].shape)}: the round was split or padded after the masked branch ran"
+            )
+        return logps, inputs.get(MASKED_ENTROPIES_KEY)
+
+    @torch.no_grad()
+    def rollout_entries(self, batch: dict[str, Any], mask_pixels, logps_of) -> dict[str, Any]:
+        """What the rollout pass adds to the parent's generation batch: the masked branch of every completion with an
+        image, and the owner tag; nothing for a round without images (its perception term is 0, no forward needed).
+        ``mask_pixels(batch)`` masks a batch's images; ``logps_of`` is the parent's log-prob method."""
+        has_images = batch.get("pixel_values") is not None
+        # Every rank calls it (one all-reduce); it refuses a round with images on some ranks only under FSDP, whose
+        # vision all-gathers would not pair. Under DDP this pass calls the unwrapped model, so a text-only rank owes
+        # the others no forward.
+        self.images_on_any_rank(has_images)
+        if not has_images:
+            return {}
+        with self.clock.timing():
+            compute_entropy = self.args.entropy_estimator == "full"
+            rows, processes = self.args.per_device_train_batch_size, self.accelerator.num_processes
+            if self.plan.shared and batch.get("image_grid_thw") is not None:
+                logps, entropies, completions, prefills = rollout_branch.shared_round(
+                    self.model, batch, mask_pixels, self.temperature, compute_entropy, rows, processes
+                )
+                self.record(True, self.plan.reason + ", once per generation round", completions / prefills)
+            else:
+                logps, entropies = rollout_branch.full_round(
+                    self.model, batch, mask_pixels, logps_of, compute_entropy, rows
+                )
+                self.record(False, self.plan.reason, None)
+        entries = {MASKED_LOGPS_KEY: logps, OWNER_KEY: torch.tensor(self.owner)}
+        if entropies is not None:
+            entries[MASKED_ENTROPIES_KEY] = entropies
+        return entries
+
+    # ---- the branch in the loss call ----
+    def compute(self, model, inputs: dict[str, Any], masked_pixels: torch.Tensor | None, logps_of, entropy_grad: bool):
+        """The masked branch now, for this batch: ``(logps, entropies)``, shared prefix or full forward, with gradient
+        when ``masked_branch_grad`` asks for it. ``masked_pixels`` replace the batch's images (None: a text-only
+        batch's parity forward, see ``images_on_any_rank``); ``logps_of(want_entropy_grad, model, *args, **kwargs)``
+        is the parent's log-prob method; ``entropy_grad``: whether the masked entropy needs its gradient."""
+        positional, vlm_kwargs = logp_call_arguments(inputs)
+        if masked_pixels is not None:
+            vlm_kwargs["pixel_values"] = masked_pixels
+        # The sampled estimator needs only log-probs; the full one asks the parent for vocabulary entropies.
+        compute_entropy = self.args.entropy_estimator == "full"
+        # Under no-grad, one prefill per prompt and its completions against the cached prefix (same numbers, see
+        # shared_prefix.py); None where it does not apply (the reason is logged and in the metrics).
+        shared = self._shared_prefix(model, inputs, vlm_kwargs.get("pixel_values"), compute_entropy)
+        if shared is not None:
+            return shared
+        with torch.set_grad_enabled(self.args.masked_branch_grad and torch.is_grad_enabled()):
+            logps, entropies, _ = logps_of(
+                self.args.masked_branch_grad and entropy_grad,
+                model,
+                *positional,
+                compute_entropy=compute_entropy,
+                **vlm_kwargs,
+            )
+        return logps, entropies
+
+    def _shared_prefix(self, model, inputs: dict[str, Any], pixel_values, compute_entropy: bool):
+        """``(logps, entropies)`` through the shared prefix where it applies (recorded in the metrics), else None."""
+        groups = None
+        if self.plan.shared and inputs.get("prompt_ids") is not None:
+            groups = shared_prefix.prompt_groups(inputs, pixel_values)
+        shared, reason = self._choose(inputs, groups)
+        if not shared:
+            self.record(False, reason, None)
+            return None
+        # Under FSDP/ZeRO-3 a forward is a collective: every rank runs one prefill and one completion forward here,
+        # whatever its groups (chunks of whole groups would make the count depend on the batch).
+        max_rows = len(inputs["prompt_ids"]) if self.accelerator.num_processes > 1 else None
+        result = shared_prefix.shared_prefix_logps(
+            model,
+            inputs,
+            pixel_values,
+            temperature=self.temperature,
+            compute_entropy=compute_entropy,
+            groups=groups,
+            max_chunk_rows=max_rows,
+        )
+        self.record(True, reason, len(inputs["prompt_ids"]) / len(groups))
+        return result
+
+    def _choose(self, inputs: dict[str, Any], groups: list[list[int]] | None) -> tuple[bool, str]:
+        """The choice for one batch: the plan, the grad mode, and (``"auto"``, one process) whether any prompt has two
+        completions here. With several processes the choice must not depend on the batch: a forward is a collective
+        under FSDP/ZeRO-3, so every rank must run as many."""
+        if not self.plan.shared:
+            return False, self.plan.reason
+        if self.args.masked_branch_grad and torch.is_grad_enabled():
+            return False, "masked_branch_grad=True with gradients enabled"
+        single = self.accelerator.num_processes == 1
+        if (
+            self.args.masked_forward == "auto"
+            and single
+            and groups is not None
+            and len(groups) == len(inputs["prompt_ids"])
+        ):
+            return False, "no prompt has two completions in this device batch"
+        return True, self.plan.reason
+
+    def record(self, shared: bool, reason: str, share: float | None) -> None:
+        """The metric per batch, and one log line per distinct reason."""
+        mode = "train" if self.model.training else "eval"
+        self.metrics[mode][shared_prefix.METRIC].append(float(shared))
+        if share is not None:
+            self.metrics[mode][shared_prefix.SHARE_METRIC].append(share)
+        if (shared, reason) not in self.reasons_logged:
+            self.reasons_logged.add((shared, reason))
+            if shared:
+                logger.info("PAPO-G masked branch: shared-prompt-prefix forward (%s)", reason)
+            else:
+                logger.warning("PAPO-G masked branch: full forward per completion, because %s", reason)
+
+    def images_on_any_rank(self, has_images: bool) -> bool:
+        """Whether any process's batch has images; every process must call it (one scalar all-reduce).
+
+        Under DDP (buffer broadcast), ZeRO-3 and FSDP a forward is a collective, so every process must run the same
+        number of forwards: a text-only batch next to an image batch on another rank runs the masked forward too
+        (on its unmasked inputs, result unused; its perception term stays exactly 0). One process: no collective."""
+        processes = self.accelerator.num_processes
+        if processes == 1:
+            return has_images
+        flag = torch.tensor([float(has_images)], device=self.accelerator.device)
+        ranks = int(self.accelerator.reduce(flag, reduction="sum").item())
+        if 0 < ranks < processes and sharded(list(self.model.parameters())):
+            # Only the image ranks would run the sharded vision tower, whose all-gathers the others never join
+            # (measured: a 2-rank FSDP job aborts in all_gather); the same on every rank, so all raise.
+            raise RuntimeError(
+                f"under FSDP every rank's batch must have images or none; {ranks} of {processes} ranks have images "
+                "in this batch (mixed text-only data)"
+            )
+        return ranks > 0
