@@ -1,4 +1,5 @@
-"""Tiny offline VLMs of the other families TRL 1.9.1 trains: Qwen3-VL, Idefics3, SmolVLM, Gemma3, LFM2-VL.
+"""Tiny offline VLMs of the other families TRL 1.9.1 trains: Qwen3-VL, Idefics3, SmolVLM, Gemma3, LFM2-VL, LLaVA,
+Mistral3, LLaVA-NeXT, LLaVA-OneVision.
 
 As for Qwen2-VL (``models.py``), everything is made locally: a byte-level BPE trained on the shapes task with the
 family's own special tokens, a ChatML-style template that places the family's image token, the family's own image
@@ -32,6 +33,15 @@ from transformers import (
     Lfm2VlProcessor,
     LlavaConfig,
     LlavaForConditionalGeneration,
+    LlavaNextConfig,
+    LlavaNextForConditionalGeneration,
+    LlavaNextImageProcessor,
+    LlavaNextProcessor,
+    LlavaOnevisionConfig,
+    LlavaOnevisionForConditionalGeneration,
+    LlavaOnevisionImageProcessor,
+    LlavaOnevisionProcessor,
+    LlavaOnevisionVideoProcessor,
     LlavaProcessor,
     Mistral3Config,
     Mistral3ForConditionalGeneration,
@@ -68,10 +78,11 @@ LFM2_TOKENS = ["<image>", "<|image_start|>", "<|image_end|>", "<|img_thumbnail|>
     f"<|img_row_{i}_col_{j}|>" for i in range(1, 11) for j in range(1, 11)
 ]
 LLAVA_TOKENS = ["<image>"]
+ONEVISION_TOKENS = ["<image>", "<video>"]
 PIXTRAL_TOKENS = ["[IMG]", "[IMG_BREAK]", "[IMG_END]"]
 QWEN_VISION_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>"]
 FAMILY_VISION_TOKENS = sorted(
-    set(IDEFICS_TOKENS + GEMMA3_TOKENS + LFM2_TOKENS + LLAVA_TOKENS + PIXTRAL_TOKENS + QWEN_VISION_TOKENS)
+    set(IDEFICS_TOKENS + GEMMA3_TOKENS + LFM2_TOKENS + ONEVISION_TOKENS + PIXTRAL_TOKENS + QWEN_VISION_TOKENS)
 )
 
 
@@ -312,6 +323,69 @@ def _llava():
     return processor, config
 
 
+# Any-resolution grids: a 56-px crop (4x4 CLIP/SigLIP patches of 14) and crop grids up to 2x2, so the square image
+# gets a base view + 4 crops and the wide one a base view + 2 crops (with letterbox): a padded crop list.
+ANYRES_CROP, ANYRES_PINPOINTS = 56, [[56, 112], [112, 56], [112, 112]]
+
+
+def _llava_next():
+    image, patch = ANYRES_CROP, 14  # CLIP with a CLS that "default" drops, as llava-v1.6 is configured
+    tokenizer = family_tokenizer(LLAVA_TOKENS)
+    image_processor = LlavaNextImageProcessor(
+        size={"shortest_edge": image},
+        crop_size={"height": image, "width": image},
+        image_grid_pinpoints=ANYRES_PINPOINTS,
+    )
+    processor = LlavaNextProcessor(
+        image_processor=image_processor,
+        tokenizer=tokenizer,
+        patch_size=patch,
+        vision_feature_select_strategy="default",
+        num_additional_image_tokens=1,
+        chat_template=chat_template("<image>"),
+    )
+    vision = {"model_type": "clip_vision_model", **_siglip(image, patch, projection_dim=TEXT["hidden"])}
+    config = LlavaNextConfig(
+        text_config={"model_type": "llama", **_llama_text(tokenizer)},
+        vision_config=vision,
+        image_grid_pinpoints=ANYRES_PINPOINTS,
+        image_token_index=tokenizer.convert_tokens_to_ids("<image>"),
+        vision_feature_select_strategy="default",
+        vision_feature_layer=-1,
+        tie_word_embeddings=False,
+    )
+    return processor, config
+
+
+def _llava_onevision():
+    image, patch = ANYRES_CROP, 14  # SigLIP without a CLS, "full" features, as llava-onevision is configured
+    tokenizer = family_tokenizer(ONEVISION_TOKENS)
+    image_processor = LlavaOnevisionImageProcessor(
+        size={"height": image, "width": image}, image_grid_pinpoints=ANYRES_PINPOINTS
+    )
+    processor = LlavaOnevisionProcessor(
+        image_processor=image_processor,
+        tokenizer=tokenizer,
+        video_processor=LlavaOnevisionVideoProcessor(size={"height": image, "width": image}),
+        num_image_tokens=(image // patch) ** 2,
+        vision_feature_select_strategy="full",
+        chat_template=chat_template("<image>"),
+    )
+    # the hub checkpoint takes the vision tower's last hidden state without its attention-pooling head
+    vision = {"model_type": "siglip_vision_model", **_siglip(image, patch, vision_use_head=False)}
+    config = LlavaOnevisionConfig(
+        text_config={"model_type": "qwen2", **_llama_text(tokenizer)},
+        vision_config=vision,
+        image_grid_pinpoints=ANYRES_PINPOINTS,
+        image_token_index=tokenizer.convert_tokens_to_ids("<image>"),
+        video_token_index=tokenizer.convert_tokens_to_ids("<video>"),
+        vision_feature_select_strategy="full",
+        vision_feature_layer=-1,
+        tie_word_embeddings=False,
+    )
+    return processor, config
+
+
 def _mistral3():
     patch, merge = 16, 2  # a 64-px image: 4x4 patches, 2x2 tokens after the merge; smaller images are padded
     tokenizer = family_tokenizer(PIXTRAL_TOKENS)
@@ -352,6 +426,8 @@ FAMILIES = {
     "lfm2_vl_tiled": Family(lambda: _lfm2_vl(True), Lfm2VlForConditionalGeneration, "tile_rows"),
     "llava": Family(_llava, LlavaForConditionalGeneration, "images"),
     "mistral3": Family(_mistral3, Mistral3ForConditionalGeneration, "sized_images"),
+    "llava_next": Family(_llava_next, LlavaNextForConditionalGeneration, "crops"),
+    "llava_onevision": Family(_llava_onevision, LlavaOnevisionForConditionalGeneration, "crops"),
 }
 
 
