@@ -25,8 +25,8 @@ import papo_nb  # noqa: E402
 from papo_nb.infra.tracking import (  # noqa: E402
     EXPERIMENT_NAME,
     absolute_tracking_uri,
-    attach_run,
     attach_notebook_run,
+    attach_run,
     default_tracking_uri,
     log_evidence,
     log_figure,
