@@ -32,6 +32,7 @@ from papo_nb.infra.tracking import (  # noqa: E402
     log_figure,
     search_workbook_runs,
     standard_tags,
+    tracking_client,
 )
 from papo_nb.papo.contract import PAPO_ADAPTER_VERSION  # noqa: E402
 
@@ -189,3 +190,25 @@ def test_a_run_in_another_store_never_logs_to_the_first_stores_model(tmp_path):
         mlflow.clear_active_model()
         mlflow.set_tracking_uri(None)
         os.environ.pop("MLFLOW_EXPERIMENT_ID", None)
+
+
+def test_a_client_of_another_store_never_links_metrics_to_this_stores_model(tmp_path):
+    """``MlflowClient.log_metric`` links to the process's active logged model whatever store it writes to: the
+    workbook runner's client (``tracking_client``) of a second store drops a model that store lacks, and keeps
+    one it has."""
+    first, second = (f"sqlite:///{tmp_path / name}" for name in ("first.db", "second.db"))
+    try:
+        attach_run(first, "", run_name="first", tags={})
+        model = mlflow.create_external_model(name="policy")
+        mlflow.set_active_model(model_id=model.model_id)
+        assert tracking_client(first) and mlflow.get_active_model_id() == model.model_id  # its own store: kept
+        client = tracking_client(second)
+        assert mlflow.get_active_model_id() is None
+        run = client.create_run(client.create_experiment("other"))
+        client.log_metric(run.info.run_id, "papo_nb/wall_seconds", 1.0)  # the foreign-key error before
+        assert client.get_run(run.info.run_id).data.metrics == {"papo_nb/wall_seconds": 1.0}
+    finally:
+        while mlflow.active_run():
+            mlflow.end_run()
+        mlflow.clear_active_model()
+        mlflow.set_tracking_uri(None)

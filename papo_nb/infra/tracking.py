@@ -99,11 +99,23 @@ def tracking_client(tracking_uri: str) -> MlflowClient:
     """
     db = sqlite_path(tracking_uri)
     if db is None or tracking_uri in _READY:
-        return MlflowClient(tracking_uri)
+        return _without_foreign_model(MlflowClient(tracking_uri))
     db.parent.mkdir(parents=True, exist_ok=True)
     with FileLock(f"{db}.lock"):
         client = MlflowClient(tracking_uri)
     _READY.add(tracking_uri)
+    return _without_foreign_model(client)
+
+
+def _without_foreign_model(client: MlflowClient) -> MlflowClient:
+    """Clear the process's active logged model when ``client``'s store lacks it: ``MlflowClient.log_metric`` links
+    every metric to the active model whatever store the client writes to (a FOREIGN KEY failure there)."""
+    model_id = mlflow.get_active_model_id()
+    if model_id is not None:
+        try:
+            client.get_logged_model(model_id)
+        except mlflow.exceptions.MlflowException:
+            mlflow.clear_active_model()
     return client
 
 
