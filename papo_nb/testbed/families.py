@@ -62,7 +62,7 @@ from transformers import (
 
 from papo_nb.testbed.shapes import task_corpus
 
-BUILDER_VERSION = 1
+BUILDER_VERSION = 2  # 2: Gemma3 without the vision attention-pooling head, as the hub checkpoint
 VOCAB_SIZE = 448
 CHAT_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 TEXT = dict(hidden=64, intermediate=128, layers=2, heads=4, kv_heads=2)
@@ -259,7 +259,7 @@ def _gemma3():
     text = _llama_text(tokenizer, head_dim=16, sliding_window=64, query_pre_attn_scalar=16)
     config = Gemma3Config(
         text_config=text,
-        vision_config=_siglip(image, patch),
+        vision_config=_siglip(image, patch, vision_use_head=False),  # as gemma-3: no attention-pooling head
         mm_tokens_per_image=tokens,
         boi_token_index=tokenizer.convert_tokens_to_ids("<start_of_image>"),
         eoi_token_index=tokenizer.convert_tokens_to_ids("<end_of_image>"),
@@ -351,7 +351,7 @@ def _llava_next():
         image_grid_pinpoints=ANYRES_PINPOINTS,
         image_token_index=tokenizer.convert_tokens_to_ids("<image>"),
         vision_feature_select_strategy="default",
-        vision_feature_layer=-1,
+        vision_feature_layer=-2,  # as llava-v1.6: the last CLIP layer and post_layernorm get no gradient
         tie_word_embeddings=False,
     )
     return processor, config
