@@ -45,7 +45,9 @@ def cache(tmp_path_factory):
     return str(tmp_path_factory.mktemp("trl_case_models"))
 
 
-def upstream_trainer(family, mode, cache, out, *, dataset=None, peft_config=None, **config):
+def upstream_trainer(
+    family, mode, cache, out, *, dataset=None, eval_dataset=None, peft_config=None, reward_funcs=None, **config
+):
     """PAPOGTrainer with upstream's VLM settings (``TestGRPOTrainerVLM``) and ``config`` on top."""
     model, processor = models.load_vlm(tiny_model_folder(family, cache))
     settings = dict(
@@ -66,9 +68,10 @@ def upstream_trainer(family, mode, cache, out, *, dataset=None, peft_config=None
     return PAPOGTrainer(
         model=model,
         processing_class=processor,
-        reward_funcs=longer_is_better,
+        reward_funcs=reward_funcs or longer_is_better,
         args=args,
         train_dataset=dataset if dataset is not None else make_shapes_dataset(4, seed=0),
+        eval_dataset=eval_dataset,
         peft_config=peft_config,
     )
 
@@ -79,7 +82,9 @@ def train_and_diff(trainer) -> tuple[list[str], list[str]]:
     trainer.train()
     assert trainer.state.log_history[-1]["train_loss"] is not None
     if trainer.args.perception_loss_weight > 0:  # the defaults really ran PAPO-G's masked branch
-        assert any(h.get("perception_kl", 0) > 0 for h in trainer.state.log_history)
+        # (with an evaluation at the same step only the eval_ prefixed metrics reach the history)
+        kls = [h.get("perception_kl", h.get("eval_perception_kl", 0)) for h in trainer.state.log_history]
+        assert any(kl > 0 for kl in kls)
     changed = [n for n, p in before.items() if not torch.equal(p, trainer.model.get_parameter(n))]
     return changed, [n for n in before if n not in changed]
 
@@ -153,3 +158,50 @@ def test_train_vlm_log_multimodal_false(mode, cache, tmp_path):
     trainer = upstream_trainer("gemma3", mode, cache, tmp_path, log_completions=True, log_multimodal=False)
     trainer.train()
     assert len(trainer._logs["prompt"]) > 0 and len(trainer._logs["images"]) == 0
+
+
+# ---- TRL's text-model cases (``TestGRPOTrainer``), run on the image task: PAPO-G's term needs an image ----
+
+
+def distinct_characters(completions, **kwargs):
+    """A second reward, not a function of the first: the completion's distinct characters."""
+    return [float(len(set(completion[0]["content"]))) for completion in completions]
+
+
+TEXT_CASES = {  # upstream test -> the config it trains (plus the VLM settings above)
+    "test_train_loss_types[dapo]": dict(loss_type="dapo", gradient_accumulation_steps=2),
+    "test_train_loss_types[dr_grpo]": dict(loss_type="dr_grpo", gradient_accumulation_steps=2),
+    "test_train_loss_types[bnpo]": dict(loss_type="bnpo", gradient_accumulation_steps=2),
+    "test_train_loss_types[cispo]": dict(loss_type="cispo", gradient_accumulation_steps=2),
+    "test_train_multiple_iterations": dict(num_iterations=2, max_steps=2),
+    "test_train_with_sync_ref_model": dict(beta=0.1, sync_ref_model=True, ref_model_sync_steps=2, max_steps=2),
+    "test_train_with_entropy_filter": dict(top_entropy_quantile=0.2),
+    "test_train_with_static_entropy": dict(entropy_coef=0.1),
+    "test_train_with_eval": dict(eval_strategy="steps", eval_steps=1, per_device_eval_batch_size=2),
+}
+
+
+@pytest.mark.parametrize("case", list(TEXT_CASES))
+def test_text_cases_train_every_parameter(case, mode, cache, tmp_path):
+    """Upstream ``TestGRPOTrainer`` cases named by ``case`` (loss types with gradient accumulation, several
+    iterations, the reference-model sync, entropy filtering, the entropy bonus, evaluation): every parameter
+    changes."""
+    config = TEXT_CASES[case]
+    evaluation = make_shapes_dataset(2, seed=1) if "eval_strategy" in config else None
+    trainer = upstream_trainer("qwen2_vl", mode, cache, tmp_path, eval_dataset=evaluation, **config)
+    if "sync_ref_model" in config:
+        assert trainer.ref_model is not None
+    changed, unchanged = train_and_diff(trainer)
+    assert unchanged == [] and changed
+    if evaluation is not None:
+        assert any("eval_loss" in h for h in trainer.state.log_history)
+
+
+def test_train_multiple_reward_funcs(mode, cache, tmp_path):
+    """Upstream ``test_train_multiple_reward_funcs``: two reward functions; every parameter changes and both are
+    logged."""
+    rewards = [longer_is_better, distinct_characters]
+    trainer = upstream_trainer("qwen2_vl", mode, cache, tmp_path, reward_funcs=rewards)
+    changed, unchanged = train_and_diff(trainer)
+    assert unchanged == [] and changed
+    assert {"rewards/longer_is_better/mean", "rewards/distinct_characters/mean"} <= set(trainer.state.log_history[0])
