@@ -299,11 +299,11 @@ def _lfm2_vl(tiled: bool):
     return processor, config
 
 
-def _llava():
-    image, patch = 56, 14  # CLIP: 4x4 patches + CLS; "default" drops the CLS, so 16 image tokens
+def _clip_llava(processor_cls, image_processor, config_cls, **config_fields):
+    """LLaVA and LLaVA-NeXT: a 56-px CLIP (4x4 patches of 14 + a CLS that "default" drops: 16 image tokens)."""
+    image, patch = 56, 14
     tokenizer = family_tokenizer(LLAVA_TOKENS)
-    image_processor = CLIPImageProcessor(size={"shortest_edge": image}, crop_size={"height": image, "width": image})
-    processor = LlavaProcessor(
+    processor = processor_cls(
         image_processor=image_processor,
         tokenizer=tokenizer,
         patch_size=patch,
@@ -312,15 +312,20 @@ def _llava():
         chat_template=chat_template("<image>"),
     )
     vision = {"model_type": "clip_vision_model", **_siglip(image, patch, projection_dim=TEXT["hidden"])}
-    config = LlavaConfig(
+    config = config_cls(
         text_config={"model_type": "llama", **_llama_text(tokenizer)},
         vision_config=vision,
         image_token_id=tokenizer.convert_tokens_to_ids("<image>"),
         vision_feature_select_strategy="default",
-        vision_feature_layer=-1,
         tie_word_embeddings=False,
+        **config_fields,
     )
     return processor, config
+
+
+def _llava():
+    image_processor = CLIPImageProcessor(size={"shortest_edge": 56}, crop_size={"height": 56, "width": 56})
+    return _clip_llava(LlavaProcessor, image_processor, LlavaConfig, vision_feature_layer=-1)
 
 
 # Any-resolution grids: a 56-px crop (4x4 CLIP/SigLIP patches of 14) and crop grids up to 2x2, so the square image
@@ -329,32 +334,19 @@ ANYRES_CROP, ANYRES_PINPOINTS = 56, [[56, 112], [112, 56], [112, 112]]
 
 
 def _llava_next():
-    image, patch = ANYRES_CROP, 14  # CLIP with a CLS that "default" drops, as llava-v1.6 is configured
-    tokenizer = family_tokenizer(LLAVA_TOKENS)
     image_processor = LlavaNextImageProcessor(
-        size={"shortest_edge": image},
-        crop_size={"height": image, "width": image},
+        size={"shortest_edge": ANYRES_CROP},
+        crop_size={"height": ANYRES_CROP, "width": ANYRES_CROP},
         image_grid_pinpoints=ANYRES_PINPOINTS,
     )
-    processor = LlavaNextProcessor(
-        image_processor=image_processor,
-        tokenizer=tokenizer,
-        patch_size=patch,
-        vision_feature_select_strategy="default",
-        num_additional_image_tokens=1,
-        chat_template=chat_template("<image>"),
-    )
-    vision = {"model_type": "clip_vision_model", **_siglip(image, patch, projection_dim=TEXT["hidden"])}
-    config = LlavaNextConfig(
-        text_config={"model_type": "llama", **_llama_text(tokenizer)},
-        vision_config=vision,
+    # as llava-v1.6: features from layer -2, so the last CLIP layer and post_layernorm get no gradient
+    return _clip_llava(
+        LlavaNextProcessor,
+        image_processor,
+        LlavaNextConfig,
         image_grid_pinpoints=ANYRES_PINPOINTS,
-        image_token_index=tokenizer.convert_tokens_to_ids("<image>"),
-        vision_feature_select_strategy="default",
-        vision_feature_layer=-2,  # as llava-v1.6: the last CLIP layer and post_layernorm get no gradient
-        tie_word_embeddings=False,
+        vision_feature_layer=-2,
     )
-    return processor, config
 
 
 def _llava_onevision():
