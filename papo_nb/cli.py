@@ -132,6 +132,8 @@ def _raise_keyboard_interrupt(signum: int, frame: object) -> None:
 def _serve_until_interrupted(command: str, name: str, server, detail: str) -> int:
     """Enter a server context manager (it yields the url), print it, and hold until Ctrl-C or SIGTERM."""
     signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)  # stop the server on kill too
+    # A background job inherits SIGINT ignored (POSIX shells), and Python then never raises KeyboardInterrupt.
+    signal.signal(signal.SIGINT, _raise_keyboard_interrupt)
     try:
         with server as url:
             print(f"{name}: {url}  ({detail}; Ctrl-C stops it)", flush=True)

@@ -26,11 +26,13 @@ from papo_nb.infra.tracking import (  # noqa: E402
     EXPERIMENT_NAME,
     absolute_tracking_uri,
     attach_notebook_run,
+    attach_run,
     default_tracking_uri,
     log_evidence,
     log_figure,
     search_workbook_runs,
     standard_tags,
+    tracking_client,
 )
 from papo_nb.papo.contract import PAPO_ADAPTER_VERSION  # noqa: E402
 
@@ -163,3 +165,50 @@ def test_importing_the_tracking_module_turns_mlflow_telemetry_off():
     )
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["True", "None", "true", "done"]
+
+
+def test_a_run_in_another_store_never_logs_to_the_first_stores_model(tmp_path):
+    """The process-global MLflow state of one store (active run, active logged model, active experiment) is dropped
+    when a run attaches to another store: its metrics would otherwise reference a model the new store lacks
+    (FOREIGN KEY constraint failed on logged_model_metrics, whatever ran earlier in the process)."""
+    first, second = (f"sqlite:///{tmp_path / name}" for name in ("first.db", "second.db"))
+    try:
+        attach_run(first, "", run_name="first", tags={})
+        model = mlflow.create_external_model(name="policy")
+        mlflow.set_active_model(model_id=model.model_id)
+        mlflow.set_experiment("elsewhere")
+        run, started = attach_run(second, "", run_name="second", tags={})
+        assert started and mlflow.get_active_model_id() is None
+        assert os.environ.get("MLFLOW_EXPERIMENT_ID") is None
+        mlflow.log_metrics({"score": 1.0})  # raised the foreign-key error while the first store's model was active
+        client = MlflowClient(second)
+        assert client.get_run(run.info.run_id).data.metrics == {"score": 1.0}
+        assert client.get_experiment(run.info.experiment_id).name == EXPERIMENT_NAME
+    finally:
+        while mlflow.active_run():
+            mlflow.end_run()
+        mlflow.clear_active_model()
+        mlflow.set_tracking_uri(None)
+        os.environ.pop("MLFLOW_EXPERIMENT_ID", None)
+
+
+def test_a_client_of_another_store_never_links_metrics_to_this_stores_model(tmp_path):
+    """``MlflowClient.log_metric`` links to the process's active logged model whatever store it writes to: the
+    workbook runner's client (``tracking_client``) of a second store drops a model that store lacks, and keeps
+    one it has."""
+    first, second = (f"sqlite:///{tmp_path / name}" for name in ("first.db", "second.db"))
+    try:
+        attach_run(first, "", run_name="first", tags={})
+        model = mlflow.create_external_model(name="policy")
+        mlflow.set_active_model(model_id=model.model_id)
+        assert tracking_client(first) and mlflow.get_active_model_id() == model.model_id  # its own store: kept
+        client = tracking_client(second)
+        assert mlflow.get_active_model_id() is None
+        run = client.create_run(client.create_experiment("other"))
+        client.log_metric(run.info.run_id, "papo_nb/wall_seconds", 1.0)  # the foreign-key error before
+        assert client.get_run(run.info.run_id).data.metrics == {"papo_nb/wall_seconds": 1.0}
+    finally:
+        while mlflow.active_run():
+            mlflow.end_run()
+        mlflow.clear_active_model()
+        mlflow.set_tracking_uri(None)

@@ -33,6 +33,7 @@ for _name, _value in TELEMETRY_OFF.items():
 
 import mlflow  # noqa: E402
 from mlflow import MlflowClient  # noqa: E402
+from mlflow.environment_variables import MLFLOW_EXPERIMENT_ID  # noqa: E402
 from mlflow.telemetry import set_telemetry_client  # noqa: E402
 
 set_telemetry_client()  # mlflow imported before this module started its client already: re-read the settings
@@ -98,11 +99,23 @@ def tracking_client(tracking_uri: str) -> MlflowClient:
     """
     db = sqlite_path(tracking_uri)
     if db is None or tracking_uri in _READY:
-        return MlflowClient(tracking_uri)
+        return _without_foreign_model(MlflowClient(tracking_uri))
     db.parent.mkdir(parents=True, exist_ok=True)
     with FileLock(f"{db}.lock"):
         client = MlflowClient(tracking_uri)
     _READY.add(tracking_uri)
+    return _without_foreign_model(client)
+
+
+def _without_foreign_model(client: MlflowClient) -> MlflowClient:
+    """Clear the process's active logged model when ``client``'s store lacks it: ``MlflowClient.log_metric`` links
+    every metric to the active model whatever store the client writes to (a FOREIGN KEY failure there)."""
+    model_id = mlflow.get_active_model_id()
+    if model_id is not None:
+        try:
+            client.get_logged_model(model_id)
+        except mlflow.exceptions.MlflowException:
+            mlflow.clear_active_model()
     return client
 
 
@@ -127,6 +140,20 @@ def ensure_experiment(tracking_uri: str, name: str = EXPERIMENT_NAME) -> str:
 # --------------------------------------------------------------------------------------------
 
 
+def use_store(tracking_uri: str) -> None:
+    """Point MLflow's fluent API at ``tracking_uri``. Moving to another store first drops the process-global state
+    that belongs to the old one (the active run, the active logged model, the active experiment): a later
+    ``log_metrics`` would link its metrics to a run or model the new store lacks (a FOREIGN KEY failure)."""
+    if mlflow.get_tracking_uri() != tracking_uri:
+        if mlflow.active_run() is not None:
+            mlflow.end_run()
+        mlflow.clear_active_model()
+        # mlflow.set_experiment keeps the experiment in a module global and exports it to child processes
+        mlflow.tracking.fluent._active_experiment_id = None
+        MLFLOW_EXPERIMENT_ID.unset()
+    mlflow.set_tracking_uri(tracking_uri)
+
+
 def attach_run(
     tracking_uri: str, run_id: str, *, run_name: str, tags: dict[str, str], reuse_active: bool = False
 ) -> tuple[mlflow.ActiveRun, bool]:
@@ -138,7 +165,7 @@ def attach_run(
     """
     tracking_uri = absolute_tracking_uri(tracking_uri or default_tracking_uri())
     # This also exports MLFLOW_TRACKING_URI, which transformers' MLflowCallback re-reads: it must agree.
-    mlflow.set_tracking_uri(tracking_uri)
+    use_store(tracking_uri)
     active = mlflow.active_run()
     if active is not None:
         if (run_id and active.info.run_id == run_id) or (reuse_active and not run_id):
@@ -250,5 +277,5 @@ def search_workbook_runs(tracking_uri: str, experiment: str = EXPERIMENT_NAME, f
     """All runs of the workbook experiment as a pandas DataFrame (params.*, metrics.*, tags.* columns)."""
     tracking_uri = absolute_tracking_uri(tracking_uri or default_tracking_uri())
     tracking_client(tracking_uri)
-    mlflow.set_tracking_uri(tracking_uri)
+    use_store(tracking_uri)
     return mlflow.search_runs(experiment_names=[experiment], filter_string=filter_string)

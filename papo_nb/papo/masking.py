@@ -21,9 +21,14 @@ them in transformers 5.24:
 - ``images``: 4-D ``(n_images, C, H, W)``, every pixel real (Gemma3 with ``token_type_ids``, LLaVA, PaliGemma).
 - ``sized_images``: 4-D ``(n_images, C, Hmax, Wmax)`` + ``image_sizes``; the image sits top-left, the rest is padding
   (Pixtral, Mistral3).
+- ``crops``: 5-D ``(n_images, max_entries, C, H, W)`` + ``image_sizes`` (LLaVA-NeXT, LLaVA-OneVision): each image's
+  base view then its any-resolution crops; the list is padded with all-zero entries, which are never masked. Inside an
+  entry the processor pads with a uniform fill (the letterbox of a crop is black, OneVision's square padding the mean
+  colour): a patch of one uniform fill colour is padding, not a unit (blacking a black patch changes nothing anyway).
+- ``position_rows``: ``(n_images, max_patches, P*P*C)`` channel-last rows + ``image_position_ids`` (Gemma4); padded
+  rows have position -1.
 
-Not handled (refused with the keys and shapes seen): 5-D ``pixel_values`` + ``image_sizes`` (LLaVA-NeXT,
-LLaVA-OneVision: padded patch lists with an unpadding step) and ``image_position_ids`` (Gemma4).
+Anything else is refused with the keys and shapes seen.
 
 A ``PatchMap`` numbers the real patches (or merge units) of a batch: ``units`` holds, at patch resolution, the unit id
 of each patch or -1 for padding, and ``units_per_segment`` the real units of each image or tile. A selection is one
@@ -44,7 +49,7 @@ from typing import Any
 
 import torch
 
-LAYOUTS = ("grid_rows", "tile_rows", "tiles", "images", "sized_images")
+LAYOUTS = ("grid_rows", "tile_rows", "tiles", "images", "sized_images", "crops", "position_rows")
 
 
 def black_pixel_values(image_mean: Sequence[float], image_std: Sequence[float]) -> torch.Tensor:
@@ -148,9 +153,11 @@ def detect_layout(inputs: dict[str, Any]) -> str:
         return "grid_rows"
     if dim == 3 and {"spatial_shapes", "pixel_attention_mask"} <= has:
         return "tile_rows"
+    if dim == 3 and "image_position_ids" in has and "image_grid_thw" not in has:
+        return "position_rows"
     if "image_position_ids" not in has and "image_grid_thw" not in has and "spatial_shapes" not in has:
-        if dim == 5 and "image_sizes" not in has:
-            return "tiles"
+        if dim == 5:
+            return "crops" if "image_sizes" in has else "tiles"
         if dim == 4 and "image_sizes" in has:
             return "sized_images"
         if dim == 4 and "pixel_attention_mask" not in has:
@@ -184,6 +191,8 @@ def _segments_per_sample(inputs: dict[str, Any], layout: str) -> list[int]:
         return list(num_tiles)
     if layout == "tiles":
         return [pv.shape[1]] * pv.shape[0]
+    if layout == "crops":  # every entry of the padded list is a segment (padded ones have no unit)
+        return [n * pv.shape[1] for n in _per_sample(pv.shape[0], inputs)]
     return _per_sample(pv.shape[0], inputs)
 
 
@@ -194,6 +203,8 @@ def _sample_rows(inputs: dict[str, Any], layout: str) -> list[tuple[int, int]]:
         return sample_row_ranges(inputs["image_grid_thw"], segments)
     if layout == "tiles":  # dim 0 is the sample, its tiles on dim 1
         return _ranges([1] * len(segments))
+    if layout == "crops":  # dim 0 is the image, its entries on dim 1
+        return _ranges(_per_sample(inputs["pixel_values"].shape[0], inputs))
     return _ranges(segments)
 
 
@@ -219,17 +230,30 @@ def _grid_rows_map(inputs, patch_size: int, black: torch.Tensor, merge_size: int
 
 
 def _tile_rows_map(inputs, patch_size: int, black: torch.Tensor, merge_size: int) -> PatchMap:
-    pv, real = inputs["pixel_values"], inputs["pixel_attention_mask"].bool().cpu()
+    return _channel_last_rows_map(inputs, "tile_rows", patch_size, black, inputs["pixel_attention_mask"].bool().cpu())
+
+
+def _position_rows_map(inputs, patch_size: int, black: torch.Tensor, merge_size: int) -> PatchMap:
+    positions = inputs["image_position_ids"]
+    if positions.dim() != 3 or positions.shape[-1] != 2:
+        raise ValueError(f"image_position_ids {tuple(positions.shape)} is not (n_images, max_patches, 2)")
+    return _channel_last_rows_map(inputs, "position_rows", patch_size, black, (positions >= 0).all(-1).cpu())
+
+
+def _channel_last_rows_map(inputs, layout: str, patch_size: int, black: torch.Tensor, real: torch.Tensor) -> PatchMap:
+    """``tile_rows`` and ``position_rows``: one patch per row of ``(segments, max_patches, P*P*C)``, real where
+    ``real`` ``(segments, max_patches)`` says."""
+    pv = inputs["pixel_values"]
     if real.shape != pv.shape[:2]:
-        raise ValueError(f"pixel_attention_mask {tuple(real.shape)} does not fit pixel_values {tuple(pv.shape)}")
-    units, per_tile = _dense_units(real)
+        raise ValueError(f"the real-patch mask {tuple(real.shape)} does not fit pixel_values {tuple(pv.shape)}")
+    units, per_segment = _dense_units(real)
     return PatchMap(
-        layout="tile_rows",
+        layout=layout,
         patch_size=patch_size,
         units=units,
-        units_per_segment=per_tile,
-        segments_per_sample=_segments_per_sample(inputs, "tile_rows"),
-        sample_rows=_sample_rows(inputs, "tile_rows"),
+        units_per_segment=per_segment,
+        segments_per_sample=_segments_per_sample(inputs, layout),
+        sample_rows=_sample_rows(inputs, layout),
         expand=lambda m: m[..., None],
         fill=black.repeat(pv.shape[-1] // black.numel())[None, None, :],  # a row is (P, P, C): channel fastest
         real_pixels=real.to(pv.device)[..., None],
@@ -238,28 +262,61 @@ def _tile_rows_map(inputs, patch_size: int, black: torch.Tensor, merge_size: int
 
 def _tiles_map(inputs, patch_size: int, black: torch.Tensor, merge_size: int) -> PatchMap:
     pv = inputs["pixel_values"]
-    (batch, n_tiles), (height, width) = pv.shape[:2], pv.shape[-2:]
-    hp, wp = height // patch_size, width // patch_size
+    hp, wp = pv.shape[-2] // patch_size, pv.shape[-1] // patch_size
     pixel_mask = inputs.get("pixel_attention_mask")
     pixel_mask = torch.ones(pv.shape[:2] + pv.shape[-2:], dtype=torch.bool) if pixel_mask is None else pixel_mask
-    pixel_mask = pixel_mask.bool().cpu()
     # The model drops all-zero tiles (padding) and counts a patch as real when any of its pixels is.
-    real_tile = (pv != 0).flatten(2).any(-1).cpu()
-    blocks = pixel_mask[..., : hp * patch_size, : wp * patch_size].reshape(
-        batch, n_tiles, hp, patch_size, wp, patch_size
-    )
-    real = blocks.any(-1).any(-2) & real_tile[..., None, None]
-    units, per_tile = _dense_units(real.reshape(batch * n_tiles, hp, wp))
+    pixel_mask = pixel_mask.bool().cpu() & (pv != 0).flatten(2).any(-1).cpu()[..., None, None]
+    blocks = pixel_mask[..., : hp * patch_size, : wp * patch_size].unflatten(-1, (wp, patch_size))
+    real = blocks.unflatten(-3, (hp, patch_size)).any(-1).any(-2)
+    return _entries_map(inputs, "tiles", patch_size, black, real, pixel_mask)
+
+
+def padding_fills(image_mean: Sequence[float], image_std: Sequence[float]) -> torch.Tensor:
+    """``(2, C)``: the uniform colours the any-resolution processors pad with, normalised: black (LLaVA-NeXT's
+    letterbox pads with 0 before normalising) and the mean colour as 8-bit (LLaVA-OneVision's ``pad_to_square``)."""
+    mean = torch.as_tensor(image_mean, dtype=torch.float64)
+    std = torch.as_tensor(image_std, dtype=torch.float64)
+    return torch.stack([-mean / std, (torch.floor(mean * 255) / 255 - mean) / std]).to(torch.float32)
+
+
+def _crops_map(inputs, patch_size: int, black: torch.Tensor, fills: torch.Tensor) -> PatchMap:
+    pv = inputs["pixel_values"]
+    if inputs["image_sizes"].shape != (pv.shape[0], 2):
+        raise ValueError(
+            f"image_sizes {tuple(inputs['image_sizes'].shape)} does not fit pixel_values {tuple(pv.shape)}"
+        )
+    real_entry = (pv != 0).flatten(2).any(-1).cpu()
+    if torch.any(real_entry[:, 1:] & ~real_entry[:, :-1]):
+        raise ValueError(f"an all-zero entry precedes a real one in pixel_values {tuple(pv.shape)}: not list padding")
+    hp, wp = pv.shape[-2] // patch_size, pv.shape[-1] // patch_size
+    blocks = pv[..., : hp * patch_size, : wp * patch_size].unflatten(-1, (wp, patch_size))
+    blocks = blocks.unflatten(-3, (hp, patch_size)).detach().float().cpu()  # (n, N, C, hp, P, wp, P)
+    colour = blocks[..., 0, :, 0]  # (n, N, C, hp, wp)
+    uniform = (blocks.amax((-3, -1)) == blocks.amin((-3, -1))).all(2)
+    tolerance = 1e-4 + 2 * torch.finfo(pv.dtype).eps * fills.abs()  # the processor's float rounding, bf16's if cast
+    is_fill = ((colour[..., None, :, :, :] - fills[:, :, None, None]).abs() <= tolerance[:, :, None, None]).all(-3)
+    real = real_entry[..., None, None] & ~(uniform & is_fill.any(-3))
+    pixel_real = _pixel_grid(real, patch_size, *pv.shape[-2:])
+    return _entries_map(inputs, "crops", patch_size, black, real, pixel_real)
+
+
+def _entries_map(inputs, layout, patch_size: int, black, real: torch.Tensor, pixel_real: torch.Tensor) -> PatchMap:
+    """``tiles`` and ``crops``: 5-D ``(rows, entries, C, H, W)``, real patches ``real`` ``(rows, entries, hp, wp)``
+    and real pixels ``pixel_real`` ``(rows, entries, H, W)``; each entry is a segment."""
+    pv = inputs["pixel_values"]
+    (rows, entries), (height, width) = pv.shape[:2], pv.shape[-2:]
+    units, per_entry = _dense_units(real.reshape(rows * entries, *real.shape[-2:]))
     return PatchMap(
-        layout="tiles",
+        layout=layout,
         patch_size=patch_size,
-        units=units.reshape(batch, n_tiles, hp, wp),
-        units_per_segment=per_tile,
-        segments_per_sample=_segments_per_sample(inputs, "tiles"),
-        sample_rows=_sample_rows(inputs, "tiles"),
+        units=units.reshape(real.shape),
+        units_per_segment=per_entry,
+        segments_per_sample=_segments_per_sample(inputs, layout),
+        sample_rows=_sample_rows(inputs, layout),
         expand=lambda m: _pixel_grid(m, patch_size, height, width)[:, :, None],
         fill=black[:, None, None],
-        real_pixels=(pixel_mask & real_tile[..., None, None]).to(pv.device)[:, :, None],
+        real_pixels=pixel_real.to(pv.device)[:, :, None],
     )
 
 
@@ -304,6 +361,7 @@ PATCH_MAP_BUILDERS: dict[str, Callable[..., PatchMap]] = {
     "tiles": _tiles_map,
     "images": _images_map,
     "sized_images": _sized_images_map,
+    "position_rows": _position_rows_map,
 }
 
 
@@ -319,13 +377,23 @@ def patch_map(
     layout = detect_layout(inputs)
     if merge_size > 1 and layout != "grid_rows":
         raise ValueError(f"mask_type='merge_unit' needs the grid_rows (Qwen-VL) layout, this batch is {layout}")
-    return PATCH_MAP_BUILDERS[layout](inputs, patch_size, black_pixel_values(image_mean, image_std), merge_size)
+    black = black_pixel_values(image_mean, image_std)
+    if layout == "crops":  # its padding is found by the processors' fill colours
+        return _crops_map(inputs, patch_size, black, padding_fills(image_mean, image_std))
+    return PATCH_MAP_BUILDERS[layout](inputs, patch_size, black, merge_size)
 
 
 # ---- a prompt's identity ----
 
 # Tensors that are indexed like pixel_values along dim 0 (same images/tiles): a sample's share of each is its image.
-_ROW_ALIGNED = ("pixel_values", "image_grid_thw", "pixel_attention_mask", "spatial_shapes", "image_sizes")
+_ROW_ALIGNED = (
+    "pixel_values",
+    "image_grid_thw",
+    "pixel_attention_mask",
+    "spatial_shapes",
+    "image_sizes",
+    "image_position_ids",
+)
 
 
 def _raw(t: torch.Tensor) -> torch.Tensor:

@@ -1,4 +1,5 @@
-"""Tiny offline VLMs of the other families TRL 1.9.1 trains: Qwen3-VL, Idefics3, SmolVLM, Gemma3, LFM2-VL.
+"""Tiny offline VLMs of the other families TRL 1.9.1 trains: Qwen3-VL, Idefics3, SmolVLM, Gemma3, LFM2-VL, LLaVA,
+Mistral3, LLaVA-NeXT, LLaVA-OneVision.
 
 As for Qwen2-VL (``models.py``), everything is made locally: a byte-level BPE trained on the shapes task with the
 family's own special tokens, a ChatML-style template that places the family's image token, the family's own image
@@ -32,6 +33,15 @@ from transformers import (
     Lfm2VlProcessor,
     LlavaConfig,
     LlavaForConditionalGeneration,
+    LlavaNextConfig,
+    LlavaNextForConditionalGeneration,
+    LlavaNextImageProcessor,
+    LlavaNextProcessor,
+    LlavaOnevisionConfig,
+    LlavaOnevisionForConditionalGeneration,
+    LlavaOnevisionImageProcessor,
+    LlavaOnevisionProcessor,
+    LlavaOnevisionVideoProcessor,
     LlavaProcessor,
     Mistral3Config,
     Mistral3ForConditionalGeneration,
@@ -52,7 +62,7 @@ from transformers import (
 
 from papo_nb.testbed.shapes import task_corpus
 
-BUILDER_VERSION = 1
+BUILDER_VERSION = 2  # 2: Gemma3 without the vision attention-pooling head, as the hub checkpoint
 VOCAB_SIZE = 448
 CHAT_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 TEXT = dict(hidden=64, intermediate=128, layers=2, heads=4, kv_heads=2)
@@ -68,10 +78,11 @@ LFM2_TOKENS = ["<image>", "<|image_start|>", "<|image_end|>", "<|img_thumbnail|>
     f"<|img_row_{i}_col_{j}|>" for i in range(1, 11) for j in range(1, 11)
 ]
 LLAVA_TOKENS = ["<image>"]
+ONEVISION_TOKENS = ["<image>", "<video>"]
 PIXTRAL_TOKENS = ["[IMG]", "[IMG_BREAK]", "[IMG_END]"]
 QWEN_VISION_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>"]
 FAMILY_VISION_TOKENS = sorted(
-    set(IDEFICS_TOKENS + GEMMA3_TOKENS + LFM2_TOKENS + LLAVA_TOKENS + PIXTRAL_TOKENS + QWEN_VISION_TOKENS)
+    set(IDEFICS_TOKENS + GEMMA3_TOKENS + LFM2_TOKENS + ONEVISION_TOKENS + PIXTRAL_TOKENS + QWEN_VISION_TOKENS)
 )
 
 
@@ -248,7 +259,7 @@ def _gemma3():
     text = _llama_text(tokenizer, head_dim=16, sliding_window=64, query_pre_attn_scalar=16)
     config = Gemma3Config(
         text_config=text,
-        vision_config=_siglip(image, patch),
+        vision_config=_siglip(image, patch, vision_use_head=False),  # as gemma-3: no attention-pooling head
         mm_tokens_per_image=tokens,
         boi_token_index=tokenizer.convert_tokens_to_ids("<start_of_image>"),
         eoi_token_index=tokenizer.convert_tokens_to_ids("<end_of_image>"),
@@ -288,11 +299,11 @@ def _lfm2_vl(tiled: bool):
     return processor, config
 
 
-def _llava():
-    image, patch = 56, 14  # CLIP: 4x4 patches + CLS; "default" drops the CLS, so 16 image tokens
+def _clip_llava(processor_cls, image_processor, config_cls, **config_fields):
+    """LLaVA and LLaVA-NeXT: a 56-px CLIP (4x4 patches of 14 + a CLS that "default" drops: 16 image tokens)."""
+    image, patch = 56, 14
     tokenizer = family_tokenizer(LLAVA_TOKENS)
-    image_processor = CLIPImageProcessor(size={"shortest_edge": image}, crop_size={"height": image, "width": image})
-    processor = LlavaProcessor(
+    processor = processor_cls(
         image_processor=image_processor,
         tokenizer=tokenizer,
         patch_size=patch,
@@ -301,11 +312,66 @@ def _llava():
         chat_template=chat_template("<image>"),
     )
     vision = {"model_type": "clip_vision_model", **_siglip(image, patch, projection_dim=TEXT["hidden"])}
-    config = LlavaConfig(
+    config = config_cls(
         text_config={"model_type": "llama", **_llama_text(tokenizer)},
         vision_config=vision,
         image_token_id=tokenizer.convert_tokens_to_ids("<image>"),
         vision_feature_select_strategy="default",
+        tie_word_embeddings=False,
+        **config_fields,
+    )
+    return processor, config
+
+
+def _llava():
+    image_processor = CLIPImageProcessor(size={"shortest_edge": 56}, crop_size={"height": 56, "width": 56})
+    return _clip_llava(LlavaProcessor, image_processor, LlavaConfig, vision_feature_layer=-1)
+
+
+# Any-resolution grids: a 56-px crop (4x4 CLIP/SigLIP patches of 14) and crop grids up to 2x2, so the square image
+# gets a base view + 4 crops and the wide one a base view + 2 crops (with letterbox): a padded crop list.
+ANYRES_CROP, ANYRES_PINPOINTS = 56, [[56, 112], [112, 56], [112, 112]]
+
+
+def _llava_next():
+    image_processor = LlavaNextImageProcessor(
+        size={"shortest_edge": ANYRES_CROP},
+        crop_size={"height": ANYRES_CROP, "width": ANYRES_CROP},
+        image_grid_pinpoints=ANYRES_PINPOINTS,
+    )
+    # as llava-v1.6: features from layer -2, so the last CLIP layer and post_layernorm get no gradient
+    return _clip_llava(
+        LlavaNextProcessor,
+        image_processor,
+        LlavaNextConfig,
+        image_grid_pinpoints=ANYRES_PINPOINTS,
+        vision_feature_layer=-2,
+    )
+
+
+def _llava_onevision():
+    image, patch = ANYRES_CROP, 14  # SigLIP without a CLS, "full" features, as llava-onevision is configured
+    tokenizer = family_tokenizer(ONEVISION_TOKENS)
+    image_processor = LlavaOnevisionImageProcessor(
+        size={"height": image, "width": image}, image_grid_pinpoints=ANYRES_PINPOINTS
+    )
+    processor = LlavaOnevisionProcessor(
+        image_processor=image_processor,
+        tokenizer=tokenizer,
+        video_processor=LlavaOnevisionVideoProcessor(size={"height": image, "width": image}),
+        num_image_tokens=(image // patch) ** 2,
+        vision_feature_select_strategy="full",
+        chat_template=chat_template("<image>"),
+    )
+    # the hub checkpoint takes the vision tower's last hidden state without its attention-pooling head
+    vision = {"model_type": "siglip_vision_model", **_siglip(image, patch, vision_use_head=False)}
+    config = LlavaOnevisionConfig(
+        text_config={"model_type": "qwen2", **_llama_text(tokenizer)},
+        vision_config=vision,
+        image_grid_pinpoints=ANYRES_PINPOINTS,
+        image_token_index=tokenizer.convert_tokens_to_ids("<image>"),
+        video_token_index=tokenizer.convert_tokens_to_ids("<video>"),
+        vision_feature_select_strategy="full",
         vision_feature_layer=-1,
         tie_word_embeddings=False,
     )
@@ -352,6 +418,8 @@ FAMILIES = {
     "lfm2_vl_tiled": Family(lambda: _lfm2_vl(True), Lfm2VlForConditionalGeneration, "tile_rows"),
     "llava": Family(_llava, LlavaForConditionalGeneration, "images"),
     "mistral3": Family(_mistral3, Mistral3ForConditionalGeneration, "sized_images"),
+    "llava_next": Family(_llava_next, LlavaNextForConditionalGeneration, "crops"),
+    "llava_onevision": Family(_llava_onevision, LlavaOnevisionForConditionalGeneration, "crops"),
 }
 
 

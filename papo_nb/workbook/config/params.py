@@ -312,6 +312,8 @@ TINY_FAMILIES = (
     "lfm2_vl_tiled",
     "llava",
     "mistral3",
+    "llava_next",
+    "llava_onevision",
 )
 
 
