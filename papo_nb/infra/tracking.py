@@ -146,6 +146,9 @@ def attach_run(
         mlflow.end_run()
     # A run attached anew never inherits a logged model made active by an earlier run (mlflow exports it to child
     # processes as _MLFLOW_ACTIVE_MODEL_ID): its metrics would be linked to a model of another run or store.
+    from papo_nb.workbook.training.review import quiet_mlflow_review_lines
+
+    quiet_mlflow_review_lines()
     mlflow.clear_active_model()
     tracking_client(tracking_uri)
     if run_id:

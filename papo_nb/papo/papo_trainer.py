@@ -35,6 +35,7 @@ from .step_guard import NonFiniteStepGuard
 from .terms import bounded_k3, normalise_like_parent, zero_outside
 
 MASK_CACHE_LIMIT = 4096  # prompt masks remembered within one generation round (bounds memory outside train())
+ROLLOUT_ROW_KEY = "papo_rollout_row"  # a batch entry: each completion's row in its generation batch, for review
 __all__ = ["PAPOGTrainer", "PerceptionTerms", "logp_call_arguments"]
 
 
@@ -140,6 +141,10 @@ class PAPOGTrainer(GRPOTrainer):
         self._mask_cache_round: int | None = None
         # (prompt_ids, completion_ids, KL, H, H_masked) token means per completion of the latest rollouts, this rank
         self.completion_perception: deque = deque(maxlen=self.args.generation_batch_size)
+        # For a reviewer, by a completion's row in this rank's latest generation batch (ROLLOUT_ROW_KEY, carried
+        # through TRL's shuffle): its (KL, H, H_masked) token means and the mask selection it trained with.
+        self.rollout_perception: dict[int, tuple[float, float, float]] = {}
+        self.rollout_masks: dict[int, torch.Tensor] = {}
         # Which form the no-grad masked branch takes (shared prompt prefix or full forward); raises if asked for
         # the shared prefix where it cannot run.
         self.masked_forward_plan = shared_prefix.plan(self.args, self.model)
@@ -194,6 +199,8 @@ class PAPOGTrainer(GRPOTrainer):
 
     def _generate_and_score_completions(self, inputs):
         batch = super()._generate_and_score_completions(inputs)
+        self.rollout_perception, self.rollout_masks = {}, {}
+        batch[ROLLOUT_ROW_KEY] = torch.arange(len(batch["prompt_ids"]))  # the row in TRL's logs, after shuffling
         if self.args.masked_branch == "rollout":
             batch.update(rollout_branch.masked_branch_entries(self, batch))
         return batch
@@ -330,6 +337,8 @@ class PAPOGTrainer(GRPOTrainer):
         (padding pixels and padded tiles stay as they are); a new tensor, the input is never written."""
         patches = self.batch_patch_map(inputs)
         masks = self._sample_masks(inputs, patches)
+        for i, row in enumerate(inputs.get(ROLLOUT_ROW_KEY, torch.empty(0)).tolist()):
+            self.rollout_masks[row] = masks[i].cpu()
         if self.args.mask_type == "random":
             return patches.apply_values(inputs["pixel_values"], torch.cat(masks))
         return patches.apply(inputs["pixel_values"], torch.cat(masks))
@@ -372,6 +381,8 @@ class PAPOGTrainer(GRPOTrainer):
             rows = (rows / mask.sum(1).clamp(min=1.0)).T.tolist()
             ids = zip(inputs["prompt_ids"].tolist(), inputs["completion_ids"].tolist(), strict=True)
             self.completion_perception.extend((p, c, *r) for (p, c), r in zip(ids, rows, strict=True))
+            for row, terms in zip(inputs.get(ROLLOUT_ROW_KEY, torch.empty(0)).tolist(), rows, strict=False):
+                self.rollout_perception[row] = tuple(terms)
         terms = PerceptionTerms(
             perception_kl=self._normalise(per_token_kl, mask, inputs),
             original_entropy=self._normalise(original_h, mask, inputs),
