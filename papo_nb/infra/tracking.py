@@ -106,6 +106,11 @@ def tracking_client(tracking_uri: str) -> MlflowClient:
     return client
 
 
+# MLflow 3.17's UI opens an experiment of this kind in its training views (runs, charts, compare), not the GenAI
+# overview (traces) that its breadcrumb and Compare otherwise lead to.
+EXPERIMENT_TAGS = {"mlflow.experimentKind": "finetuning"}
+
+
 def ensure_experiment(tracking_uri: str, name: str = EXPERIMENT_NAME) -> str:
     """Id of experiment ``name``, created (artifacts under ``mlartifacts/<name>``) or restored if needed."""
     client = tracking_client(tracking_uri)
@@ -116,9 +121,12 @@ def ensure_experiment(tracking_uri: str, name: str = EXPERIMENT_NAME) -> str:
         if experiment is None:
             root = artifacts_dir(tracking_uri)
             location = None if root is None else (root / re.sub(r"[^\w.-]", "_", name)).as_uri()
-            return client.create_experiment(name, artifact_location=location)
+            return client.create_experiment(name, artifact_location=location, tags=EXPERIMENT_TAGS)
         if experiment.lifecycle_stage == "deleted":
             client.restore_experiment(experiment.experiment_id)
+        for key, value in EXPERIMENT_TAGS.items():  # an experiment made before the tag existed gets it too
+            if experiment.tags.get(key) != value:
+                client.set_experiment_tag(experiment.experiment_id, key, value)
         return experiment.experiment_id
 
 
