@@ -270,11 +270,11 @@ def test_mlflow_ui_shows_what_a_reviewer_of_the_training_run_needs(chromium, smo
         expect(page.get_by_role("columnheader", name="Dataset").first).to_be_visible()
         shoot(page, "mlflow_7_landing_datasets")
 
-        # 2. Notebook 03's completions table: prompt, completion, rewards, the original and the masked image drawn.
-        table = f"completions/step_{1:05d}.json"
+        # 2. Notebook 03's completions table: one across steps, each row's image and its masked image drawn.
+        table = "completions.json"
         page.goto(f"{url}/#/experiments/{experiment_id}/runs/{training.info.run_id}/artifacts/{table}{ml_view}")
         expect(page.get_by_text(table, exact=True)).to_be_visible()
-        for column in ("prompt", "image", "masked_image", "completion", "advantage"):
+        for column in ("step", "item", "answer", "prompt", "image", "masked_image", "completion", "advantage"):
             expect(page.get_by_text(column, exact=True).first).to_be_visible()
         sizes = _decoded_images(page, "img[src^='blob:'], img[src*='table_images']", at_least=2)
         assert len(sizes) >= 2 and all(w > 0 and h > 0 for w, h in sizes), sizes

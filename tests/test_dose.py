@@ -70,3 +70,17 @@ def test_contrasts_pair_each_gamma_with_grpo_on_the_same_seeds():
     many = [{"gamma": g, "seed": s, "scores": {"avg_at_k/original/vision": 0.5 + s / 100 - (g > 0) * (0.1 + s / 1000)}}
             for g in (0.0, 1.0) for s in range(5)]  # fmt: skip
     assert dose_contrasts(many)[0]["avg_at_k/original/vision vs gamma 0"].startswith("detected (-0.102, p = ")
+
+
+def test_a_difference_below_the_seed_spread_is_drawn_flat():
+    from papo_nb.workbook.study.dose import honest_ylim
+
+    # a KL of 0.0100 vs 0.0102 with a seed spread of 0.003: the axis spans the spread, the step is under 5% of it
+    low, high = honest_ylim([0.0100, 0.0102], [0.003, 0.003])
+    assert 0.0002 / (high - low) < 0.05
+    # one seed (no spread): the axis still spans half the value, so 0.0002 on 0.01 is a small step, not a cliff
+    low, high = honest_ylim([0.0100, 0.0102], [0.0, 0.0])
+    assert 0.0002 / (high - low) < 0.05
+    # a real change (0.01 to 0.5) fills the axis
+    low, high = honest_ylim([0.01, 0.5], [0.0, 0.0])
+    assert 0.49 / (high - low) > 0.8

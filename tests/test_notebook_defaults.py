@@ -129,3 +129,28 @@ def test_drift_is_reported_with_notebook_key_and_both_values(tmp_path):
         "99_drift.ipynb: 'max_steps' notebook default 7 != schema default 6",
         "99_drift.ipynb: 'learning_rate' notebook default 1 != schema default 0.0005",
     ]
+
+
+@pytest.mark.parametrize("notebook", NOTEBOOKS, ids=lambda p: p.stem)
+def test_parameters_cell_parses_without_a_papermill_warning(notebook, caplog):
+    """papermill warns ``Unable to parse line`` (and drops the parameter) on a line with a second ``=`` (for example
+    in its comment) at every run; every assignment line must come back as a parameter, with no warning."""
+    (cell,) = [c for c in nbformat.read(notebook, as_version=4).cells if "parameters" in c.metadata.get("tags", [])]
+    assigned = [line.split(":")[0].split("=")[0].strip() for line in cell.source.splitlines() if "=" in line]
+    with caplog.at_level("WARNING", logger="papermill"):
+        found = papermill.inspect_notebook(notebook)
+    assert [r.getMessage() for r in caplog.records if r.name.startswith("papermill")] == []
+    assert list(found) == assigned
+
+
+def test_parse_check_catches_a_second_equals_sign(tmp_path, caplog):
+    notebook = nbformat.v4.new_notebook()
+    cell = nbformat.v4.new_code_cell('mask_type: str = "auto"  # auto (= patch)\nseed: int = 0  # seed')
+    cell.metadata["tags"] = ["parameters"]
+    notebook.cells = [cell]
+    notebook.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    path = tmp_path / "bad.ipynb"
+    nbformat.write(notebook, path)
+    with caplog.at_level("WARNING", logger="papermill"):
+        assert list(papermill.inspect_notebook(path)) == ["seed"]
+    assert any("Unable to parse line" in r.getMessage() for r in caplog.records)

@@ -15,7 +15,7 @@ from PIL import Image
 
 from papo_nb.infra import tracking
 from papo_nb.workbook.config.params import load_params
-from papo_nb.workbook.training import review
+from papo_nb.workbook.training import completions, review
 from papo_nb.workbook.training.run import prepare_training
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -36,6 +36,19 @@ def test_dataset_inputs_name_source_digest_schema_and_context(mlflow_store, shap
     # The digest follows the content: other rows, another digest.
     other = review.dataset_input(shapes_dataset.select(range(3)), "x", source)
     assert logged.dataset.digest and other.digest != logged.dataset.digest
+
+
+def test_the_callbacks_mlflow_info_lines_are_dropped_at_their_logger_and_only_they(caplog):
+    import logging
+
+    review.quiet_mlflow_review_lines()
+    review.quiet_mlflow_review_lines()  # once per process: a second call adds no second filter
+    fluent = logging.getLogger("mlflow.tracking.fluent")
+    assert sum(isinstance(f, review._DropLines) for f in fluent.filters) == 1
+    with caplog.at_level(logging.INFO, logger="mlflow"):
+        mlflow.clear_active_model()
+        fluent.info("another line")
+    assert [r.getMessage() for r in caplog.records if r.name == fluent.name] == ["another line"]
 
 
 @pytest.fixture(scope="module")
@@ -61,33 +74,48 @@ def trained(tiny_vlm_path, tmp_path_factory):
     return MlflowClient(uri), run.info.run_id, trainer, folder / "out"
 
 
-@pytest.mark.slow
-def test_completions_tables_hold_images_rewards_advantages_and_perception_terms(trained):
-    client, run_id, trainer, _ = trained
-    files = sorted(f.path for f in client.list_artifacts(run_id, "completions"))
-    assert files == [f"completions/step_{step:05d}.json" for step in range(1, STEPS + 1)]
+def _table_rows(client, run_id):
     folder = Path(client.download_artifacts(run_id, ""))
-    table = json.loads((folder / files[-1]).read_text())
-    rows = [dict(zip(table["columns"], row, strict=True)) for row in table["data"]]
+    table = json.loads((folder / completions.TABLE_FILE).read_text())
+    return folder, [dict(zip(table["columns"], row, strict=True)) for row in table["data"]]
+
+
+@pytest.mark.slow
+def test_one_completions_table_across_steps_each_row_with_its_own_item_and_terms(trained):
+    client, run_id, trainer, _ = trained
+    assert [f.path for f in client.list_artifacts(run_id) if f.path.startswith("completions")] == ["completions.json"]
+    folder, rows = _table_rows(client, run_id)
+    assert sorted({row["step"] for row in rows}) == list(range(1, STEPS + 1))
     generations = trainer.args.num_generations
-    assert len(rows) == min(review.REVIEW_PROMPTS * generations, trainer.args.generation_batch_size)
+    per_step = min(completions.REVIEW_PROMPTS * generations, trainer.args.generation_batch_size)
+    assert all(sum(r["step"] == s for r in rows) == per_step for s in range(1, STEPS + 1))
     reward_columns = {f"reward/{name}" for name in trainer.reward_func_names}
-    assert reward_columns | {"image", "masked_image", "completion", "advantage", "perception_kl"} <= set(rows[0])
-    mask_ratio = trainer.args.mask_ratio
+    wanted = reward_columns | {"row", "item", "answer", "image", "masked_image", "advantage", "perception_kl"}
+    assert wanted - set(rows[0]) == set()
+    # A row's image and answer are its own item's (MLflow re-reads the table to append, so "4" may come back 4).
+    dataset = trainer.train_dataset
+    by_digest = {completions.image_digest(image): i for i, image in enumerate(dataset["image"])}
     for row in rows:
-        original = np.array(Image.open(folder / row["image"]["filepath"]).convert("RGB"))
-        masked = np.array(Image.open(folder / row["masked_image"]["filepath"]).convert("RGB"))
-        assert max(original.shape[:2]) <= review.THUMBNAIL_PIXELS and original.shape == masked.shape
-        black = (masked.sum(-1) == 0).mean() - (original.sum(-1) == 0).mean()
-        assert abs(black - mask_ratio) < 0.15, f"masked thumbnail has {black:.2f} more black, mask_ratio {mask_ratio}"
+        item = dataset[by_digest[row["item"]]]
+        assert str(row["answer"]) == str(item["answer"])
+        assert item["prompt"][0]["content"][1]["text"] in row["prompt"]
+        shown = np.array(Image.open(folder / row["image"]["filepath"]).convert("RGB"))
+        assert np.array_equal(shown, np.array(completions.thumbnail(item["image"])))
         assert math.isfinite(row["perception_kl"]) and row["perception_kl"] >= 0.0  # k3 is never negative
         assert row["original_entropy"] > 0.0 and row["masked_entropy"] > 0.0
         assert all(0.0 <= row[column] <= 1.0 for column in reward_columns)  # the shapes rewards are 0..1
-    # Each prompt's advantages are its rewards centred on the group mean (GRPO), so they sum to ~0 per prompt.
-    by_prompt: dict[str, list[float]] = {}
+    # Each item's advantages are its rewards centred on the group mean (GRPO), so they sum to ~0 per item and step.
+    by_item: dict[tuple, list[float]] = {}
     for row in rows:
-        by_prompt.setdefault(row["prompt"], []).append(row["advantage"])
-    assert all(len(a) == generations and abs(sum(a)) < 1e-4 for a in by_prompt.values())
+        by_item.setdefault((row["step"], row["item"]), []).append(row["advantage"])
+    assert all(len(a) == generations and abs(sum(a)) < 1e-4 for a in by_item.values())
+    # The last step's rows carry the trainer's own per-row terms, by row.
+    last = [row for row in rows if row["step"] == STEPS]
+    for row in last:
+        kl, entropy, masked_entropy = trainer.rollout_perception[row["row"]]
+        assert (row["perception_kl"], row["original_entropy"], row["masked_entropy"]) == pytest.approx(
+            (kl, entropy, masked_entropy), rel=1e-6
+        )
     # The per-completion KL is the step's logged token mean once the completions are weighted by their lengths.
     logged = client.get_metric_history(run_id, "perception_kl")
     assert [m.step for m in logged] == list(range(1, STEPS + 1))
@@ -96,6 +124,34 @@ def test_completions_tables_hold_images_rewards_advantages_and_perception_terms(
     lengths = [sum(1 for t in completion if t != pad) for _, completion, *_ in kept]
     weighted = sum(n * kl for n, (_, _, kl, _, _) in zip(lengths, kept, strict=True)) / sum(lengths)
     assert weighted == pytest.approx(logged[-1].value, rel=0.05)
+
+
+@pytest.mark.slow
+def test_masked_thumbnails_draw_the_steps_own_mask_visibly(trained):
+    client, run_id, trainer, _ = trained
+    folder, rows = _table_rows(client, run_id)
+    grey = np.array(completions.MASK_GREY)
+    for row in rows:
+        original = np.array(Image.open(folder / row["image"]["filepath"]).convert("RGB"))
+        masked = np.array(Image.open(folder / row["masked_image"]["filepath"]).convert("RGB"))
+        assert max(masked.shape[:2]) <= completions.THUMBNAIL_PIXELS
+        # Masked patches are grey or outlined: visible whatever the image (the testbed's background is black).
+        marked = (np.abs(masked.astype(int) - grey).sum(-1) < 30) | (masked == completions.MASK_OUTLINE).all(-1)
+        assert abs(marked.mean() - trainer.args.mask_ratio) < 0.2, f"{marked.mean():.2f} of the thumbnail marked"
+        assert not np.array_equal(masked[: original.shape[0], : original.shape[1]], original)
+    # The mask is the one the step trained with: the trainer's selection for that row, drawn again, is the picture,
+    # and (masks shared per prompt) rows of one item show one mask while two items show different ones.
+    last = [row for row in rows if row["step"] == STEPS]
+    dataset = trainer.train_dataset
+    by_digest = {completions.image_digest(image): image for image in dataset["image"]}
+    items = completions.item_keys(list(trainer._logs["prompt"]), list(trainer._logs["images"]))
+    pictures = {}
+    for row in last:
+        selection = completions.row_mask(trainer.rollout_masks, items, row["row"])
+        drawn = np.array(completions.masked_thumbnail(trainer, by_digest[row["item"]], selection))
+        assert np.array_equal(drawn, np.array(Image.open(folder / row["masked_image"]["filepath"]).convert("RGB")))
+        pictures.setdefault(row["item"], set()).add(selection.numpy().tobytes())
+    assert all(len(seen) == 1 for seen in pictures.values()) and len(set().union(*pictures.values())) == len(pictures)
 
 
 @pytest.mark.slow

@@ -212,3 +212,16 @@ def test_a_client_of_another_store_never_links_metrics_to_this_stores_model(tmp_
             mlflow.end_run()
         mlflow.clear_active_model()
         mlflow.set_tracking_uri(None)
+
+
+def test_the_experiment_is_a_training_experiment_new_or_old(tmp_path):
+    from papo_nb.infra import tracking
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    client = tracking.tracking_client(uri)
+    new = tracking.ensure_experiment(uri, "fresh")
+    assert client.get_experiment(new).tags["mlflow.experimentKind"] == "finetuning"
+    old = client.create_experiment("made-before")
+    assert "mlflow.experimentKind" not in client.get_experiment(old).tags
+    assert tracking.ensure_experiment(uri, "made-before") == old
+    assert client.get_experiment(old).tags["mlflow.experimentKind"] == "finetuning"

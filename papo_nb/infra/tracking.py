@@ -119,6 +119,11 @@ def _without_foreign_model(client: MlflowClient) -> MlflowClient:
     return client
 
 
+# MLflow 3.17's UI opens an experiment of this kind in its training views (runs, charts, compare), not the GenAI
+# overview (traces) that its breadcrumb and Compare otherwise lead to.
+EXPERIMENT_TAGS = {"mlflow.experimentKind": "finetuning"}
+
+
 def ensure_experiment(tracking_uri: str, name: str = EXPERIMENT_NAME) -> str:
     """Id of experiment ``name``, created (artifacts under ``mlartifacts/<name>``) or restored if needed."""
     client = tracking_client(tracking_uri)
@@ -129,9 +134,12 @@ def ensure_experiment(tracking_uri: str, name: str = EXPERIMENT_NAME) -> str:
         if experiment is None:
             root = artifacts_dir(tracking_uri)
             location = None if root is None else (root / re.sub(r"[^\w.-]", "_", name)).as_uri()
-            return client.create_experiment(name, artifact_location=location)
+            return client.create_experiment(name, artifact_location=location, tags=EXPERIMENT_TAGS)
         if experiment.lifecycle_stage == "deleted":
             client.restore_experiment(experiment.experiment_id)
+        for key, value in EXPERIMENT_TAGS.items():  # an experiment made before the tag existed gets it too
+            if experiment.tags.get(key) != value:
+                client.set_experiment_tag(experiment.experiment_id, key, value)
         return experiment.experiment_id
 
 
@@ -173,6 +181,9 @@ def attach_run(
         mlflow.end_run()
     # A run attached anew never inherits a logged model made active by an earlier run (mlflow exports it to child
     # processes as _MLFLOW_ACTIVE_MODEL_ID): its metrics would be linked to a model of another run or store.
+    from papo_nb.workbook.training.review import quiet_mlflow_review_lines
+
+    quiet_mlflow_review_lines()
     mlflow.clear_active_model()
     tracking_client(tracking_uri)
     if run_id:

@@ -16,6 +16,7 @@ import torch
 from . import masking
 
 MASK_CACHE_LIMIT = 4096  # prompt masks remembered within one generation round (bounds memory outside train())
+ROLLOUT_ROW_KEY = "papo_rollout_row"  # a batch entry: each completion's row in its generation batch, for review
 
 
 class MaskState:
@@ -29,6 +30,8 @@ class MaskState:
         self.generator = torch.Generator().manual_seed(args.mask_seed + args.process_index)
         self.cache: dict[str, torch.Tensor] = {}
         self.cache_round: int | None = None
+        # by a completion's row in this rank's latest generation batch (ROLLOUT_ROW_KEY): the mask it trained with
+        self.rollout_masks: dict[int, torch.Tensor] = {}
 
     def restart(self, seed: int | None = None) -> None:
         """Forget the round's masks; with ``seed``, also reseed the generator (benchmarks and tests replay masks)."""
@@ -91,6 +94,8 @@ class MaskState:
         (padding pixels and padded tiles stay as they are); a new tensor, the input is never written."""
         patches = self.patch_map(inputs)
         masks = self.sample_masks(inputs, patches, round_)
+        for i, row in enumerate(inputs.get(ROLLOUT_ROW_KEY, torch.empty(0)).tolist()):
+            self.rollout_masks[row] = masks[i].cpu()  # for a reviewer: the exact mask this completion trained with
         if self.args.mask_type == "random":
             return patches.apply_values(inputs["pixel_values"], torch.cat(masks))
         return patches.apply(inputs["pixel_values"], torch.cat(masks))

@@ -27,7 +27,7 @@ from trl import GRPOTrainer
 from .citation import PAPO_PAPER
 from .contract import ENTROPY_GRAD_GATE, validate_grad_norm_hook, validate_trl_parent_contract
 from .loss_observer import training_observer
-from .mask_state import MaskState
+from .mask_state import ROLLOUT_ROW_KEY, MaskState
 from .masked_branch import MaskedBranch
 from .papo_config import PAPOGConfig
 from .perception_metrics import log_perception_metrics
@@ -119,6 +119,9 @@ class PAPOGTrainer(GRPOTrainer):
         self.masked_branch = MaskedBranch(self.args, self.model, self.accelerator, self._metrics, self.temperature)
         # (prompt_ids, completion_ids, KL, H, H_masked) token means per completion of the latest rollouts, this rank
         self.completion_perception: deque = deque(maxlen=self.args.generation_batch_size)
+        # for a reviewer, by a completion's row in this rank's latest generation batch (ROLLOUT_ROW_KEY, carried
+        # through TRL's shuffle): its (KL, H, H_masked) token means; its mask is in masks.rollout_masks
+        self.rollout_perception: dict[int, tuple[float, float, float]] = {}
         self.step_guard = NonFiniteStepGuard(self.args.max_consecutive_nonfinite_grad_steps)
         # The one observer hook (loss_observer.py): the in-training probe when the config asks for it, else None.
         self.probe = training_observer(self.args)
@@ -165,6 +168,8 @@ class PAPOGTrainer(GRPOTrainer):
 
     def _generate_and_score_completions(self, inputs):
         batch = super()._generate_and_score_completions(inputs)
+        self.rollout_perception, self.masks.rollout_masks = {}, {}
+        batch[ROLLOUT_ROW_KEY] = torch.arange(len(batch["prompt_ids"]))  # the row in TRL's logs, after shuffling
         if self.args.masked_branch == "rollout":
             batch.update(self.masked_branch.rollout_entries(batch, self.masked_pixel_values, self._with_entropy_grad))
         return batch
@@ -254,6 +259,10 @@ class PAPOGTrainer(GRPOTrainer):
     def mask_generator(self) -> torch.Generator:
         return self.masks.generator
 
+    @property
+    def rollout_masks(self) -> dict[int, torch.Tensor]:
+        return self.masks.rollout_masks
+
     def mask_patch_size(self) -> int:
         return self.masks.patch_size()
 
@@ -289,6 +298,8 @@ class PAPOGTrainer(GRPOTrainer):
         )
         ids = zip(inputs["prompt_ids"].tolist(), inputs["completion_ids"].tolist(), strict=True)
         self.completion_perception.extend((p, c, *r) for (p, c), r in zip(ids, rows, strict=True))
+        for row, row_terms in zip(inputs.get(ROLLOUT_ROW_KEY, torch.empty(0)).tolist(), rows, strict=False):
+            self.rollout_perception[row] = tuple(row_terms)
         discount = self.annealing_discount()
         log_perception_metrics(
             self._metrics["train" if self.model.training else "eval"],

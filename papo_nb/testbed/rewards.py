@@ -59,7 +59,10 @@ def extract_answer(text: str) -> str | None:
 
 
 def accuracy_reward(completions, answer, **kwargs) -> list[float]:
-    """1.0 where the extracted answer equals the normalised gold `answer` column, else 0.0."""
+    """1.0 where the extracted answer equals the normalised gold `answer` column, else 0.0. Under TRL it also logs
+    the gold answer beside each completion (``log_extra``: TRL's and the review's completions tables)."""
+    if kwargs.get("log_extra") is not None:
+        kwargs["log_extra"]("answer", [str(gold) for gold in answer])
     rewards = []
     for completion, gold in zip(completions, answer, strict=True):
         predicted = extract_answer(completion_text(completion))

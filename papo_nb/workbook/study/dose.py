@@ -80,6 +80,22 @@ PANELS = (
 )
 
 
+# The y-axis spans at least this many seed-spread half-widths, and this share of the panel's largest value, so a
+# difference below the seed spread (or a tiny one with a single seed) is drawn flat rather than as a cliff.
+SPREADS_PER_AXIS = 4.0
+MIN_RELATIVE_SPAN = 0.5
+
+
+def honest_ylim(centres: list[float], halves: list[float]) -> tuple[float, float]:
+    """y-limits around the drawn values and bands, widened to ``SPREADS_PER_AXIS`` half-widths and to
+    ``MIN_RELATIVE_SPAN`` of the largest magnitude (at least 1e-6)."""
+    low = min(c - h for c, h in zip(centres, halves, strict=True))
+    high = max(c + h for c, h in zip(centres, halves, strict=True))
+    span = max(high - low, SPREADS_PER_AXIS * max(halves), MIN_RELATIVE_SPAN * max(map(abs, centres)), 1e-6)
+    middle = (low + high) / 2
+    return middle - 0.55 * span, middle + 0.55 * span
+
+
 def plot_dose_response(rows: list[dict], title: str = "") -> Figure:
     """Each metric against gamma (symmetric log axis, linear through 0), mean over seeds with a 95% CI band;
     gammas with a flagged run are marked."""
@@ -87,6 +103,7 @@ def plot_dose_response(rows: list[dict], title: str = "") -> Figure:
     gammas = [row["gamma"] for row in rows]
     positive = [g for g in gammas if g > 0]
     for ax, (keys, panel) in zip(fig.subplots(1, len(PANELS)), PANELS):
+        drawn: tuple[list[float], list[float]] = ([], [])
         for key in keys:
             points = [(row["gamma"], row[key], row[f"{key}_ci95"]) for row in rows if key in row]
             if not points:
@@ -94,9 +111,13 @@ def plot_dose_response(rows: list[dict], title: str = "") -> Figure:
             xs, centre, half = zip(*points)
             half = [h if math.isfinite(h) else 0.0 for h in half]
             ax.plot(xs, centre, marker="o", label=key.split("/", 1)[-1])
+            drawn[0].extend(centre)
+            drawn[1].extend(half)
             ax.fill_between(
                 xs, [c - h for c, h in zip(centre, half)], [c + h for c, h in zip(centre, half)], alpha=0.2
             )
+        if drawn[0]:
+            ax.set_ylim(*honest_ylim(*drawn))
         for row in rows:
             if row["collapsed"]:
                 ax.axvline(row["gamma"], color="tab:red", linestyle=":", linewidth=1)

@@ -5,144 +5,65 @@ dataset lineage and system metrics.
 
 - logs the training and held-out datasets as dataset inputs of the run (name, source, digest, schema);
 - samples CPU, memory (and GPU, with ``nvidia-ml-py``) every ``SYSTEM_METRICS_INTERVAL_S`` s as ``system/*`` metrics;
-- with ``report_to="mlflow"``, every ``logging_steps`` logs a completions table (``completions/step_NNNNN.json``,
-  MLflow's ``log_table``): for ``REVIEW_PROMPTS`` prompts, each completion beside the original and a masked image
-  thumbnail, every reward function's value, the advantage, and the completion's perception KL and entropies;
+- with ``report_to="mlflow"``, every ``logging_steps`` appends that step's rows to one completions table
+  (``completions.json``, see ``completions.py``): each completion beside its own image and the exact mask its step
+  trained with, every reward function's value, the advantage, and the completion's perception KL and entropies;
 - with ``report_to="mlflow"``, turns every saved checkpoint into an MLflow 3 ``LoggedModel`` linked to the run at its
   step. The weights stay in the checkpoint folder (the model records its path); only TRL's model card, which
   credits PAPO, is copied. After training the last checkpoint's model is the active model, so the held-out metrics
   the notebook logs next are attached to it.
 
-The masked thumbnail is a fresh draw of the training mask (same ``mask_type``, ``mask_ratio`` and patch grid, at the
-model's input resolution), not the exact draw the step used: the trainer does not keep its masks.
-Per-completion KL and entropies come from ``PAPOGTrainer.completion_perception`` (this process's completions only).
+Per-completion KL, entropies and masks come from ``PAPOGTrainer.rollout_perception`` and ``rollout_masks`` (this
+process's completions only).
 """
 
 from __future__ import annotations
 
+import logging
 import shutil
 import tempfile
-import time
 import weakref
-from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
 import mlflow
-import numpy as np
-import pandas as pd
-import torch
 from mlflow import MlflowClient
 from mlflow.entities import LoggedModelOutput
-from PIL import Image
 from transformers import TrainerCallback
 
-from papo_nb.papo.masking import select_units
 from papo_nb.workbook.training.checkpoints import holds_model
+from papo_nb.workbook.training.completions import log_completions
 
-REVIEW_PROMPTS = 2  # prompts per completions table (each with all its completions, at most the next bound)
-REVIEW_COMPLETIONS_PER_PROMPT = 8
-THUMBNAIL_PIXELS = 128  # longest side of a thumbnail; smaller images are kept as they are
 SYSTEM_METRICS_INTERVAL_S = 5.0  # MLflow's default is 10 s; a CPU smoke run trains in about a minute
 CHECKPOINT_PATH_TAG = "papo_nb.checkpoint_path"
+# The INFO lines the callback's own MLflow calls print in every training cell, by logger: they say nothing about
+# the run. Only these messages are dropped; every other line of those loggers still shows.
+QUIET_MLFLOW_LINES = {
+    "mlflow.tracking.fluent": ("Active model is cleared",),
+    "mlflow.system_metrics.system_metrics_monitor": (
+        "Started monitoring system metrics.",
+        "Stopping system metrics monitoring...",
+        "Successfully terminated system metrics monitoring!",
+        "Skip logging GPU metrics.",
+    ),
+}
 
 
-# --------------------------------------------------------------------------------------------
-# completions table
-# --------------------------------------------------------------------------------------------
+class _DropLines(logging.Filter):
+    def __init__(self, starts: tuple[str, ...]):
+        super().__init__()
+        self.starts = starts
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith(self.starts)
 
 
-def thumbnail(image: Image.Image) -> Image.Image:
-    copy = image.convert("RGB")
-    copy.thumbnail((THUMBNAIL_PIXELS, THUMBNAIL_PIXELS))
-    return copy
-
-
-def masked_image(trainer, image: Image.Image, seed: int) -> Image.Image:
-    """``image`` at the model's input size with a fresh draw of the training mask blacked out: ``round(ratio * n)``
-    of its patch units (merge units for ``merge_unit``), or single values with probability ``ratio`` (``random``)."""
-    args = trainer.args
-    processor = trainer.processing_class.image_processor
-    image = image.convert("RGB")
-    grid = processor(images=[image], return_tensors="pt").get("image_grid_thw")
-    patch = trainer.mask_patch_size()
-    if grid is not None:  # patch rows (Qwen-VL family): the processor resizes to whole patches
-        image = image.resize((int(grid[0][2]) * patch, int(grid[0][1]) * patch))
-    pixels = torch.from_numpy(np.array(image))
-    generator = torch.Generator().manual_seed(seed)
-    if args.mask_type == "random":
-        chosen = torch.rand(pixels.shape, generator=generator) < args.mask_ratio
-        return Image.fromarray(torch.where(chosen, 0, pixels).numpy())
-    unit = patch * (getattr(processor, "merge_size", 2) if args.mask_type == "merge_unit" else 1)
-    rows, cols = pixels.shape[0] // unit, pixels.shape[1] // unit
-    selected = select_units(torch.tensor([rows * cols]), args.mask_ratio, generator).reshape(rows, cols)
-    block = selected.repeat_interleave(unit, 0).repeat_interleave(unit, 1)
-    keep = torch.ones(pixels.shape[:2], dtype=torch.bool)
-    keep[: block.shape[0], : block.shape[1]] = ~block
-    return Image.fromarray((pixels * keep[..., None]).numpy())
-
-
-def _perception_by_text(trainer) -> dict[tuple[str, str], list[tuple[float, float, float]]]:
-    """(prompt text, completion text) -> [(KL, H, H_masked), ...], decoded as TRL decodes its logged texts."""
-    kept = list(getattr(trainer, "completion_perception", ()))
-    if not kept:
-        return {}
-    decode = trainer.processing_class.batch_decode
-    prompts = decode([row[0] for row in kept], skip_special_tokens=True)
-    completions = decode([row[1] for row in kept], skip_special_tokens=True)
-    found: dict[tuple[str, str], list] = defaultdict(list)
-    for prompt, completion, row in zip(prompts, completions, kept, strict=True):
-        found[(prompt, completion)].append(tuple(row[2:]))
-    return found
-
-
-def completions_table(trainer, step: int) -> pd.DataFrame:
-    """The latest rollouts TRL keeps (``trainer._logs``), for the first ``REVIEW_PROMPTS`` distinct prompts."""
-    logs = trainer._logs
-    prompts, completions = list(logs["prompt"]), list(logs["completion"])
-    images = list(logs["images"]) if len(logs["images"]) == len(prompts) else [None] * len(prompts)
-    rewards = {name: list(values) for name, values in logs["rewards"].items()}
-    advantages = list(logs["advantages"])
-    perception = _perception_by_text(trainer)
-    chosen: dict[str, list[int]] = {}
-    for i, prompt in enumerate(prompts):
-        if prompt in chosen or len(chosen) < REVIEW_PROMPTS:
-            chosen.setdefault(prompt, [])
-            if len(chosen[prompt]) < REVIEW_COMPLETIONS_PER_PROMPT:
-                chosen[prompt].append(i)
-    rows, shown = [], {}
-    for prompt_index, (prompt, indices) in enumerate(chosen.items()):
-        for i in indices:
-            first = (images[i] or [None])[0]
-            if first is not None and prompt not in shown:
-                seed = int(trainer.args.mask_seed) + 1000 * step + prompt_index
-                shown[prompt] = (thumbnail(first), thumbnail(masked_image(trainer, first, seed)))
-            kl, entropy, masked_entropy = (perception.get((prompt, completions[i])) or [(None,) * 3]).pop(0)
-            row = {"step": step, "prompt": prompt}
-            if prompt in shown:
-                row["image"], row["masked_image"] = shown[prompt]
-            row["completion"] = completions[i]
-            row.update({f"reward/{name}": float(values[i]) for name, values in rewards.items()})
-            row.update(advantage=float(advantages[i]), perception_kl=kl)
-            row.update(original_entropy=entropy, masked_entropy=masked_entropy)
-            rows.append(row)
-    return pd.DataFrame(rows)
-
-
-def log_completions(client: MlflowClient, run_id: str, trainer, step: int, artifact_file: str) -> dict[str, Any]:
-    """Log ``completions_table`` with ``log_table``; returns what it cost (rows, images, pixels, seconds)."""
-    start = time.perf_counter()
-    table = completions_table(trainer, step)
-    if table.empty:
-        return {"rows": 0, "images": 0, "pixels": 0, "seconds": time.perf_counter() - start}
-    pictures = [cell for column in ("image", "masked_image") if column in table for cell in table[column]]
-    client.log_table(run_id, data=table, artifact_file=artifact_file)  # (it replaces the images by file references)
-    return {
-        "rows": len(table),
-        "images": len(pictures),
-        "pixels": sum(p.width * p.height for p in pictures),
-        "seconds": time.perf_counter() - start,
-    }
+def quiet_mlflow_review_lines() -> None:
+    """Filter ``QUIET_MLFLOW_LINES`` at their loggers, once per process."""
+    for name, starts in QUIET_MLFLOW_LINES.items():
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _DropLines) for f in logger.filters):
+            logger.addFilter(_DropLines(starts))
 
 
 # --------------------------------------------------------------------------------------------
@@ -263,6 +184,7 @@ class ReviewCallback(TrainerCallback):
         run = mlflow.active_run()
         if run is None or not state.is_world_process_zero:
             return
+        quiet_mlflow_review_lines()
         mlflow.clear_active_model()  # this run's metrics belong to its own checkpoints, not an earlier run's model
         from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
 
@@ -281,8 +203,7 @@ class ReviewCallback(TrainerCallback):
         if self.run_id is None or not self.full_review or not self.trainer._logs["prompt"] or step in self.tables:
             return
         self.tables.add(step)
-        table = f"completions/step_{step:05d}.json"
-        self.costs.append(log_completions(self.client, self.run_id, self.trainer, step, table))
+        self.costs.append(log_completions(self.client, self.run_id, self.trainer, step))
 
     def on_save(self, args, state, control, **kwargs):
         if self.run_id is None or not self.full_review:

@@ -1,0 +1,181 @@
+"""The completions table of a PAPO-G run: one MLflow table (``completions.json``, ``log_table``) across steps, a row
+per completion with a ``step`` column, so that the artifact view goes through steps and compares rows by reward or KL.
+
+Every value of a row is that row's own, found by its position in the generation batch: TRL keeps the latest rollouts
+in order (``trainer._logs``), and ``PAPOGTrainer`` keeps, for the same positions (``ROLLOUT_ROW_KEY``, carried
+through TRL's shuffle), each completion's perception terms and the exact mask selection its masked branch used
+(``rollout_perception``, ``rollout_masks``). Nothing is keyed by prompt text, which two items may share.
+
+The masked thumbnail is the row's image at the model's input size with that selection drawn on it: masked patches
+grey with a dark outline, so that they show on any image (a black fill would vanish on a black background). It is
+drawn for the Qwen-VL patch-row layout and for whole-image layouts; other layouts log the image without it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from typing import Any
+
+import numpy as np
+import pandas as pd
+import torch
+from mlflow import MlflowClient
+from PIL import Image, ImageDraw
+
+from papo_nb.papo import masking
+
+REVIEW_PROMPTS = 2  # items per step in the table (each with all its completions, at most the next bound)
+REVIEW_COMPLETIONS_PER_PROMPT = 8
+THUMBNAIL_PIXELS = 128  # longest side of a thumbnail; smaller images are kept as they are
+MASK_GREY = (128, 128, 128)
+MASK_OUTLINE = (255, 0, 255)  # magenta: visible on the testbed's and on natural images
+TABLE_FILE = "completions.json"
+
+
+def thumbnail(image: Image.Image) -> Image.Image:
+    copy = image.convert("RGB")
+    copy.thumbnail((THUMBNAIL_PIXELS, THUMBNAIL_PIXELS))
+    return copy
+
+
+def image_digest(image: Image.Image) -> str:
+    """A short id of an item's image: equal exactly when the pixels are (what tells two items apart)."""
+    pixels = np.asarray(image.convert("RGB"))
+    return hashlib.blake2b(pixels.tobytes() + str(pixels.shape).encode(), digest_size=6).hexdigest()
+
+
+def _grid_rows_to_pixels(chosen: torch.Tensor, grid: torch.Tensor, patch: int, merge: int) -> torch.Tensor:
+    """Qwen-VL patch rows ``(t*h*w, C*T*P*P)`` of booleans back to an ``(h*P, w*P)`` image of the first frame: the
+    processor orders rows (t, h/m, w/m, m, m) and a row's values (C, T, P, P)."""
+    t, h, w = (int(x) for x in grid[0])
+    channels = chosen.shape[1] // (patch * patch)
+    blocks = chosen.reshape(t, h // merge, w // merge, merge, merge, channels, patch, patch).any(5)
+    return blocks.permute(0, 1, 3, 5, 2, 4, 6).reshape(t, h * patch, w * patch)[0]
+
+
+def mask_pixels(trainer, image: Image.Image, selection: torch.Tensor) -> tuple[Image.Image, np.ndarray] | None:
+    """``image`` at the model's input size and a bool per pixel: what ``selection`` (the trainer's mask of this
+    sample, one bool per unit, or per value for ``random``) masked. None for a layout this cannot draw."""
+    processor = trainer.processing_class.image_processor
+    processed = dict(processor(images=[image.convert("RGB")], return_tensors="pt"))
+    inputs = {**processed, "num_images": [1], "prompt_ids": torch.zeros(1, 1, dtype=torch.long)}
+    layout = masking.detect_layout(inputs)
+    patches = trainer.masks.patch_map(inputs)
+    pixel_values = inputs["pixel_values"]
+    if trainer.args.mask_type == "random":
+        chosen = selection.to(torch.bool) & patches.real_pixels
+    else:
+        lookup = torch.cat([torch.zeros(1, dtype=torch.bool), selection.bool()])
+        chosen = patches.expand(lookup[patches.units + 1]) & patches.real_pixels
+    chosen = chosen.expand_as(pixel_values).cpu()
+    if layout == "grid_rows":
+        patch, merge = trainer.mask_patch_size(), getattr(processor, "merge_size", 1)
+        grid = inputs["image_grid_thw"]
+        per_pixel = _grid_rows_to_pixels(chosen, grid, patch, merge)
+    elif layout in ("images", "sized_images"):
+        per_pixel = chosen[0].any(0)
+    else:
+        return None
+    height, width = per_pixel.shape
+    return image.convert("RGB").resize((width, height)), per_pixel.numpy()
+
+
+def draw_mask(image: Image.Image, per_pixel: np.ndarray, patch: int) -> Image.Image:
+    """Masked pixels grey, each masked patch outlined, on a copy of ``image``."""
+    pixels = np.array(image)
+    pixels[per_pixel] = MASK_GREY
+    drawn = Image.fromarray(pixels)
+    pen = ImageDraw.Draw(drawn)
+    rows, cols = per_pixel.shape[0] // patch, per_pixel.shape[1] // patch
+    blocks = per_pixel[: rows * patch, : cols * patch].reshape(rows, patch, cols, patch).mean((1, 3)) > 0.5
+    for r, c in zip(*np.nonzero(blocks), strict=True):
+        pen.rectangle([c * patch, r * patch, (c + 1) * patch - 1, (r + 1) * patch - 1], outline=MASK_OUTLINE)
+    return drawn
+
+
+def masked_thumbnail(trainer, image: Image.Image, selection: torch.Tensor | None) -> Image.Image | None:
+    if selection is None:
+        return None
+    found = mask_pixels(trainer, image, selection)
+    if found is None:
+        return None
+    resized, per_pixel = found
+    patch = trainer.mask_patch_size() if trainer.args.mask_type != "random" else per_pixel.shape[0]
+    if trainer.args.mask_type == "merge_unit":
+        patch *= getattr(trainer.processing_class.image_processor, "merge_size", 1)
+    return thumbnail(draw_mask(resized, per_pixel, patch))
+
+
+def item_keys(prompts: list[str], images: list) -> list[tuple[str, str]]:
+    """Each row's item: its prompt text and its image's digest together."""
+    return [(prompt, image_digest(images[i][0]) if images[i] else "") for i, prompt in enumerate(prompts)]
+
+
+def chosen_rows(items: list[tuple[str, str]]) -> list[int]:
+    """Rows of the first ``REVIEW_PROMPTS`` items, at most ``REVIEW_COMPLETIONS_PER_PROMPT`` completions each, in
+    the generation batch's order."""
+    by_item: dict[tuple[str, str], list[int]] = {}
+    for i, key in enumerate(items):
+        if key in by_item or len(by_item) < REVIEW_PROMPTS:
+            rows = by_item.setdefault(key, [])
+            if len(rows) < REVIEW_COMPLETIONS_PER_PROMPT:
+                rows.append(i)
+    return [i for rows in by_item.values() for i in rows]
+
+
+def row_mask(masks: dict[int, torch.Tensor], items: list[tuple[str, str]], i: int) -> torch.Tensor | None:
+    """The selection row ``i`` trained with: its own, or, where the masked branch masked one row per prompt (the
+    shared prompt prefix) and applied it to the prompt's other rows, that row's."""
+    if i in masks:
+        return masks[i]
+    return next((masks[j] for j, key in enumerate(items) if key == items[i] and j in masks), None)
+
+
+def completions_table(trainer, step: int) -> pd.DataFrame:
+    """The latest rollouts TRL keeps (``trainer._logs``) for the first ``REVIEW_PROMPTS`` items, each row with its
+    own image, mask, rewards, advantage and perception terms (this process's rows only, as the trainer keeps)."""
+    logs = trainer._logs
+    prompts, completions = list(logs["prompt"]), list(logs["completion"])
+    images = list(logs["images"]) if len(logs["images"]) == len(prompts) else [None] * len(prompts)
+    rewards = {name: list(values) for name, values in logs["rewards"].items()}
+    extra = {name: list(values) for name, values in logs["extra"].items() if len(values) == len(prompts)}
+    advantages = list(logs["advantages"])
+    perception = getattr(trainer, "rollout_perception", {})
+    masks = getattr(trainer, "rollout_masks", {})
+    local_rows = len(prompts) // max(trainer.accelerator.num_processes, 1)  # rank 0's rows come first
+    items = item_keys(prompts[:local_rows], images[:local_rows])
+    table = []
+    for i in chosen_rows(items):
+        first = (images[i] or [None])[0]
+        row: dict[str, Any] = {"step": step, "row": i, "item": image_digest(first) if first is not None else ""}
+        row.update({name: values[i] for name, values in extra.items()})
+        if first is not None:
+            row["image"] = thumbnail(first)
+            row["masked_image"] = masked_thumbnail(trainer, first, row_mask(masks, items, i))
+        row.update(prompt=prompts[i], completion=completions[i])
+        row.update({f"reward/{name}": float(values[i]) for name, values in rewards.items()})
+        kl, entropy, masked_entropy = perception.get(i, (None, None, None))
+        row.update(advantage=float(advantages[i]), perception_kl=kl)
+        row.update(original_entropy=entropy, masked_entropy=masked_entropy)
+        table.append(row)
+    frame = pd.DataFrame(table)
+    if "masked_image" in frame and frame["masked_image"].isna().any():
+        frame = frame.drop(columns="masked_image")  # log_table refuses a column of images and blanks
+    return frame
+
+
+def log_completions(client: MlflowClient, run_id: str, trainer, step: int) -> dict[str, Any]:
+    """Append ``completions_table`` to the run's table; returns what it cost (rows, images, pixels, seconds)."""
+    start = time.perf_counter()
+    table = completions_table(trainer, step)
+    if table.empty:
+        return {"rows": 0, "images": 0, "pixels": 0, "seconds": time.perf_counter() - start}
+    pictures = [cell for column in ("image", "masked_image") if column in table for cell in table[column]]
+    client.log_table(run_id, data=table, artifact_file=TABLE_FILE)  # (it replaces the images by file references)
+    return {
+        "rows": len(table),
+        "images": len(pictures),
+        "pixels": sum(p.width * p.height for p in pictures),
+        "seconds": time.perf_counter() - start,
+    }
