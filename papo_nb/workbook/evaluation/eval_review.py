@@ -14,6 +14,7 @@ from mlflow import MlflowClient
 
 from papo_nb.testbed.generation import generate_answers
 from papo_nb.workbook.training import review
+from papo_nb.workbook.training.completions import thumbnail
 
 REVIEW_ROWS = 4  # held-out items per completions table, each greedy on its original and its masked image(s)
 
@@ -64,8 +65,8 @@ def log_heldout_completions(
         completions = generate_answers(model, processor, prompts[:n], shown, max_new_tokens=max_new_tokens)
         table[f"completion_{condition}"] = completions
         table[f"correct_{condition}"] = [float(g) for g in grade(completions, list(answers[:n]))]
-    table["image"] = [review.thumbnail(_first_image(images)) for images in originals[:n]]
-    table["masked_image"] = [review.thumbnail(_first_image(images)) for images in masked[:n]]
+    table["image"] = [thumbnail(_first_image(images)) for images in originals[:n]]
+    table["masked_image"] = [thumbnail(_first_image(images)) for images in masked[:n]]
     pixels = sum(p.width * p.height for p in table["image"] + table["masked_image"])
     MlflowClient(mlflow.get_tracking_uri()).log_table(
         run.info.run_id, data=pd.DataFrame(table), artifact_file=f"completions/heldout_{name}.json"
