@@ -273,7 +273,7 @@ def test_mlflow_ui_shows_what_a_reviewer_of_the_training_run_needs(chromium, smo
         # 2. Notebook 03's completions table: one across steps, each row's image and its masked image drawn.
         table = "completions.json"
         page.goto(f"{url}/#/experiments/{experiment_id}/runs/{training.info.run_id}/artifacts/{table}{ml_view}")
-        expect(page.get_by_text(table, exact=True)).to_be_visible()
+        expect(page.get_by_text(table, exact=True).first).to_be_visible()  # the file list and the viewer both name it
         for column in ("step", "item", "answer", "prompt", "image", "masked_image", "completion", "advantage"):
             expect(page.get_by_text(column, exact=True).first).to_be_visible()
         sizes = _decoded_images(page, "img[src^='blob:'], img[src*='table_images']", at_least=2)
