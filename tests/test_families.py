@@ -389,7 +389,7 @@ def test_notebook_01_accepts_the_family(family, family_cache, tmp_path, monkeypa
     """Notebook 01's own steps: its parameters validated, the preflight, prepare_training (the builder), a rollout
     batch and the gamma-zero probe on it."""
     from papo_nb.papo.probe import probe_batch
-    from papo_nb.workbook.training.run import prepare_training
+    from papo_nb.workbook.training.builder import prepare_training
 
     monkeypatch.setenv("PAPO_NB_CACHE", str(family_cache))
     fields = {"model_name_or_path": f"tiny:{family}", "seed": 0, "device": "cpu"}

@@ -320,13 +320,13 @@ def test_phase2_restores_the_trained_adapter_trainable_with_the_chosen_reference
     from safetensors.torch import load_file
 
     from papo_nb.workbook.rollouts import rollout_batch
+    from papo_nb.workbook.training.builder import prepare_training
     from papo_nb.workbook.training.checkpoints import (
         REFERENCE_MATCH_TOL,
         adapter_tensors,
         describe_reference,
         reference_evidence,
     )
-    from papo_nb.workbook.training.run import prepare_training
 
     trained = killed_and_resumed["out"] / f"checkpoint-{MAX_STEPS}"
     params = load_params(SMOKE, [f"init_adapter={trained}", f"reference_policy={reference}", "beta=0.01"])

@@ -96,7 +96,7 @@ def test_existing_params_files_still_validate():
 @pytest.mark.slow
 @pytest.mark.model
 def test_linear_schedule_from_a_params_file_ends_at_the_final_weight(tmp_path):
-    from papo_nb.workbook.training.run import prepare_training
+    from papo_nb.workbook.training.builder import prepare_training
 
     path = tmp_path / "linear.yaml"
     settings = yaml.safe_load((ROOT / "params" / "smoke_fast.yaml").read_text())

@@ -295,7 +295,7 @@ def test_underpowered_status_becomes_an_mlflow_tag(real, tmp_path):
     import mlflow
 
     from papo_nb.papo.probe import ProbeEvidence
-    from papo_nb.workbook.training.run import tag_probe_status
+    from papo_nb.train.records import tag_probe_status
 
     trainer, _ = real
     probe = GammaZeroProbe()

@@ -37,7 +37,7 @@ FALSE_ALARM_BATCHES = 25  # x 2 precisions = 50 clean probe evaluations under re
 def make_testbed_trainer(testbed_path, folder, **overrides):
     """Notebook 02's testbed settings (params/calibration_testbed.yaml) on the session's testbed build."""
     from papo_nb.workbook.config.params import WorkbookParams, load_params
-    from papo_nb.workbook.training.run import prepare_training
+    from papo_nb.workbook.training.builder import prepare_training
 
     raw = load_params(ROOT / "params" / "calibration_testbed.yaml").model_dump()
     fields = {k: v for k, v in raw.items() if k in WorkbookParams.model_fields}

@@ -16,7 +16,7 @@ from PIL import Image
 from papo_nb.infra import tracking
 from papo_nb.workbook.config.params import load_params
 from papo_nb.workbook.training import completions, review
-from papo_nb.workbook.training.run import prepare_training
+from papo_nb.workbook.training.builder import prepare_training
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 2

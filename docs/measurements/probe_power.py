@@ -16,7 +16,7 @@ import papermill
 
 from papo_nb.train.runner import run_training
 from papo_nb.workbook.config.params import load_params, validate_params
-from papo_nb.workbook.training.run import prepare_training
+from papo_nb.workbook.training.builder import prepare_training
 from papo_nb.workbook.verification.calibration import calibrate_phase, false_alarms, phase_table, separation_margins
 
 ROOT = Path(__file__).resolve().parents[2]

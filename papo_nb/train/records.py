@@ -1,6 +1,7 @@
 """What rank 0 writes about a run: the folder's files and the MLflow record, at the start and at the end.
 
-At the start: ``params.yaml`` (fresh runs and forced resumes), ``run_info.json`` (the MLflow run and one entry per
+At the start: the start record (``start_record``: phase, trainable parameters, refused when there are none),
+``params.yaml`` (fresh runs and forced resumes), ``run_info.json`` (the MLflow run and one entry per
 attempt), corrupt checkpoints set aside, and in MLflow the start record, the parameters and the standard tags (a
 re-attached run gets the attempt instead). At the end: ``train_summary.json``, the probe's final evidence and its
 status tags (``papo_nb.probe_status``, and ``papo_nb.probe_warning`` when underpowered).
@@ -18,7 +19,11 @@ import yaml
 from papo_nb.train.plan import RunPlan
 from papo_nb.train.run_folder import PARAMS_FILE, RUN_INFO_FILE, SUMMARY_FILE, write_atomic, write_json
 from papo_nb.workbook.config.params import WorkbookParams
-from papo_nb.workbook.training.run import tag_probe_status
+from papo_nb.workbook.training.checkpoints import RestoredAdapter
+
+PROBE_STATUS_TAG = "papo_nb.probe_status"
+PROBE_WARNING_TAG = "papo_nb.probe_warning"
+MLFLOW_TAG_LIMIT = 5000  # characters MLflow keeps in a tag value
 
 
 @contextmanager
@@ -92,3 +97,43 @@ def log_probe(trainer, probe: dict | None, same_on_all_ranks: bool) -> None:
 
     log_evidence("probe", {**probe, "same_on_all_ranks": same_on_all_ranks}, prefix="probe_final")
     tag_probe_status(trainer)
+
+
+def training_phase(params: WorkbookParams) -> str:
+    return "phase2 (resumed adapter)" if params.init_adapter else "phase1 (fresh adapter)"
+
+
+def start_record(params: WorkbookParams, trainer, restored: RestoredAdapter | None, reference: str) -> dict:
+    """What a run starts from: phase, trainable parameters, KL reference, restored adapter, processes.
+
+    Raises ValueError when nothing is trainable (a saved adapter loaded with ``is_trainable=False`` trains nothing,
+    silently), before the first step."""
+    trainable = sum(p.numel() for p in trainer.model.parameters() if p.requires_grad)
+    if trainable == 0:
+        raise ValueError(
+            f"no trainable parameters in {type(trainer.model).__name__} (init_adapter = {params.init_adapter!r}): "
+            "the run would train nothing; load the adapter trainable or leave init_adapter empty"
+        )
+    return {
+        "phase": training_phase(params),
+        "trainable_parameters": trainable,
+        "reference_policy": reference,
+        "restored_adapter": restored.to_dict() if restored else None,
+        "num_processes": params.num_processes,
+    }
+
+
+def tag_probe_status(trainer) -> str | None:
+    """Tag the active MLflow run ``papo_nb.probe_status`` with the in-training probe's status ("passed",
+    "underpowered", "pending", ...) and, when underpowered, ``papo_nb.probe_warning`` with its message, so the
+    warning shows next to the run; returns the status (None without a probe or evidence)."""
+    evidence = getattr(getattr(trainer, "probe", None), "evidence", None)
+    if evidence is None:
+        return None
+    import mlflow
+
+    if mlflow.active_run() is not None:
+        mlflow.set_tag(PROBE_STATUS_TAG, evidence.status)
+        if evidence.status == "underpowered":
+            mlflow.set_tag(PROBE_WARNING_TAG, evidence.message[:MLFLOW_TAG_LIMIT])
+    return evidence.status

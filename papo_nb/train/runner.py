@@ -26,12 +26,19 @@ from papo_nb.train.distributed import (
     world_size,
 )
 from papo_nb.train.plan import RunPlan, plan_run
-from papo_nb.train.records import log_probe, log_start, params_logged_once, write_start_files, write_summary
+from papo_nb.train.records import (
+    log_probe,
+    log_start,
+    params_logged_once,
+    start_record,
+    write_start_files,
+    write_summary,
+)
 from papo_nb.train.resume import resume_callback
 from papo_nb.train.run_folder import PROGRESS_PREFIX, LaunchError, LaunchFailed
 from papo_nb.workbook.config.params import ParamsError, WorkbookParams, load_params, preflight_problems
+from papo_nb.workbook.training.builder import prepare_training
 from papo_nb.workbook.training.checkpoints import CHECKPOINT_PREFIX, describe_reference, latest_checkpoint
-from papo_nb.workbook.training.run import prepare_training, start_record
 
 
 @dataclass

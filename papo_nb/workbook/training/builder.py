@@ -1,4 +1,8 @@
-"""From validated workbook parameters to the real objects: device, model, processor, datasets, PAPO-G trainer."""
+"""From validated workbook parameters to the real objects: device, model, processor, datasets, PAPO-G trainer.
+
+``prepare_training`` composes them into a trainer ready to ``train()`` or to probe: notebooks 01, 02 and the study
+use it alone; ``papo_nb.train.runner.run_training`` (notebook 03 and ``papo-nb train``) wraps it in a run folder.
+"""
 
 from __future__ import annotations
 
@@ -16,6 +20,8 @@ from papo_nb.workbook.config.paths import resolve_device, resolve_model_path
 from papo_nb.workbook.recipe import presets as recipe_presets
 from papo_nb.workbook.recipe import reward as math_reward
 from papo_nb.workbook.recipe.data import official_datasets, set_processor_pixel_bounds
+from papo_nb.workbook.training.checkpoints import load_trainable_adapter
+from papo_nb.workbook.training.review import attach_review
 
 EVAL_SEED_OFFSET = 10_000  # held-out synthetic items come from a different stream than training items
 
@@ -143,3 +149,21 @@ def vision_tower(model):
         if owner is not None and hasattr(owner, "visual"):
             return owner.visual
     raise ValueError(f"parameter 'freeze_vision_tower': {type(model).__name__} has no 'visual' vision tower")
+
+
+def prepare_training(params: WorkbookParams, output_dir: str | Path, *, report_to: str = "none", **config_overrides):
+    """Model (fresh LoRA, or a trained adapter for phase 2), data and trainer, ready to ``train()``
+    or to probe. Returns (trainer, held-out eval dataset, restored-adapter evidence or None)."""
+    model, processor = load_policy(params)
+    train_dataset, eval_dataset = load_datasets(params)
+    restored = None
+    if params.init_adapter:
+        model, restored = load_trainable_adapter(model, params.init_adapter)
+    args = papo_config(params, output_dir, processor, report_to=report_to, **config_overrides)
+    trainer = build_trainer(params, args, model, processor, train_dataset)
+    attach_review(trainer, params, train_dataset, eval_dataset)  # completions, checkpoint models, lineage (MLflow)
+    if params.reference_policy == "base" and "ref" in getattr(trainer.model, "peft_config", {}):
+        # TRL 1.9.1 copied the loaded adapter into a frozen "ref" adapter (beta != 0); without it, TRL computes the
+        # reference with adapters disabled: the base model. (Before train(), so before accelerate wraps the model.)
+        trainer.model.delete_adapter("ref")
+    return trainer, eval_dataset, restored
