@@ -136,7 +136,7 @@ def peak_memory(setup: harness.BenchSetup, context, device) -> dict:
     return out
 
 
-def paper_shapes_check(setup: harness.BenchSetup, args, context, device, work_dir: Path) -> dict:
+def paper_shapes_check(setup: harness.BenchSetup, args, context, device) -> dict:
     """Issue 14 on this model: GRPO, PAPO-G with the full masked forward and with the shared prompt prefix, and the
     masked branch alone in both forms, on a G = 8 batch whose prompt (image + text) is >= 4x the completion."""
     import dataclasses
@@ -153,8 +153,9 @@ def paper_shapes_check(setup: harness.BenchSetup, args, context, device, work_di
         bf16=args.dtype == "bfloat16" and device.type == "cuda",
         use_cpu=device.type == "cpu",
     )
-    trainers = paper_shapes.build_trainers(settings, setup.model, processor, setup.dataset, work_dir, **overrides)
-    batch = harness.synthetic_batch(
+    prefix_setup = dataclasses.replace(setup, settings=settings, processor=processor)
+    prefix_setup.trainers = paper_shapes.shape_trainers(prefix_setup, **overrides)
+    prefix_setup.batch = harness.synthetic_batch(
         processor,
         sequences,
         args.prefix_completion_tokens,
@@ -164,7 +165,6 @@ def paper_shapes_check(setup: harness.BenchSetup, args, context, device, work_di
         seed=args.seed,
         device=device,
     )
-    prefix_setup = dataclasses.replace(setup, trainers=trainers, batch=batch, processor=processor)
     result = paper_shapes.measure(
         prefix_setup, repeats=args.prefix_repeats, warmup=1, device=device, context=context, log=log
     )
@@ -244,7 +244,7 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory(prefix="papo_gpu_check_") as work:
         setup = build_gpu_setup(args, device, dtype, Path(work), log)
         if args.paper_shapes_only:
-            result = paper_shapes_check(setup, args, context, device, Path(work))
+            result = paper_shapes_check(setup, args, context, device)
             result["environment"], result["args"] = report["environment"], report["args"]
             (out_dir / "gpu_paper_shapes.json").write_text(json.dumps(result, indent=2, default=str) + "\n")
             print(result["markdown"] + "\n" + "\n".join(result["summary"]))

@@ -12,7 +12,7 @@ import sys
 import torch
 from trl import GRPOTrainer
 
-from papo_nb.bench.harness import build_setup, make_trainer
+from papo_nb.bench.harness import build_setup
 from papo_nb.bench.memory import VocabTensorTracker, allocation_peak
 
 torch.set_num_threads(1)
@@ -20,16 +20,12 @@ size = sys.argv[1] if len(sys.argv) > 1 else "tiny"
 s = build_setup(size, n_prompts=4)
 
 
-def trainer(name, cls=None, **fields):
-    return make_trainer(s.settings, s.model, s.processor, s.dataset, s.work_dir, name, cls, **fields)
-
-
 eta = dict(original_entropy_weight=0.05, masked_entropy_weight=0.05)
 trainers = {
-    "grpo (parent alone)": trainer("g", GRPOTrainer),
-    "papo eta=0": trainer("e0", original_entropy_weight=0.0, masked_entropy_weight=0.0),
-    "papo eta=0.05 sampled": trainer("s", entropy_estimator="sampled", **eta),
-    "papo eta=0.05 full": trainer("f", entropy_estimator="full", **eta),
+    "grpo (parent alone)": s.trainer("g", GRPOTrainer),
+    "papo eta=0": s.trainer("e0", original_entropy_weight=0.0, masked_entropy_weight=0.0),
+    "papo eta=0.05 sampled": s.trainer("s", entropy_estimator="sampled", **eta),
+    "papo eta=0.05 full": s.trainer("f", entropy_estimator="full", **eta),
 }
 vocab = s.model.get_output_embeddings().weight.shape[0]
 rows = s.batch["completion_ids"].numel()

@@ -107,18 +107,10 @@ def check_batch(processor, args, vocab_size: int, device: torch.device, *, seed:
     )
 
 
-def build_gpu_setup(
-    args, device: torch.device, dtype: torch.dtype, work_dir: Path, log: Callable[[str], None]
-) -> harness.BenchSetup:
-    from peft import get_peft_model
+def random_model(args, device: torch.device, dtype: torch.dtype, processor):
+    """The randomly initialised Qwen2.5-VL model of the check's shapes, on ``device`` in ``dtype`` (no LoRA yet)."""
     from transformers import Qwen2_5_VLForConditionalGeneration
-    from trl import GRPOTrainer
 
-    from papo_nb.testbed.shapes import make_shapes_dataset
-    from papo_nb.workbook.training.builder import lora_config
-
-    start = time.perf_counter()
-    processor = build_processor(args.image_size)
     config = model_config(
         processor, tiny=args.cpu_dry_run, text_layers=args.text_layers, vision_depth=args.vision_depth
     )
@@ -128,6 +120,22 @@ def build_gpu_setup(
     model.to(dtype)
     model.generation_config.eos_token_id = config.text_config.eos_token_id
     model.generation_config.pad_token_id = config.text_config.pad_token_id
+    return model
+
+
+def build_gpu_setup(
+    args, device: torch.device, dtype: torch.dtype, work_dir: Path, log: Callable[[str], None]
+) -> harness.BenchSetup:
+    """The check's model with LoRA, a GRPO and two PAPO-G trainers on it, and the check's batch."""
+    from peft import get_peft_model
+    from trl import GRPOTrainer
+
+    from papo_nb.testbed.shapes import make_shapes_dataset
+    from papo_nb.workbook.training.builder import lora_config
+
+    started = time.perf_counter()
+    processor = build_processor(args.image_size)
+    model = random_model(args, device, dtype, processor)
     n_params = sum(p.numel() for p in model.parameters())
     # the benchmark's trainer settings, with this check's LoRA rank; batch, length and precision are set below
     settings = harness.bench_params(args.seed, lora_r=args.lora_r, lora_alpha=2 * args.lora_r)
@@ -138,6 +146,9 @@ def build_gpu_setup(
         f"{dtype}, on {device}"
     )
     dataset = make_shapes_dataset(8, seed=args.seed)
+    setup = harness.BenchSetup(
+        "gpu", "qwen2_5_vl", args.seed, model, processor, dataset, settings, work_dir, n_params, started
+    )
     overrides = dict(
         per_device_train_batch_size=args.sequences,
         num_generations=4,
@@ -145,35 +156,10 @@ def build_gpu_setup(
         bf16=dtype == torch.bfloat16 and device.type == "cuda",
         use_cpu=device.type == "cpu",
     )
-    trainers = {
-        "grpo": harness.make_trainer(settings, model, processor, dataset, work_dir, "grpo", GRPOTrainer, **overrides),
-        "papo": harness.make_trainer(
-            settings, model, processor, dataset, work_dir, "papo", masked_branch="update", **overrides
-        ),
-        "papo_grad": harness.make_trainer(
-            settings,
-            model,
-            processor,
-            dataset,
-            work_dir,
-            "papo_grad",
-            masked_branch="update",
-            masked_branch_grad=True,
-            **overrides,
-        ),
+    setup.trainers = {
+        "grpo": setup.trainer("grpo", GRPOTrainer, **overrides),
+        "papo": setup.trainer("papo", masked_branch="update", **overrides),
+        "papo_grad": setup.trainer("papo_grad", masked_branch="update", masked_branch_grad=True, **overrides),
     }
-    batch = check_batch(processor, args, config.text_config.vocab_size, device, seed=args.seed)
-    return harness.finish_setup(
-        model,
-        lr=1e-5,
-        start=start,
-        size="gpu",
-        family="qwen2_5_vl",
-        seed=args.seed,
-        processor=processor,
-        dataset=dataset,
-        trainers=trainers,
-        batch=batch,
-        work_dir=work_dir,
-        n_params=n_params,
-    )
+    vocab = model.config.text_config.vocab_size
+    return setup.ready(check_batch(processor, args, vocab, device, seed=args.seed), lr=1e-5)

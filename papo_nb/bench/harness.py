@@ -77,23 +77,55 @@ class StateSnapshot:
 
 @dataclass
 class BenchSetup:
+    """One benchmark's setup, built once and shared by every benchmark (step overhead, paper shapes, the GPU check,
+    in-loop): the LoRA model, its processor, a dataset and the settings the trainers share. ``trainer`` makes a
+    trainer on the model; ``ready`` takes the fixed batch and makes the model ready to time (train mode, AdamW over
+    the trainable parameters and their snapshot)."""
+
     size: str
     family: str
     seed: int
     model: Any
     processor: Any
     dataset: Any
-    trainers: dict[str, Any]
-    batch: dict[str, Any]
-    params: list[torch.Tensor]
-    optimizer: torch.optim.Optimizer
-    snapshot: StateSnapshot
+    settings: WorkbookParams  # what the builder makes the trainers from (bench_params)
     work_dir: Path
-    n_params: int = 0
+    n_params: int
+    started: float  # perf_counter when the setup began: ``setup_s`` counts from it
+    trainers: dict[str, Any] = field(default_factory=dict)
+    batch: dict[str, Any] = field(default_factory=dict)
+    params: list[torch.Tensor] = field(default_factory=list)
+    optimizer: torch.optim.Optimizer | None = None
+    snapshot: StateSnapshot | None = None
     n_trainable: int = 0
     setup_s: float = 0.0
-    settings: WorkbookParams | None = None  # what the builder made the trainers from (bench_params)
     extra: dict[str, Any] = field(default_factory=dict)
+
+    def trainer(self, name: str, trainer_cls=None, **overrides):
+        """A trainer on the shared (LoRA) model through the workbook's builder; ``overrides`` are config fields.
+
+        ``trainer_cls`` GRPOTrainer is the baseline: it reads the GRPO fields of the same config and ignores
+        PAPO-G's."""
+        from papo_nb.workbook.training.builder import build_trainer, papo_config
+
+        args = papo_config(self.settings, self.work_dir / name, self.processor, save_strategy="no", **overrides)
+        trainer = build_trainer(
+            self.settings, args, self.model, self.processor, self.dataset, trainer_cls=trainer_cls or PAPOGTrainer
+        )
+        trainer.current_gradient_accumulation_steps = args.gradient_accumulation_steps  # set by train(); needed
+        return trainer
+
+    def ready(self, batch: dict[str, Any], *, lr: float | None = None) -> BenchSetup:
+        """The fixed batch; the model in train mode, AdamW (``lr``, default the settings' learning rate) over its
+        trainable parameters and their snapshot."""
+        self.batch = batch
+        self.model.train()
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(self.params, lr=self.settings.learning_rate if lr is None else lr)
+        self.snapshot = StateSnapshot(self.params, self.optimizer)
+        self.n_trainable = sum(p.numel() for p in self.params)
+        self.setup_s = time.perf_counter() - self.started
+        return self
 
     def reset(self) -> None:
         self.snapshot.restore()
@@ -135,49 +167,24 @@ def bench_params(seed: int = 0, n_prompts: int = 4, **fields) -> WorkbookParams:
     return WorkbookParams(**{**settings, **fields})
 
 
-def make_trainer(
-    params: WorkbookParams, model, processor, dataset, work_dir: Path, name: str, trainer_cls=None, **overrides
-):
-    """A trainer on the shared (LoRA) ``model`` through the workbook's builder; ``overrides`` are config fields.
-
-    ``trainer_cls`` GRPOTrainer is the baseline: it reads the GRPO fields of the same config and ignores PAPO-G's.
-    """
-    from papo_nb.workbook.training.builder import build_trainer, papo_config
-
-    args = papo_config(params, work_dir / name, processor, save_strategy="no", **overrides)
-    trainer = build_trainer(params, args, model, processor, dataset, trainer_cls=trainer_cls or PAPOGTrainer)
-    trainer.current_gradient_accumulation_steps = args.gradient_accumulation_steps  # set by train(); needed before
-    return trainer
-
-
-def lora_tiny_model(settings: WorkbookParams, family: str, size: str, seed: int, cache_dir):
-    """(LoRA model, processor, parameter count before LoRA) of the tiny-family model of ``size``."""
+def tiny_setup(
+    settings: WorkbookParams, size: str, *, seed: int, cache_dir, work_dir: Path, n_dataset: int, started: float
+) -> BenchSetup:
+    """A ``BenchSetup`` on the tiny-family model (``settings.model_name_or_path``) of ``size`` with LoRA and a
+    shapes dataset of ``n_dataset`` items; ``started`` is when the setup began (``perf_counter``)."""
     from peft import get_peft_model
 
     from papo_nb.testbed.models import build_tiny_vlm, load_vlm
+    from papo_nb.testbed.shapes import make_shapes_dataset
     from papo_nb.workbook.training.builder import lora_config
 
+    family = settings.model_name_or_path.removeprefix("tiny:")
     model, processor = load_vlm(build_tiny_vlm(family, seed=seed, cache_dir=cache_dir, size=size))
     n_params = sum(p.numel() for p in model.parameters())
     torch.manual_seed(seed)
-    return get_peft_model(model, lora_config(settings)), processor, n_params
-
-
-def finish_setup(model, *, lr: float, start: float, **fields) -> BenchSetup:
-    """The model in train mode, AdamW over its trainable parameters and their snapshot, in a ``BenchSetup`` with
-    ``fields`` (processor, dataset, trainers, batch, ...); ``start`` is when the setup began (``perf_counter``)."""
-    model.train()
-    params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=lr)
-    return BenchSetup(
-        model=model,
-        params=params,
-        optimizer=optimizer,
-        snapshot=StateSnapshot(params, optimizer),
-        n_trainable=sum(p.numel() for p in params),
-        setup_s=time.perf_counter() - start,
-        **fields,
-    )
+    model = get_peft_model(model, lora_config(settings))
+    dataset = make_shapes_dataset(n_dataset, seed=seed)
+    return BenchSetup(size, family, seed, model, processor, dataset, settings, work_dir, n_params, started)
 
 
 def build_setup(
@@ -193,45 +200,27 @@ def build_setup(
     """The tiny-family model of ``size`` with LoRA, a GRPO and three PAPO-G trainers sharing it, and one batch."""
     from trl import GRPOTrainer
 
-    from papo_nb.testbed.shapes import make_shapes_dataset
     from papo_nb.workbook.rollouts import rollout_batch
 
-    start = time.perf_counter()
+    started = time.perf_counter()
     work_dir = Path(work_dir or tempfile.mkdtemp(prefix="papo_bench_"))
     settings = bench_params(seed, n_prompts, model_name_or_path=f"tiny:{family}")
-    model, processor, n_params = lora_tiny_model(settings, family, size, seed, cache_dir)
-    dataset = make_shapes_dataset(max(8, n_prompts), seed=seed)
-
-    def trainer(name, trainer_cls=PAPOGTrainer, **overrides):
-        return make_trainer(settings, model, processor, dataset, work_dir, name, trainer_cls, **overrides)
-
-    trainers = {
-        "grpo": trainer("grpo", GRPOTrainer),
+    setup = tiny_setup(
+        settings, size, seed=seed, cache_dir=cache_dir, work_dir=work_dir, n_dataset=max(8, n_prompts), started=started
+    )
+    setup.trainers = {
+        "grpo": setup.trainer("grpo", GRPOTrainer),
         # "update": the masked branch inside the timed step (a rollout-time branch would ride in with the batch)
-        "papo": trainer("papo", masked_branch="update"),
-        "papo_grad": trainer("papo_grad", masked_branch="update", masked_branch_grad=True),
+        "papo": setup.trainer("papo", masked_branch="update"),
+        "papo_grad": setup.trainer("papo_grad", masked_branch="update", masked_branch_grad=True),
         # memory only: PAPO-G without the entropy terms, to separate eta1's entropy gradient from the masked branch
-        "papo_eta0": trainer(
+        "papo_eta0": setup.trainer(
             "papo_eta0", masked_branch="update", original_entropy_weight=0.0, masked_entropy_weight=0.0
         ),
     }
     if batch is None:  # given: a batch this function made before (saved by the RSS measurement for its workers)
-        batch = rollout_batch(trainers["papo"], dataset, n_prompts, seed=seed)
-    return finish_setup(
-        model,
-        lr=trainers["grpo"].args.learning_rate,
-        start=start,
-        size=size,
-        family=family,
-        seed=seed,
-        processor=processor,
-        dataset=dataset,
-        trainers=trainers,
-        batch=batch,
-        work_dir=work_dir,
-        n_params=n_params,
-        settings=settings,
-    )
+        batch = rollout_batch(setup.trainers["papo"], setup.dataset, n_prompts, seed=seed)
+    return setup.ready(batch)
 
 
 def batch_shape(batch: dict[str, Any], vocab_size: int) -> dict[str, Any]:

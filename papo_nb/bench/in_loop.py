@@ -91,7 +91,6 @@ def build(
     from trl import GRPOTrainer
 
     from papo_nb.papo import PAPOGTrainer
-    from papo_nb.testbed.shapes import make_shapes_dataset
 
     rows = n_prompts * layout.group_size
     settings = harness.bench_params(
@@ -103,11 +102,19 @@ def build(
         max_steps=steps,
         learning_rate=1e-5,
     )
-    model, processor, n_params = harness.lora_tiny_model(settings, "qwen2_vl", "wide", seed, cache_dir)
+    setup = harness.tiny_setup(
+        settings,
+        "wide",
+        seed=seed,
+        cache_dir=cache_dir,
+        work_dir=work,
+        n_dataset=max(16, n_prompts * steps * layout.steps_per_round),
+        started=time.perf_counter(),
+    )
+    model, processor = setup.model, setup.processor
     # the shapes images are 56 px: resized to image_px, so the prompt is mostly image tokens, as in the paper
     processor.image_processor.size = {"shortest_edge": image_px**2, "longest_edge": image_px**2}
     model.to(device)
-    dataset = make_shapes_dataset(max(16, n_prompts * steps * layout.steps_per_round), seed=seed)
     common = dict(
         steps_per_generation=layout.steps_per_round,
         logging_steps=1,
@@ -116,18 +123,14 @@ def build(
         bf16=False,
     )
     trainers = {
-        "grpo": harness.make_trainer(settings, model, processor, dataset, work, "grpo", GRPOTrainer, **common),
-        "papo_rollout": harness.make_trainer(
-            settings, model, processor, dataset, work, "papo_rollout", PAPOGTrainer, masked_branch="rollout", **common
-        ),
-        "papo_update": harness.make_trainer(
-            settings, model, processor, dataset, work, "papo_update", PAPOGTrainer, masked_branch="update", **common
-        ),
+        "grpo": setup.trainer("grpo", GRPOTrainer, **common),
+        "papo_rollout": setup.trainer("papo_rollout", PAPOGTrainer, masked_branch="rollout", **common),
+        "papo_update": setup.trainer("papo_update", PAPOGTrainer, masked_branch="update", **common),
     }
     for trainer in trainers.values():  # full-length completions: the same work whatever the weights
         trainer.generation_kwargs["min_new_tokens"] = completion
         trainer.generation_config.min_new_tokens = completion
-    return model, processor, trainers, n_params
+    return model, processor, trainers, setup.n_params
 
 
 def one_run(trainer, clock: GenerateClock, device: str, steps: int) -> dict[str, Any]:

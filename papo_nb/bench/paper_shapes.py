@@ -59,18 +59,16 @@ SHAPES = {
 }
 
 
-def build_trainers(settings, model, processor, dataset, work_dir: Path, **overrides) -> dict[str, Any]:
+def shape_trainers(setup: harness.BenchSetup, **overrides) -> dict[str, Any]:
+    """GRPO and PAPO-G in both masked-forward forms on ``setup``'s model; ``overrides`` are config fields."""
     from trl import GRPOTrainer
 
-    def make(name, trainer_cls=None, **extra):
-        return harness.make_trainer(
-            settings, model, processor, dataset, work_dir, name, trainer_cls, **overrides, **extra
-        )
-
     return {
-        "grpo": make("grpo", GRPOTrainer),
-        "papo_full": make("papo_full", masked_forward="full", masked_branch="update"),
-        "papo_shared": make("papo_shared", masked_forward="shared_prefix", masked_branch="update"),
+        "grpo": setup.trainer("grpo", GRPOTrainer, **overrides),
+        "papo_full": setup.trainer("papo_full", masked_forward="full", masked_branch="update", **overrides),
+        "papo_shared": setup.trainer(
+            "papo_shared", masked_forward="shared_prefix", masked_branch="update", **overrides
+        ),
     }
 
 
@@ -79,9 +77,7 @@ def cpu_setup(
 ) -> harness.BenchSetup:
     """The tiny-family model of ``size`` with LoRA, its processor taking images up to ``shape.image_px``, the
     trainers and the batch."""
-    from papo_nb.testbed.shapes import make_shapes_dataset
-
-    start = time.perf_counter()
+    started = time.perf_counter()
     sequences = shape.n_prompts * shape.group_size
     settings = harness.bench_params(
         seed,
@@ -91,35 +87,27 @@ def cpu_setup(
         per_device_train_batch_size=sequences,
         max_completion_length=shape.completion_tokens,
     )
-    model, processor, n_params = harness.lora_tiny_model(settings, family, size, seed, cache_dir)
-    processor.image_processor.size = {"shortest_edge": 56 * 56, "longest_edge": shape.image_px**2}
-    dataset = make_shapes_dataset(max(8, shape.n_prompts), seed=seed)
-    trainers = build_trainers(settings, model, processor, dataset, work_dir)
-    vocab = model.get_output_embeddings().weight.shape[0]
+    setup = harness.tiny_setup(
+        settings,
+        size,
+        seed=seed,
+        cache_dir=cache_dir,
+        work_dir=work_dir,
+        n_dataset=max(8, shape.n_prompts),
+        started=started,
+    )
+    setup.processor.image_processor.size = {"shortest_edge": 56 * 56, "longest_edge": shape.image_px**2}
+    setup.trainers = shape_trainers(setup)
     batch = harness.synthetic_batch(
-        processor,
+        setup.processor,
         sequences,
         shape.completion_tokens,
-        vocab_size=vocab,
+        vocab_size=setup.model.get_output_embeddings().weight.shape[0],
         image_size=shape.image_px,
         group_size=shape.group_size,
         seed=seed,
     )
-    return harness.finish_setup(
-        model,
-        lr=settings.learning_rate,
-        start=start,
-        size=size,
-        family=family,
-        seed=seed,
-        processor=processor,
-        dataset=dataset,
-        trainers=trainers,
-        batch=batch,
-        work_dir=work_dir,
-        n_params=n_params,
-        settings=settings,
-    )
+    return setup.ready(batch)
 
 
 def make_variants(setup: harness.BenchSetup, context=contextlib.nullcontext) -> dict[str, harness.Variant]:

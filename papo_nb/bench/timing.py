@@ -8,7 +8,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from papo_nb.bench.harness import BenchSetup, Variant, make_trainer
+from papo_nb.bench.harness import BenchSetup, Variant
 
 RUN_STEPS = 100  # the probe's cost is judged per 100-step run
 
@@ -100,16 +100,7 @@ def training_probe_checks(setup: BenchSetup, steps: int) -> dict[str, Any]:
     """Real ``trainer.train()`` runs (generation included) on the same model: with the probe off, count probe
     calls (must be 0); with it on, time every ``observe`` call. LoRA weights are restored afterwards."""
     out: dict[str, Any] = {"train_steps": steps}
-    off = make_trainer(
-        setup.settings,
-        setup.model,
-        setup.processor,
-        setup.dataset,
-        setup.work_dir,
-        "train_probe_off",
-        max_steps=steps,
-        require_gpu_contract_probe=False,
-    )
+    off = setup.trainer("train_probe_off", max_steps=steps, require_gpu_contract_probe=False)
     start = time.perf_counter()
     off.train()
     out["probe_off"] = dict(
@@ -119,16 +110,7 @@ def training_probe_checks(setup: BenchSetup, steps: int) -> dict[str, Any]:
     )
     setup.snapshot.restore()
 
-    on = make_trainer(
-        setup.settings,
-        setup.model,
-        setup.processor,
-        setup.dataset,
-        setup.work_dir,
-        "train_probe_on",
-        max_steps=steps,
-        require_gpu_contract_probe=True,
-    )
+    on = setup.trainer("train_probe_on", max_steps=steps, require_gpu_contract_probe=True)
     observe, observe_times, observe_cpu = on.probe.observe, [], []
 
     def timed_observe(*args, **kwargs):
