@@ -20,6 +20,7 @@ from typing import TextIO
 import yaml
 
 from papo_nb.infra.servers import free_port, stop_process_group
+from papo_nb.train.request import RunRequest
 from papo_nb.train.run_folder import PROGRESS_PREFIX, SUMMARY_FILE, LaunchError, LaunchFailed
 from papo_nb.workbook.config.params import WorkbookParams
 
@@ -42,6 +43,16 @@ def world_size() -> int:
 def under_launcher() -> bool:
     """Started by ``accelerate launch`` / torchrun (one of several processes, or a launcher of one)."""
     return "WORLD_SIZE" in os.environ and "LOCAL_RANK" in os.environ
+
+
+def refuse_wrong_world_size(params: WorkbookParams) -> None:
+    """Refuse a job whose process count is not ``num_processes`` (every rank checks alike, before training)."""
+    if world_size() != params.num_processes:
+        raise LaunchError(
+            f"parameter 'num_processes' = {params.num_processes} but this job has {world_size()} process(es); "
+            "run papo-nb train with -p num_processes=N (it starts accelerate launch itself), or launch "
+            "exactly num_processes processes"
+        )
 
 
 def refuse_unsupported(trainer) -> None:
@@ -143,18 +154,10 @@ def accelerate_config_path(params: WorkbookParams) -> Path:
     )
 
 
-def accelerate_command(
-    params: WorkbookParams,
-    params_file: str | Path,
-    output_dir: str | Path,
-    *,
-    resume: bool = False,
-    force_resume: bool = False,
-    mlflow_run_id: str = "",
-    port: int | None = None,
-) -> list[str]:
+def accelerate_command(request: RunRequest, params_file: str | Path, *, port: int | None = None) -> list[str]:
     """``python -m accelerate.commands.launch --config_file C --num_processes N -m papo_nb.cli train ...``."""
-    command = [
+    params = request.params
+    return [
         sys.executable,
         "-m",
         "accelerate.commands.launch",
@@ -167,18 +170,8 @@ def accelerate_command(
         "-m",
         "papo_nb.cli",
         "train",
-        "--params",
-        str(params_file),
-        "--output-dir",
-        str(output_dir),
+        *request.train_arguments(params_file),
     ]
-    if resume:
-        command.append("--resume")
-    if force_resume:
-        command.append("--force-resume")
-    if mlflow_run_id:
-        command += ["--mlflow-run-id", mlflow_run_id]
-    return command
 
 
 @dataclass
@@ -208,33 +201,22 @@ class LaunchResult:
         return self
 
 
-def launch_distributed(
-    params: WorkbookParams,
-    output_dir: str | Path,
-    *,
-    resume: bool = False,
-    force_resume: bool = False,
-    mlflow_run_id: str = "",
-    tracking_uri: str | None = None,
-    stream: TextIO | None = None,
-) -> LaunchResult:
-    """Run ``papo-nb train`` on ``params.num_processes`` processes under ``accelerate launch``, streaming its output
-    (to ``stream``, default stdout) line by line. Interrupting this call stops the whole launched job."""
+def launch_distributed(request: RunRequest, *, stream: TextIO | None = None) -> LaunchResult:
+    """Run ``papo-nb train`` for ``request`` on ``params.num_processes`` processes under ``accelerate launch``,
+    streaming its output (to ``stream``, default stdout) line by line. Interrupting this call stops the whole
+    launched job."""
     from papo_nb.infra.tracking import absolute_tracking_uri, default_tracking_uri
 
-    stream = stream or sys.stdout
-    output_dir = Path(output_dir).resolve()
+    stream, params = stream or sys.stdout, request.params
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="papo_nb-launch-") as folder:
         params_file = Path(folder) / "params.yaml"
         params_file.write_text(yaml.safe_dump(params.model_dump(mode="json"), sort_keys=False))
-        command = accelerate_command(
-            params, params_file, output_dir, resume=resume, force_resume=force_resume, mlflow_run_id=mlflow_run_id
-        )
+        command = accelerate_command(request, params_file)
         env = {
             **os.environ,
             "PYTHONUNBUFFERED": "1",
-            "MLFLOW_TRACKING_URI": absolute_tracking_uri(tracking_uri or default_tracking_uri()),
+            "MLFLOW_TRACKING_URI": absolute_tracking_uri(request.tracking_uri or default_tracking_uri()),
         }
         stream.write(f"{PROGRESS_PREFIX} launching {params.num_processes} processes: {' '.join(command)}\n")
         process = subprocess.Popen(
@@ -255,4 +237,4 @@ def launch_distributed(
         except BaseException:
             stop_process_group(process)
             raise
-    return LaunchResult(returncode, command, output_dir, time.monotonic() - started)
+    return LaunchResult(returncode, command, request.output_dir, time.monotonic() - started)

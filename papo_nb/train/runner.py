@@ -21,9 +21,9 @@ from papo_nb.train.distributed import (
     launch_distributed,
     process_rank,
     refuse_unsupported,
+    refuse_wrong_world_size,
     same_on_all_ranks,
     under_launcher,
-    world_size,
 )
 from papo_nb.train.plan import RunPlan, plan_run
 from papo_nb.train.records import (
@@ -34,6 +34,7 @@ from papo_nb.train.records import (
     write_start_files,
     write_summary,
 )
+from papo_nb.train.request import RunRequest
 from papo_nb.train.resume import resume_callback
 from papo_nb.train.run_folder import PROGRESS_PREFIX, LaunchError, LaunchFailed
 from papo_nb.workbook.config.params import ParamsError, WorkbookParams, load_params, preflight_problems
@@ -134,25 +135,18 @@ def run_training(
     a resume whose parameters differ (``ResumeMismatch``) without ``force_resume``, or for a world size that is
     not ``num_processes``; LaunchFailed when a launched job fails.
     """
+    request = RunRequest(params, output_dir, resume, force_resume, mlflow_run_id, tracking_uri)
     if params.num_processes > 1 and not under_launcher():
-        launched = launch_distributed(
-            params,
-            output_dir,
-            resume=resume,
-            force_resume=force_resume,
-            mlflow_run_id=mlflow_run_id,
-            tracking_uri=tracking_uri,
-        ).check()
+        launched = launch_distributed(request).check()
         return TrainOutcome.from_summary(launched.output_dir, launched.summary())
-    output_dir = Path(output_dir).resolve()
-    is_main = process_rank() == 0
-    if world_size() != params.num_processes:
-        raise LaunchError(
-            f"parameter 'num_processes' = {params.num_processes} but this job has {world_size()} process(es); "
-            "run papo-nb train with -p num_processes=N (it starts accelerate launch itself), or launch "
-            "exactly num_processes processes"
-        )
-    plan = plan_run(params, output_dir, resume=resume, force_resume=force_resume, warn=is_main)
+    return train_here(request, report_to)
+
+
+def train_here(request: RunRequest, report_to: str) -> TrainOutcome:
+    """Train ``request`` in this process, as the whole run or as one rank of a launched job."""
+    params, output_dir, is_main = request.params, request.output_dir, process_rank() == 0
+    refuse_wrong_world_size(params)
+    plan = plan_run(params, output_dir, resume=request.resume, force_resume=request.force_resume, warn=is_main)
     if plan.finished:
         if is_main:
             print(
@@ -167,16 +161,11 @@ def run_training(
     status, owns_run = "FAILED", False
     with params_logged_once(use_mlflow and plan.reattached):
         try:
-            trainer, eval_dataset, restored = prepare_training(params, output_dir, report_to=report_to)
-            refuse_unsupported(trainer)
-            start = start_record(params, trainer, restored, describe_reference(trainer))
-            trainer.add_callback(progress_callback())
-            if plan.checkpoint is not None:
-                trainer.add_callback(resume_callback(trainer, plan.checkpoint, is_main, output_dir))
+            trainer, eval_dataset, start = run_trainer(request, plan, report_to, is_main)
             trainer.accelerator.wait_for_everyone()
-            run_id = mlflow_run_id or plan.run_info.get("mlflow_run_id", "")
+            run_id = request.mlflow_run_id or plan.run_info.get("mlflow_run_id", "")
             if is_main:
-                run_id, owns_run = record_start(plan, params, start, run_id, tracking_uri, use_mlflow)
+                run_id, owns_run = record_start(plan, params, start, run_id, request.tracking_uri, use_mlflow)
             trainer.accelerator.wait_for_everyone()
             trainer.train(resume_from_checkpoint=str(plan.checkpoint) if plan.checkpoint else None)
             outcome = record_end(params, plan, trainer, start, run_id, use_mlflow, is_main)
@@ -193,6 +182,19 @@ def run_training(
                 import mlflow
 
                 mlflow.end_run(status=status)
+
+
+def run_trainer(request: RunRequest, plan: RunPlan, report_to: str, is_main: bool):
+    """The run's trainer, refused when accelerate would not apply its config, with its start record (after the
+    trainable-parameter check), the progress lines and, when resuming, the resume checks. Returns (trainer,
+    held-out eval dataset, start record)."""
+    trainer, eval_dataset, restored = prepare_training(request.params, request.output_dir, report_to=report_to)
+    refuse_unsupported(trainer)
+    start = start_record(request.params, trainer, restored, describe_reference(trainer))
+    trainer.add_callback(progress_callback())
+    if plan.checkpoint is not None:
+        trainer.add_callback(resume_callback(trainer, plan.checkpoint, is_main, request.output_dir))
+    return trainer, eval_dataset, start
 
 
 def finished_outcome(plan: RunPlan) -> TrainOutcome:
