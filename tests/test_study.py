@@ -10,17 +10,10 @@ import pytest
 from mlflow import MlflowClient
 from scipy import stats
 
-from papo_nb.workbook.study.stats import (
-    CollapseRule,
-    at_chance,
-    claims_table,
-    comparison_table,
-    detect_collapse,
-    markdown_table,
-    mean_ci,
-    paired_test,
-    summary_rows,
-)
+from papo_nb.workbook.study.claims import claims_table
+from papo_nb.workbook.study.collapse import CollapseRule, detect_collapse
+from papo_nb.workbook.study.stats import at_chance, mean_ci, paired_test, summary_rows
+from papo_nb.workbook.study.tables import comparison_table, markdown_table
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -21,7 +21,7 @@ import mlflow
 from papo_nb.testbed.rewards import accuracy_reward
 from papo_nb.workbook.config.params import WorkbookParams
 from papo_nb.workbook.evaluation.benchmarks import score_items
-from papo_nb.workbook.study.stats import CollapseRule, detect_collapse
+from papo_nb.workbook.study.collapse import CollapseRule, detect_collapse
 from papo_nb.workbook.training.builder import load_datasets, prepare_training
 
 GRPO, PAPO_G, PAPO_G_COLLAPSE = "grpo", "papo_g", "papo_g_collapse"

@@ -1,0 +1,120 @@
+"""The study's collapse detector, read from per-step training logs.
+
+The collapse symptoms are the PAPO paper's ("KL_prcp hacking", arXiv 2507.06448; the spec's PAPO_FACTS.md): the
+perception loss (= -KL_prcp) falls from about -0.05 to about -1.0, both entropies rise, the high clip ratio rises from
+about 5e-4 to about 7e-3 and the reward drops. One symptom is added that the paper does not list, because the
+testbed showed it: the perception KL *vanishing*, the policy answering the same with and without the image.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from statistics import mean, median
+
+
+@dataclass
+class CollapseRule:
+    r"""When a run counts as collapsed, from per-step training logs.
+
+    A step fires when the perception KL has blown up (the paper's KL_prcp hacking) or the accuracy reward has
+    dropped, together with at least one other symptom. Every value is a mean over the last `window` logged values,
+    compared with the median of the first `baseline_steps` logged values.
+
+    Parameters:
+        baseline_steps (`int`, defaults to `3`):
+            Logged values that make each metric's baseline (the start of training).
+        window (`int`, defaults to `5`):
+            Logged values averaged at each step, so a few noisy batches do not fire the detector.
+        kl_factor (`float`, defaults to `4.0`):
+            The KL has blown up when it is at least this multiple of its baseline...
+        kl_floor (`float`, defaults to `1.0`):
+            ...and at least this many nats per token (the paper's collapsed perception loss is about -1.0).
+        kl_vanish_fraction (`float`, defaults to `0.1`):
+            The KL has vanished (not a paper symptom) when it is at most this fraction of its baseline.
+        entropy_factor (`float`, defaults to `2.0`):
+            An entropy (original or masked images) has risen when it is this multiple of its baseline...
+        entropy_min_rise (`float`, defaults to `0.1`):
+            ...and at least this many nats above it (a near-zero baseline would otherwise fire on noise).
+        clip_high (`float`, defaults to `0.007`):
+            High clip ratio at or above this counts (the paper's collapsed value; healthy is about 5e-4).
+        reward_drop (`float`, defaults to `0.2`):
+            The accuracy reward has dropped when it is this much below its baseline (rewards lie in [0, 1]).
+    """
+
+    baseline_steps: int = field(default=3, metadata={"help": "Logged values that make each metric's baseline."})
+    window: int = field(default=5, metadata={"help": "Logged values averaged at each step."})
+    kl_factor: float = field(default=4.0, metadata={"help": "KL blow-up: this multiple of its baseline..."})
+    kl_floor: float = field(default=1.0, metadata={"help": "...and at least this many nats per token."})
+    kl_vanish_fraction: float = field(default=0.1, metadata={"help": "KL vanished: this fraction of baseline."})
+    entropy_factor: float = field(default=2.0, metadata={"help": "Entropy rise: this multiple of its baseline..."})
+    entropy_min_rise: float = field(default=0.1, metadata={"help": "...and at least this many nats above it."})
+    clip_high: float = field(default=0.007, metadata={"help": "High clip ratio at or above this counts."})
+    reward_drop: float = field(default=0.2, metadata={"help": "Accuracy reward this far below its baseline."})
+
+
+# symptom -> (metric in TRL's / the adapter's logs, whether the paper lists it)
+SYMPTOMS = {
+    "perception_kl_blowup": ("perception_kl", True),
+    "perception_kl_vanished": ("perception_kl", False),
+    "entropy_rise": ("entropy", True),
+    "masked_entropy_rise": ("masked_entropy", True),
+    "high_clip_ratio": ("clip_ratio/high_mean", True),
+    "reward_drop": ("rewards/accuracy_reward/mean", True),
+}
+TRIGGERS = ("perception_kl_blowup", "reward_drop")
+
+
+def _series(step_logs: list[dict], key: str) -> list[tuple[int, float]]:
+    return [(int(h["step"]), float(h[key])) for h in step_logs if h.get(key) is not None and math.isfinite(h[key])]
+
+
+def _holds(rule: CollapseRule, symptom: str, baseline: float, value: float) -> bool:
+    if symptom == "perception_kl_blowup":
+        return value >= max(rule.kl_factor * baseline, rule.kl_floor)
+    if symptom == "perception_kl_vanished":
+        return value <= rule.kl_vanish_fraction * baseline
+    if symptom in ("entropy_rise", "masked_entropy_rise"):
+        return value >= rule.entropy_factor * baseline and value - baseline >= rule.entropy_min_rise
+    if symptom == "high_clip_ratio":
+        return value >= rule.clip_high
+    return value <= baseline - rule.reward_drop
+
+
+def detect_collapse(step_logs: list[dict], rule: CollapseRule | None = None) -> dict:
+    """``collapsed`` and ``step``: the first step where a trigger (KL blow-up or reward drop) held with at least one
+    other symptom; ``mode`` says whether it looks like the paper's KL_prcp hacking (the KL blew up) or not;
+    ``first_seen`` is the first step each symptom held (None if never)."""
+    rule = rule or CollapseRule()
+    state: dict[str, dict] = {}
+    for symptom, (key, _) in SYMPTOMS.items():
+        series = _series(step_logs, key)
+        if len(series) > rule.baseline_steps:
+            state[symptom] = {"series": series, "baseline": median(v for _, v in series[: rule.baseline_steps])}
+    first_seen: dict[str, int | None] = dict.fromkeys(SYMPTOMS)
+    fired_at, fired_with = None, []
+    for step in sorted({s for item in state.values() for s, _ in item["series"]}):
+        holding = []
+        for symptom, item in state.items():
+            recent = [v for s, v in item["series"] if s <= step][-rule.window :]
+            if len(recent) == rule.window and _holds(rule, symptom, item["baseline"], mean(recent)):
+                holding.append(symptom)
+                first_seen[symptom] = first_seen[symptom] or step
+        if fired_at is None and any(t in holding for t in TRIGGERS) and len(holding) >= 2:
+            fired_at, fired_with = step, holding
+    mode = None
+    if fired_at is not None:
+        mode = (
+            "KL_prcp hacking (paper)"
+            if "perception_kl_blowup" in fired_with
+            else "image-blind collapse (not the paper's)"
+        )
+    return {
+        "collapsed": fired_at is not None,
+        "step": fired_at,
+        "mode": mode,
+        "symptoms": fired_with,
+        "first_seen": first_seen,
+        "baselines": {symptom: item["baseline"] for symptom, item in state.items()},
+        "rule": asdict(rule),
+    }
