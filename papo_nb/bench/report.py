@@ -65,11 +65,24 @@ def targets(result: dict[str, Any], clock: str = "cpu") -> dict[str, Any]:
 
 
 def markdown_tables(report: dict[str, Any]) -> str:
+    """The report's tables: timings, ratios and verdict figures, work (when measured) and memory (when measured)."""
+    sizes = report["sizes"]
+    tables = [timing_table(sizes), ratio_table(sizes)]
+    work_rows = [(size, result["work"]) for size, result in sizes.items() if "work" in result]
+    if work_rows:
+        tables.append(work_table(work_rows))
+    memory_rows = [(size, result) for size, result in sizes.items() if "memory" in result]
+    if memory_rows:
+        tables.append(memory_table(memory_rows))
+    return "\n\n".join("\n".join(lines) for lines in tables)
+
+
+def timing_table(sizes: dict[str, Any]) -> list[str]:
     lines = [
         "| model | variant | CPU median ms | min | p25 | p75 | max | wall median ms | wall p25-p75 | n |",
         "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
-    for size, result in report["sizes"].items():
+    for size, result in sizes.items():
         name = f"{size} ({result['params'] / 1e6:.2f}M)"
         for variant in VARIANTS:
             t, w = result["cpu_timings"][variant], result["timings"][variant]
@@ -78,15 +91,18 @@ def markdown_tables(report: dict[str, Any]) -> str:
                 f"{t['p25'] * 1e3:.1f} | {t['p75'] * 1e3:.1f} | {t['max'] * 1e3:.1f} | {w['median'] * 1e3:.1f} | "
                 f"{w['p25'] * 1e3:.1f}-{w['p75'] * 1e3:.1f} | {t['n']} |"
             )
-    lines += [
-        "",
+    return lines
+
+
+def ratio_table(sizes: dict[str, Any]) -> list[str]:
+    """One row per size and clock: the ratios the targets judge, and the in-training probe's figures."""
+    lines = [
         "| model | clock | PAPO-G / GRPO | floor ratio | PAPO-G - floor | paired PAPO-G / GRPO | paired floor | "
         "fastest PAPO-G / GRPO | fastest floor | PAPO-G (grad) / GRPO | overhead / floor | masking % of step | "
         "probe eval / step | probe % of 100 steps | in-training probe % of 100 steps | probe calls when off |",
         "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
-    work_rows = [(size, result["work"]) for size, result in report["sizes"].items() if "work" in result]
-    for (size, result), clock in [(item, clock) for item in report["sizes"].items() for clock in ("cpu", "wall")]:
+    for (size, result), clock in [(item, clock) for item in sizes.items() for clock in ("cpu", "wall")]:
         r = result["cpu_ratios" if clock == "cpu" else "ratios"]
         training = result.get("probe_training")
         fraction_key = "cpu_fraction_of_100_steps" if clock == "cpu" else "fraction_of_100_steps"
@@ -105,43 +121,44 @@ def markdown_tables(report: dict[str, Any]) -> str:
             f"{r['probe_eval_over_step']:.2f} | "
             f"{r['probe_fraction_of_100_steps'] * 100:.2f}% | {in_train} | {off_calls} |"
         )
-    if work_rows:
-        lines += [
-            "",
-            "| model | GRPO step GFLOP | PAPO-G step GFLOP | extra forward GFLOP | PAPO-G - GRPO - forward GFLOP | "
-            "PAPO-G (grad) - GRPO - forward GFLOP | PAPO-G - GRPO - forward aten ops |",
-            "|---|---:|---:|---:|---:|---:|---:|",
-        ]
-        for size, w in work_rows:
-            lines.append(
-                f"| {size} | {w['grpo_step']['gflop']:.2f} | {w['papo_step']['gflop']:.2f} | "
-                f"{w['extra_forward']['gflop']:.2f} | {w['papo_extra_gflop']:+.3f} | "
-                f"{w['papo_grad_extra_gflop_over_floor']:+.3f} | {w['papo_extra_aten_ops']:+d} |"
+    return lines
+
+
+def work_table(work_rows: list[tuple[str, dict]]) -> list[str]:
+    lines = [
+        "| model | GRPO step GFLOP | PAPO-G step GFLOP | extra forward GFLOP | PAPO-G - GRPO - forward GFLOP | "
+        "PAPO-G (grad) - GRPO - forward GFLOP | PAPO-G - GRPO - forward aten ops |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for size, w in work_rows:
+        lines.append(
+            f"| {size} | {w['grpo_step']['gflop']:.2f} | {w['papo_step']['gflop']:.2f} | "
+            f"{w['extra_forward']['gflop']:.2f} | {w['papo_extra_gflop']:+.3f} | "
+            f"{w['papo_grad_extra_gflop_over_floor']:+.3f} | {w['papo_extra_aten_ops']:+d} |"
+        )
+    return lines
+
+
+def memory_table(memory_rows: list[tuple[str, dict]]) -> list[str]:
+    lines = [
+        "| model | variant | torch alloc peak MiB | lm_head logits alive at once | "
+        "full-vocab bytes at peak (x one logits tensor) | whole-batch full-vocab tensors at once | "
+        "peak RSS increase MiB (glibc default) | peak RSS increase MiB (mmap threshold 128 KiB) |",
+        "|---|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for size, result in memory_rows:
+        for variant in [v for v in result["memory"] if isinstance(result["memory"][v], dict)]:
+            m = result["memory"][variant]
+            rss = result.get("rss", {}).get(variant, {})
+            rss_text = " | ".join(
+                f"{rss[mode]['step_rss_increase_mib']:.1f}" if "step_rss_increase_mib" in rss.get(mode, {}) else "n/a"
+                for mode in MALLOC_MODES
             )
-    memory_rows = [(size, result) for size, result in report["sizes"].items() if "memory" in result]
-    if memory_rows:
-        lines += [
-            "",
-            "| model | variant | torch alloc peak MiB | lm_head logits alive at once | "
-            "full-vocab bytes at peak (x one logits tensor) | whole-batch full-vocab tensors at once | "
-            "peak RSS increase MiB (glibc default) | peak RSS increase MiB (mmap threshold 128 KiB) |",
-            "|---|---|---:|---:|---:|---:|---:|---:|",
-        ]
-        for size, result in memory_rows:
-            for variant in [v for v in result["memory"] if isinstance(result["memory"][v], dict)]:
-                m = result["memory"][variant]
-                rss = result.get("rss", {}).get(variant, {})
-                rss_text = " | ".join(
-                    f"{rss[mode]['step_rss_increase_mib']:.1f}"
-                    if "step_rss_increase_mib" in rss.get(mode, {})
-                    else "n/a"
-                    for mode in MALLOC_MODES
-                )
-                lines.append(
-                    f"| {size} | {LABELS[variant]} | {m['alloc_peak_mib']:.2f} | {m['lm_head_logits_alive_peak']} | "
-                    f"{m['vocab_bytes_peak_logits_equiv']:.2f} | {m['full_logits_alive_peak']} | {rss_text} |"
-                )
-    return "\n".join(lines)
+            lines.append(
+                f"| {size} | {LABELS[variant]} | {m['alloc_peak_mib']:.2f} | {m['lm_head_logits_alive_peak']} | "
+                f"{m['vocab_bytes_peak_logits_equiv']:.2f} | {m['full_logits_alive_peak']} | {rss_text} |"
+            )
+    return lines
 
 
 def environment() -> dict[str, Any]:

@@ -106,14 +106,51 @@ def max_difference(a: Any, b: Any) -> float:
     return 0.0 if a == b else float("inf")
 
 
+def restored_evidence(trainer, checkpoint: Path, state, optimizer, lr_scheduler) -> dict[str, Any]:
+    """What ``train(resume_from_checkpoint=...)`` restored, beside the checkpoint: the step, the adapter weights and
+    (when saved) the optimizer and scheduler states, as largest absolute differences."""
+    import torch
+    from peft import get_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    saved_state = json.loads((checkpoint / TRAINER_STATE_FILE).read_text())
+    evidence: dict[str, Any] = {
+        "checkpoint": str(checkpoint),
+        "checkpoint_step": saved_state["global_step"],
+        "resumed_at_step": state.global_step,
+    }
+    saved_adapter = load_file(str(checkpoint / ADAPTER_FILE))
+    evidence["adapter_max_abs_difference"] = max_difference(
+        saved_adapter, get_peft_model_state_dict(trainer.accelerator.unwrap_model(trainer.model))
+    )
+    if (checkpoint / "optimizer.pt").is_file() and optimizer is not None:
+        saved = torch.load(checkpoint / "optimizer.pt", map_location="cpu", weights_only=True)
+        evidence["optimizer_max_abs_difference"] = max_difference(saved, optimizer.state_dict())
+        evidence["optimizer_steps"] = max((int(s["step"]) for s in saved["state"].values() if "step" in s), default=0)
+    if (checkpoint / "scheduler.pt").is_file() and lr_scheduler is not None:
+        saved = torch.load(checkpoint / "scheduler.pt", map_location="cpu", weights_only=True)
+        evidence["scheduler_max_abs_difference"] = max_difference(saved, lr_scheduler.state_dict())
+        evidence["scheduler_last_epoch"] = saved.get("last_epoch")
+    return evidence
+
+
+def restore_checks(evidence: dict[str, Any]) -> dict[str, bool]:
+    """Each restored piece, exactly as saved (pieces the checkpoint did not hold count as restored)."""
+    return {
+        "step": evidence["resumed_at_step"] == evidence["checkpoint_step"],
+        "adapter": evidence["adapter_max_abs_difference"] == 0.0,
+        "optimizer": evidence.get("optimizer_max_abs_difference", 0.0) == 0.0,
+        "scheduler": evidence.get("scheduler_max_abs_difference", 0.0) == 0.0,
+        "mask_rng": evidence.get("mask_rng_restored", True),
+    }
+
+
 def resume_callback(trainer, checkpoint: Path, is_main: bool, output_dir: Path):
     """A TrainerCallback that compares what ``train(resume_from_checkpoint=...)`` restored with the checkpoint:
     step, optimizer and scheduler state and adapter weights when training begins, the masking generator at the
     first step (the Trainer restores RNG states there). A difference stops the run."""
     import mlflow
     import torch
-    from peft import get_peft_model_state_dict
-    from safetensors.torch import load_file
     from transformers import TrainerCallback
 
     from papo_nb.infra.tracking import log_evidence
@@ -122,27 +159,7 @@ def resume_callback(trainer, checkpoint: Path, is_main: bool, output_dir: Path):
         evidence: dict = {}
 
         def on_train_begin(self, args, state, control, model=None, optimizer=None, lr_scheduler=None, **kwargs):
-            saved_state = json.loads((checkpoint / TRAINER_STATE_FILE).read_text())
-            evidence: dict[str, Any] = {
-                "checkpoint": str(checkpoint),
-                "checkpoint_step": saved_state["global_step"],
-                "resumed_at_step": state.global_step,
-            }
-            saved_adapter = load_file(str(checkpoint / ADAPTER_FILE))
-            evidence["adapter_max_abs_difference"] = max_difference(
-                saved_adapter, get_peft_model_state_dict(trainer.accelerator.unwrap_model(trainer.model))
-            )
-            if (checkpoint / "optimizer.pt").is_file() and optimizer is not None:
-                saved = torch.load(checkpoint / "optimizer.pt", map_location="cpu", weights_only=True)
-                evidence["optimizer_max_abs_difference"] = max_difference(saved, optimizer.state_dict())
-                evidence["optimizer_steps"] = max(
-                    (int(s["step"]) for s in saved["state"].values() if "step" in s), default=0
-                )
-            if (checkpoint / "scheduler.pt").is_file() and lr_scheduler is not None:
-                saved = torch.load(checkpoint / "scheduler.pt", map_location="cpu", weights_only=True)
-                evidence["scheduler_max_abs_difference"] = max_difference(saved, lr_scheduler.state_dict())
-                evidence["scheduler_last_epoch"] = saved.get("last_epoch")
-            self.evidence = evidence
+            self.evidence = restored_evidence(trainer, checkpoint, state, optimizer, lr_scheduler)
             self.first_step = True
 
         def on_step_begin(self, args, state, control, **kwargs):
@@ -155,13 +172,7 @@ def resume_callback(trainer, checkpoint: Path, is_main: bool, output_dir: Path):
                 evidence["mask_rng_restored"] = bool(
                     torch.equal(torch.load(mask_file, weights_only=True), trainer.mask_generator.get_state())
                 )
-            checks = {
-                "step": evidence["resumed_at_step"] == evidence["checkpoint_step"],
-                "adapter": evidence["adapter_max_abs_difference"] == 0.0,
-                "optimizer": evidence.get("optimizer_max_abs_difference", 0.0) == 0.0,
-                "scheduler": evidence.get("scheduler_max_abs_difference", 0.0) == 0.0,
-                "mask_rng": evidence.get("mask_rng_restored", True),
-            }
+            checks = restore_checks(evidence)
             evidence["restored"] = all(checks.values())
             if is_main:
                 write_json(output_dir / RESUME_EVIDENCE_FILE, evidence)
