@@ -196,6 +196,39 @@ def peak_mib(trainer, device: str, steps: int) -> float:
     return peak(trainer.train)["peak_bytes"] / 2**20
 
 
+def interleaved_runs(trainers: dict, clock: GenerateClock, layout: Layout, args) -> dict[str, list[dict[str, Any]]]:
+    """``args.repeats`` rounds of one ``train()`` per variant, the order rotated each round, after ``args.warmup``
+    short untimed rounds (first-call costs off the clock)."""
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in VARIANTS}
+    for _ in range(args.warmup):
+        for name in VARIANTS:
+            one_run(trainers[name], clock, args.device, layout.steps_per_round)
+    for round_index in range(args.repeats):
+        order = VARIANTS[round_index % len(VARIANTS) :] + VARIANTS[: round_index % len(VARIANTS)]
+        for name in order:
+            runs[name].append(one_run(trainers[name], clock, args.device, args.steps))
+    return runs
+
+
+MEDIAN_KEYS = (
+    "total_s",
+    "no_sampling_s",
+    "masked_s",
+    "generate_s",
+    "total_cpu_s",
+    "no_sampling_cpu_s",
+    "masked_cpu_s",
+)
+
+
+def median_run(samples: list[dict[str, Any]]) -> dict[str, Any]:
+    """The median of each timing over a variant's runs, and the mean masked-branch share where one was measured."""
+    row: dict[str, Any] = {key: statistics.median(s[key] for s in samples) for key in MEDIAN_KEYS}
+    shares = [s["share"] for s in samples if s["share"] is not None]
+    row["share"] = statistics.fmean(shares) if shares else None
+    return row
+
+
 def measure_layout(layout: Layout, args, work: Path) -> dict[str, Any]:
     model, processor, trainers, n_params = build(
         layout,
@@ -212,14 +245,7 @@ def measure_layout(layout: Layout, args, work: Path) -> dict[str, Any]:
     shape = token_shape(
         trainers["papo_rollout"], trainers["grpo"].train_dataset, args.prompts * layout.steps_per_round
     )
-    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in VARIANTS}
-    for _ in range(args.warmup):  # one short train() each: first-call costs off the clock
-        for name in VARIANTS:
-            one_run(trainers[name], clock, args.device, layout.steps_per_round)
-    for round_index in range(args.repeats):  # interleaved, every variant once per round, the order rotated
-        order = VARIANTS[round_index % len(VARIANTS) :] + VARIANTS[: round_index % len(VARIANTS)]
-        for name in order:
-            runs[name].append(one_run(trainers[name], clock, args.device, args.steps))
+    runs = interleaved_runs(trainers, clock, layout, args)
     steps = layout.steps_per_round
     peaks = {name: peak_mib(trainers[name], args.device, steps) for name in VARIANTS} if args.memory else {}
     out: dict[str, Any] = dict(
@@ -232,21 +258,7 @@ def measure_layout(layout: Layout, args, work: Path) -> dict[str, Any]:
     )
     out["flop_bound"] = flop_bound(shape["P"], shape["R"], layout.group_size)
     for name in VARIANTS:
-        samples = runs[name]
-        out[name] = {
-            key: statistics.median(s[key] for s in samples)
-            for key in (
-                "total_s",
-                "no_sampling_s",
-                "masked_s",
-                "generate_s",
-                "total_cpu_s",
-                "no_sampling_cpu_s",
-                "masked_cpu_s",
-            )
-        }
-        shares = [s["share"] for s in samples if s["share"] is not None]
-        out[name]["share"] = statistics.fmean(shares) if shares else None
+        out[name] = median_run(runs[name])
         out[name]["peak_mib"] = peaks.get(name)
     stored = args.prompts * layout.group_size * layout.steps_per_round * shape["R"] * 4
     out["stored_branch_kib_per_round"] = stored / 1024  # rows x completion tokens fp32, what the rollout path keeps

@@ -63,10 +63,28 @@ def bench_size(
     log(
         f"[{size}] {setup.n_params / 1e6:.2f}M parameters; timing {repeats} interleaved rounds (+{warmup} warm-up) ..."
     )
+    result.update(timed_variants(setup, repeats, warmup))
+    log(f"[{size}] work: FLOPs and op counts per variant (torch.profiler) ...")
+    result["work"] = measure_work(setup)
+    if memory:
+        log(f"[{size}] memory (profiler allocation events, live full-vocab tensors) ...")
+        result["memory"] = measure_memory(setup)
+    if rss:
+        log(f"[{size}] peak RSS, one subprocess per step variant ...")
+        result["rss"] = measure_rss(setup, cache_dir, n_prompts)
+    if train_steps > 0:
+        log(f"[{size}] probe inside real training ({train_steps} trainer.train() steps, probe off then on) ...")
+        result["probe_training"] = probe_in_training(setup, train_steps, result)
+    return result
+
+
+def timed_variants(setup, repeats: int, warmup: int) -> dict[str, Any]:
+    """Interleaved repeats of every variant on both clocks: samples, summaries, ratios, and the evidence of the last
+    probe evaluation."""
     start = time.perf_counter()
     cpu_times: dict[str, list[float]] = {}
     times = time_interleaved(make_variants(setup), repeats, warmup, cpu_out=cpu_times)
-    result["timing_s"] = time.perf_counter() - start
+    result: dict[str, Any] = {"timing_s": time.perf_counter() - start}
     result["samples_s"] = times
     result["timings"] = {name: summarise(values) for name, values in times.items()}
     result["ratios"] = ratios(times)
@@ -82,24 +100,19 @@ def bench_size(
         if evidence
         else None
     )
-    log(f"[{size}] work: FLOPs and op counts per variant (torch.profiler) ...")
-    result["work"] = measure_work(setup)
-    if memory:
-        log(f"[{size}] memory (profiler allocation events, live full-vocab tensors) ...")
-        result["memory"] = measure_memory(setup)
-    if rss:
-        log(f"[{size}] peak RSS, one subprocess per step variant ...")
-        result["rss"] = measure_rss(setup, cache_dir, n_prompts)
-    if train_steps > 0:
-        log(f"[{size}] probe inside real training ({train_steps} trainer.train() steps, probe off then on) ...")
-        checks = training_probe_checks(setup, train_steps)
-        on = checks["probe_on"]
-        on["fraction_of_100_steps"] = on["probe_total_s"] / (RUN_STEPS * result["timings"]["papo_step"]["median"])
-        on["cpu_fraction_of_100_steps"] = on["probe_total_cpu_s"] / (
-            RUN_STEPS * result["cpu_timings"]["papo_step"]["median"]
-        )
-        result["probe_training"] = checks
     return result
+
+
+def probe_in_training(setup, train_steps: int, result: dict[str, Any]) -> dict[str, Any]:
+    """``training_probe_checks``, with the in-training probe's share of a 100-step run on both clocks (one step:
+    the timed PAPO-G step's median)."""
+    checks = training_probe_checks(setup, train_steps)
+    on = checks["probe_on"]
+    on["fraction_of_100_steps"] = on["probe_total_s"] / (RUN_STEPS * result["timings"]["papo_step"]["median"])
+    on["cpu_fraction_of_100_steps"] = on["probe_total_cpu_s"] / (
+        RUN_STEPS * result["cpu_timings"]["papo_step"]["median"]
+    )
+    return checks
 
 
 def add_bench_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -179,13 +192,19 @@ def run_bench(args: argparse.Namespace) -> int:
     report["target_size"] = TARGET_SIZE if TARGET_SIZE in report["sizes"] else sizes[-1]
     report["targets"] = report["sizes"][report["target_size"]]["targets"]
     report["total_s"] = time.perf_counter() - start
+    publish(report, args)
+    return 0
+
+
+def publish(report: dict[str, Any], args: argparse.Namespace) -> None:
+    """The tables and verdicts on stdout, the JSON report and the tables into ``--out`` and ``--markdown``."""
     tables = markdown_tables(report)
     report["markdown"] = tables
     print(tables)
     print()
     for line in verdict_lines(report):
         print(line)
-    print(f"total {report['total_s']:.1f} s ({mode} mode)")
+    print(f"total {report['total_s']:.1f} s ({report['mode']} mode)")
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(report, indent=2, default=str) + "\n")
@@ -193,7 +212,6 @@ def run_bench(args: argparse.Namespace) -> int:
     if args.markdown:
         args.markdown.parent.mkdir(parents=True, exist_ok=True)
         args.markdown.write_text(tables + "\n")
-    return 0
 
 
 def main(argv: list[str] | None = None) -> int:

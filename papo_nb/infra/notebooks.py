@@ -130,6 +130,28 @@ def _describe_failure(exc: BaseException) -> str:
 # --------------------------------------------------------------------------------------------
 
 
+def checked_params(params_file: str | Path | None, overrides: list[str]) -> WorkbookParams:
+    """The workbook parameters, validated and preflighted; WorkbookError says what is wrong."""
+    try:
+        params = load_params(params_file, list(overrides))
+    except ParamsError as exc:
+        raise WorkbookError(str(exc)) from None
+    problems = preflight_problems(params)
+    if problems:
+        raise WorkbookError("\n".join(problems))
+    return params
+
+
+def notebook_values(params: WorkbookParams) -> dict[str, Any]:
+    """The parameters as the notebooks receive them, output paths made absolute: the kernel runs beside its
+    notebook, and a relative path means the caller's."""
+    values = params.model_dump(mode="json")
+    for name in OUTPUT_PATH_PARAMETERS:
+        if values[name]:
+            values[name] = str(Path(values[name]).resolve())
+    return values
+
+
 def run_workbook(
     notebooks: list[str | Path],
     params_file: str | Path | None,
@@ -144,23 +166,14 @@ def run_workbook(
     Raises WorkbookError (nothing created) on bad parameters or notebooks. A failing notebook does not
     raise: the result has ``ok == False`` and ``failure_message`` naming the notebook and cell.
     """
-    try:
-        params = load_params(params_file, list(overrides))
-    except ParamsError as exc:
-        raise WorkbookError(str(exc)) from None
-    problems = preflight_problems(params)
-    if problems:
-        raise WorkbookError("\n".join(problems))
+    params = checked_params(params_file, overrides)
     declared = check_notebooks(notebooks)
 
     tracking_uri = absolute_tracking_uri(tracking_uri or default_tracking_uri())
     stamp = time.strftime("%Y%m%d-%H%M%S")
     run_dir = (Path(run_root) / f"{stamp}-{secrets.token_hex(3)}").resolve()
     run_dir.mkdir(parents=True)
-    values = params.model_dump(mode="json")
-    for name in OUTPUT_PATH_PARAMETERS:  # the kernel runs beside its notebook; a relative path means the caller's
-        if values[name]:
-            values[name] = str(Path(values[name]).resolve())
+    values = notebook_values(params)
     params_yaml = run_dir / "params.yaml"
     params_yaml.write_text(yaml.safe_dump(values, sort_keys=False))
 

@@ -106,6 +106,43 @@ def score_card(
     return card
 
 
+def _warm_start_to_goal(model, processor, name: str, seed: int) -> list[float]:
+    """Warm-start ``model`` until its greedy validation accuracy on vision items reaches the recipe's goal (checked
+    every ``check_every`` steps); returns the step losses. Raises TestbedGoalMissed when it never does."""
+    recipe = TESTBED_RECIPES[name]
+    stopped_at, reached = [], []
+    # mininterval: a handful of lines in a papermill log or a terminal, a widget in JupyterLab
+    bar = tqdm(total=SFT_MAX_STEPS, desc=f"building testbed:{name} (warm start)", mininterval=10, unit="step")
+
+    def stop_when_seeing(step: int) -> bool:
+        if step % recipe.check_every:
+            return False
+        check = score_card(model, processor, name, VALIDATION_ITEMS, VALIDATION_SEED, ratios=(0.0,))
+        model.train()
+        bar.set_postfix(vision_accuracy=f"{check['original/vision']:.2f}", goal=recipe.stop_vision_accuracy)
+        reached.append(check["original/vision"])
+        if check["original/vision"] >= recipe.stop_vision_accuracy:
+            stopped_at.append(step)
+        return bool(stopped_at)
+
+    try:
+        losses = warm_start(
+            model, processor, steps=SFT_MAX_STEPS, seed=seed, after_step=stop_when_seeing,
+            boxed_every=recipe.boxed_every, prior_rate=recipe.prior_rate, progress=lambda loss: bar.update(),
+        )  # fmt: skip
+    finally:
+        bar.close()
+    if not stopped_at:
+        raise TestbedGoalMissed(
+            f"testbed:{name} seed {seed} missed its goal: greedy validation accuracy on vision items >= "
+            f"{recipe.stop_vision_accuracy} within {SFT_MAX_STEPS} warm-start steps; it reached "
+            f"{max(reached, default=0):.3f} at best (checked every {recipe.check_every} steps). Nothing was "
+            "cached. The warm start is chaotic in floating point: use the pinned weights (testbed:"
+            f"{name}) or another seed"
+        )
+    return losses
+
+
 def _write_testbed(folder: Path, name: str, seed: int) -> None:
     start = time.perf_counter()
     recipe = TESTBED_RECIPES[name]
@@ -118,36 +155,7 @@ def _write_testbed(folder: Path, name: str, seed: int) -> None:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             model = FAMILIES["qwen2_vl"][1](config)
-            stopped_at, reached = [], []
-            # mininterval: a handful of lines in a papermill log or a terminal, a widget in JupyterLab
-            bar = tqdm(total=SFT_MAX_STEPS, desc=f"building testbed:{name} (warm start)", mininterval=10, unit="step")
-
-            def stop_when_seeing(step: int) -> bool:
-                if step % recipe.check_every:
-                    return False
-                check = score_card(model, processor, name, VALIDATION_ITEMS, VALIDATION_SEED, ratios=(0.0,))
-                model.train()
-                bar.set_postfix(vision_accuracy=f"{check['original/vision']:.2f}", goal=recipe.stop_vision_accuracy)
-                reached.append(check["original/vision"])
-                if check["original/vision"] >= recipe.stop_vision_accuracy:
-                    stopped_at.append(step)
-                return bool(stopped_at)
-
-            try:
-                losses = warm_start(
-                    model, processor, steps=SFT_MAX_STEPS, seed=seed, after_step=stop_when_seeing,
-                    boxed_every=recipe.boxed_every, prior_rate=recipe.prior_rate, progress=lambda loss: bar.update(),
-                )  # fmt: skip
-            finally:
-                bar.close()
-            if not stopped_at:
-                raise TestbedGoalMissed(
-                    f"testbed:{name} seed {seed} missed its goal: greedy validation accuracy on vision items >= "
-                    f"{recipe.stop_vision_accuracy} within {SFT_MAX_STEPS} warm-start steps; it reached "
-                    f"{max(reached, default=0):.3f} at best (checked every {recipe.check_every} steps). Nothing was "
-                    "cached. The warm start is chaotic in floating point: use the pinned weights (testbed:"
-                    f"{name}) or another seed"
-                )
+            losses = _warm_start_to_goal(model, processor, name, seed)
             card = score_card(model, processor, name)
     finally:
         torch.set_num_threads(threads)
@@ -161,7 +169,7 @@ def _write_testbed(folder: Path, name: str, seed: int) -> None:
         "version": TESTBED_VERSION,
         "parameters": sum(p.numel() for p in model.parameters()),
         "sft_steps": len(losses),
-        "sft_stopped_by_validation": bool(stopped_at),
+        "sft_stopped_by_validation": True,  # _warm_start_to_goal raises otherwise
         "stop_vision_accuracy": recipe.stop_vision_accuracy,
         "boxed_every": recipe.boxed_every,
         "prior_rate": recipe.prior_rate,

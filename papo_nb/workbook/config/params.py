@@ -324,10 +324,24 @@ def _looks_local(value: str) -> bool:
 def preflight_problems(params: WorkbookParams) -> list[str]:
     """Checks that need this machine (paths, CUDA), run before any notebook starts; schema checks are separate
     so that a GPU params file still validates on a laptop."""
-    problems = []
-    model = params.model_name_or_path
+    problems = _model_name_problems(params) + _path_problems(params) + _device_problems(params)
+    if params.per_device_train_batch_size % params.num_generations:
+        problems.append(
+            f"parameter 'per_device_train_batch_size' = {params.per_device_train_batch_size}: must be a multiple "
+            f"of num_generations = {params.num_generations}"
+        )
+    # The batch arithmetic TRL would refuse later (rollout rounds of whole prompt groups and whole optimizer steps);
+    # the heavier recipe checks (memory, columns, pixel bounds) are papo_nb.workbook.recipe.preflight.run.
+    problems += check_batches(params, batch_layout(params))
+    return problems
+
+
+def _model_name_problems(params: WorkbookParams) -> list[str]:
+    """Unknown testbeds (model or dataset) and unknown tiny families."""
     from papo_nb.testbed.perception import TESTBED_PREFIX, TESTBEDS
 
+    problems = []
+    model = params.model_name_or_path
     for key in ("model_name_or_path", "dataset"):
         value = getattr(params, key)
         if value.startswith(TESTBED_PREFIX) and value[len(TESTBED_PREFIX) :] not in TESTBEDS:
@@ -341,6 +355,12 @@ def preflight_problems(params: WorkbookParams) -> list[str]:
             + ", ".join(f"tiny:{f}" for f in TINY_FAMILIES)
             + ", a hub id or a local folder"
         )
+    return problems
+
+
+def _path_problems(params: WorkbookParams) -> list[str]:
+    """Local paths that do not exist (a value that does not look local may be a hub id)."""
+    problems = []
     for key in (
         "model_name_or_path",
         "dataset",
@@ -362,24 +382,20 @@ def preflight_problems(params: WorkbookParams) -> list[str]:
                 + (" or a hub id" if key in ("model_name_or_path", "dataset") else "")
                 + ", or ''"
             )
-    if params.device == "cuda":
-        import torch
-
-        if not torch.cuda.is_available():
-            problems.append(
-                "parameter 'device' = 'cuda': no CUDA device on this machine; allowed here: 'auto' or 'cpu'"
-            )
-        elif params.num_processes > torch.cuda.device_count():
-            problems.append(
-                f"parameter 'num_processes' = {params.num_processes}: only {torch.cuda.device_count()} CUDA "
-                f"device(s) on this machine; allowed here: 1..{torch.cuda.device_count()}"
-            )
-    if params.per_device_train_batch_size % params.num_generations:
-        problems.append(
-            f"parameter 'per_device_train_batch_size' = {params.per_device_train_batch_size}: must be a multiple "
-            f"of num_generations = {params.num_generations}"
-        )
-    # The batch arithmetic TRL would refuse later (rollout rounds of whole prompt groups and whole optimizer steps);
-    # the heavier recipe checks (memory, columns, pixel bounds) are papo_nb.workbook.recipe.preflight.run.
-    problems += check_batches(params, batch_layout(params))
     return problems
+
+
+def _device_problems(params: WorkbookParams) -> list[str]:
+    """``device = 'cuda'`` without CUDA, or more processes than CUDA devices."""
+    if params.device != "cuda":
+        return []
+    import torch
+
+    if not torch.cuda.is_available():
+        return ["parameter 'device' = 'cuda': no CUDA device on this machine; allowed here: 'auto' or 'cpu'"]
+    if params.num_processes > torch.cuda.device_count():
+        return [
+            f"parameter 'num_processes' = {params.num_processes}: only {torch.cuda.device_count()} CUDA "
+            f"device(s) on this machine; allowed here: 1..{torch.cuda.device_count()}"
+        ]
+    return []

@@ -64,17 +64,7 @@ def write_results_page(
     """Write ``results.md`` (settings, card, dose-response, power, arms, claims, sweep, runtime), the figures as
     ``<name>.png`` and the card as ``testbed_card.json`` into ``folder``; returns the page's path."""
     folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    for name, figure in figures.items():
-        figure.savefig(folder / f"{name}.png", dpi=80)
-    if card:
-        (folder / CARD).write_text(
-            json.dumps({k: v for k, v in card.items() if k != "build_seconds"}, indent=2) + "\n"
-        )
-    dose_rows = dose.dose_rows(study)
-    (folder / DOSE_ROWS).write_text(json.dumps(dose_rows, indent=1) + "\n")
-    (folder / RUNS).write_text(json.dumps(dose.run_records(study), indent=1) + "\n")
-    write_contrasts(folder)
+    dose_rows = write_page_files(folder, study, card, figures)
     scores = study.scores()
     chance, vision_items = report.study_chance(params)
     metrics = list(tables.TABLE_METRICS)
@@ -110,6 +100,28 @@ def write_results_page(
     ]
     page = folder / PAGE
     page.write_text("\n\n".join(sections) + "\n")
+    write_summary(folder, params, study, scores, power_rows)
+    return page
+
+
+def write_page_files(folder: Path, study: Study, card: dict, figures: dict[str, Figure]) -> list[dict]:
+    """The page's figures, card, dose-response rows, run records and contrasts page; returns the dose rows."""
+    folder.mkdir(parents=True, exist_ok=True)
+    for name, figure in figures.items():
+        figure.savefig(folder / f"{name}.png", dpi=80)
+    if card:
+        (folder / CARD).write_text(
+            json.dumps({k: v for k, v in card.items() if k != "build_seconds"}, indent=2) + "\n"
+        )
+    dose_rows = dose.dose_rows(study)
+    (folder / DOSE_ROWS).write_text(json.dumps(dose_rows, indent=1) + "\n")
+    (folder / RUNS).write_text(json.dumps(dose.run_records(study), indent=1) + "\n")
+    write_contrasts(folder)
+    return dose_rows
+
+
+def write_summary(folder: Path, params: WorkbookParams, study: Study, scores: dict, power_rows: list[dict]) -> None:
+    """``summary.json``: the page's verdicts, which ``summary_markdown`` sets side by side across pages."""
     summary = {
         "testbed": params.model_name_or_path,
         "finetuning": params.finetuning,
@@ -123,7 +135,6 @@ def write_results_page(
         },
     }
     (folder / SUMMARY).write_text(json.dumps(summary, indent=2) + "\n")
-    return page
 
 
 def write_contrasts(folder: Path) -> None:
