@@ -124,19 +124,20 @@ def ratio_table(sizes: dict[str, Any]) -> list[str]:
     return lines
 
 
+WORK_HEADER = (
+    "| model | GRPO step GFLOP | PAPO-G step GFLOP | extra forward GFLOP | PAPO-G - GRPO - forward GFLOP | "
+    "PAPO-G (grad) - GRPO - forward GFLOP | PAPO-G - GRPO - forward aten ops |"
+)
+
+
 def work_table(work_rows: list[tuple[str, dict]]) -> list[str]:
-    lines = [
-        "| model | GRPO step GFLOP | PAPO-G step GFLOP | extra forward GFLOP | PAPO-G - GRPO - forward GFLOP | "
-        "PAPO-G (grad) - GRPO - forward GFLOP | PAPO-G - GRPO - forward aten ops |",
-        "|---|---:|---:|---:|---:|---:|---:|",
+    """Exact work per step (profiler FLOPs and aten op counts), free of timing noise."""
+    return [WORK_HEADER, "|---|---:|---:|---:|---:|---:|---:|"] + [
+        f"| {size} | {w['grpo_step']['gflop']:.2f} | {w['papo_step']['gflop']:.2f} | "
+        f"{w['extra_forward']['gflop']:.2f} | {w['papo_extra_gflop']:+.3f} | "
+        f"{w['papo_grad_extra_gflop_over_floor']:+.3f} | {w['papo_extra_aten_ops']:+d} |"
+        for size, w in work_rows
     ]
-    for size, w in work_rows:
-        lines.append(
-            f"| {size} | {w['grpo_step']['gflop']:.2f} | {w['papo_step']['gflop']:.2f} | "
-            f"{w['extra_forward']['gflop']:.2f} | {w['papo_extra_gflop']:+.3f} | "
-            f"{w['papo_grad_extra_gflop_over_floor']:+.3f} | {w['papo_extra_aten_ops']:+d} |"
-        )
-    return lines
 
 
 def memory_table(memory_rows: list[tuple[str, dict]]) -> list[str]:
