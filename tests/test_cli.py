@@ -145,3 +145,31 @@ def test_subcommands_are_registered_one_function_each():
     sub = next(a for a in parser._actions if a.dest == "command")
     assert len(sub.choices) == len(cli.SUBCOMMANDS)
     assert "env" in sub.choices
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {},
+        {"resume": True, "mlflow_run_id": "abc123"},
+        {"resume": True, "force_resume": True},
+    ],
+    ids=["fresh", "resume-into-run", "force-resume"],
+)
+def test_a_launched_rank_reads_back_the_run_request(fields, tmp_path, monkeypatch):
+    """What ``accelerate launch`` hands every rank parses, with ``papo-nb train``'s own parser, into the request
+    that was launched: the same absolute folder, resume flags and MLflow run."""
+    from papo_nb.train.distributed import accelerate_command
+    from papo_nb.train.request import RunRequest
+    from papo_nb.workbook.config.params import WorkbookParams
+
+    monkeypatch.chdir(tmp_path)
+    request = RunRequest(WorkbookParams(num_processes=2), "relative/run", **fields)
+    assert request.output_dir == tmp_path / "relative" / "run"
+    command = accelerate_command(request, tmp_path / "params.yaml", port=29500)
+    assert command[command.index("--num_processes") + 1] == "2"
+    assert command[command.index("--main_process_port") + 1] == "29500"
+    args = cli.build_parser().parse_args(command[command.index("papo_nb.cli") + 1 :])
+    assert args.command == "train" and args.params == str(tmp_path / "params.yaml")
+    back = RunRequest(request.params, args.output_dir, args.resume, args.force_resume, args.mlflow_run_id)
+    assert back == request
