@@ -1,9 +1,10 @@
 """The one training path: ``run_training``, called by notebook 03 and by ``papo-nb train`` alike.
 
-``run_training`` with ``num_processes > 1`` (outside a launcher) runs ``papo-nb train`` again under ``accelerate
-launch`` and reads the result back from the run folder; otherwise it trains in this process, or as one rank of
-the launched job. Either way the same code writes the start record (after the trainable-parameter check), the
-probe's evidence and its status tags.
+``run_training`` makes one run request (``request.RunRequest``). With ``num_processes > 1`` (outside a launcher) it
+hands the request to ``papo-nb train`` under ``accelerate launch`` and reads the result back from the run folder;
+otherwise it trains the request in this process (``train_here``), or as one rank of the launched job. Either way
+the same code writes the start record (after the trainable-parameter check), the probe's evidence and its status
+tags.
 
 It refuses an output folder that already holds a run unless resuming; resuming picks the newest complete
 checkpoint (``integrity``), sets aside newer corrupt ones, refuses parameter changes that matter
