@@ -175,8 +175,8 @@ def probe_rollouts(
     autocast_dtype: torch.dtype | None = None,
     raise_on_failure: bool = False,
 ):
-    """The gamma-zero probe over fresh rollout batches (drawn as ``calibrate_phase`` draws them, the first one being
-    notebook 01's single batch) until it reaches a verdict: an image-invariant or underpowered batch makes it look at
+    """The gamma-zero probe over fresh rollout batches (drawn as ``calibrate_phase`` draws them; notebook 01 runs it)
+    until it reaches a verdict: an image-invariant or underpowered batch makes it look at
     the next, up to ``trainer.args.probe_max_degenerate_batches`` of each."""
     bound = getattr(trainer.args, "probe_max_degenerate_batches", PAPO_PROBE_MAX_DEGENERATE_BATCHES)
 
