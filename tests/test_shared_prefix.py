@@ -238,8 +238,9 @@ def test_auto_falls_back_with_its_reason_in_the_metrics(setup, caplog):
 
 @pytest.mark.model
 def test_explicit_shared_prefix_runs_on_any_batch_and_per_completion_masks(setup):
-    """Forced on, it is still exact where nothing is shared: every completion its own prompt or its own mask."""
-    trainer = make(setup, masked_forward="shared_prefix", mask_sharing="completion")
+    """Forced on, it is still exact where nothing is shared: every completion its own prompt or its own mask (in the
+    loss call; at rollout time the combination is refused, ``test_trainer.py``)."""
+    trainer = make(setup, masked_forward="shared_prefix", mask_sharing="completion", masked_branch="update")
     batch = select_rows(setup["batch"], UNEQUAL_ROWS)
     masked = trainer.masked_pixel_values(batch)
     assert len(shared_prefix.prompt_groups(batch, masked)) == 7, "per-completion masks: no two rows share an image"
