@@ -144,10 +144,62 @@ def test_static_check_names_a_drifted_generation_round():
         "inputs = self._buffered_inputs[", "inputs = buffered[", 1
     )
     unbuffered = unbuffered.replace("or self._buffered_inputs is None", "", 1)
-    assert contract.static_contract_violations(unbuffered) == [
-        "GRPOTrainer._prepare_inputs no longer buffers the result of _generate_and_score_completions in "
-        "self._buffered_inputs"
-    ]
+    assert contract.static_contract_violations(unbuffered) == [BUFFER_DRIFT]
+
+
+BUFFER_DRIFT = (
+    "GRPOTrainer._prepare_inputs no longer buffers the result of _generate_and_score_completions in "
+    "self._buffered_inputs and serves it as self._buffered_inputs[self._step % self.args.steps_per_generation]"
+)
+ROUND_DRIFT = (
+    "GRPOTrainer._prepare_inputs no longer starts a generation round when self._step % "
+    "(self.args.steps_per_generation * self.num_iterations) == 0: the masks' generation_round would not be TRL's"
+)
+
+
+@pytest.mark.parametrize(
+    ("original", "mutated", "expected"),
+    [
+        (  # a round that ignores num_iterations: masks drawn per round would change inside TRL's round
+            "generate_every = self.args.steps_per_generation * self.num_iterations",
+            "generate_every = self.args.steps_per_generation",
+            ROUND_DRIFT,
+        ),
+        (  # a round started on another step
+            "if self._step % generate_every == 0 or",
+            "if self._step % generate_every == 1 or",
+            ROUND_DRIFT,
+        ),
+        (  # served by another index: the stored masked branch would reach another device batch's loss call
+            "inputs = self._buffered_inputs[self._step % self.args.steps_per_generation]",
+            "inputs = self._buffered_inputs[0]",
+            BUFFER_DRIFT,
+        ),
+        (  # the loss-call counter no longer advances once per call
+            "        self._step += 1\n        time_after",
+            "        self._step += 2\n        time_after",
+            "GRPOTrainer.training_step no longer counts self._step += 1",
+        ),
+    ],
+)
+def test_static_check_pins_the_round_cadence_the_masks_share(original, mutated, expected):
+    """``mask_state.generation_round`` is ``_step // (steps_per_generation * num_iterations)``: TRL's own cadence,
+    pinned as it is written, and the buffer that serves a round's device batches; each mutation of them is named."""
+    source = _installed_grpo_source()
+    drifted = source.replace(original, mutated, 1)
+    assert drifted != source, original
+    assert contract.static_contract_violations(drifted) == [expected]
+
+
+def test_the_masks_round_is_the_pinned_cadence():
+    """The trainer's round of a loss call is ``_step // ROUND_LENGTH``: a new one exactly where TRL regenerates."""
+    from papo_nb.papo.mask_state import generation_round
+
+    steps_per_generation, num_iterations = 3, 2
+    starts = [step for step in range(24) if step % (steps_per_generation * num_iterations) == 0]
+    rounds = [generation_round(step, steps_per_generation, num_iterations) for step in range(24)]
+    assert [step for step in range(1, 24) if rounds[step] != rounds[step - 1]] == starts[1:]
+    assert rounds[0] == 0 and rounds[-1] == 3
 
 
 def test_grad_norm_hook_holds_and_names_its_drift():

@@ -14,7 +14,7 @@ from transformers.image_processing_utils import select_best_resolution
 from transformers.models.llava_next.modeling_llava_next import image_size_to_num_patches
 from trl import GRPOTrainer
 
-from papo_nb.papo import masking
+from papo_nb.papo import layouts, masking, prompt_identity
 from papo_nb.testbed import families, models
 from papo_nb.workbook.config import params
 from papo_nb.workbook.rollouts import rollout_batch
@@ -123,18 +123,18 @@ def test_tiny_family_names_agree_between_params_and_the_testbed():
 def test_each_family_mask_blackens_exactly_round_p_n_real_patches_and_no_padding(family_batch):
     family, processor, inputs = family_batch
     p = patch_size_of(family)
-    patches = masking.patch_map(inputs, patch_size=p, **_stats(processor))
+    patches = layouts.patch_map(inputs, patch_size=p, **_stats(processor))
     assert patches.layout == LAYOUT_OF[family]
     before = {k: v.clone() for k, v in inputs.items() if isinstance(v, torch.Tensor)}
     selected = masking.select_units(patches.units_per_segment, RATIO, torch.Generator().manual_seed(0))
-    masked = patches.apply(inputs["pixel_values"], selected)
+    masked = masking.apply_units(patches, inputs["pixel_values"], selected)
     assert all(torch.equal(before[k], inputs[k]) for k in before), "input was modified"
     real, changed, outside = real_and_changed_patches(patches.layout, inputs, masked, p)
     assert outside == 0, "a padding pixel (or a pixel of a padded tile) changed"
     assert changed == [round(RATIO * n) for n in real], (real, changed)
     assert real == patches.units_per_segment.tolist()
     diff = masked != inputs["pixel_values"]
-    expected = black_like(patches.layout, masked, masking.black_pixel_values(**_stats(processor)))
+    expected = black_like(patches.layout, masked, layouts.black_pixel_values(**_stats(processor)))
     assert torch.allclose(masked[diff], expected.expand_as(masked)[diff].to(masked.dtype), atol=1e-6)
     if patches.layout in ("tiles", "tile_rows"):
         padded = real.count(0) if patches.layout == "tiles" else sum(int(n < masked.shape[1]) for n in real)
@@ -177,8 +177,10 @@ def test_tiles_with_padding_pixels_inside_a_tile_mask_only_the_real_part(family)
     padded["pixel_values"][1, ..., 24:] = 0
     padded["pixel_attention_mask"][1, ..., 24:] = 0
     p = patch_size_of(family)
-    patches = masking.patch_map(padded, patch_size=p, **_stats(processor))
-    masked = patches.apply(padded["pixel_values"], masking.select_units(patches.units_per_segment, 1.0, None))
+    patches = layouts.patch_map(padded, patch_size=p, **_stats(processor))
+    masked = masking.apply_units(
+        patches, padded["pixel_values"], masking.select_units(patches.units_per_segment, 1.0, None)
+    )
     real, changed, outside = real_and_changed_patches("tiles", padded, masked, p)
     assert outside == 0 and changed == real
     n_tiles = inputs["pixel_values"].shape[1]
@@ -191,10 +193,10 @@ def test_tiles_with_padding_pixels_inside_a_tile_mask_only_the_real_part(family)
 def test_random_value_masks_stay_inside_real_patches(family_batch):
     family, processor, inputs = family_batch
     p = patch_size_of(family)
-    patches = masking.patch_map(inputs, patch_size=p, **_stats(processor))
+    patches = layouts.patch_map(inputs, patch_size=p, **_stats(processor))
     pv = inputs["pixel_values"]
     coins = torch.rand(pv.shape, generator=torch.Generator().manual_seed(0)) < RATIO
-    masked = patches.apply_values(pv, coins)
+    masked = masking.apply_values(patches, pv, coins)
     _, _, outside = real_and_changed_patches(patches.layout, inputs, masked, p)
     changed = (masked != pv).sum().item()
     real_values = torch.broadcast_to(patches.real_pixels, pv.shape).sum().item()
@@ -203,7 +205,7 @@ def test_random_value_masks_stay_inside_real_patches(family_batch):
 
 def test_mask_draw_is_seeded(family_batch):
     family, processor, inputs = family_batch
-    patches = masking.patch_map(inputs, patch_size=patch_size_of(family), **_stats(processor))
+    patches = layouts.patch_map(inputs, patch_size=patch_size_of(family), **_stats(processor))
     draw = lambda seed: masking.select_units(patches.units_per_segment, RATIO, torch.Generator().manual_seed(seed))
     assert torch.equal(draw(3), draw(3)) and not torch.equal(draw(3), draw(4))
 
@@ -212,12 +214,14 @@ def test_pixtral_sized_images_mask_only_the_image_region():
     processor = PixtralImageProcessor(size={"longest_edge": 64}, patch_size=16)
     out = processor(images=[[im] for im in noise_images()], return_tensors="pt")
     inputs = {"pixel_values": out["pixel_values"], "image_sizes": out["image_sizes"], "num_images": [1, 1]}
-    assert masking.detect_layout(inputs) == "sized_images" and out["image_sizes"].tolist() == [
+    assert layouts.detect_layout(inputs) == "sized_images" and out["image_sizes"].tolist() == [
         [64, 64],
         [32, 64],
     ]
-    patches = masking.patch_map(inputs, patch_size=16, image_mean=processor.image_mean, image_std=processor.image_std)
-    masked = patches.apply(inputs["pixel_values"], masking.select_units(patches.units_per_segment, RATIO, None))
+    patches = layouts.patch_map(inputs, patch_size=16, image_mean=processor.image_mean, image_std=processor.image_std)
+    masked = masking.apply_units(
+        patches, inputs["pixel_values"], masking.select_units(patches.units_per_segment, RATIO, None)
+    )
     real, changed, outside = real_and_changed_patches("sized_images", inputs, masked, 16)
     assert real == [16, 8] and changed == [round(RATIO * 16), round(RATIO * 8)] and outside == 0
 
@@ -238,8 +242,8 @@ def test_pixtral_sized_images_mask_only_the_image_region():
 )
 def test_an_unknown_layout_fails_naming_the_keys_and_shapes_it_saw(inputs, seen):
     with pytest.raises(ValueError, match="no patch layout matches") as info:
-        masking.patch_map(inputs, patch_size=14, image_mean=[0.5] * 3, image_std=[0.5] * 3)
-    assert seen in str(info.value) and ", ".join(masking.LAYOUTS) in str(info.value)
+        layouts.patch_map(inputs, patch_size=14, image_mean=[0.5] * 3, image_std=[0.5] * 3)
+    assert seen in str(info.value) and ", ".join(layouts.LAYOUTS) in str(info.value)
 
 
 @pytest.mark.parametrize("family", ["llava_next", "llava_onevision"])
@@ -250,8 +254,10 @@ def test_anyres_letterbox_patches_are_padding_and_the_rest_is_masked(family):
     image = Image.fromarray(np.random.default_rng(1).integers(1, 255, (60, 100, 3), dtype=np.uint8))
     out = processor.image_processor(images=[[image], [noise_images()[0]]], return_tensors="pt")
     inputs = {"pixel_values": out["pixel_values"], "image_sizes": out["image_sizes"], "num_images": [1, 1]}
-    patches = masking.patch_map(inputs, patch_size=14, **_stats(processor))
-    masked = patches.apply(inputs["pixel_values"], masking.select_units(patches.units_per_segment, 1.0, None))
+    patches = layouts.patch_map(inputs, patch_size=14, **_stats(processor))
+    masked = masking.apply_units(
+        patches, inputs["pixel_values"], masking.select_units(patches.units_per_segment, 1.0, None)
+    )
     # the letterbox from the processor's own arithmetic (image_processing_llava_next.py, _get_image_patches)
     height, width = select_best_resolution((60, 100), families.ANYRES_PINPOINTS)
     scale = min(height / 60, width / 100)
@@ -275,11 +281,13 @@ def test_gemma4_position_rows_mask_only_real_rows():
     out = processor(images=[[im] for im in noise_images()], return_tensors="pt")
     inputs = {"pixel_values": out["pixel_values"], "image_position_ids": out["image_position_ids"]}
     inputs["num_images"] = [1, 1]
-    patches = masking.patch_map(inputs, patch_size=16, image_mean=processor.image_mean, image_std=processor.image_std)
+    patches = layouts.patch_map(inputs, patch_size=16, image_mean=processor.image_mean, image_std=processor.image_std)
     assert patches.layout == "position_rows"
     real = (out["image_position_ids"] >= 0).all(-1)
     assert not real.all(), "the two images should differ in patch count"
-    masked = patches.apply(inputs["pixel_values"], masking.select_units(patches.units_per_segment, RATIO, None))
+    masked = masking.apply_units(
+        patches, inputs["pixel_values"], masking.select_units(patches.units_per_segment, RATIO, None)
+    )
     changed = (masked != inputs["pixel_values"]).any(-1)
     assert not changed[~real].any()
     assert changed.sum(1).tolist() == [round(RATIO * n) for n in real.sum(1).tolist()]
@@ -289,13 +297,13 @@ def test_more_images_than_num_images_counts_fails_by_name():
     """Gemma3 pan-and-scan: crops arrive as extra images that num_images does not count."""
     inputs = {"pixel_values": torch.zeros(3, 3, 56, 56), "num_images": [1], "prompt_ids": torch.zeros(1, 4)}
     with pytest.raises(ValueError, match=r"pixel_values has 3 images for 1 samples and num_images=\[1\]"):
-        masking.patch_map(inputs, patch_size=14, image_mean=[0.5] * 3, image_std=[0.5] * 3)
+        layouts.patch_map(inputs, patch_size=14, image_mean=[0.5] * 3, image_std=[0.5] * 3)
 
 
 def test_merge_units_exist_only_on_grid_rows():
     inputs = {"pixel_values": torch.zeros(2, 3, 56, 56), "num_images": [1, 1]}
     with pytest.raises(ValueError, match="merge_unit.*grid_rows.*images"):
-        masking.patch_map(inputs, patch_size=14, image_mean=[0.5] * 3, image_std=[0.5] * 3, merge_size=2)
+        layouts.patch_map(inputs, patch_size=14, image_mean=[0.5] * 3, image_std=[0.5] * 3, merge_size=2)
 
 
 def test_select_units_counts_exactly_and_skips_empty_segments():
@@ -374,7 +382,7 @@ def test_gamma_zero_is_the_parent_bit_for_bit_and_masks_are_shared_per_prompt(fa
     assert torch.equal(before, batch["pixel_values"]) and not torch.equal(masked, before)
     patches = papo.masks.patch_map(batch)
     assert patches.layout == LAYOUT_OF[family] and patches.patch_size == patch_size_of(family)
-    keys = masking.sample_keys(batch)
+    keys = prompt_identity.sample_keys(batch)
     pieces = [masked[a:b] for a, b in patches.sample_rows]
     first = {}
     for key, piece in zip(keys, pieces, strict=True):

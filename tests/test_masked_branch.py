@@ -3,14 +3,16 @@ or in every loss call (``"update"``), inside real ``trainer.train()`` loops on t
 optimizer step whose gradient norm is not finite."""
 
 import math
+import re
 
 import pytest
 import torch
 from peft import get_peft_model
 from tiny_trainers import tiny_trainer, unit_params
 from transformers import TrainerCallback
+from trl import GRPOTrainer
 
-from papo_nb.papo import rollout_branch, shared_prefix
+from papo_nb.papo import PAPOGTrainer, rollout_branch, shared_prefix
 from papo_nb.papo.step_guard import NonFiniteGradientError
 from papo_nb.testbed.models import load_vlm
 from papo_nb.workbook.rollouts import clone_batch, rollout_batch
@@ -163,12 +165,72 @@ def test_iterations_and_accumulation_compute_the_masked_branch_as_the_timing_say
 
 
 def test_a_round_batch_without_its_masked_branch_is_refused(tiny_vlm_path, shapes_dataset, tmp_path):
+    """A copy of a round's batch (not the object TRL buffered) that lost its branch is still this round's."""
     trainer = trainer_on(tiny_vlm_path, shapes_dataset, tmp_path / "t")
     batch = rollout_batch(trainer, shapes_dataset, n_prompts=1, seed=0)
     lost = {k: v for k, v in clone_batch(batch).items() if k != rollout_branch.MASKED_LOGPS_KEY}
-    trainer._buffered_inputs = [lost]
+    assert trainer._buffered_inputs is None, "nothing buffered: the round is known by its owner tag alone"
     with pytest.raises(RuntimeError, match="has images but no stored masked branch"):
         trainer._compute_loss(trainer.model, lost)
+
+
+def test_the_per_row_check_catches_a_round_reordered_without_its_masked_branch(
+    tiny_vlm_path, shapes_dataset, tmp_path
+):
+    """A TRL that shuffled only the keys it knows would hand each row another row's masked log-probs: one key
+    shuffled, the rows it moved are named; the batch as stored passes."""
+    trainer = trainer_on(tiny_vlm_path, shapes_dataset, tmp_path / "t")
+    batch = rollout_batch(trainer, shapes_dataset, n_prompts=2, seed=0)
+    trainer.papo_loss_parts(trainer.model, batch)
+    assert trainer.masked_branch.clock.calls == 1, "the stored branch was used, not recomputed"
+    order = torch.roll(torch.arange(len(batch["completion_ids"])), 1)
+    shuffled = {**batch, "completion_ids": batch["completion_ids"][order]}
+    moved = (rollout_branch.row_checks(shuffled) != batch[rollout_branch.ROW_CHECK_KEY]).nonzero().flatten()
+    assert len(moved) > 0
+    with pytest.raises(
+        RuntimeError, match=re.escape(f"not aligned with the batch: rows {moved.tolist()} of {2 * G} carry")
+    ):
+        trainer.papo_loss_parts(trainer.model, shuffled)
+    unchecked = {k: v for k, v in batch.items() if k != rollout_branch.ROW_CHECK_KEY}
+    with pytest.raises(RuntimeError, match="has no per-row check"):
+        trainer.papo_loss_parts(trainer.model, unchecked)
+
+
+def count_forwards(model) -> list:
+    """One entry per forward of the Hugging Face model under the LoRA wrapper (generation steps included)."""
+    calls = []
+    model.get_base_model().register_forward_pre_hook(lambda module, args: calls.append(1))
+    return calls
+
+
+def test_gamma_zero_runs_no_masked_forward_and_costs_what_grpo_costs(tiny_vlm_path, shapes_dataset, tmp_path):
+    """Issue 31: with the perception term off for the whole run (gamma 0, eta2 0, no probe) the masked branch is
+    skipped: no mask drawn, no masked forward, so PAPOGTrainer makes exactly GRPOTrainer's forwards and losses;
+    the KL is logged as exactly 0. At the defaults the branch runs once per round."""
+    zero = dict(perception_loss_weight=0.0, original_entropy_weight=0.0, masked_entropy_weight=0.0)
+    runs = {}
+    for name, trainer_cls, overrides in (
+        ("grpo", GRPOTrainer, {}),
+        ("gamma0", PAPOGTrainer, zero),
+        ("papo", PAPOGTrainer, {}),
+    ):
+        model, processor = fresh_policy(tiny_vlm_path)
+        settings = dict(
+            num_generations=G, per_device_train_batch_size=G, logging_steps=1, report_to="none", max_steps=2
+        )
+        trainer = tiny_trainer(model, processor, shapes_dataset, tmp_path / name, trainer_cls, **settings, **overrides)
+        calls = count_forwards(model)
+        masks_before = trainer.masks.generator.get_state() if trainer_cls is PAPOGTrainer else None
+        trainer.train()
+        runs[name] = dict(trainer=trainer, forwards=len(calls), losses=logged(trainer, "loss"), masks=masks_before)
+    grpo, gamma0, papo = runs["grpo"], runs["gamma0"], runs["papo"]
+    print(f"\nforwards: GRPO {grpo['forwards']}, gamma 0 {gamma0['forwards']}, defaults {papo['forwards']}")
+    assert gamma0["trainer"].masked_branch.skipped and gamma0["trainer"].masked_branch.clock.calls == 0
+    assert gamma0["forwards"] == grpo["forwards"] and gamma0["losses"] == grpo["losses"]
+    assert torch.equal(gamma0["trainer"].masks.generator.get_state(), gamma0["masks"]), "no mask was drawn"
+    assert logged(gamma0["trainer"], "perception_kl") == [0.0, 0.0]
+    assert not papo["trainer"].masked_branch.skipped and papo["trainer"].masked_branch.clock.calls == 2
+    assert papo["forwards"] > grpo["forwards"] and min(logged(papo["trainer"], "perception_kl")) > 0
 
 
 def test_text_only_round_stores_nothing_and_has_a_zero_perception_term(tiny_vlm_path, shapes_dataset, tmp_path):
@@ -179,9 +241,8 @@ def test_text_only_round_stores_nothing_and_has_a_zero_perception_term(tiny_vlm_
         for k, v in batch.items()
         if k not in ("pixel_values", "image_grid_thw", "num_images", "mm_token_type_ids")
     }
-    assert (
-        trainer.masked_branch.rollout_entries(text_only, trainer.masked_pixel_values, trainer._with_entropy_grad) == {}
-    )
+    entries = trainer.masked_branch.rollout_entries(text_only, trainer.masked_pixel_values, trainer._with_entropy_grad)
+    assert list(entries) == [rollout_branch.OWNER_KEY], "a text-only round stores only its owner tag"
     text_only["prompt_ids"], text_only["prompt_mask"] = (
         text_only["prompt_ids"][:, -4:],
         text_only["prompt_mask"][:, -4:],

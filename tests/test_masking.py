@@ -1,5 +1,6 @@
-"""The trainer's masking on Qwen's 2-D pixel_values (``patch_map``, ``select_units``, ``PatchMap.apply``): whole
-patches turn black after normalisation, the input is never written; a prompt's identity finds its rollouts.
+"""The trainer's masking on Qwen's 2-D pixel_values (``layouts.patch_map``, ``masking.select_units``,
+``masking.apply_units``): whole patches turn black after normalisation, the input is never written; a prompt's
+identity finds its rollouts.
 
 The other layouts, on each family's real processor, are in test_families.py."""
 
@@ -9,7 +10,7 @@ import torch
 from PIL import Image
 from transformers import Qwen2VLImageProcessor
 
-from papo_nb.papo import masking
+from papo_nb.papo import layouts, masking, prompt_identity
 from papo_nb.testbed import raw_masks
 
 
@@ -42,9 +43,9 @@ def _batch(pixel_values, grid, num_images=(1, 1)):
 
 
 def _mask(processor, pixel_values, grid, ratio, seed=0, merge_size=1):
-    patches = masking.patch_map(_batch(pixel_values, grid), patch_size=14, merge_size=merge_size, **_stats(processor))
+    patches = layouts.patch_map(_batch(pixel_values, grid), patch_size=14, merge_size=merge_size, **_stats(processor))
     chosen = masking.select_units(patches.units_per_segment, ratio, torch.Generator().manual_seed(seed))
-    return patches, patches.apply(pixel_values, chosen)
+    return patches, masking.apply_units(patches, pixel_values, chosen)
 
 
 def test_patch_mask_changes_2d_qwen_pixel_values_to_black(processed):
@@ -56,7 +57,7 @@ def test_patch_mask_changes_2d_qwen_pixel_values_to_black(processed):
     assert torch.equal(pixel_values, original), "input was modified"
     changed = (masked != pixel_values).any(dim=1)
     assert changed[:64].sum().item() == round(0.6 * 64) and changed[64:].sum().item() == round(0.6 * 16)
-    black = masking.black_pixel_values(processor.image_mean, processor.image_std)
+    black = layouts.black_pixel_values(processor.image_mean, processor.image_std)
     expected_row = black.repeat_interleave(pixel_values.shape[1] // 3)
     assert torch.allclose(masked[changed], expected_row.expand(int(changed.sum()), -1))
     assert torch.equal(masked[~changed], pixel_values[~changed])
@@ -67,7 +68,7 @@ def test_black_value_matches_processing_a_black_image():
     row = processor(images=[Image.new("RGB", (56, 56))], return_tensors="pt")["pixel_values"][0]
     per_channel = row.view(3, -1)
     assert torch.allclose(
-        per_channel, masking.black_pixel_values(processor.image_mean, processor.image_std)[:, None], atol=1e-6
+        per_channel, layouts.black_pixel_values(processor.image_mean, processor.image_std)[:, None], atol=1e-6
     )
 
 
@@ -90,25 +91,25 @@ def test_masks_are_seeded_and_reproducible(processed):
 def test_random_values_are_blackened_per_channel_without_touching_the_input(processed):
     processor, pixel_values, grid = processed
     original = pixel_values.clone()
-    patches = masking.patch_map(_batch(pixel_values, grid), patch_size=14, **_stats(processor))
+    patches = layouts.patch_map(_batch(pixel_values, grid), patch_size=14, **_stats(processor))
     coins = torch.rand(pixel_values.shape, generator=torch.Generator().manual_seed(0)) < 0.6
-    masked = patches.apply_values(pixel_values, coins)
+    masked = masking.apply_values(patches, pixel_values, coins)
     assert torch.equal(pixel_values, original)
     changed = masked != pixel_values
     assert not (changed & ~coins).any(), "a value changed where no coin fell"
     assert changed.float().mean().item() == pytest.approx(0.6, abs=0.05)
-    black = masking.black_pixel_values(processor.image_mean, processor.image_std)
+    black = layouts.black_pixel_values(processor.image_mean, processor.image_std)
     channel_of_column = torch.arange(pixel_values.shape[1]) // (pixel_values.shape[1] // 3)
     assert torch.allclose(masked[changed], black[channel_of_column.expand_as(masked)[changed]])
 
 
 def test_a_selection_that_does_not_fit_the_batch_is_refused(processed):
     processor, pixel_values, grid = processed
-    patches = masking.patch_map(_batch(pixel_values, grid), patch_size=14, **_stats(processor))
+    patches = layouts.patch_map(_batch(pixel_values, grid), patch_size=14, **_stats(processor))
     with pytest.raises(ValueError, match=r"selection of shape \(79,\) for 80 patches \(grid_rows\)"):
-        patches.apply(pixel_values, torch.zeros(79, dtype=torch.bool))
+        masking.apply_units(patches, pixel_values, torch.zeros(79, dtype=torch.bool))
     with pytest.raises(ValueError, match="does not cover pixel_values"):
-        masking.patch_map(_batch(pixel_values[:-1], grid), patch_size=14, **_stats(processor))
+        layouts.patch_map(_batch(pixel_values[:-1], grid), patch_size=14, **_stats(processor))
 
 
 def test_pil_square_mask_and_reprocessing():
@@ -136,31 +137,31 @@ def test_the_prompt_identity_matches_exactly_equal_prompts_and_images(processed)
     n0 = int(grid[0].prod())
     batch = _batch(torch.cat([pixel_values, pixel_values[:n0]]), torch.cat([grid, grid[:1]]), (1, 1, 1))  # A, B, A
     batch["prompt_mask"] = torch.tensor([[0, 1, 1], [0, 1, 1], [1, 1, 1]])  # the third prompt has one more token
-    keys = masking.sample_keys(batch)
+    keys = prompt_identity.sample_keys(batch)
     assert keys[0] != keys[1], "different images"
     assert keys[0] != keys[2], "same image but a different prompt (the unpadded tokens differ)"
-    assert masking.group_samples(batch) == [[0], [1], [2]]
+    assert prompt_identity.group_samples(batch) == [[0], [1], [2]]
     batch["prompt_mask"] = torch.tensor([[0, 1, 1]] * 3)
-    same = masking.sample_keys(batch)
-    assert same[0] == same[2] != same[1] and masking.group_samples(batch) == [[0, 2], [1]]
-    assert masking.sample_row_ranges(batch["image_grid_thw"], [1, 1, 1])[2] == (80, 80 + n0)
+    same = prompt_identity.sample_keys(batch)
+    assert same[0] == same[2] != same[1] and prompt_identity.group_samples(batch) == [[0, 2], [1]]
+    assert layouts.sample_row_ranges(batch["image_grid_thw"], [1, 1, 1])[2] == (80, 80 + n0)
     # the shared prefix groups by the masked images: a mask that differs splits a prompt's rows
     masked = batch["pixel_values"].clone()
     masked[80] = 0.0
-    assert masking.group_samples(batch, masked) == [[0], [1], [2]]
+    assert prompt_identity.group_samples(batch, masked) == [[0], [1], [2]]
 
 
 def test_keys_do_not_depend_on_the_batch_a_prompt_lands_in(processed):
     """TRL shuffles a round's rollouts across device batches: a prompt's key is its content, not its position."""
     _, pixel_values, grid = processed
-    whole = masking.sample_keys(_batch(pixel_values, grid))
+    whole = prompt_identity.sample_keys(_batch(pixel_values, grid))
     n0 = int(grid[0].prod())
-    alone = masking.sample_keys(_batch(pixel_values[n0:], grid[1:], (1,)))
+    alone = prompt_identity.sample_keys(_batch(pixel_values[n0:], grid[1:], (1,)))
     assert alone == whole[1:] and whole[0] != whole[1]
 
 
 def test_a_text_only_batch_is_grouped_by_its_tokens():
     batch = {"prompt_ids": torch.tensor([[1, 2], [1, 2], [3, 4]]), "prompt_mask": torch.ones(3, 2, dtype=torch.long)}
-    assert masking.group_samples(batch) == [[0, 1], [2]]
-    keys = masking.sample_keys(batch)
+    assert prompt_identity.group_samples(batch) == [[0, 1], [2]]
+    keys = prompt_identity.sample_keys(batch)
     assert keys[0] == keys[1] != keys[2]

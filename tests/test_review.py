@@ -112,14 +112,14 @@ def test_one_completions_table_across_steps_each_row_with_its_own_item_and_terms
     # The last step's rows carry the trainer's own per-row terms, by row.
     last = [row for row in rows if row["step"] == STEPS]
     for row in last:
-        kl, entropy, masked_entropy = trainer.rollout_perception[row["row"]]
+        kl, entropy, masked_entropy = trainer.perception_record.rollout[row["row"]]
         assert (row["perception_kl"], row["original_entropy"], row["masked_entropy"]) == pytest.approx(
             (kl, entropy, masked_entropy), rel=1e-6
         )
     # The per-completion KL is the step's logged token mean once the completions are weighted by their lengths.
     logged = client.get_metric_history(run_id, "perception_kl")
     assert [m.step for m in logged] == list(range(1, STEPS + 1))
-    kept = list(trainer.completion_perception)
+    kept = list(trainer.perception_record.completions)
     pad = trainer.processing_class.tokenizer.pad_token_id
     lengths = [sum(1 for t in completion if t != pad) for _, completion, *_ in kept]
     weighted = sum(n * kl for n, (_, _, kl, _, _) in zip(lengths, kept, strict=True)) / sum(lengths)
@@ -147,7 +147,7 @@ def test_masked_thumbnails_draw_the_steps_own_mask_visibly(trained):
     items = completions.item_keys(list(trainer._logs["prompt"]), list(trainer._logs["images"]))
     pictures = {}
     for row in last:
-        selection = completions.row_mask(trainer.rollout_masks, items, row["row"])
+        selection = completions.row_mask(trainer.masks.rollout_masks, items, row["row"])
         drawn = np.array(completions.masked_thumbnail(trainer, by_digest[row["item"]], selection))
         assert np.array_equal(drawn, np.array(Image.open(folder / row["masked_image"]["filepath"]).convert("RGB")))
         pictures.setdefault(row["item"], set()).add(selection.numpy().tobytes())

@@ -9,7 +9,7 @@ from peft import get_peft_model
 from tiny_trainers import tiny_trainer, unit_params
 from trl import GRPOTrainer
 
-from papo_nb.papo import PAPOGConfig, masking, shared_prefix
+from papo_nb.papo import PAPOGConfig, layouts, shared_prefix
 from papo_nb.papo.logp_inputs import logp_call_arguments
 from papo_nb.testbed.models import build_tiny_vlm, load_vlm
 from papo_nb.workbook.rollouts import rollout_batch
@@ -24,7 +24,7 @@ UNEQUAL_ROWS = [5, 0, 9, 1, 2, 3, 11]
 
 def select_rows(batch, rows):
     """The ``_compute_loss`` batch of ``rows`` only (pixel rows and grids follow their samples)."""
-    ranges = masking.sample_row_ranges(batch["image_grid_thw"], batch["num_images"])
+    ranges = layouts.sample_row_ranges(batch["image_grid_thw"], batch["num_images"])
     offsets = torch.tensor([0, *batch["num_images"]]).cumsum(0).tolist()
     out = {k: v[rows] for k, v in batch.items() if isinstance(v, torch.Tensor) and v.dim() > 0 and len(v) == 12}
     out["pixel_values"] = torch.cat([batch["pixel_values"][ranges[i][0] : ranges[i][1]] for i in rows])
@@ -238,8 +238,9 @@ def test_auto_falls_back_with_its_reason_in_the_metrics(setup, caplog):
 
 @pytest.mark.model
 def test_explicit_shared_prefix_runs_on_any_batch_and_per_completion_masks(setup):
-    """Forced on, it is still exact where nothing is shared: every completion its own prompt or its own mask."""
-    trainer = make(setup, masked_forward="shared_prefix", mask_sharing="completion")
+    """Forced on, it is still exact where nothing is shared: every completion its own prompt or its own mask (in the
+    loss call; at rollout time the combination is refused, ``test_trainer.py``)."""
+    trainer = make(setup, masked_forward="shared_prefix", mask_sharing="completion", masked_branch="update")
     batch = select_rows(setup["batch"], UNEQUAL_ROWS)
     masked = trainer.masked_pixel_values(batch)
     assert len(shared_prefix.prompt_groups(batch, masked)) == 7, "per-completion masks: no two rows share an image"

@@ -8,7 +8,7 @@ from peft import get_peft_model
 from tiny_trainers import tiny_trainer, unit_params
 from trl import GRPOConfig, GRPOTrainer
 
-from papo_nb.papo import PAPOGConfig, PAPOGTrainer, masking, recipes
+from papo_nb.papo import PAPOGConfig, PAPOGTrainer, layouts, prompt_identity, recipes
 from papo_nb.papo.logp_inputs import logp_call_arguments
 from papo_nb.papo.terms import K3_BOUND, bounded_k3
 from papo_nb.testbed.models import load_vlm
@@ -359,13 +359,13 @@ def test_official_annealing_ratio_and_discount(policy, shapes_dataset, batch, tm
 
 
 def _rows_by_sample(batch, pixel_values):
-    return [pixel_values[a:b] for a, b in masking.sample_row_ranges(batch["image_grid_thw"], batch["num_images"])]
+    return [pixel_values[a:b] for a, b in layouts.sample_row_ranges(batch["image_grid_thw"], batch["num_images"])]
 
 
 @pytest.mark.model
 def test_one_mask_per_prompt_shared_across_its_rollouts_and_device_batches(policy, shapes_dataset, batch, tmp_path):
     trainer = make_trainer(policy, shapes_dataset, tmp_path)
-    keys = masking.sample_keys(batch)
+    keys = prompt_identity.sample_keys(batch)
     assert len(set(keys)) == 2 and keys.count(keys[0]) == 4
     masked = _rows_by_sample(batch, trainer.masked_pixel_values(batch))
     for i in range(len(keys)):
@@ -384,7 +384,7 @@ def test_one_mask_per_prompt_shared_across_its_rollouts_and_device_batches(polic
 
 
 def _select(batch, order):
-    rows = masking.sample_row_ranges(batch["image_grid_thw"], batch["num_images"])
+    rows = layouts.sample_row_ranges(batch["image_grid_thw"], batch["num_images"])
     out = {k: v[order] for k, v in batch.items() if isinstance(v, torch.Tensor) and v.dim() > 0 and v.size(0) == 8}
     out["pixel_values"] = torch.cat([batch["pixel_values"][rows[i][0] : rows[i][1]] for i in order])
     out["image_grid_thw"] = batch["image_grid_thw"][order]
@@ -400,3 +400,111 @@ def test_mask_generator_is_seeded_per_process_and_resumable(policy, shapes_datas
     first = torch.rand(4, generator=trainer.mask_generator)
     trainer._load_rng_state(str(tmp_path))
     assert torch.equal(torch.rand(4, generator=trainer.mask_generator), first)
+
+
+def test_shared_prefix_with_per_completion_masks_at_rollout_time_is_refused(tmp_path):
+    """The rollout pass prefills each prompt once with its first rollout's mask: per-completion masks would silently
+    become one per prompt there (measured: equal to a one-mask-per-prompt forward to 4.8e-7), so it is refused."""
+    cpu = dict(output_dir=str(tmp_path), use_cpu=True, bf16=False, masked_forward="shared_prefix")
+    with pytest.raises(ValueError) as info:
+        PAPOGConfig(**cpu, mask_sharing="completion", masked_branch="rollout")
+    message = str(info.value)
+    assert "masked_forward='shared_prefix' is invalid with mask_sharing='completion'" in message
+    assert "allowed: mask_sharing='prompt', masked_forward 'auto' or 'full'" in message
+    # in the loss call the prefix groups by the masked images, so each completion keeps its own mask: allowed
+    assert PAPOGConfig(**cpu, mask_sharing="completion", masked_branch="update").mask_sharing == "completion"
+    assert PAPOGConfig(**cpu, mask_sharing="prompt", masked_branch="rollout").masked_forward == "shared_prefix"
+
+
+@pytest.mark.parametrize(
+    ("fields", "off"),
+    [
+        (dict(perception_loss_weight=0.0), True),
+        (dict(perception_loss_weight=0.0, perception_loss_schedule="linear", perception_loss_weight_final=0.0), True),
+        (dict(perception_loss_weight=0.0, perception_loss_schedule="linear", perception_loss_weight_final=0.1), False),
+        (dict(perception_loss_weight=0.0, perception_loss_weight_final=0.1), True),  # fixed: the final is ignored
+        (dict(perception_loss_weight=0.02), False),
+    ],
+)
+def test_the_perception_term_is_off_for_the_run_only_when_gamma_is_0_at_every_step(tmp_path, fields, off):
+    from papo_nb.papo.schedule import gamma_at, perception_off_for_the_run
+
+    args = PAPOGConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, **fields)
+    assert perception_off_for_the_run(args) is off
+    assert (max(gamma_at(args, step, 10) for step in range(11)) == 0.0) is off
+
+
+def _guard_model():
+    model = torch.nn.Linear(2, 1)
+    model(torch.ones(1, 2)).sum().backward()
+    return model
+
+
+class _State:  # the two TrainerState fields the guard reads
+    global_step, log_history = 3, []
+
+
+def test_an_fp16_overflow_is_the_scalers_to_skip_and_counts_apart_from_nonfinite_gradients():
+    """A GradScaler backs off by skipping overflow steps: above scale 1 they leave the gradients to the scaler and
+    do not count toward the limit (five start-up backoffs must not stop a run); at scale 1 no scaling explains the
+    overflow, and it is a non-finite gradient."""
+    from papo_nb.papo.step_guard import NonFiniteGradientError, NonFiniteStepGuard
+
+    guard, model = NonFiniteStepGuard(limit=2), _guard_model()
+    start_up = torch.amp.GradScaler("cpu")  # 65536, the default initial scale
+    for _ in range(5):
+        assert guard.check(_State(), model, float("inf"), scaler=start_up) == "overflow"
+    assert all(p.grad is not None for p in model.parameters()), "the scaler's step, not the guard's"
+    assert (guard.overflows, guard.total, guard.in_a_row) == (5, 0, [])
+    assert guard.metrics() == {"papo/nonfinite_grad_steps": [0.0], "papo/fp16_overflow_steps": [5.0]}
+    unit_scale = torch.amp.GradScaler("cpu", init_scale=1.0)
+    assert guard.check(_State(), model, float("nan"), scaler=unit_scale) == "skipped"
+    assert all(p.grad is None for p in model.parameters()) and guard.total == 1
+    assert guard.check(_State(), _guard_model(), 1.5, scaler=unit_scale) == "finite" and guard.in_a_row == []
+    guard.check(_State(), _guard_model(), float("nan"))
+    with pytest.raises(NonFiniteGradientError, match=r"2 optimizer steps in a row"):
+        guard.check(_State(), _guard_model(), float("inf"), scaler=unit_scale)
+
+
+class _DeepSpeedStepReport:
+    """DeepSpeed is not installed here: this stands for the one method of ``DeepSpeedEngine`` the guard asks,
+    ``was_step_applied()`` (false when DeepSpeed's fp16 loss scaler skipped the step)."""
+
+    def __init__(self, applied: bool):
+        self.applied = applied
+
+    def was_step_applied(self) -> bool:
+        return self.applied
+
+
+def test_under_deepspeed_a_nonfinite_step_stops_the_run_since_it_cannot_be_skipped():
+    from papo_nb.papo.step_guard import NonFiniteGradientError, NonFiniteStepGuard
+
+    guard, model = NonFiniteStepGuard(limit=5), _guard_model()
+    assert guard.check(_State(), model, float("inf"), engine=_DeepSpeedStepReport(applied=False)) == "overflow"
+    assert guard.overflows == 1 and guard.total == 0
+    with pytest.raises(NonFiniteGradientError) as info:
+        guard.check(_State(), model, float("nan"), engine=_DeepSpeedStepReport(applied=True))
+    message = str(info.value)
+    assert "DeepSpeed has already applied the step" in message and "cannot be skipped: the run stops here" in message
+    assert guard.total == 0, "nothing was skipped, and the guard does not say it was"
+
+
+def test_a_text_only_rank_under_zero3_or_fsdp_is_refused_on_every_rank():
+    """ZeRO-3 gathers each module's partitions as its forward starts, so a rank that skips the vision tower leaves
+    the others' all-gathers unpaired; the parameters are told apart as DeepSpeed marks them."""
+    from papo_nb.papo.fsdp import partitioning
+    from papo_nb.papo.masked_branch import refuse_mixed_images
+
+    plain = torch.nn.Parameter(torch.zeros(2))
+    partitioned = torch.nn.Parameter(torch.zeros(0))
+    partitioned.ds_id, partitioned.ds_status = 7, "NOT_AVAILABLE"  # what deepspeed.zero.Init sets
+    assert partitioning([plain]) is None and partitioning([plain, partitioned]) == "DeepSpeed ZeRO-3"
+    with pytest.raises(RuntimeError) as info:
+        refuse_mixed_images(1, 2, partitioning([partitioned]))
+    assert str(info.value) == (
+        "under DeepSpeed ZeRO-3 every rank's batch must have images or none; 1 of 2 ranks have images in this batch "
+        "(mixed text-only data)"
+    )
+    for ranks, processes, kind in ((0, 2, "DeepSpeed ZeRO-3"), (2, 2, "FSDP"), (1, 2, None)):
+        refuse_mixed_images(ranks, processes, kind)  # all ranks alike, or nothing gathered: no refusal

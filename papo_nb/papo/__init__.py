@@ -5,7 +5,10 @@ The core, read first:
 - ``papo_config.py``: ``PAPOGConfig``, the ``GRPOConfig`` fields PAPO-G adds, each documented.
 - ``papo_trainer.py``: ``PAPOGTrainer``, the parent's loss plus the perception KL and the double entropy.
 - ``terms.py``: the per-token maths (bounded k3 KL, the parent's reductions).
-- ``masking.py``: patch masks for every image layout TRL passes to the forward, and a prompt's identity.
+- ``layouts.py``: every image layout TRL passes to the forward, detected, and the real patches of a batch;
+  ``masking.py``: the units drawn and blacked out; ``prompt_identity.py``: which rows are one prompt.
+- ``masked_branch.py`` (with ``rollout_branch.py``): the masked forward, once per round or per loss call, skipped
+  when the perception term is off for the whole run.
 
 Set apart: ``shared_prefix.py`` (the masked branch with each prompt prefilled once), ``contract.py`` (the TRL
 private API the trainer checks at construction), ``recipes.py`` (the official recipes as presets).

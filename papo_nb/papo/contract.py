@@ -8,8 +8,11 @@
   adapter overrides to skip a non-finite step, before the optimizer steps.
 
 The rollout-time masked branch overrides ``_generate_and_score_completions``: the contract pins its signature, the
-batch keys the override reads from what it returns, and that ``_prepare_inputs`` still buffers its result (so the
-stored masked log-probs travel with the round as ``old_per_token_logps`` does).
+batch keys the override reads from what it returns, and that ``_prepare_inputs`` still buffers its result and serves
+it by ``self._step % steps_per_generation`` (so the stored masked log-probs travel with the round as
+``old_per_token_logps`` does). The masks' round (``mask_state.generation_round``) is TRL's cadence: the contract pins
+that ``_prepare_inputs`` generates when ``self._step % (steps_per_generation * num_iterations) == 0`` and that
+``training_step`` counts ``self._step`` up by one.
 
 The pinned upstream SHA-256 is that of the file inside the ``trl==0.29.1`` wheel on PyPI
 (https://github.com/huggingface/trl/blob/v0.29.1/trl/experimental/papo/papo_trainer.py).
@@ -74,6 +77,11 @@ ROLLOUT_PARAMETERS = ("self", "inputs")
 ROLLOUT_RETURNED_KEYS = ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask") + VLM_FORWARD_KEYWORDS
 PREPARE_METHOD = "_prepare_inputs"
 BUFFER_ATTRIBUTE = "_buffered_inputs"
+TRAINING_STEP_METHOD = "training_step"
+# The loss calls one generation round serves, and the device batch of the round a loss call gets, as TRL writes them.
+ROUND_LENGTH = "self.args.steps_per_generation * self.num_iterations"
+BUFFER_INDEX = "self._buffered_inputs[self._step % self.args.steps_per_generation]"
+STEP_COUNT = "self._step += 1"
 # The Trainer method whose result decides whether the optimizer steps (transformers 5.x Trainer._run_epoch).
 GRAD_NORM_METHOD = "_get_grad_norm"
 GRAD_NORM_PARAMETERS = ("self", "model", "grad_norm")
@@ -92,10 +100,11 @@ def contract_violations(
     logp_reads_gate: bool,
     rollout: ast.FunctionDef | None = None,
     prepare: ast.FunctionDef | None = None,
+    training_step: ast.FunctionDef | None = None,
 ) -> list[str]:
-    """The contract's rules, shared by the live (inspect) and static (ast) checks; ``rollout`` and ``prepare`` are
-    the parsed ``_generate_and_score_completions`` and ``_prepare_inputs``."""
-    problems = rollout_violations(rollout, prepare)
+    """The contract's rules, shared by the live (inspect) and static (ast) checks; ``rollout``, ``prepare`` and
+    ``training_step`` are the parsed ``_generate_and_score_completions``, ``_prepare_inputs`` and ``training_step``."""
+    problems = rollout_violations(rollout, prepare) + cadence_violations(prepare, training_step)
     if tuple(loss_parameters) != LOSS_PARAMETERS:
         problems.append(
             f"{PARENT_CLASS}.{LOSS_METHOD} signature changed: {tuple(loss_parameters)} != {LOSS_PARAMETERS}"
@@ -151,12 +160,49 @@ def rollout_violations(rollout: ast.FunctionDef | None, prepare: ast.FunctionDef
     missing = [key for key in ROLLOUT_RETURNED_KEYS if key not in returned_keys(rollout)]
     for key in missing:
         problems.append(f"{PARENT_CLASS}.{ROLLOUT_METHOD} no longer returns {key!r}")
-    if not (_calls(prepare, ROLLOUT_METHOD) and _reads_attribute(prepare, BUFFER_ATTRIBUTE)):
+    serves = any(ast.unparse(node) == BUFFER_INDEX for node in ast.walk(prepare))
+    if not (_calls(prepare, ROLLOUT_METHOD) and _assigns_attribute(prepare, BUFFER_ATTRIBUTE) and serves):
         problems.append(
             f"{PARENT_CLASS}.{PREPARE_METHOD} no longer buffers the result of {ROLLOUT_METHOD} in "
-            f"self.{BUFFER_ATTRIBUTE}"
+            f"self.{BUFFER_ATTRIBUTE} and serves it as {BUFFER_INDEX}"
         )
     return problems
+
+
+def cadence_violations(prepare: ast.FunctionDef | None, training_step: ast.FunctionDef | None) -> list[str]:
+    """The generation round's cadence the masks share: a new round when ``self._step % (ROUND_LENGTH) == 0``, and
+    ``self._step`` counted up by one per loss call."""
+    if prepare is None or training_step is None:
+        return [] if prepare is None else [f"{PARENT_CLASS} has no method {TRAINING_STEP_METHOD}"]
+    names = {
+        target.id
+        for node in ast.walk(prepare)
+        if isinstance(node, ast.Assign) and ast.unparse(node.value) == ROUND_LENGTH
+        for target in node.targets
+        if isinstance(target, ast.Name)
+    }
+    starts = {f"self._step % {name} == 0" for name in names} | {f"self._step % ({ROUND_LENGTH}) == 0"}
+    regenerates = any(
+        isinstance(node, ast.If)
+        and _calls(node, ROLLOUT_METHOD)
+        and any(ast.unparse(c) in starts for c in ast.walk(node.test))
+        for node in ast.walk(prepare)
+    )
+    problems = []
+    if not regenerates:
+        problems.append(
+            f"{PARENT_CLASS}.{PREPARE_METHOD} no longer starts a generation round when self._step % "
+            f"({ROUND_LENGTH}) == 0: the masks' generation_round would not be TRL's"
+        )
+    if not any(ast.unparse(node) == STEP_COUNT for node in ast.walk(training_step)):
+        problems.append(f"{PARENT_CLASS}.{TRAINING_STEP_METHOD} no longer counts {STEP_COUNT}")
+    return problems
+
+
+def _assigns_attribute(node: ast.AST, attribute: str) -> bool:
+    return any(
+        isinstance(n, ast.Attribute) and n.attr == attribute and isinstance(n.ctx, ast.Store) for n in ast.walk(node)
+    )
 
 
 def _reads_attribute(node: ast.AST, attribute: str) -> bool:
@@ -176,6 +222,7 @@ def live_contract_violations(grpo_trainer_class: Any) -> list[str]:
         _reads_attribute(logp_tree, ENTROPY_GRAD_GATE),
         _parsed_method(grpo_trainer_class, ROLLOUT_METHOD),
         _parsed_method(grpo_trainer_class, PREPARE_METHOD),
+        _parsed_method(grpo_trainer_class, TRAINING_STEP_METHOD),
     )
 
 
@@ -238,4 +285,5 @@ def static_contract_violations(grpo_trainer_source: str) -> list[str]:
         _reads_attribute(logp, ENTROPY_GRAD_GATE),
         methods.get(ROLLOUT_METHOD),
         methods.get(PREPARE_METHOD),
+        methods.get(TRAINING_STEP_METHOD),
     )

@@ -1,9 +1,10 @@
 """The trainer's masking state, one object: the generator, the per-round mask cache, the model's patch size, and the
 generator's save and load with the Trainer's RNG states.
 
-The masks themselves (layouts, patch maps, the draw of ``round(ratio * n)`` units) are ``masking.py``'s; this object
-only decides which mask a sample gets: drawn once per prompt per generation round and reused by every rollout of
-that prompt (``mask_sharing="prompt"``), or a fresh draw per sample (``"completion"``).
+The masks themselves are the other modules': layouts and patch maps ``layouts.py``, the draw of ``round(ratio * n)``
+units and its pixels ``masking.py``, a prompt's identity ``prompt_identity.py``. This object only decides which mask
+a sample gets: drawn once per prompt per generation round and reused by every rollout of that prompt
+(``mask_sharing="prompt"``), or a fresh draw per sample (``"completion"``).
 """
 
 from __future__ import annotations
@@ -13,10 +14,17 @@ from typing import Any
 
 import torch
 
-from . import masking
+from . import layouts, masking, prompt_identity
+from .perception_metrics import ROLLOUT_ROW_KEY
 
 MASK_CACHE_LIMIT = 4096  # prompt masks remembered within one generation round (bounds memory outside train())
-ROLLOUT_ROW_KEY = "papo_rollout_row"  # a batch entry: each completion's row in its generation batch, for review
+
+
+def generation_round(step: int, steps_per_generation: int, num_iterations: int) -> int:
+    """Which generation round the trainer's ``_step``-th loss call belongs to: TRL 1.9.1 generates a new round
+    when ``_step % (steps_per_generation * num_iterations) == 0`` (``_prepare_inputs``, pinned by the contract's
+    ``ROUND_LENGTH``), so masks are shared within one such run of loss calls."""
+    return step // (steps_per_generation * num_iterations)
 
 
 class MaskState:
@@ -56,11 +64,11 @@ class MaskState:
             raise ValueError(f"cannot tell the model's vision patch size for masking: found {sizes or 'none'}")
         return next(iter(sizes.values()))
 
-    def patch_map(self, inputs: dict[str, Any]) -> masking.PatchMap:
-        """The real patches of this batch's pixel_values, in whichever layout it has (``masking``)."""
+    def patch_map(self, inputs: dict[str, Any]) -> layouts.PatchMap:
+        """The real patches of this batch's pixel_values, in whichever layout it has (``layouts``)."""
         image_processor = self.processing_class.image_processor
         merge = getattr(image_processor, "merge_size", 2) if self.args.mask_type == "merge_unit" else 1
-        return masking.patch_map(
+        return layouts.patch_map(
             inputs,
             patch_size=self.patch_size(),
             image_mean=image_processor.image_mean,
@@ -68,13 +76,13 @@ class MaskState:
             merge_size=merge,
         )
 
-    def draw(self, patches: masking.PatchMap, sample: int, sample_pixels: torch.Tensor) -> torch.Tensor:
+    def draw(self, patches: layouts.PatchMap, sample: int, sample_pixels: torch.Tensor) -> torch.Tensor:
         """A fresh mask for one sample: a bool per patch unit, or (``random``) a coin per pixel value."""
         if self.args.mask_type == "random":
             return torch.rand(sample_pixels.shape, generator=self.generator) < self.args.mask_ratio
         return masking.select_units(patches.sample_segments(sample), self.args.mask_ratio, self.generator)
 
-    def sample_masks(self, inputs: dict[str, Any], patches: masking.PatchMap, round_: int | None) -> list:
+    def sample_masks(self, inputs: dict[str, Any], patches: layouts.PatchMap, round_: int | None) -> list:
         """One mask per sample. ``mask_sharing='prompt'``: drawn once per prompt (content key) per generation round
         ``round_`` (None: no round, nothing kept) and reused by every rollout of that prompt, in this device batch or
         a later one of the same round (TRL shuffles rollouts across them); ``'completion'``: a fresh draw each."""
@@ -83,7 +91,7 @@ class MaskState:
             return [self.draw(patches, i, pixel_values[a:b]) for i, (a, b) in enumerate(patches.sample_rows)]
         if round_ is None or round_ != self.cache_round or len(self.cache) > MASK_CACHE_LIMIT:
             self.cache, self.cache_round = {}, round_
-        keys = masking.sample_keys(inputs)
+        keys = prompt_identity.sample_keys(inputs)
         for i, (start, end) in enumerate(patches.sample_rows):
             if keys[i] not in self.cache:
                 self.cache[keys[i]] = self.draw(patches, i, pixel_values[start:end])
@@ -97,8 +105,8 @@ class MaskState:
         for i, row in enumerate(inputs.get(ROLLOUT_ROW_KEY, torch.empty(0)).tolist()):
             self.rollout_masks[row] = masks[i].cpu()  # for a reviewer: the exact mask this completion trained with
         if self.args.mask_type == "random":
-            return patches.apply_values(inputs["pixel_values"], torch.cat(masks))
-        return patches.apply(inputs["pixel_values"], torch.cat(masks))
+            return masking.apply_values(patches, inputs["pixel_values"], torch.cat(masks))
+        return masking.apply_units(patches, inputs["pixel_values"], torch.cat(masks))
 
     # ---- checkpoints: the generator is resumed with the RNG states the Trainer saves ----
     def rng_file(self, folder: str) -> str:

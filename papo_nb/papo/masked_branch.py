@@ -1,5 +1,9 @@
 """The masked branch, one object per trainer: its plan (shared prompt prefix or full forward), its clock, the owner
-tag of the branches it stores, and its metrics and log lines.
+tag of the rounds it stores, and its metrics and log lines.
+
+A run whose perception term is off throughout (gamma 0 at every step, eta2 0, no in-training probe) never needs
+the branch: ``skipped`` is then true, no image is masked and no masked forward runs (GRPOTrainer's cost, and every
+model GRPOTrainer trains trains); its KL is exactly 0 and is logged so.
 
 It runs in two places. In the loss call (``masked_branch="update"``, and batches built outside a round) as
 ``compute``: with ``masked_branch_grad=True`` this is the official ``RECOMPUTE_AUG_LOG_PROBS=True``, a masked forward
@@ -22,9 +26,10 @@ import torch
 from transformers.utils import logging
 
 from . import rollout_branch, shared_prefix
-from .fsdp import sharded
+from .fsdp import partitioning
 from .logp_inputs import logp_call_arguments
-from .rollout_branch import MASKED_ENTROPIES_KEY, MASKED_LOGPS_KEY, OWNER_KEY
+from .rollout_branch import MASKED_ENTROPIES_KEY, MASKED_LOGPS_KEY, OWNER_KEY, ROW_CHECK_KEY, row_checks
+from .schedule import perception_off_for_the_run
 
 logger = logging.get_logger(__name__)
 
@@ -62,12 +67,61 @@ class MaskedBranch:
         self.clock = BranchClock()
         self.reasons_logged: set[tuple[bool, str]] = set()
 
+    @property
+    def skipped(self) -> bool:
+        """True when nothing reads the branch: gamma 0 for the whole run, eta2 0 and no in-training probe."""
+        args = self.args
+        return (
+            perception_off_for_the_run(args)
+            and args.masked_entropy_weight == 0
+            and not args.require_gpu_contract_probe
+        )
+
+    def for_loss(self, model, inputs: dict[str, Any], mask_pixels, logps_of):
+        """The batch's masked ``(logps, entropies)`` for the loss call: stored with this trainer's round, or computed
+        now (``masked_branch="update"``, a batch built outside a round); None where it equals the original branch
+        (a text-only batch, a skipped branch). ``mask_pixels(inputs)`` masks the batch's images, ``logps_of`` as in
+        ``compute``."""
+        if self.skipped:
+            self.record_skip()
+            return None
+        has_images = inputs.get("pixel_values") is not None
+        if self.args.masked_branch == "rollout" and self.owns(inputs):
+            if not has_images:  # the same choice on every rank: no collective needed
+                return None
+            stored = self.stored(inputs)
+            if stored is None:
+                raise RuntimeError(
+                    "masked_branch='rollout': a device batch of this generation round has images but no stored "
+                    f"masked branch ({MASKED_LOGPS_KEY} missing)"
+                )
+            return stored
+        with self.clock.timing():
+            any_images = self.images_on_any_rank(has_images)  # a collective: every rank calls it
+            if has_images:
+                return self.compute(model, inputs, mask_pixels(inputs), logps_of)
+            if any_images:  # result unused: see images_on_any_rank
+                self.compute(model, inputs, None, logps_of)
+        return None
+
+    def record_skip(self) -> None:
+        if (False, "skipped") not in self.reasons_logged:
+            self.reasons_logged.add((False, "skipped"))
+            logger.info(
+                "PAPO-G masked branch skipped: gamma is 0 for the whole run, masked_entropy_weight is 0 and no "
+                "in-training probe runs, so nothing reads it (perception KL exactly 0)"
+            )
+
     # ---- the branch stored with a round ----
+    def owns(self, inputs: dict[str, Any]) -> bool:
+        """Whether ``inputs`` is (a device batch of) a round this branch's rollout pass saw."""
+        owner = inputs.get(OWNER_KEY)
+        return owner is not None and int(owner) == self.owner
+
     def stored(self, inputs: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         """``(masked logps, masked entropies or None)`` stored with ``inputs`` by this branch's rollout pass, or
-        None."""
-        owner = inputs.get(OWNER_KEY)
-        if owner is None or int(owner) != self.owner or MASKED_LOGPS_KEY not in inputs:
+        None; raises when the stored rows are not the batch's (shape, or the per-row check)."""
+        if not self.owns(inputs) or MASKED_LOGPS_KEY not in inputs:
             return None
         logps = inputs[MASKED_LOGPS_KEY]
         if logps.shape != inputs["completion_ids"].shape:
@@ -75,20 +129,31 @@ class MaskedBranch:
                 f"the stored masked log-probs have shape {tuple(logps.shape)}, the batch's completions "
                 f"{tuple(inputs['completion_ids'].shape)}: the round was split or padded after the masked branch ran"
             )
+        stored_checks = inputs.get(ROW_CHECK_KEY)
+        if stored_checks is None:
+            raise RuntimeError(f"the stored masked branch has no per-row check ({ROW_CHECK_KEY} missing)")
+        wrong = (stored_checks.to(logps.device) != row_checks(inputs).to(logps.device)).nonzero().flatten()
+        if len(wrong):
+            raise RuntimeError(
+                f"the stored masked branch is not aligned with the batch: rows {wrong.tolist()} of "
+                f"{len(logps)} carry another completion's masked log-probs (their prompt and completion ids differ "
+                "from those the branch was computed for): the round was reordered without the masked branch's keys"
+            )
         return logps, inputs.get(MASKED_ENTROPIES_KEY)
 
     @torch.no_grad()
     def rollout_entries(self, batch: dict[str, Any], mask_pixels, logps_of) -> dict[str, Any]:
         """What the rollout pass adds to the parent's generation batch: the masked branch of every completion with an
-        image, and the owner tag; nothing for a round without images (its perception term is 0, no forward needed).
-        ``mask_pixels(batch)`` masks a batch's images; ``logps_of`` is the parent's log-prob method."""
+        image with its per-row check, and the owner tag; only the tag for a round without images (its perception
+        term is 0, no forward needed). ``mask_pixels(batch)`` masks a batch's images; ``logps_of`` is the parent's
+        log-prob method."""
         has_images = batch.get("pixel_values") is not None
-        # Every rank calls it (one all-reduce); it refuses a round with images on some ranks only under FSDP, whose
-        # vision all-gathers would not pair. Under DDP this pass calls the unwrapped model, so a text-only rank owes
-        # the others no forward.
+        # Every rank calls it (one all-reduce); it refuses a round with images on some ranks only under FSDP or
+        # ZeRO-3, whose vision all-gathers would not pair. Under DDP this pass calls the unwrapped model, so a
+        # text-only rank owes the others no forward.
         self.images_on_any_rank(has_images)
         if not has_images:
-            return {}
+            return {OWNER_KEY: torch.tensor(self.owner)}
         with self.clock.timing():
             compute_entropy = self.args.entropy_estimator == "full"
             rows, processes = self.args.per_device_train_batch_size, self.accelerator.num_processes
@@ -102,22 +167,23 @@ class MaskedBranch:
                     self.model, batch, mask_pixels, logps_of, compute_entropy, rows
                 )
                 self.record(False, self.plan.reason, None)
-        entries = {MASKED_LOGPS_KEY: logps, OWNER_KEY: torch.tensor(self.owner)}
+        entries = {MASKED_LOGPS_KEY: logps, OWNER_KEY: torch.tensor(self.owner), ROW_CHECK_KEY: row_checks(batch)}
         if entropies is not None:
             entries[MASKED_ENTROPIES_KEY] = entropies
         return entries
 
     # ---- the branch in the loss call ----
-    def compute(self, model, inputs: dict[str, Any], masked_pixels: torch.Tensor | None, logps_of, entropy_grad: bool):
+    def compute(self, model, inputs: dict[str, Any], masked_pixels: torch.Tensor | None, logps_of):
         """The masked branch now, for this batch: ``(logps, entropies)``, shared prefix or full forward, with gradient
         when ``masked_branch_grad`` asks for it. ``masked_pixels`` replace the batch's images (None: a text-only
         batch's parity forward, see ``images_on_any_rank``); ``logps_of(want_entropy_grad, model, *args, **kwargs)``
-        is the parent's log-prob method; ``entropy_grad``: whether the masked entropy needs its gradient."""
+        is the parent's log-prob method (the masked entropy keeps its gradient when the full estimator weighs it)."""
         positional, vlm_kwargs = logp_call_arguments(inputs)
         if masked_pixels is not None:
             vlm_kwargs["pixel_values"] = masked_pixels
         # The sampled estimator needs only log-probs; the full one asks the parent for vocabulary entropies.
         compute_entropy = self.args.entropy_estimator == "full"
+        entropy_grad = compute_entropy and self.args.masked_branch_grad and self.args.masked_entropy_weight > 0
         # Under no-grad, one prefill per prompt and its completions against the cached prefix (same numbers, see
         # shared_prefix.py); None where it does not apply (the reason is logged and in the metrics).
         shared = self._shared_prefix(model, inputs, vlm_kwargs.get("pixel_values"), compute_entropy)
@@ -125,7 +191,7 @@ class MaskedBranch:
             return shared
         with torch.set_grad_enabled(self.args.masked_branch_grad and torch.is_grad_enabled()):
             logps, entropies, _ = logps_of(
-                self.args.masked_branch_grad and entropy_grad,
+                entropy_grad,
                 model,
                 *positional,
                 compute_entropy=compute_entropy,
@@ -199,11 +265,18 @@ class MaskedBranch:
             return has_images
         flag = torch.tensor([float(has_images)], device=self.accelerator.device)
         ranks = int(self.accelerator.reduce(flag, reduction="sum").item())
-        if 0 < ranks < processes and sharded(list(self.model.parameters())):
-            # Only the image ranks would run the sharded vision tower, whose all-gathers the others never join
-            # (measured: a 2-rank FSDP job aborts in all_gather); the same on every rank, so all raise.
-            raise RuntimeError(
-                f"under FSDP every rank's batch must have images or none; {ranks} of {processes} ranks have images "
-                "in this batch (mixed text-only data)"
-            )
+        refuse_mixed_images(ranks, processes, partitioning(list(self.model.parameters())))
         return ranks > 0
+
+
+def refuse_mixed_images(ranks: int, processes: int, partitioned_by: str | None) -> None:
+    """Raise when ``ranks`` of ``processes`` have images and the parameters are gathered in a forward.
+
+    Only the image ranks would run the sharded vision tower, whose all-gathers the others never join (measured: a
+    2-rank FSDP job aborts in all_gather; ZeRO-3 gathers each module's partitions as its forward starts, the same
+    pairing); the count is the same on every rank, so all raise."""
+    if 0 < ranks < processes and partitioned_by is not None:
+        raise RuntimeError(
+            f"under {partitioned_by} every rank's batch must have images or none; {ranks} of {processes} ranks have "
+            "images in this batch (mixed text-only data)"
+        )

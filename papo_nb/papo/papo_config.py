@@ -252,6 +252,26 @@ class PAPOGConfig(GRPOConfig):
                 "PAPOGConfig.masked_forward='shared_prefix' is invalid with masked_branch_grad=True: the shared "
                 "prefix is a no-grad path; allowed: masked_forward 'auto' or 'full', or masked_branch_grad=False"
             )
+        if self.use_liger_kernel:
+            # GRPOTrainer.compute_loss sends a Liger run to compute_liger_loss and never calls _compute_loss
+            # (grpo_trainer.py:2913-2917): the PAPO terms and the probe would vanish without a word.
+            raise ValueError(
+                "PAPOGConfig.use_liger_kernel=True is invalid: GRPOTrainer's Liger loss bypasses _compute_loss, so "
+                "the perception and entropy terms would silently not be trained; allowed: False"
+            )
+        if (
+            self.masked_forward == "shared_prefix"
+            and self.mask_sharing == "completion"
+            and self.masked_branch == "rollout"
+        ):
+            # The rollout pass prefills each prompt once with one mask (its first rollout's): per-completion masks
+            # would silently become one mask per prompt there.
+            raise ValueError(
+                "PAPOGConfig.masked_forward='shared_prefix' is invalid with mask_sharing='completion' and "
+                "masked_branch='rollout': the rollout pass masks and prefills each prompt once, so every completion "
+                "would get its prompt's first mask; allowed: mask_sharing='prompt', masked_forward 'auto' or 'full' "
+                "(a full forward per completion, each with its own mask), or masked_branch='update'"
+            )
         if self.masked_branch == "rollout" and self.masked_branch_grad:
             raise ValueError(
                 "PAPOGConfig.masked_branch='rollout' is invalid with masked_branch_grad=True: the rollout-time masked "

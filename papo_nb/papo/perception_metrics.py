@@ -1,8 +1,32 @@
-"""The per-term metrics of PAPO-G, logged by the trainer once per loss call."""
+"""The per-term metrics of PAPO-G, logged by the trainer once per loss call, and the per-completion record a reviewer
+reads (``PerceptionRecord``)."""
 
 from __future__ import annotations
 
+from collections import deque
+
 import torch
+
+ROLLOUT_ROW_KEY = "papo_rollout_row"  # a batch entry: each completion's row in its generation batch, for review
+
+
+class PerceptionRecord:
+    """Per completion, the (KL, H, H_masked) token means of the latest loss calls on this rank.
+
+    ``completions``: ``(prompt_ids, completion_ids, KL, H, H_masked)`` of the latest ``keep`` completions;
+    ``rollout``: by a completion's row in this rank's latest generation batch (``ROLLOUT_ROW_KEY``, carried through
+    TRL's shuffle), its ``(KL, H, H_masked)``, emptied when a new round is generated."""
+
+    def __init__(self, keep: int):
+        self.completions: deque = deque(maxlen=keep)
+        self.rollout: dict[int, tuple[float, float, float]] = {}
+
+    def add(self, inputs, rows: list[list[float]]) -> None:
+        """``rows``: the batch's per-completion token means, in its row order."""
+        ids = zip(inputs["prompt_ids"].tolist(), inputs["completion_ids"].tolist(), strict=True)
+        self.completions.extend((p, c, *r) for (p, c), r in zip(ids, rows, strict=True))
+        for row, row_terms in zip(inputs.get(ROLLOUT_ROW_KEY, torch.empty(0)).tolist(), rows, strict=False):
+            self.rollout[row] = tuple(row_terms)
 
 
 def log_perception_metrics(

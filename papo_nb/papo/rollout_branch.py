@@ -16,8 +16,12 @@ distinct prompt. The round is processed in chunks of whole prompts of at most ``
 (at least one prompt's G), the bound TRL uses for ``old_per_token_logps``; under several processes the chunks are
 fixed row ranges, so every rank runs the same number of forwards (a forward is a collective under FSDP).
 
-A batch remembers which trainer stored its branch (``OWNER_KEY``, a 0-d tensor that the split and the shuffle pass
-through): another trainer, with other masks or another forward, computes its own.
+A batch remembers which trainer's round it belongs to (``OWNER_KEY``, a 0-d tensor that the split and the shuffle
+pass through, set on every round, text-only ones too): another trainer, with other masks or another forward,
+computes its own, and a batch of this trainer's round with images but no branch is refused (a copy of the batch
+keeps the tag). Each row also carries a check of its tokens (``ROW_CHECK_KEY``: a hash of its prompt and completion
+ids, ``row_checks``), verified where the branch is consumed: a release of TRL that permuted only the keys it knows
+would otherwise misalign the stored rows without a word.
 """
 
 from __future__ import annotations
@@ -26,12 +30,24 @@ from typing import Any
 
 import torch
 
-from . import masking, shared_prefix
+from . import shared_prefix
+from .layouts import sample_row_ranges
 from .logp_inputs import logp_call_arguments
 
 MASKED_LOGPS_KEY = "papo_masked_logps"
 MASKED_ENTROPIES_KEY = "papo_masked_entropies"
 OWNER_KEY = "papo_masked_owner"
+ROW_CHECK_KEY = "papo_masked_row_check"
+# Fixed odd multipliers of the row hash, one per token position (int64 arithmetic wraps; the same on every device).
+_HASH_SEED = 0x9E3779B9
+
+
+def row_checks(batch: dict[str, Any]) -> torch.Tensor:
+    """One int64 per row: a hash of its prompt and completion ids (padding included), where the ids live."""
+    ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1).long()
+    generator = torch.Generator().manual_seed(_HASH_SEED)
+    weights = torch.randint(-(2**62), 2**62, (ids.shape[1],), generator=generator, dtype=torch.long) | 1
+    return (ids * weights.to(ids.device)).sum(dim=1)
 
 
 def chunks(groups: list[list[int]], n_rows: int, rows_per_device: int, processes: int) -> list[list[list[int]]]:
@@ -63,7 +79,7 @@ def _group_pixels(sub: dict[str, Any], local_groups: list[list[int]], mask_pixel
         return None
     firsts = shared_prefix.select_rows(sub, [g[0] for g in local_groups])
     masked = mask_pixels(firsts)
-    ranges = masking.sample_row_ranges(firsts["image_grid_thw"], firsts["num_images"])
+    ranges = sample_row_ranges(firsts["image_grid_thw"], firsts["num_images"])
     return [masked[a:b] for a, b in ranges]
 
 

@@ -29,7 +29,8 @@ from typing import Any
 import torch
 from transformers import DynamicCache
 
-from . import masking
+from .layouts import sample_row_ranges
+from .prompt_identity import group_samples
 
 # model_type of the language-vision models whose forward, cache and get_rope_index this path was checked against
 # (tiny Qwen2-VL and Qwen2.5-VL models, fp32 and bf16, against the full forward).
@@ -89,8 +90,8 @@ def plan(args, model) -> Plan:
 
 def prompt_groups(inputs: dict[str, Any], pixel_values: torch.Tensor | None) -> list[list[int]]:
     """Rows of the batch that are the same prompt with the same (masked) images, in order of first appearance: the
-    prompt identity of the masks (``masking.group_samples``), on ``pixel_values``."""
-    return masking.group_samples(inputs, pixel_values)
+    prompt identity of the masks (``prompt_identity.group_samples``), on ``pixel_values``."""
+    return group_samples(inputs, pixel_values)
 
 
 def select_rows(inputs: dict[str, Any], rows: list[int]) -> dict[str, Any]:
@@ -107,7 +108,7 @@ def select_rows(inputs: dict[str, Any], rows: list[int]) -> dict[str, Any]:
             out[key] = value
     grid, num_images = inputs.get("image_grid_thw"), inputs.get("num_images")
     if inputs.get("pixel_values") is not None and grid is not None:
-        ranges = masking.sample_row_ranges(grid, num_images)
+        ranges = sample_row_ranges(grid, num_images)
         offsets = torch.tensor([0, *num_images]).cumsum(0).tolist()
         out["pixel_values"] = torch.cat([inputs["pixel_values"][ranges[i][0] : ranges[i][1]] for i in rows])
         out["image_grid_thw"] = torch.cat([grid[offsets[i] : offsets[i + 1]] for i in rows])
@@ -179,7 +180,7 @@ def shared_prefix_logps(
     cache_key = _cache_keyword(hf_model)
 
     if has_images and group_pixel_values is None:
-        ranges = masking.sample_row_ranges(grid, num_images)
+        ranges = sample_row_ranges(grid, num_images)
         group_pixel_values = [pixel_values[ranges[i][0] : ranges[i][1]] for i in firsts]
     first_logits, prefix_kv = _prefill(model, inputs, positions, firsts, group_pixel_values, cache_key)
     return _completions(

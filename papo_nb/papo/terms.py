@@ -96,17 +96,17 @@ def perception_terms(
     inputs: dict[str, Any], logps, entropies, masked, *, kl_clamp: float | None, estimator: str, normalise: Callable
 ) -> tuple[PerceptionTerms, torch.Tensor, list[list[float]]]:
     """The terms of one batch from the parent's ``logps`` (and ``entropies``) and the masked branch ``masked``
-    (``(logps, entropies)``, or None for a text-only batch), on completion tokens (times ``tool_mask`` where
-    present); ``normalise(per_token, mask)`` is the parent's reduction. Also returns the (KL, H, H_masked) sums
-    and, per completion, their token means (no grad). All fp32."""
+    (``(logps, entropies)``, or None where it equals the original branch: a text-only batch, a run at gamma 0), on
+    completion tokens (times ``tool_mask`` where present); ``normalise(per_token, mask)`` is the parent's
+    reduction. Also returns the (KL, H, H_masked) sums and, per completion, their token means (no grad). All fp32."""
     mask = inputs["completion_mask"]
     if "tool_mask" in inputs:
         mask = mask * inputs["tool_mask"]
     mask = mask.float()
     has_images = inputs.get("pixel_values") is not None
-    if has_images:
+    if masked is not None:
         masked_logps, masked_entropies = masked
-    else:  # the masked branch of a text-only batch is the original branch: KL 0, no forward needed
+    else:  # a text-only batch, or a run that never uses the branch: it is the original branch, KL exactly 0
         masked_logps, masked_entropies = logps.detach(), None if entropies is None else entropies.detach()
     per_token_kl = bounded_k3(masked_logps, logps, kl_clamp)
     if estimator == "sampled":  # -log pi(o_t): its mean is the sampled entropy estimate
@@ -127,3 +127,11 @@ def perception_terms(
         has_images=has_images,
     )
     return terms, sums, rows
+
+
+def assemble_loss(parent_loss: torch.Tensor, terms: PerceptionTerms, gamma: float, eta1: float, eta2: float):
+    """The total loss, the one place it is assembled (the probe differentiates it at gamma = 0): the parent's loss
+    minus gamma times the perception KL plus the weighted entropies; ``eta1``/``eta2`` are the effective weights,
+    the annealing discount already applied."""
+    papo = -gamma * terms.perception_kl + eta1 * terms.original_entropy + eta2 * terms.masked_entropy
+    return parent_loss + papo

@@ -6,7 +6,7 @@ family's own special tokens, a ChatML-style template that places the family's im
 processor with small sizes, and a config of a few hundred thousand parameters. ``*_tiled`` variants split images into
 tiles (Idefics3/SmolVLM image splitting, LFM2-VL tiling with a thumbnail), so batches carry padded tiles.
 
-Each family produces the image layout named in ``papo_nb/papo/masking.py``.
+Each family produces the image layout named in ``papo_nb/papo/layouts.py``.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ per completion with a ``step`` column, so that the artifact view goes through st
 Every value of a row is that row's own, found by its position in the generation batch: TRL keeps the latest rollouts
 in order (``trainer._logs``), and ``PAPOGTrainer`` keeps, for the same positions (``ROLLOUT_ROW_KEY``, carried
 through TRL's shuffle), each completion's perception terms and the exact mask selection its masked branch used
-(``rollout_perception``, ``rollout_masks``). Nothing is keyed by prompt text, which two items may share.
+(``perception_record.rollout``, ``masks.rollout_masks``). Nothing is keyed by prompt text, which two items may share.
 
 The masked thumbnail is the row's image at the model's input size with that selection drawn on it: masked patches
 grey with a dark outline, so that they show on any image (a black fill would vanish on a black background). It is
@@ -23,7 +23,7 @@ import torch
 from mlflow import MlflowClient
 from PIL import Image, ImageDraw
 
-from papo_nb.papo import masking
+from papo_nb.papo import layouts
 
 REVIEW_PROMPTS = 2  # items per step in the table (each with all its completions, at most the next bound)
 REVIEW_COMPLETIONS_PER_PROMPT = 8
@@ -60,7 +60,7 @@ def mask_pixels(trainer, image: Image.Image, selection: torch.Tensor) -> tuple[I
     processor = trainer.processing_class.image_processor
     processed = dict(processor(images=[image.convert("RGB")], return_tensors="pt"))
     inputs = {**processed, "num_images": [1], "prompt_ids": torch.zeros(1, 1, dtype=torch.long)}
-    layout = masking.detect_layout(inputs)
+    layout = layouts.detect_layout(inputs)
     patches = trainer.masks.patch_map(inputs)
     pixel_values = inputs["pixel_values"]
     if trainer.args.mask_type == "random":
@@ -70,7 +70,7 @@ def mask_pixels(trainer, image: Image.Image, selection: torch.Tensor) -> tuple[I
         chosen = patches.expand(lookup[patches.units + 1]) & patches.real_pixels
     chosen = chosen.expand_as(pixel_values).cpu()
     if layout == "grid_rows":
-        patch, merge = trainer.mask_patch_size(), getattr(processor, "merge_size", 1)
+        patch, merge = trainer.masks.patch_size(), getattr(processor, "merge_size", 1)
         grid = inputs["image_grid_thw"]
         per_pixel = _grid_rows_to_pixels(chosen, grid, patch, merge)
     elif layout in ("images", "sized_images"):
@@ -101,7 +101,7 @@ def masked_thumbnail(trainer, image: Image.Image, selection: torch.Tensor | None
     if found is None:
         return None
     resized, per_pixel = found
-    patch = trainer.mask_patch_size() if trainer.args.mask_type != "random" else per_pixel.shape[0]
+    patch = trainer.masks.patch_size() if trainer.args.mask_type != "random" else per_pixel.shape[0]
     if trainer.args.mask_type == "merge_unit":
         patch *= getattr(trainer.processing_class.image_processor, "merge_size", 1)
     return thumbnail(draw_mask(resized, per_pixel, patch))
@@ -141,8 +141,9 @@ def completions_table(trainer, step: int) -> pd.DataFrame:
     rewards = {name: list(values) for name, values in logs["rewards"].items()}
     extra = {name: list(values) for name, values in logs["extra"].items() if len(values) == len(prompts)}
     advantages = list(logs["advantages"])
-    perception = getattr(trainer, "rollout_perception", {})
-    masks = getattr(trainer, "rollout_masks", {})
+    papo = hasattr(trainer, "perception_record")  # a GRPOTrainer keeps neither
+    perception = trainer.perception_record.rollout if papo else {}
+    masks = trainer.masks.rollout_masks if papo else {}
     local_rows = len(prompts) // max(trainer.accelerator.num_processes, 1)  # rank 0's rows come first
     items = item_keys(prompts[:local_rows], images[:local_rows])
     table = []

@@ -13,8 +13,8 @@ dataset lineage and system metrics.
   credits PAPO, is copied. After training the last checkpoint's model is the active model, so the held-out metrics
   the notebook logs next are attached to it.
 
-Per-completion KL, entropies and masks come from ``PAPOGTrainer.rollout_perception`` and ``rollout_masks`` (this
-process's completions only).
+Per-completion KL, entropies and masks come from ``PAPOGTrainer.perception_record.rollout`` and
+``masks.rollout_masks`` (this process's completions only).
 """
 
 from __future__ import annotations
