@@ -9,7 +9,7 @@ import numpy as np
 from matplotlib.figure import Figure
 
 from papo_nb.papo.probe.contract import GAMMA_ZERO_GRADIENT_ABS_FLOOR, GAMMA_ZERO_GRADIENT_REL_TOL
-from papo_nb.papo.probe.projection import POWER_MARGIN, PROJECTION_Z, RECIPE_GAMMA, TERM_NAMES
+from papo_nb.papo.probe.projection import POWER_MARGIN, RECIPE_GAMMA, TERM_NAMES
 
 MARKERS = {"fp32": "o", "bf16": "s"}
 TERM_COLOURS = dict(zip(TERM_NAMES, ("tab:blue", "tab:orange", "tab:green")))
@@ -79,7 +79,7 @@ def plot_both_tests(points):
     """Both tests on the same batches, in leak-coefficient units (a leak of ``c * T`` adds ``c * grad T``). Left, the
     spec's norm rule: the roundoff it sees (``||g_zero - g_parent|| / ||grad T||``) and the smallest leak it detects
     (``tolerance / ||grad T||``). Right, the projection test: the roundoff's coefficient ``|c|``, its noise floor and
-    the smallest leak it detects (``PROJECTION_Z`` floors). Both against the recipe's gamma, 0.02."""
+    the smallest leak it detects (the detection threshold times the floor). Both against the recipe's gamma, 0.02."""
     fig = Figure(figsize=(15, 6))
     left, right = fig.subplots(1, 2, sharey=True)
     x = np.arange(len(points))
@@ -102,7 +102,7 @@ def plot_both_tests(points):
         )
         right.scatter(i, coefficient, color=colour, marker="o", s=30, label=f"roundoff |c|, {name}")
         right.scatter(i, floor, color=colour, marker="_", s=120, label=f"noise floor, {name}")
-        right.scatter(i, detect, color=colour, marker="v", s=50, label=f"detectable: {PROJECTION_Z:g} x floor, {name}")
+        right.scatter(i, detect, color=colour, marker="v", s=50, label=f"detectable: threshold x floor, {name}")
     floor_line = zero_floor(values + [RECIPE_GAMMA])
     for ax, title in (
         (left, "spec norm rule: ||g0 - g|| <= max(REL_TOL ||g||, ABS_FLOOR)"),

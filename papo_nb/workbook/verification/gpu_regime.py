@@ -1,0 +1,197 @@
+"""The probe in an emulated GPU regime: real gradients, synthetic GPU roundoff, many clean evaluations.
+
+On this CPU two backward passes over one graph are bit-identical, so the in-training probe (``roundoff="repeat"``)
+sees a difference of exactly 0 and cannot false-alarm. On a GPU every pass reduces in its own order. This module
+emulates that **synthetically** and says so: the gradients of a real batch (parent, zero-gamma, each PAPO term, each
+injected 0.02 leak) are measured once on the CPU, in fp32 or under bf16 autocast; each emulated evaluation then adds
+fresh noise to every one of its passes (parent, zero-gamma, each injection, each term gradient, each repeat), and
+runs the probe's own decision code (``measure.staged_leak_tests``: the staged repeats, the Student-t threshold, the
+whole-term and block fits) and the norm rule on them.
+
+The noise of a pass (``PassNoise``) is drawn with the correlation structure of **measured** roundoff: a random
+combination of the batch's real roundoff samples (``roundoff="reordered"``: the parent gradient accumulated over
+other splits, each chunk rounded to the autocast dtype; correlated across elements as bf16 rounding of a shared
+activation gradient is) for ``CORRELATED_SHARE`` of its variance, and elementwise noise proportional to the
+gradient's magnitude for the rest; its norm is ``relative`` x the gradient's norm. ``REGIMES`` gives the two levels:
+bf16 at 2e-3 (the CPU's measured bf16 roundoff is 2.1-2.2e-3 relative, notebook 02) and fp32 at 1e-5 (a generous
+bound for fp32 atomic-add roundoff, about 100x the CPU's measured 2.5e-7).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from papo_nb.papo.probe.measure import (
+    ROUNDOFF_STAGES,
+    ProbeGradients,
+    gradient_tolerance,
+    probe_gradients,
+    staged_leak_tests,
+)
+from papo_nb.papo.probe.projection import RECIPE_GAMMA, block_leaks, powered
+from papo_nb.papo.probe.roundoff import REORDERED_SAMPLES, reordered_gradients
+
+# Relative roundoff of one emulated GPU pass, per precision (see the module docstring for where they come from).
+REGIMES = {"bf16": 2e-3, "fp32": 1e-5}
+AUTOCAST = {"bf16": torch.bfloat16, "fp32": None}
+# Fraction of a pass's roundoff variance drawn along the measured (correlated) roundoff samples.
+CORRELATED_SHARE = 0.9
+
+
+@dataclass
+class CachedBatch:
+    """One real batch's gradients (CPU, exact repeats) and its measured roundoff samples, ready to re-noise."""
+
+    label: str
+    precision: str
+    gradients: ProbeGradients
+    basis: torch.Tensor  # (samples, elements): measured real roundoff of this batch, as the correlation structure
+
+
+def cache_batch(trainer, batch, precision: str, label: str) -> CachedBatch:
+    """Measure one batch once: the probe's gradients (``"repeat"``, no repeats) and ``REORDERED_SAMPLES`` real
+    roundoff samples from other splits, under the precision's autocast."""
+    model = trainer.model
+    dtype = AUTOCAST[precision]
+    device_type = next(model.parameters()).device.type
+    with torch.autocast(device_type, dtype=dtype or torch.bfloat16, enabled=dtype is not None):
+        parent, terms = trainer.papo_loss_parts(model, batch)
+        gradients, _ = probe_gradients(trainer, model, parent, terms, [trainer.assemble_loss], batch, "repeat", 0)
+        params = [p for p in model.parameters() if p.requires_grad]
+        _, samples, _ = reordered_gradients(
+            trainer, model, batch, params, [trainer.assemble_loss], parent, gradients.g_parent
+        )
+    return CachedBatch(label, precision, gradients, torch.stack(samples))
+
+
+class PassNoise:
+    """Fresh roundoff for one emulated pass of a gradient ``g``: ``relative * ||g||`` in norm, ``CORRELATED_SHARE``
+    of its variance along the measured roundoff samples, the rest elementwise in proportion to ``|g|``."""
+
+    def __init__(self, basis: torch.Tensor, relative: float, generator: torch.Generator):
+        scale = basis.pow(2).sum(-1).mean().sqrt()
+        self.basis = basis / scale if scale > 0 else basis
+        self.relative = relative
+        self.generator = generator
+
+    def __call__(self, g: torch.Tensor) -> torch.Tensor:
+        size = torch.linalg.vector_norm(g)
+        if size == 0:
+            return torch.zeros_like(g)
+        z = torch.randn(len(self.basis), generator=self.generator, dtype=g.dtype) / math.sqrt(len(self.basis))
+        correlated = z @ self.basis
+        magnitude = g.abs() / size
+        elementwise = torch.randn(g.shape, generator=self.generator, dtype=g.dtype) * magnitude
+        share = CORRELATED_SHARE if self.basis.abs().sum() > 0 else 0.0
+        return self.relative * size * (math.sqrt(share) * correlated + math.sqrt(1 - share) * elementwise)
+
+
+def _noisy_gradients(cached: CachedBatch, noise: PassNoise, leak: torch.Tensor | None):
+    """One emulated evaluation's gradients (every pass re-noised; ``leak`` added to the zero-gamma pass) and the
+    function that draws more repeats of the parent pass."""
+    g = cached.gradients
+    g_parent = g.g_parent + noise(g.g_parent)
+    g_zero = g.g_zeros[0] + noise(g.g_parent) + (leak if leak is not None else 0.0)
+    injected = {n: g.g_parent + v + noise(g.g_parent) - g_parent for n, v in g.injected.items()}
+    terms = {n: None if t is None else t + noise(t) for n, t in g.term_grads.items()}
+
+    def more_samples(count: int) -> list[torch.Tensor]:
+        return [g.g_parent + noise(g.g_parent) - g_parent for _ in range(count)]
+
+    samples = more_samples(ROUNDOFF_STAGES["repeat"][0])
+    noisy = ProbeGradients(g_parent, [g_zero], injected, terms, samples, g_parent * g_parent, g.blocks, False)
+    return noisy, more_samples
+
+
+def evaluate(cached: CachedBatch, noise: PassNoise, leak: torch.Tensor | None = None) -> dict:
+    """One emulated probe evaluation: whether it fails (norm rule, whole-term or block test), whether it is powered,
+    its statistics against the threshold, and the injected 0.02 leaks in floors."""
+    gradients, more_samples = _noisy_gradients(cached, noise, leak)
+    parent_norm = torch.linalg.vector_norm(gradients.g_parent).item()
+    tolerance = gradient_tolerance(parent_norm)
+    tests = staged_leak_tests(gradients, more_samples, ROUNDOFF_STAGES["repeat"], tolerance, lambda t: t)
+    terms, blocks = tests.terms[0], tests.blocks[0]
+    norm_statistic = torch.linalg.vector_norm(gradients.g_zeros[0] - gradients.g_parent).item() / tolerance
+    tested = [e for e in terms.values() if e["testable"]]
+    block_tested = [e for leaks in blocks.values() for e in leaks.values() if e["testable"]]
+    seen = [n for n, e in terms.items() if e.get("leak_seen")] + block_leaks(blocks)
+    return dict(
+        label=cached.label,
+        failed=norm_statistic > 1 or bool(seen),
+        seen=seen,
+        powered=powered(terms),
+        samples=tests.samples,
+        threshold=tests.threshold,
+        tests=tests.tests,
+        norm_statistic=norm_statistic,
+        projection_statistic=max((e["statistic"] for e in tested), default=0.0),
+        block_statistic=max((e["statistic"] for e in block_tested), default=0.0),
+        injected_leak_over_floor={n: e["injected_leak_over_floor"] for n, e in terms.items() if e["testable"]},
+        detectable={n: e["detectable_coefficient"] for n, e in terms.items() if e["testable"]},
+        blocks=blocks,
+    )
+
+
+def confined_leak(cached: CachedBatch, term: str, block: str, scale: float = RECIPE_GAMMA) -> torch.Tensor:
+    """A value-neutral leak of ``scale`` x one term whose gradient reaches one block only: ``scale * grad T`` there,
+    0 elsewhere (constructed on the batch's real term gradient)."""
+    g = cached.gradients
+    leak = torch.zeros_like(g.g_parent)
+    index = g.blocks.names.index(block)
+    for start, stop, b in g.blocks.segments:
+        if b == index:
+            leak[start:stop] = scale * g.term_grads[term][start:stop]
+    return leak
+
+
+def block_shares(cached: CachedBatch, term: str) -> dict[str, float]:
+    """Each block's share of a term's squared gradient norm on the batch."""
+    g = cached.gradients.term_grads[term]
+    total = g.pow(2).sum().item()
+    shares = dict.fromkeys(cached.gradients.blocks.names, 0.0)
+    for start, stop, b in cached.gradients.blocks.segments:
+        shares[cached.gradients.blocks.names[b]] += g[start:stop].pow(2).sum().item() / total
+    return shares
+
+
+def false_alarm_table(evaluations: list[dict]) -> list[dict]:
+    """Per regime label: evaluations, alarms, the largest statistic against its threshold (norm rule, whole-term,
+    block), powered evaluations and the thresholds used."""
+    rows = []
+    for label in sorted({e["label"] for e in evaluations}):
+        sel = [e for e in evaluations if e["label"] == label]
+        rows.append(
+            dict(
+                regime=label,
+                evaluations=len(sel),
+                alarms=sum(e["failed"] for e in sel),
+                max_statistic_over_threshold=max(
+                    max(e["norm_statistic"], e["projection_statistic"], e["block_statistic"]) for e in sel
+                ),
+                max_projection_statistic=max(e["projection_statistic"] for e in sel),
+                max_block_statistic=max(e["block_statistic"] for e in sel),
+                max_norm_statistic=max(e["norm_statistic"] for e in sel),
+                powered=sum(e["powered"] for e in sel),
+                eight_sample_evaluations=sum(e["samples"] > ROUNDOFF_STAGES["repeat"][0] for e in sel),
+                thresholds=sorted({round(e["threshold"], 3) for e in sel}),
+            )
+        )
+    return rows
+
+
+__all__ = [
+    "AUTOCAST",
+    "CORRELATED_SHARE",
+    "REGIMES",
+    "REORDERED_SAMPLES",
+    "CachedBatch",
+    "PassNoise",
+    "block_shares",
+    "cache_batch",
+    "confined_leak",
+    "evaluate",
+    "false_alarm_table",
+]
