@@ -31,14 +31,17 @@ from papo_nb.papo.probe.measure import (
     probe_gradients,
     staged_leak_tests,
 )
-from papo_nb.papo.probe.projection import RECIPE_GAMMA, block_leaks, powered
+from papo_nb.papo.probe.projection import RECIPE_GAMMA, block_leaks, blocks_powered, leak_tests, powered
 from papo_nb.papo.probe.roundoff import REORDERED_SAMPLES, reordered_gradients
+from papo_nb.papo.probe.threshold import student_t_two_sided_tail
 
 # Relative roundoff of one emulated GPU pass, per precision (see the module docstring for where they come from).
 REGIMES = {"bf16": 2e-3, "fp32": 1e-5}
 AUTOCAST = {"bf16": torch.bfloat16, "fp32": None}
 # Fraction of a pass's roundoff variance drawn along the measured (correlated) roundoff samples.
 CORRELATED_SHARE = 0.9
+# The rule this module replaced, for comparison: 6 noise floors, floor from the first 2 repeats.
+OLD_RULE_FLOORS = 6.0
 
 
 @dataclass
@@ -118,11 +121,20 @@ def evaluate(cached: CachedBatch, noise: PassNoise, leak: torch.Tensor | None = 
     tested = [e for e in terms.values() if e["testable"]]
     block_tested = [e for leaks in blocks.values() for e in leaks.values() if e["testable"]]
     seen = [n for n, e in terms.items() if e.get("leak_seen")] + block_leaks(blocks)
+    every = tested + block_tested
     return dict(
         label=cached.label,
         failed=norm_statistic > 1 or bool(seen),
         seen=seen,
         powered=powered(terms),
+        blocks_powered=blocks_powered(blocks),
+        # the smallest false-alarm rate at which this evaluation would alarm (Bonferroni over its tests): over clean
+        # evaluations, the fraction at or below a rate must stay at or below it
+        p_value=min(
+            (tests.tests * student_t_two_sided_tail(e["statistic"] * tests.threshold, tests.samples) for e in every),
+            default=1.0,
+        ),
+        old_rule_floors=_two_sample_floors(gradients, tolerance),
         samples=tests.samples,
         threshold=tests.threshold,
         tests=tests.tests,
@@ -133,6 +145,16 @@ def evaluate(cached: CachedBatch, noise: PassNoise, leak: torch.Tensor | None = 
         detectable={n: e["detectable_coefficient"] for n, e in terms.items() if e["testable"]},
         blocks=blocks,
     )
+
+
+def _two_sample_floors(gradients: ProbeGradients, tolerance: float) -> float:
+    """The largest whole-term ``|coefficient| / floor`` with the first 2 repeats: the statistic of the old rule."""
+    g = gradients
+    ds = [z - g.g_parent for z in g.g_zeros]
+    samples = g.samples[: ROUNDOFF_STAGES["repeat"][0]]
+    tests = leak_tests(ds, g.injected, g.g_parent, samples, g.magnitude, g.term_grads, tolerance, lambda t: t)
+    floors = [e["statistic"] * tests.threshold for e in tests.terms[0].values() if e["testable"]]
+    return max(floors, default=0.0)
 
 
 def confined_leak(cached: CachedBatch, term: str, block: str, scale: float = RECIPE_GAMMA) -> torch.Tensor:
@@ -175,6 +197,7 @@ def false_alarm_table(evaluations: list[dict]) -> list[dict]:
                 max_block_statistic=max(e["block_statistic"] for e in sel),
                 max_norm_statistic=max(e["norm_statistic"] for e in sel),
                 powered=sum(e["powered"] for e in sel),
+                old_rule_alarms=sum(e["old_rule_floors"] > OLD_RULE_FLOORS for e in sel),
                 eight_sample_evaluations=sum(e["samples"] > ROUNDOFF_STAGES["repeat"][0] for e in sel),
                 thresholds=sorted({round(e["threshold"], 3) for e in sel}),
             )
@@ -185,6 +208,7 @@ def false_alarm_table(evaluations: list[dict]) -> list[dict]:
 __all__ = [
     "AUTOCAST",
     "CORRELATED_SHARE",
+    "OLD_RULE_FLOORS",
     "REGIMES",
     "REORDERED_SAMPLES",
     "CachedBatch",
