@@ -126,7 +126,7 @@ def test_a_thousand_clean_evaluations_in_the_emulated_gpu_regime_stay_within_the
 
     generator = torch.Generator().manual_seed(32)
     evaluations = [
-        evaluate(c, PassNoise(c.basis, REGIMES[c.precision], generator))
+        evaluate(c, PassNoise(c, REGIMES[c.precision], generator))
         for c in cached_testbed
         for _ in range(EVALUATIONS_PER_BATCH)
     ]
@@ -159,7 +159,7 @@ def test_the_recipe_gamma_leak_of_each_term_fails_every_powered_emulated_evaluat
     for term in ("perception_kl", "original_entropy"):
         outcomes = []
         for c in (c for c in cached_testbed if c.precision == precision):
-            noise = PassNoise(c.basis, REGIMES[precision], generator)
+            noise = PassNoise(c, REGIMES[precision], generator)
             outcomes += [evaluate(c, noise, leak=c.gradients.injected[term]) for _ in range(10)]
         caught = [e for e in outcomes if e["failed"]]
         passed = [e for e in outcomes if not e["failed"] and e["powered"]]
@@ -198,7 +198,7 @@ def test_a_leak_confined_to_a_one_percent_block_of_the_wide_model_fails(cached_w
 
     (cached,) = [c for c in cached_wide if c.precision == precision]
     assert len(cached.gradients.blocks.names) == 16
-    noise = PassNoise(cached.basis, REGIMES[precision], torch.Generator().manual_seed(34))
+    noise = PassNoise(cached, REGIMES[precision], torch.Generator().manual_seed(34))
     clean = [evaluate(cached, noise) for _ in range(4)]
     assert not any(e["failed"] for e in clean) and all(e["powered"] and e["blocks_powered"] for e in clean)
     for term in ("perception_kl", "original_entropy"):
