@@ -216,4 +216,5 @@ def test_a_leak_confined_to_a_one_percent_block_of_the_wide_model_fails(cached_w
         )
         assert shares[block] < 0.05
         assert all(f"{term} in {block}" in e["seen"] for e in leaky), "the block test sees the confined leak"
-        assert not any(term in e["seen"] for e in leaky), "the whole-gradient fit alone would have missed it"
+        if precision == "bf16":  # at bf16 floors the whole fit sees only share x 0.02: the block test is needed
+            assert not any(term in e["seen"] for e in leaky), "the whole-gradient fit alone would have missed it"
