@@ -156,3 +156,27 @@ def plot_power(points):
     ax.grid(True, which="both", axis="y", alpha=0.3)
     fig.tight_layout()
     return fig
+
+
+def plot_false_alarms(evaluations: list[dict]):
+    """Histogram per regime of each clean evaluation's largest statistic against its threshold (whole-term and
+    block fits; over 1 is a false alarm), beside the statistic of the old rule (6 floors with 2 repeats)."""
+    fig = Figure(figsize=(12, 5))
+    axes = np.atleast_1d(fig.subplots(1, len({e["label"] for e in evaluations}), sharey=True))
+    values = [max(e["projection_statistic"], e["block_statistic"]) for e in evaluations]
+    values += [e["old_rule_floors"] / 6 for e in evaluations]
+    low = zero_floor(values)
+    bins = np.logspace(np.log10(low), np.log10(max(max(values), 2.0)) + 0.1, 40)
+    for ax, label in zip(axes, sorted({e["label"] for e in evaluations})):
+        sel = [e for e in evaluations if e["label"] == label]
+        new = [max(low, e["projection_statistic"], e["block_statistic"]) for e in sel]
+        old = [max(low, e["old_rule_floors"] / 6) for e in sel]
+        ax.hist(old, bins=bins, alpha=0.4, color="tab:red", label="old rule: |c| / (6 floors), 2 repeats")
+        ax.hist(new, bins=bins, alpha=0.7, color="tab:blue", label="probe: statistic / Student-t threshold")
+        ax.axvline(1.0, color="k", lw=1.5, label="threshold: a false alarm beyond")
+        alarms = sum(v > 1 for v in new)
+        ax.set(xscale="log", yscale="log", xlabel="statistic / threshold", title=f"{label}: {alarms}/{len(sel)}")
+    axes[0].set_ylabel("clean evaluations")
+    axes[0].legend(fontsize=8, loc="upper left")
+    fig.suptitle("Emulated GPU regime (synthetic roundoff on real gradients): clean evaluations")
+    return fig

@@ -23,6 +23,7 @@ bound for fp32 atomic-add roundoff, about 100x the CPU's measured 2.5e-7).
 from __future__ import annotations
 
 import math
+import statistics
 from dataclasses import dataclass
 
 import torch
@@ -54,6 +55,8 @@ AUTOCAST = {"bf16": torch.bfloat16, "fp32": None}
 # STRONG_SHARES (half the variance along the sequences) is the harsher regime the docs also report.
 NOISE_SHARES = {"sequences": 0.02, "measured": 0.88, "elementwise": 0.1}
 STRONG_SHARES = {"sequences": 0.5, "measured": 0.4, "elementwise": 0.1}
+# Clean evaluations notebook 02 emulates at least (the false-alarm rate is stated at 1e-3 per evaluation).
+MINIMUM_EVALUATIONS = 1000
 # The rule this module replaced, for comparison: 6 noise floors, floor from the first 2 repeats.
 OLD_RULE_FLOORS = 6.0
 
@@ -240,8 +243,53 @@ __all__ = [
     "CachedBatch",
     "PassNoise",
     "block_shares",
+    "block_table",
+    "emulated_gpu_evidence",
     "cache_batch",
     "confined_leak",
     "evaluate",
     "false_alarm_table",
 ]
+
+
+def block_table(evaluations: list[dict]) -> list[dict]:
+    """Per regime, block and term: the share of the term's squared norm and the median floor and detectable
+    coefficient over the evaluations (the block test's power at gamma 0.02)."""
+    rows = []
+    for label in sorted({e["label"] for e in evaluations}):
+        sel = [e for e in evaluations if e["label"] == label]
+        for block, leaks in sel[0]["blocks"].items():
+            for term in leaks:
+                entries = [e["blocks"][block][term] for e in sel if e["blocks"][block].get(term, {}).get("testable")]
+                if entries:
+                    rows.append(
+                        dict(
+                            regime=label,
+                            block=block,
+                            term=term,
+                            share=statistics.median(x["share"] for x in entries),
+                            noise_floor=statistics.median(x["noise_floor"] for x in entries),
+                            detectable_coefficient=statistics.median(x["detectable_coefficient"] for x in entries),
+                        )
+                    )
+    return rows
+
+
+def emulated_gpu_evidence(params, folder, *, minimum: int = MINIMUM_EVALUATIONS) -> dict:
+    """Notebook 02's emulated GPU regime in one call: a phase-1 trainer from ``params``, its
+    ``calibration_batches`` fresh rollout batches cached per calibration precision, and enough clean emulated
+    evaluations of each for ``minimum`` in all; the false-alarm table, the block table and every evaluation."""
+    from papo_nb.workbook.rollouts import rollout_batch
+    from papo_nb.workbook.training.run import prepare_training
+
+    trainer, _, _ = prepare_training(params, folder, save_strategy="no")
+    dataset, n = trainer.train_dataset, params.calibration_batches
+    batches = [
+        rollout_batch(trainer, dataset, 2, start=(2 * b) % max(len(dataset) - 1, 1), seed=params.seed + 500 + b)
+        for b in range(n)
+    ]
+    cached = [cache_batch(trainer, batch, p, p) for batch in batches for p in params.calibration_precisions]
+    generator = torch.Generator().manual_seed(params.seed)
+    each = math.ceil(minimum / len(cached))
+    runs = [evaluate(c, PassNoise(c, REGIMES[c.precision], generator)) for c in cached for _ in range(each)]
+    return dict(false_alarms=false_alarm_table(runs), blocks=block_table(runs), evaluations=runs)
