@@ -61,13 +61,8 @@ def row(cells) -> str:
 
 trainer, _, _ = prepare_training(params, work / "phase1", save_strategy="no")
 cached = cache_phase(trainer, "phase1", 400)
-short = params.model_copy(
-    update={
-        "max_steps": params.phase2_train_steps,
-        "save_steps": params.phase2_train_steps,
-        "require_gpu_contract_probe": False,
-    }
-)
+steps = params.phase2_train_steps  # phase 2 as notebook 02 makes it: a short PAPO-G run, its last checkpoint
+short = params.model_copy(update=dict(max_steps=steps, save_steps=steps, require_gpu_contract_probe=False))
 checkpoint = str(run_training(short, work / "phase2_training", report_to="none").last_checkpoint)
 trainer, _, _ = prepare_training(
     params.model_copy(update={"init_adapter": checkpoint}), work / "phase2", save_strategy="no"

@@ -222,62 +222,59 @@ def term_leaks(*args, **options) -> list[dict[str, dict]]:
     return leak_tests(*args, **options).terms
 
 
-def _term_entries(names, fit, sums: _Sums, n_ds: int, threshold: float, tolerance: float) -> list[dict[str, dict]]:
-    base, kept, coefficients, floors = fit
-    out = [{n: dict(e) for n, e in base.items()} for _ in range(n_ds)]
+def _fitted(names, fit, n_ds: int, threshold: float):
+    """``(difference index, term index, entry)`` of every testable term of one fit: coefficient, floor, detectable
+    coefficient, statistic, whether a leak is seen, and the power measured by the injected leak."""
+    _, kept, coefficients, floors = fit
     for j, i in enumerate(kept):
-        name, grad_norm, floor = names[i], math.sqrt(sums.plain[i].item()), floors[j].item()
+        floor = floors[j].item()
         detectable = threshold * floor
         # The injected leak as this test measures it: the coefficient it adds on top of the first assembly's.
         injected_coefficient = coefficients[j, n_ds + i].item() - coefficients[j, 0].item()
         unpowered = power_shortfall(injected_coefficient, floor, detectable)
-        for v, leaks in enumerate(out):
+        for v in range(n_ds):
             coefficient = coefficients[j, v].item()
-            leaks[name] = dict(
-                testable=True,
-                reason=None,
-                grad_norm=grad_norm,
-                coefficient=coefficient,
-                noise_floor=floor,
-                detectable_coefficient=detectable,
-                norm_rule_detectable_coefficient=tolerance / grad_norm,
-                statistic=_statistic(coefficient, detectable),
-                leak_seen=abs(coefficient) > detectable,
-                injected_leak_coefficient=injected_coefficient,
-                injected_leak_over_floor=injected_coefficient / floor if floor > 0 else math.inf,
-                powered=unpowered is None,
-                power_shortfall=unpowered,
-                margin_at_recipe_gamma=RECIPE_GAMMA / detectable if detectable > 0 else math.inf,
+            yield (
+                v,
+                i,
+                dict(
+                    testable=True,
+                    coefficient=coefficient,
+                    noise_floor=floor,
+                    detectable_coefficient=detectable,
+                    statistic=_statistic(coefficient, detectable),
+                    leak_seen=abs(coefficient) > detectable,
+                    injected_leak_coefficient=injected_coefficient,
+                    injected_leak_over_floor=injected_coefficient / floor if floor > 0 else math.inf,
+                    powered=unpowered is None,
+                    power_shortfall=unpowered,
+                ),
             )
+
+
+def _term_entries(names, fit, sums: _Sums, n_ds: int, threshold: float, tolerance: float) -> list[dict[str, dict]]:
+    out = [{n: dict(e) for n, e in fit[0].items()} for _ in range(n_ds)]
+    for v, i, entry in _fitted(names, fit, n_ds, threshold):
+        grad_norm, detectable = math.sqrt(sums.plain[i].item()), entry["detectable_coefficient"]
+        out[v][names[i]] = dict(
+            entry,
+            reason=None,
+            grad_norm=grad_norm,
+            norm_rule_detectable_coefficient=tolerance / grad_norm,
+            margin_at_recipe_gamma=RECIPE_GAMMA / detectable if detectable > 0 else math.inf,
+        )
     return out
 
 
 def _block_entries(names, fit, sums: _Sums, total: _Sums, n_ds: int, threshold: float) -> list[dict[str, dict]]:
     """One block's entries per difference: each term's share of its squared norm in the block, and the fit there."""
-    base, kept, coefficients, floors = fit
     shares = {n: (sums.plain[i] / total.plain[i]).item() if total.plain[i] > 0 else 0.0 for i, n in enumerate(names)}
     out = [
-        {n: {**e, "share": shares.get(n, 0.0)} for n, e in base.items() if e["reason"] != NO_GRAPH}
+        {n: {**e, "share": shares.get(n, 0.0)} for n, e in fit[0].items() if e["reason"] != NO_GRAPH}
         for _ in range(n_ds)
     ]
-    for j, i in enumerate(kept):
-        name, floor = names[i], floors[j].item()
-        detectable = threshold * floor
-        injected_coefficient = coefficients[j, n_ds + i].item() - coefficients[j, 0].item()
-        unpowered = power_shortfall(injected_coefficient, floor, detectable)
-        for v, leaks in enumerate(out):
-            coefficient = coefficients[j, v].item()
-            leaks[name] = dict(
-                testable=True,
-                share=shares[name],
-                coefficient=coefficient,
-                noise_floor=floor,
-                detectable_coefficient=detectable,
-                statistic=_statistic(coefficient, detectable),
-                leak_seen=abs(coefficient) > detectable,
-                injected_leak_over_floor=injected_coefficient / floor if floor > 0 else math.inf,
-                powered=unpowered is None,
-            )
+    for v, i, entry in _fitted(names, fit, n_ds, threshold):
+        out[v][names[i]] = dict(entry, share=shares[names[i]])
     return out
 
 
