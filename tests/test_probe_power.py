@@ -19,7 +19,6 @@ from papo_nb.papo.probe.projection import (
     COLLINEAR,
     NO_GRAPH,
     POWER_MARGIN,
-    PROJECTION_Z,
     RECIPE_GAMMA,
     ZERO_GRADIENT,
     leak_assembly,
@@ -173,8 +172,8 @@ def test_the_fit_recovers_each_terms_leak_and_reduces_once():
     assert clean["masked_entropy"] == dict(testable=False, reason=NO_GRAPH, grad_norm=0.0)
     for name, true in (("perception_kl", 0.02), ("original_entropy", 0.05)):
         c, e = clean[name], leaky[name]
-        assert abs(c["coefficient"]) < PROJECTION_Z * c["noise_floor"] and not c["leak_seen"]
-        assert e["coefficient"] == pytest.approx(true, abs=PROJECTION_Z * e["noise_floor"]) and e["leak_seen"]
+        assert abs(c["coefficient"]) < c["detectable_coefficient"] and not c["leak_seen"]
+        assert e["coefficient"] == pytest.approx(true, abs=e["detectable_coefficient"]) and e["leak_seen"]
         assert c["injected_leak_coefficient"] == pytest.approx(RECIPE_GAMMA, abs=1e-9) and c["powered"]
         assert c["norm_rule_detectable_coefficient"] == pytest.approx(
             0.05 / math.sqrt(float(grads[name] @ grads[name]))

@@ -34,6 +34,7 @@ CONFIGS = ROOT / "configs" / "accelerate"
 STEPS, SAVE_EVERY, KILL_AFTER = 4, 2, 3
 NORMS = ("parent_grad_norm", "zero_gamma_grad_norm", "grad_diff_norm", "perception_grad_norm")
 TERM_NUMBERS = ("coefficient", "noise_floor", "detectable_coefficient", "injected_leak_coefficient", "grad_norm")
+BLOCK_NUMBERS = ("coefficient", "noise_floor", "detectable_coefficient", "injected_leak_over_floor")
 STEP_LINE = re.compile(r"sharded step (\d+)/\d+ loss (\S+)")
 
 
@@ -102,6 +103,16 @@ def assert_same_projection(ranked: dict, single: dict) -> None:
                 assert mine[key] == pytest.approx(reference[key], rel=1e-6, abs=1e-12), (name, key)
             assert mine["leak_seen"] == reference["leak_seen"] and mine["powered"] == reference["powered"], name
     assert ranked["powered"] == single["powered"]
+    # the block test (one fit per named parameter group): block sums reduced as the norms are, same Bonferroni count
+    assert ranked["tests"] == single["tests"] and ranked["detection_threshold"] == single["detection_threshold"]
+    assert ranked["block_leaks"].keys() == single["block_leaks"].keys() and len(single["block_leaks"]) > 1
+    for block, terms in single["block_leaks"].items():
+        for name, reference in terms.items():
+            mine = ranked["block_leaks"][block][name]
+            assert mine["testable"] == reference["testable"], (block, name)
+            for key in ("share", *(BLOCK_NUMBERS if reference["testable"] else ())):
+                assert mine[key] == pytest.approx(reference[key], rel=1e-6, abs=1e-12), (block, name, key)
+            assert mine.get("leak_seen") == reference.get("leak_seen"), (block, name)
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,10 @@ observer hook (``PAPOGTrainer.probe``: ``pending``, ``observe(...)``, ``metrics(
 
 - ``gamma_zero.py``: ``GammaZeroProbe`` (the verdicts), ``ProbeEvidence``, ``probe_batches``;
 - ``measure.py``: the gradients of one batch and every number the verdict reads;
-- ``projection.py``: the projection test (leak coefficients against a measured noise floor, power by injection);
+- ``projection.py``: the projection test (leak coefficients against a measured noise floor, power by injection),
+  over the whole gradient and per block (``blocks.py``: named parameter groups);
+- ``threshold.py``: the detection threshold, a Student-t quantile that holds the false-alarm rate at 1e-3 per
+  evaluation;
 - ``roundoff.py``: where the roundoff sample comes from; ``reduce.py``: the same numbers on FSDP2 shards;
 - ``contract.py``: the spec's tolerances.
 """

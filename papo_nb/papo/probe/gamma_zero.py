@@ -6,7 +6,9 @@ parent loss bit for bit, and its gradient must equal the parent's up to roundoff
 
 - the spec's norm rule (its constants are requirements): PASS iff ||d|| <= max(REL_TOL * ||g_parent||, ABS_FLOOR);
 - the projection test (``projection.py``): the coefficient of each PAPO term's gradient in ``d`` (perception KL,
-  both entropies), against a noise floor taken from a measured roundoff sample (``roundoff.py``).
+  both entropies), over the whole gradient and within each named parameter group (``blocks.py``), against a noise
+  floor taken from measured roundoff samples (``roundoff.py``), at a threshold that keeps the whole probe's
+  false-alarm rate at most ``FALSE_ALARM_RATE`` = 1e-3 per evaluation (``threshold.py``).
 
 Both losses have the same value, so this compares two backward passes over graphs of different shape: it catches an
 adapter whose zero-gamma path still lets a term's gradient through (a leak), which a value comparison cannot see.
@@ -46,11 +48,13 @@ from . import projection as probe_projection
 from . import roundoff as probe_roundoff
 from .contract import GAMMA_ZERO_GRADIENT_ABS_FLOOR, GAMMA_ZERO_GRADIENT_REL_TOL
 from .measure import GRADIENT_NORMS, ProbeFailure, measure_gamma_zero
-from .projection import POWER_MARGIN, PROJECTION_Z, RECIPE_GAMMA
+from .projection import POWER_MARGIN, RECIPE_GAMMA
+from .threshold import FALSE_ALARM_RATE
 
 PASS_RULE = (
-    "||g_zero - g_parent|| <= max(REL_TOL * ||g_parent||, ABS_FLOOR) and, per PAPO term, "
-    f"|leak coefficient| <= {PROJECTION_Z:g} x its roundoff noise floor"
+    "||g_zero - g_parent|| <= max(REL_TOL * ||g_parent||, ABS_FLOOR) and, per PAPO term and per (block, term), "
+    "|leak coefficient| <= threshold x its roundoff noise floor, the threshold the Student-t quantile for the "
+    f"floor's roundoff samples at a false-alarm rate of {FALSE_ALARM_RATE:g} per evaluation over all those tests"
 )
 
 
@@ -79,6 +83,7 @@ class ProbeEvidence:
     gamma: float | None = None  # the run's gamma_t when measured
     gamma_leak_detection_power: float | None = None  # gamma_t * power: for a leak of the gamma-weighted term
     roundoff_mode: str = "repeat"  # where the roundoff sample came from (roundoff.py)
+    roundoff_samples: int | None = None  # how many: the degrees of freedom of the noise floor
     roundoff_norm: float | None = None  # ||roundoff sample||
     roundoff_relative: float | None = None  # ||roundoff sample|| / ||g_parent||
     term_leaks: dict | None = None  # per PAPO term: coefficient, noise floor, detectable coefficients (or untestable)
@@ -86,7 +91,15 @@ class ProbeEvidence:
     perception_detectable_coefficient: float | None = None  # smallest perception leak the projection test sees
     weakest_margin_at_recipe_gamma: float | None = None  # min over testable terms of 0.02 / detectable
     recipe_gamma: float = RECIPE_GAMMA
-    projection_z: float = PROJECTION_Z
+    detection_threshold: float | None = None  # in noise floors, shared by every test (threshold.py)
+    tests: int | None = None  # whole-term and (block, term) tests the false-alarm budget is divided over
+    false_alarm_rate: float = FALSE_ALARM_RATE  # per evaluation, all tests together (at most)
+    block_leaks: dict | None = None  # per block, per term: share of the squared norm, coefficient, floor, detectable
+    blocks_powered: bool | None = None  # every block holding >= 1% of a term's squared norm sees a 0.02 leak
+    block_statistic: float | None = None  # max over tested (block, term) of |coefficient| / detectable; > 1 fails
+    weakest_block: str | None = None  # the (term, block) with the largest detectable coefficient
+    weakest_block_detectable: float | None = None  # its detectable coefficient
+    weakest_block_share: float | None = None  # its share of the term's squared gradient norm
     powered: bool | None = None
     degenerate_batches_skipped: int = 0
     underpowered_batches_skipped: int = 0
@@ -121,13 +134,22 @@ def leak_problems(numbers: dict[str, Any]) -> list[str]:
             f"||g_zero - g_parent|| = {numbers['grad_diff_norm']:.3e} > tolerance {numbers['tolerance']:.3e} "
             "(the spec's norm rule)"
         )
+    threshold = numbers["detection_threshold"]
     for name, e in numbers["term_leaks"].items():
         if e["testable"] and e["leak_seen"]:
             problems.append(
                 f"{name} leaks through the gamma=0 path: its gradient is in g_zero - g_parent with coefficient "
-                f"{e['coefficient']:.3e}, beyond {PROJECTION_Z:g} x its roundoff noise floor "
+                f"{e['coefficient']:.3e}, beyond {threshold:.3g} x its roundoff noise floor "
                 f"{e['noise_floor']:.2e} (projection test)"
             )
+    for block, leaks in (numbers.get("block_leaks") or {}).items():
+        for name, e in leaks.items():
+            if e["testable"] and e["leak_seen"]:
+                problems.append(
+                    f"{name} leaks through the gamma=0 path in block {block} ({e['share']:.2%} of its squared "
+                    f"gradient norm): coefficient {e['coefficient']:.3e} there, beyond {threshold:.3g} x the "
+                    f"block's noise floor {e['noise_floor']:.2e} (block test)"
+                )
     if not numbers["perception_kl"] > 0:
         problems.append(f"perception KL is {numbers['perception_kl']!r}, not > 0")
     if not numbers["perception_grad_norm"] > 0:
@@ -274,7 +296,14 @@ class GammaZeroProbe:
                 f"probe passed: ||g_zero - g_parent|| = {numbers['grad_diff_norm']:.3e} <= "
                 f"{numbers['tolerance']:.3e}; perception KL {numbers['perception_kl']:.3e}; "
                 f"{probe_projection.describe(leaks)}; weakest margin at gamma {RECIPE_GAMMA}: "
-                f"{numbers['weakest_margin_at_recipe_gamma']:.3g}x"
+                f"{numbers['weakest_margin_at_recipe_gamma']:.3g}x; threshold {numbers['detection_threshold']:.3g} "
+                f"floors ({numbers['roundoff_samples']} roundoff samples, {numbers['tests']} tests)"
+                + (
+                    f"; weakest block: {numbers['weakest_block']}, "
+                    f"detectable {numbers['weakest_block_detectable']:.2e}"
+                    if numbers.get("weakest_block")
+                    else ""
+                )
             ),
             step,
             **numbers,
@@ -287,9 +316,13 @@ class GammaZeroProbe:
         numbers = {
             k: float(v)
             for k, v in self.evidence.to_dict().items()
-            if isinstance(v, (int, float)) and k not in ("rel_tol", "abs_floor", "recipe_gamma", "projection_z")
+            if isinstance(v, (int, float)) and k not in ("rel_tol", "abs_floor", "recipe_gamma", "false_alarm_rate")
         }
-        return {**numbers, **probe_projection.flat_metrics(self.evidence.term_leaks or {})}
+        return {
+            **numbers,
+            **probe_projection.flat_metrics(self.evidence.term_leaks or {}),
+            **probe_projection.block_metrics(self.evidence.block_leaks or {}),
+        }
 
 
 def probe_batches(

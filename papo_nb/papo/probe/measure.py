@@ -6,15 +6,18 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from ..fsdp import sharded
+from ..fsdp import local_piece, sharded
 from . import projection as probe_projection
 from . import reduce as probe_reduce
 from . import roundoff as probe_roundoff
+from .blocks import Blocks, parameter_blocks
 from .contract import GAMMA_ZERO_GRADIENT_ABS_FLOOR, GAMMA_ZERO_GRADIENT_REL_TOL
+from .threshold import FALSE_ALARM_RATE
 
 GRADIENT_NORMS = ("parent_grad_norm", "zero_gamma_grad_norm", "grad_diff_norm", "perception_grad_norm")
 
@@ -38,11 +41,42 @@ def _autocast_state() -> tuple[bool, str | None]:
     return False, None
 
 
-def _gradients(trainer, model, params, parent_loss, terms, assembles, inputs, roundoff):
+# Roundoff samples per stage. "repeat" (training) first takes 2 repeats of the parent gradient; only a batch that
+# is not powered with them (a Student-t floor from 2 samples needs about 100 floors) takes 6 more, so a GPU run in
+# fp32 (or the CPU, whose repeats are exact) pays what it paid before, and a bf16 GPU run gets a floor with 8 degrees
+# of freedom. Each stage spends half of the false-alarm budget. "reordered" (calibration) takes its 8 at once.
+ROUNDOFF_STAGES = {"repeat": (2, 8), "reordered": (probe_roundoff.REORDERED_SAMPLES,)}
+
+
+@dataclass
+class ProbeGradients:
     """Every gradient both tests need, reduced to the rank mean: g_parent, one g_zero per assembly, the difference
     each injected ``RECIPE_GAMMA`` leak makes (per term with graph, on the first assembly), the terms' gradients (None
-    without graph), the roundoff samples and the squared magnitudes the tested sum rounds at; and whether the
-    parameters are FSDP2 shards."""
+    without graph), the roundoff samples, the squared magnitudes the tested sum rounds at, the blocks of the flat
+    vectors, and whether the parameters are FSDP2 shards."""
+
+    g_parent: torch.Tensor
+    g_zeros: list[torch.Tensor]
+    injected: dict[str, torch.Tensor]
+    term_grads: dict[str, torch.Tensor | None]
+    samples: list[torch.Tensor]
+    magnitude: torch.Tensor
+    blocks: Blocks
+    shards: bool
+
+
+def _rank_mean(trainer, vectors: list[torch.Tensor], shards: bool) -> list[torch.Tensor]:
+    """DDP: all-reduce to the rank mean (FSDP's shards already hold it; one process has nothing to reduce)."""
+    if trainer.accelerator.num_processes == 1 or shards or not vectors:
+        return vectors
+    return list(trainer.accelerator.reduce(torch.stack(vectors), reduction="mean"))
+
+
+def probe_gradients(trainer, model, parent_loss, terms, assembles, inputs, roundoff, samples: int):
+    """The ``ProbeGradients`` of one batch with ``samples`` roundoff samples, and a function that measures more
+    repeats of the parent gradient (``"repeat"`` only: the graph is still held)."""
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    params = [p for _, p in named]
     shards = sharded(params)
     if shards:  # FSDP2: one backward per loss, FSDP reduce-scatters each to the rank mean (reduce.py)
         if roundoff != "repeat":
@@ -55,27 +89,72 @@ def _gradients(trainer, model, params, parent_loss, terms, assembles, inputs, ro
         def backward(tensors):
             return [probe_roundoff.flat_grad(t, params) for t in tensors]
 
+    blocks = parameter_blocks((n, local_piece(p).numel()) for n, p in named)
     term_grads = probe_projection.term_gradients(terms, backward)
     names = [n for n, g in term_grads.items() if g is not None]
     every = [*assembles, *[probe_projection.leak_assembly(assembles[0], n) for n in names]]
     if roundoff == "repeat":
         losses = [a(parent_loss, terms, 0.0, 0.0, 0.0) for a in every]
-        g_parent, *rest = backward([parent_loss, *losses, parent_loss, parent_loss])
-        g_zeros, samples = rest[: len(every)], [g - g_parent for g in rest[len(every) :]]
+        g_parent, *rest = backward([parent_loss, *losses, *[parent_loss] * samples])
+        g_zeros, repeats = rest[: len(every)], [g - g_parent for g in rest[len(every) :]]
         magnitude = g_parent * g_parent
     else:
         (g_parent,) = backward([parent_loss])
-        g_zeros, samples, magnitude = probe_roundoff.reordered_gradients(
-            trainer, model, inputs, params, every, parent_loss, g_parent
+        g_zeros, repeats, magnitude = probe_roundoff.reordered_gradients(
+            trainer, model, inputs, params, every, parent_loss, g_parent, samples
         )
-    if trainer.accelerator.num_processes > 1 and not shards:  # FSDP's shards already hold the rank mean
-        stacked = torch.stack([g_parent, *g_zeros, *samples, magnitude, *[term_grads[n] for n in names]])
-        g_parent, *rest = trainer.accelerator.reduce(stacked, reduction="mean")
-        g_zeros, rest = rest[: len(every)], rest[len(every) :]
-        samples, magnitude, rest = rest[: len(samples)], rest[len(samples)], rest[len(samples) + 1 :]
-        term_grads.update(zip(names, rest))
-    injected = {n: g - g_parent for n, g in zip(names, g_zeros[len(assembles) :])}
-    return g_parent, g_zeros[: len(assembles)], injected, term_grads, samples, magnitude, shards
+    reduced = _rank_mean(trainer, [g_parent, *g_zeros, *repeats, magnitude, *[term_grads[n] for n in names]], shards)
+    g_parent, rest = reduced[0], reduced[1:]
+    g_zeros, repeats, rest = rest[: len(every)], rest[len(every) : len(every) + samples], rest[len(every) + samples :]
+    magnitude, *reduced_terms = rest
+    term_grads.update(zip(names, reduced_terms))
+
+    def more_samples(n: int) -> list[torch.Tensor]:
+        return [g - g_parent for g in _rank_mean(trainer, backward([parent_loss] * n), shards)]
+
+    gradients = ProbeGradients(
+        g_parent,
+        g_zeros[: len(assembles)],
+        {n: g - g_parent for n, g in zip(names, g_zeros[len(assembles) :])},
+        term_grads,
+        repeats,
+        magnitude,
+        blocks,
+        shards,
+    )
+    return gradients, more_samples
+
+
+def _leak_tests(gradients: ProbeGradients, tolerance: float, reduce_sums, rate: float):
+    g = gradients
+    return probe_projection.leak_tests(
+        [z - g.g_parent for z in g.g_zeros],
+        g.injected,
+        g.g_parent,
+        g.samples,
+        g.magnitude,
+        g.term_grads,
+        tolerance,
+        reduce_sums,
+        g.blocks,
+        rate,
+    )
+
+
+def staged_leak_tests(gradients: ProbeGradients, more_samples, stages, tolerance: float, reduce_sums):
+    """The projection test at the first stage's samples; when that leaves the first assembly without a leak seen but
+    unpowered (whole terms, or a block holding ``BLOCK_SHARE`` of a term), more samples and the test again (each
+    stage at half the budget: together at most the budget)."""
+    rate = FALSE_ALARM_RATE / len(stages)
+    tests = _leak_tests(gradients, tolerance, reduce_sums, rate)
+    for count in stages[1:]:
+        first = tests.terms[0]
+        seen = any(e.get("leak_seen") for e in first.values()) or probe_projection.block_leaks(tests.blocks[0])
+        if seen or (probe_projection.powered(first) and probe_projection.blocks_powered(tests.blocks[0])):
+            break
+        gradients.samples += more_samples(count - len(gradients.samples))
+        tests = _leak_tests(gradients, tolerance, reduce_sums, rate)
+    return tests
 
 
 def measure_gamma_zero_variants(
@@ -95,33 +174,30 @@ def measure_gamma_zero_variants(
     probe_roundoff.check_mode(roundoff)
     if roundoff == "reordered" and inputs is None:
         raise ValueError("probe roundoff='reordered' re-runs the batch in chunks: pass the batch as inputs=")
-    params = [p for p in model.parameters() if p.requires_grad]
-    if not params:
+    if not any(p.requires_grad for p in model.parameters()):
         raise ProbeFailure(
             "the model has no trainable parameters: nothing to probe (was the adapter loaded with is_trainable=False?)"
         )
-    g_parent, g_zeros, injected, term_grads, samples, magnitude, shards = _gradients(
-        trainer, model, params, parent_loss, terms, assembles, inputs, roundoff
+    stages = ROUNDOFF_STAGES[roundoff]
+    gradients, more_samples = probe_gradients(
+        trainer, model, parent_loss, terms, assembles, inputs, roundoff, stages[0]
     )
     # Sharded: every rank holds disjoint pieces, so norms and dot products sum over the ranks (one all-reduce each).
-    if shards:
+    if gradients.shards:
         norm, reduce_sums = probe_reduce.global_norms, probe_reduce.global_sums
     else:
         norm, reduce_sums = (lambda vs: [torch.linalg.vector_norm(v).item() for v in vs]), (lambda t: t)
-    perception = term_grads["perception_kl"]
-    parent_norm, perception_norm, *sample_norms = norm(
-        [g_parent, perception if perception is not None else 0 * g_parent, *samples]
-    )
-    sample_norm = math.sqrt(sum(n * n for n in sample_norms) / len(sample_norms))  # root mean square
+    g_parent, perception = gradients.g_parent, gradients.term_grads["perception_kl"]
+    parent_norm, perception_norm = norm([g_parent, perception if perception is not None else 0 * g_parent])
     tolerance = gradient_tolerance(parent_norm)
+    tests = staged_leak_tests(gradients, more_samples, stages, tolerance, reduce_sums)
+    sample_norms = norm(gradients.samples)
+    sample_norm = math.sqrt(sum(n * n for n in sample_norms) / len(sample_norms))  # root mean square
     kl_totals = trainer.accelerator.reduce(
         torch.stack([terms.kl_sum, terms.token_count]).detach().float(), reduction="sum"
     )
     autocast_enabled, autocast_dtype = _autocast_state()
     gamma = float(trainer.current_gamma()) if hasattr(trainer, "current_gamma") else 0.0
-    every_leak = probe_projection.term_leaks(
-        [g - g_parent for g in g_zeros], injected, g_parent, samples, magnitude, term_grads, tolerance, reduce_sums
-    )
     batch = dict(
         parent_grad_norm=parent_norm,
         tolerance=tolerance,
@@ -131,8 +207,12 @@ def measure_gamma_zero_variants(
         gamma=gamma,
         gamma_leak_detection_power=gamma * perception_norm / tolerance,
         roundoff_mode=roundoff,
+        roundoff_samples=tests.samples,
         roundoff_norm=sample_norm,  # root mean square over the samples
         roundoff_relative=sample_norm / parent_norm if parent_norm > 0 else 0.0,
+        detection_threshold=tests.threshold,
+        tests=tests.tests,
+        false_alarm_rate=FALSE_ALARM_RATE,
         dtype=str(parent_loss.dtype).replace("torch.", ""),
         autocast_enabled=autocast_enabled,
         autocast_dtype=autocast_dtype,
@@ -142,7 +222,12 @@ def measure_gamma_zero_variants(
         _assembly_numbers(
             trainer, assemble(parent_loss, terms, 0.0, 0.0, 0.0), parent_loss, g_zero, g_parent, leaks, norm, batch
         )
-        for assemble, g_zero, leaks in zip(assembles, g_zeros, every_leak)
+        | {
+            "block_leaks": blocks,
+            "blocks_powered": probe_projection.blocks_powered(blocks),
+            **probe_projection.block_summary(blocks),
+        }
+        for assemble, g_zero, leaks, blocks in zip(assembles, gradients.g_zeros, tests.terms, tests.blocks)
     ]
 
 
@@ -182,6 +267,7 @@ def _assembly_numbers(trainer, zero_gamma_loss, parent_loss, g_zero, g_parent, l
         "norm_statistic": diff / tolerance,
         **{k: batch[k] for k in ("perception_kl", "perception_grad_norm", "leak_detection_power", "gamma")},
         **{k: batch[k] for k in ("gamma_leak_detection_power", "roundoff_mode", "roundoff_norm", "roundoff_relative")},
+        **{k: batch[k] for k in ("roundoff_samples", "detection_threshold", "tests", "false_alarm_rate")},
         "term_leaks": leaks,
         "projection_statistic": max((e["statistic"] for e in tested), default=None),
         "perception_detectable_coefficient": leaks["perception_kl"].get("detectable_coefficient"),

@@ -5,15 +5,16 @@ Two backward passes over one graph on the CPU run the same deterministic kernels
 relative in bf16 on a trained policy, the figure REL_TOL is set from: contract.py). The probe needs a *measured*
 roundoff sample to set the noise floor of its projection test, from a pass independent of the one it tests:
 
-- ``"repeat"`` (the in-training default, two more backward passes on the graph the probe already holds): the parent
-  gradient twice more. Exactly 0 on a deterministic backend, GPU atomic noise on a GPU: the noise the two probe
-  passes themselves carry.
+- ``"repeat"`` (the in-training default, more backward passes on the graph the probe already holds): the parent
+  gradient twice more, and six more times when two leave the batch unpowered (``measure.ROUNDOFF_STAGES``).
+  Exactly 0 on a deterministic backend, GPU atomic noise on a GPU: the noise the two probe passes themselves carry.
 - ``"reordered"`` (calibration, notebook 02): the zero-gamma gradient accumulated over another split of the batch's
   sequences (two chunks, reversed and alternating), each chunk a forward and backward of its own, the way gradient
-  accumulation would; the four roundoff samples are the parent gradient accumulated over four further splits. Each
-  chunk's gradient is rounded to the autocast dtype before the sum, so fp32 and bf16 both show real,
-  different-order roundoff. What it does not emulate: GPU atomics (nondeterministic order inside one kernel) and
-  TF32 matmuls (a 10-bit mantissa inside fp32 kernels); those only show on a GPU, with ``"repeat"``.
+  accumulation would; the ``REORDERED_SAMPLES`` (8) roundoff samples are the parent gradient accumulated over as
+  many further, distinct splits. Each chunk's gradient is rounded to the autocast dtype before the sum, so fp32
+  and bf16 both show real, different-order roundoff. What it does not emulate: GPU atomics (nondeterministic order
+  inside one kernel) and TF32 matmuls (a 10-bit mantissa inside fp32 kernels); those only show on a GPU, with
+  ``"repeat"``.
 
 The chunks are exact pieces of the batch loss: each chunk loss is weighted the way TRL 1.9.1 normalises
 ``loss_type`` (https://github.com/huggingface/trl/blob/v1.9.1/trl/trainer/grpo_trainer.py#L3124-L3153), so the
@@ -29,6 +30,8 @@ from typing import Any
 import torch
 
 ROUNDOFF_MODES = ("repeat", "reordered")
+# Roundoff samples of the calibration mode: the degrees of freedom of its noise floor (threshold.py).
+REORDERED_SAMPLES = 8
 # Weighted chunk losses must add up to the batch loss to this relative accuracy: a wrong weight is off by a
 # fraction of the chunk share (>= 1e-1 here), roundoff of the forward by <= 1e-2 even in bf16.
 CHUNK_SUM_REL_TOL = 2e-2
@@ -92,9 +95,10 @@ def _split(rows: list[int], side: Callable[[int], int]) -> list[list[int]]:
     return [[r for i, r in enumerate(rows) if side(i) == c] for c in (0, 1)]
 
 
-def splits(n: int) -> tuple[list[list[int]], list[list[list[int]]]]:
+def splits(n: int, samples: int = 4) -> tuple[list[list[int]], list[list[list[int]]]]:
     """2-chunk splits of ``n`` sequences, every chunk mixing rollouts of different prompts: reversed and alternating
-    (the tested pass), then four others (the roundoff samples)."""
+    (the tested pass), then ``samples`` others (the roundoff samples): four fixed patterns, then seeded shuffles,
+    every split distinct (a repeated split repeats its roundoff exactly: a sample without information)."""
     if n < 4:
         raise ValueError(f"probe roundoff='reordered' needs a batch of at least 4 sequences to split, got {n}")
     rows = list(range(n))
@@ -105,7 +109,25 @@ def splits(n: int) -> tuple[list[list[int]], list[list[list[int]]]]:
         lambda i: (i // 4 + i // 2) % 2,
         lambda i: (i + i // 4) % 2,
     )
-    return tested, [_split(rows, side) for side in sides]
+    seen = {frozenset(map(frozenset, tested))}
+    found = []
+    candidates = [_split(rows, side) for side in sides]
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(64 * samples):
+        if len(found) == samples:
+            break
+        split = candidates.pop(0) if candidates else _split(torch.randperm(n, generator=generator).tolist(), _odd)
+        key = frozenset(map(frozenset, split))
+        if key not in seen and all(split):
+            seen.add(key)
+            found.append(split)
+    if len(found) < samples:
+        raise ValueError(f"probe roundoff='reordered': a batch of {n} sequences has no {samples} distinct splits")
+    return tested, found
+
+
+def _odd(i: int) -> int:
+    return i % 2
 
 
 def accumulated_gradients(
@@ -147,12 +169,19 @@ def accumulated_gradients(
 
 
 def reordered_gradients(
-    trainer, model, inputs, params, assembles: Sequence[Callable], parent_loss: torch.Tensor, g_parent: torch.Tensor
+    trainer,
+    model,
+    inputs,
+    params,
+    assembles: Sequence[Callable],
+    parent_loss: torch.Tensor,
+    g_parent: torch.Tensor,
+    samples: int = REORDERED_SAMPLES,
 ) -> tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor]:
-    """The zero-gamma gradient of each assembly over the tested split; four roundoff samples (the parent gradient
-    over each other split, minus ``g_parent``); and the squared magnitudes the tested sum rounds at (chunk gradients
-    and ``g_parent``), which weight the projection."""
-    tested, sample_splits = splits(batch_size(inputs))
+    """The zero-gamma gradient of each assembly over the tested split; ``samples`` roundoff samples (the parent
+    gradient over each other split, minus ``g_parent``); and the squared magnitudes the tested sum rounds at (chunk
+    gradients and ``g_parent``), which weight the projection."""
+    tested, sample_splits = splits(batch_size(inputs), samples)
     zero_gamma = [lambda p, t, a=assemble: a(p, t, 0.0, 0.0, 0.0) for assemble in assembles]
     value = parent_loss.item()
     g_zeros, squares = accumulated_gradients(trainer, model, inputs, params, zero_gamma, tested, value)

@@ -19,7 +19,7 @@ import torch
 from papo_nb.papo.contract import PAPO_PROBE_MAX_DEGENERATE_BATCHES
 from papo_nb.papo.probe import measure_gamma_zero_variants, probe_batches
 from papo_nb.papo.probe.contract import GAMMA_ZERO_GRADIENT_ABS_FLOOR, GAMMA_ZERO_GRADIENT_REL_TOL
-from papo_nb.papo.probe.projection import POWER_MARGIN, PROJECTION_Z, RECIPE_GAMMA, TERM_NAMES, leak_assembly
+from papo_nb.papo.probe.projection import POWER_MARGIN, RECIPE_GAMMA, TERM_NAMES, block_leaks, leak_assembly
 from papo_nb.workbook.rollouts import rollout_batch
 from papo_nb.workbook.verification.calibration_plots import plot_both_tests, plot_calibration, plot_power, zero_floor
 
@@ -60,6 +60,10 @@ class CalibrationPoint:
     norm_statistic: float | None = None  # clean ||g_zero - g_parent|| / tolerance
     projection_statistic: float | None = None  # clean max |coefficient| / detectable
     clean_failed: bool = False  # a false alarm: the clean adapter failed either test
+    detection_threshold: float | None = None  # in noise floors (Student-t quantile, threshold.py)
+    block_statistic: float | None = None  # clean max |coefficient| / detectable over the (block, term) fits
+    weakest_block: str | None = None  # the (term, block) with the largest detectable coefficient
+    weakest_block_detectable: float | None = None
     powered: bool | None = None
     testable: bool = True  # False: the perception term cannot be tested on this batch (set aside)
     # per term: testable, coefficient, noise floor, detectable (projection), norm-rule detectable, injected leak,
@@ -93,6 +97,7 @@ def _fails(numbers: dict) -> bool:
         not numbers["loss_bit_equal"]
         or numbers["grad_diff_norm"] > numbers["tolerance"]
         or any(e["testable"] and e["leak_seen"] for e in leaks)
+        or bool(block_leaks(numbers.get("block_leaks") or {}))
     )
 
 
@@ -133,6 +138,10 @@ def measure_point(trainer, model, batch, phase: str, precision: str, b: int, lea
         norm_statistic=clean["norm_statistic"],
         projection_statistic=clean["projection_statistic"],
         clean_failed=_fails(clean),
+        detection_threshold=clean["detection_threshold"],
+        block_statistic=clean["block_statistic"],
+        weakest_block=clean["weakest_block"],
+        weakest_block_detectable=clean["weakest_block_detectable"],
         powered=bool(testable and clean["powered"]),
         testable=testable,
         terms=per_term,
@@ -200,6 +209,7 @@ def false_alarms(points: list[CalibrationPoint]) -> dict:
     norm = max(points, key=lambda p: p.norm_statistic)
     projected = [p for p in points if p.projection_statistic is not None]
     projection = max(projected, key=lambda p: p.projection_statistic) if projected else None
+    blocked = [p.block_statistic for p in points if p.block_statistic is not None]
     failures = [p for p in points if p.clean_failed]
     return {
         "evaluations": len(points),
@@ -210,7 +220,9 @@ def false_alarms(points: list[CalibrationPoint]) -> dict:
         "max_projection_statistic_at": (
             f"{projection.phase}, {projection.precision}, batch {projection.batch}" if projection else None
         ),
+        "max_block_statistic": max(blocked, default=None),
         "threshold": 1.0,
+        "threshold_floors": max((p.detection_threshold or 0.0 for p in points), default=0.0),
     }
 
 
@@ -300,7 +312,8 @@ def separation_margins(points: list[CalibrationPoint]) -> dict:
             f"{'SEPARATED' if separated else 'NOT SEPARATED'}: worst roundoff is {max(roundoff):.3g} of tolerance "
             f"(REL_TOL={GAMMA_ZERO_GRADIENT_REL_TOL}, ABS_FLOOR={GAMMA_ZERO_GRADIENT_ABS_FLOOR}); projection test: "
             f"{alarms['failures']} false alarms in {alarms['evaluations']} clean evaluations (largest statistic "
-            f"{alarms['max_projection_statistic'] or 0:.3g} of its threshold, {PROJECTION_Z:g} floors), a "
+            f"{alarms['max_projection_statistic'] or 0:.3g} of its threshold, at most "
+            f"{alarms['threshold_floors']:.3g} floors; blocks: {alarms['max_block_statistic'] or 0:.3g}), a "
             f"{RECIPE_GAMMA} leak of each term measures >= {weakest:.3g} noise floors on the {len(powered)} powered "
             f"of {len(points)} batches (needed: {POWER_MARGIN:g}); missed leaks: {len(missed)}; phase/precisions "
             f"without a powered batch: {len(unpowered_combos)}"

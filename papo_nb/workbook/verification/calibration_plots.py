@@ -9,7 +9,7 @@ import numpy as np
 from matplotlib.figure import Figure
 
 from papo_nb.papo.probe.contract import GAMMA_ZERO_GRADIENT_ABS_FLOOR, GAMMA_ZERO_GRADIENT_REL_TOL
-from papo_nb.papo.probe.projection import POWER_MARGIN, PROJECTION_Z, RECIPE_GAMMA, TERM_NAMES
+from papo_nb.papo.probe.projection import POWER_MARGIN, RECIPE_GAMMA, TERM_NAMES
 
 MARKERS = {"fp32": "o", "bf16": "s"}
 TERM_COLOURS = dict(zip(TERM_NAMES, ("tab:blue", "tab:orange", "tab:green")))
@@ -79,7 +79,7 @@ def plot_both_tests(points):
     """Both tests on the same batches, in leak-coefficient units (a leak of ``c * T`` adds ``c * grad T``). Left, the
     spec's norm rule: the roundoff it sees (``||g_zero - g_parent|| / ||grad T||``) and the smallest leak it detects
     (``tolerance / ||grad T||``). Right, the projection test: the roundoff's coefficient ``|c|``, its noise floor and
-    the smallest leak it detects (``PROJECTION_Z`` floors). Both against the recipe's gamma, 0.02."""
+    the smallest leak it detects (the detection threshold times the floor). Both against the recipe's gamma, 0.02."""
     fig = Figure(figsize=(15, 6))
     left, right = fig.subplots(1, 2, sharey=True)
     x = np.arange(len(points))
@@ -102,7 +102,7 @@ def plot_both_tests(points):
         )
         right.scatter(i, coefficient, color=colour, marker="o", s=30, label=f"roundoff |c|, {name}")
         right.scatter(i, floor, color=colour, marker="_", s=120, label=f"noise floor, {name}")
-        right.scatter(i, detect, color=colour, marker="v", s=50, label=f"detectable: {PROJECTION_Z:g} x floor, {name}")
+        right.scatter(i, detect, color=colour, marker="v", s=50, label=f"detectable: threshold x floor, {name}")
     floor_line = zero_floor(values + [RECIPE_GAMMA])
     for ax, title in (
         (left, "spec norm rule: ||g0 - g|| <= max(REL_TOL ||g||, ABS_FLOOR)"),
@@ -155,4 +155,28 @@ def plot_power(points):
     ax.legend(fontsize=7)
     ax.grid(True, which="both", axis="y", alpha=0.3)
     fig.tight_layout()
+    return fig
+
+
+def plot_false_alarms(evaluations: list[dict]):
+    """Histogram per regime of each clean evaluation's largest statistic against its threshold (whole-term and
+    block fits; over 1 is a false alarm), beside the statistic of the old rule (6 floors with 2 repeats)."""
+    fig = Figure(figsize=(12, 5))
+    axes = np.atleast_1d(fig.subplots(1, len({e["label"] for e in evaluations}), sharey=True))
+    values = [max(e["projection_statistic"], e["block_statistic"]) for e in evaluations]
+    values += [e["old_rule_floors"] / 6 for e in evaluations]
+    low = zero_floor(values)
+    bins = np.logspace(np.log10(low), np.log10(max(max(values), 2.0)) + 0.1, 40)
+    for ax, label in zip(axes, sorted({e["label"] for e in evaluations})):
+        sel = [e for e in evaluations if e["label"] == label]
+        new = [max(low, e["projection_statistic"], e["block_statistic"]) for e in sel]
+        old = [max(low, e["old_rule_floors"] / 6) for e in sel]
+        ax.hist(old, bins=bins, alpha=0.4, color="tab:red", label="old rule: |c| / (6 floors), 2 repeats")
+        ax.hist(new, bins=bins, alpha=0.7, color="tab:blue", label="probe: statistic / Student-t threshold")
+        ax.axvline(1.0, color="k", lw=1.5, label="threshold: a false alarm beyond")
+        alarms = sum(v > 1 for v in new)
+        ax.set(xscale="log", yscale="log", xlabel="statistic / threshold", title=f"{label}: {alarms}/{len(sel)}")
+    axes[0].set_ylabel("clean evaluations")
+    axes[0].legend(fontsize=8, loc="upper left")
+    fig.suptitle("Emulated GPU regime (synthetic roundoff on real gradients): clean evaluations")
     return fig
