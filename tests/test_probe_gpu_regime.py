@@ -142,7 +142,8 @@ def test_a_thousand_clean_evaluations_in_the_emulated_gpu_regime_stay_within_the
         observed = sum(e["p_value"] <= rate for e in evaluations) / n
         assert observed <= rate + 3 * math.sqrt(rate * (1 - rate) / n), (rate, observed)
     bf16 = [e for e in evaluations if e["label"].endswith("bf16")]
-    assert all(e["samples"] == 8 for e in bf16), "bf16 roundoff leaves 2 repeats unpowered: the probe takes 8"
+    # staged repeats: 2, and 8 where bf16 roundoff leaves 2 unpowered
+    assert {e["samples"] for e in evaluations} <= {2, 8} and any(e["samples"] == 8 for e in bf16)
     assert sum(e["powered"] for e in bf16) > 0 and sum(e["powered"] for e in evaluations) > n / 3
     # the regime is the one that hurt: the old rule (6 floors, 2 repeats) false-alarms here
     assert sum(e["old_rule_floors"] > 6 for e in bf16) > 0
@@ -177,7 +178,7 @@ def cached_wide(tmp_path_factory):
 
     from papo_nb.testbed.models import build_tiny_vlm
     from papo_nb.workbook.config.params import WorkbookParams, load_params
-    from papo_nb.workbook.training.run import prepare_training
+    from papo_nb.workbook.training.builder import prepare_training
     from papo_nb.workbook.verification.gpu_regime import cache_batch
 
     folder = tmp_path_factory.mktemp("wide")

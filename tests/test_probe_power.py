@@ -1,8 +1,9 @@
 """The probe's projection test: power on a policy that sees (the perception testbed), real roundoff, false alarms.
 
-The testbed reads its images, so its perception gradient is 10-20x smaller than the parent gradient and the spec's
-norm rule cannot see a leak at the recipe's gamma. The projection test must: a value-neutral leak of 0.02 x the
-perception KL or x an entropy term fails, in fp32 and in bf16 autocast, while the clean adapter passes (status
+The testbed reads its images. The projection test must see a leak at the recipe's gamma whatever the spec's norm rule
+sees (on the earlier testbed the perception gradient was 10-20x smaller than the parent's and the norm rule was blind
+at 0.02; on the curriculum-built one it sees some leaks too): a value-neutral leak of 0.02 x the perception KL or x
+an entropy term fails the projection test, in fp32 and in bf16 autocast, while the clean adapter passes (status
 ``passed``, never ``underpowered``) under real roundoff (the calibration mode) and in the in-training default.
 """
 
@@ -80,7 +81,8 @@ def test_the_clean_adapter_passes_powered_on_the_testbed(testbed, precision, rou
     for name in ("perception_kl", "original_entropy"):
         e = evidence.term_leaks[name]
         assert e["injected_leak_over_floor"] >= POWER_MARGIN and e["detectable_coefficient"] <= RECIPE_GAMMA
-        assert e["norm_rule_detectable_coefficient"] > RECIPE_GAMMA, "the norm rule alone is blind at gamma 0.02"
+        # the projection is the sharper test: it detects a leak the norm rule needs a larger one to see
+        assert e["detectable_coefficient"] < e["norm_rule_detectable_coefficient"], e
     if roundoff == "reordered":
         assert evidence.roundoff_norm > 0 and evidence.grad_diff_norm > 0, "real roundoff, measured"
     print(
@@ -101,8 +103,7 @@ def test_a_value_neutral_leak_of_each_term_at_the_recipe_gamma_fails(testbed, pr
     assert evidence.status == "failed", evidence.message
     assert f"{term} leaks through the gamma=0 path" in evidence.message
     assert evidence.zero_gamma_loss == evidence.parent_loss, "value-neutral: the loss is the parent's, bit for bit"
-    if term == "perception_kl":
-        assert evidence.grad_diff_norm < evidence.tolerance, "the spec's norm rule alone would have passed it"
+    assert evidence.term_leaks[term]["statistic"] > 1, evidence.term_leaks[term]  # the projection sees it itself
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
@@ -137,9 +138,10 @@ def test_no_false_alarm_in_fifty_clean_evaluations_under_real_roundoff(testbed):
     assert alarms["failures"] == 0 and alarms["max_projection_statistic"] < alarms["threshold"]
     assert alarms["max_norm_statistic"] < alarms["threshold"]
     # measured, non-zero roundoff wherever there is a parent gradient to round (a batch whose rollouts all scored alike
-    # has parent gradient 0 in fp32 and about 1e-5 in bf16; 4 of these 50, both roundoff samples exactly 0 there)
+    # has parent gradient 0 in fp32 and about 1e-5 in bf16, both roundoff samples exactly 0 there: 28 of these 50 on
+    # the shipped testbed, which answers most items the same way every time)
     measured = [p for p in points if p.parent_grad_norm > 1e-3]
-    assert len(measured) >= 40 and all(p.roundoff_norm > 0 for p in measured)
+    assert len(measured) >= 10 and all(p.roundoff_norm > 0 for p in measured)
 
 
 # ---- the projection arithmetic on synthetic gradients (fast tier) ----

@@ -19,7 +19,7 @@ from papo_nb.testbed.models import build_tiny_vlm
 from papo_nb.train.runner import run_training
 from papo_nb.workbook.config.params import WorkbookParams, load_params
 from papo_nb.workbook.rollouts import rollout_batch
-from papo_nb.workbook.training.run import prepare_training
+from papo_nb.workbook.training.builder import prepare_training
 from papo_nb.workbook.verification.gpu_regime import (
     NOISE_SHARES,
     REGIMES,

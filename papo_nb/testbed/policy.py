@@ -112,10 +112,16 @@ def score_card(
 
 
 def _warm_start_to_goal(model, processor, name: str, seed: int) -> tuple[list[float], list[dict]]:
-    """Warm-start ``model`` on the curriculum until a validation check (every ``SFT_CHECK_EVERY`` steps) meets the
-    recipe's goal; returns the step losses and the checks. Raises TestbedGoalMissed when none does."""
+    """Warm-start ``model`` on the curriculum until ``STOP_AFTER_CHECKS`` validation checks in a row (one every
+    ``SFT_CHECK_EVERY`` steps) meet the recipe's goal; returns the step losses and the checks.
+
+    Reading can jump within ten steps from below the band to the ceiling. So the weights of the last check that met
+    the goal are kept, and a pass that ends without two in a row falls back to them (its losses and checks cut
+    there: the card's last check is the one it stopped at). Raises TestbedGoalMissed when no check met the goal."""
     recipe = TESTBED_RECIPES[name]
     checks: list[dict] = []  # step, vision, text (and blind_prior) at each validation check
+    kept: dict = {}  # the weights of the last check that met the goal, by itself
+    stopped: list[int] = []
     ratios = (0.0, 1.0) if recipe.blind_prior_floor is not None else (0.0,)
     # mininterval: a handful of lines in a papermill log or a terminal, a widget in JupyterLab
     bar = tqdm(total=SFT_MAX_STEPS, desc=f"building testbed:{name} (warm start)", mininterval=10, unit="step")
@@ -129,7 +135,12 @@ def _warm_start_to_goal(model, processor, name: str, seed: int) -> tuple[list[fl
         if recipe.blind_prior_floor is not None:
             checks[-1]["blind_prior"] = card["masked_1.0/vision_consistent"]
         bar.set_postfix(vision_accuracy=f"{checks[-1]['vision']:.2f}", band=recipe.vision_band)
-        return _meets_goal(recipe, checks[-STOP_AFTER_CHECKS:])
+        if _meets_goal(recipe, checks[-1]):
+            kept.update(step=step, weights={k: v.detach().clone() for k, v in model.state_dict().items()})
+        recent = checks[-STOP_AFTER_CHECKS:]
+        if len(recent) == STOP_AFTER_CHECKS and all(_meets_goal(recipe, check) for check in recent):
+            stopped.append(step)
+        return bool(stopped)
 
     try:
         losses = warm_start(
@@ -139,9 +150,13 @@ def _warm_start_to_goal(model, processor, name: str, seed: int) -> tuple[list[fl
         )  # fmt: skip
     finally:
         bar.close()
-    if not _meets_goal(recipe, checks[-STOP_AFTER_CHECKS:]):
+    if stopped:
+        return losses, checks
+    if not kept:
         raise TestbedGoalMissed(_missed_message(name, seed, recipe, checks))
-    return losses, checks
+    model.load_state_dict(kept["weights"])  # reading jumped past its band: back to the last check inside it
+    model.eval()
+    return losses[: kept["step"]], [check for check in checks if check["step"] <= kept["step"]]
 
 
 def _write_testbed(folder: Path, name: str, seed: int) -> None:
@@ -191,15 +206,11 @@ def _write_testbed(folder: Path, name: str, seed: int) -> None:
     (folder / CARD_FILE).write_text(json.dumps(card, indent=2) + "\n")
 
 
-def _meets_goal(recipe, recent: list[dict]) -> bool:
-    """Whether the last ``STOP_AFTER_CHECKS`` validation checks all lie in the recipe's band and floors."""
+def _meets_goal(recipe, check: dict) -> bool:
+    """Whether one validation check lies in the recipe's band and meets its floors."""
     low, high = recipe.vision_band
-
-    def meets(check: dict) -> bool:
-        blind_ok = recipe.blind_prior_floor is None or check["blind_prior"] >= recipe.blind_prior_floor
-        return low <= check["vision"] <= high and check["text"] >= recipe.text_floor and blind_ok
-
-    return len(recent) == STOP_AFTER_CHECKS and all(meets(check) for check in recent)
+    blind_ok = recipe.blind_prior_floor is None or check["blind_prior"] >= recipe.blind_prior_floor
+    return low <= check["vision"] <= high and check["text"] >= recipe.text_floor and blind_ok
 
 
 def _missed_message(name: str, seed: int, recipe, checks: list[dict]) -> str:
@@ -213,7 +224,7 @@ def _missed_message(name: str, seed: int, recipe, checks: list[dict]) -> str:
     last = f"the last check (step {checks[-1]['step']}): {shown(checks[-1])}" if checks else "no check ran"
     trail = "; ".join(f"{check['step']}: {shown(check)}" for check in checks[-8:])
     return (
-        f"testbed:{name} seed {seed} missed its goal: {goal}, at {STOP_AFTER_CHECKS} checks in a row (one every "
+        f"testbed:{name} seed {seed} missed its goal: {goal}, at any validation check (one every "
         f"{SFT_CHECK_EVERY} of {SFT_MAX_STEPS} warm-start steps); {last}. Recent checks: {trail}. Nothing was "
         f"cached: use the pinned weights (testbed:{name}) or another seed"
     )

@@ -280,7 +280,7 @@ def emulated_gpu_evidence(params, folder, *, minimum: int = MINIMUM_EVALUATIONS)
     ``calibration_batches`` fresh rollout batches cached per calibration precision, and enough clean emulated
     evaluations of each for ``minimum`` in all; the false-alarm table, the block table and every evaluation."""
     from papo_nb.workbook.rollouts import rollout_batch
-    from papo_nb.workbook.training.run import prepare_training
+    from papo_nb.workbook.training.builder import prepare_training
 
     trainer, _, _ = prepare_training(params, folder, save_strategy="no")
     dataset, n = trainer.train_dataset, params.calibration_batches
