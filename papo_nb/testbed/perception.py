@@ -79,7 +79,7 @@ FEATURES = datasets.Features({**shapes.FEATURES, "vision_dependent": datasets.Va
 # alone does not stop it (the held-out card then scores what validation saw). Reading can also jump within ten steps
 # from below the band to the ceiling; the weights of the last check in band are kept for that case. A pass with no
 # check in its band fails loudly (``papo_nb.testbed.policy.TestbedGoalMissed``).
-SFT_MAX_STEPS = 900
+SFT_MAX_STEPS = 1500  # the step limit, reached only by a pass that has not met its goal
 SFT_CHECK_EVERY = 10
 STOP_AFTER_CHECKS = 2  # consecutive validation checks that meet the goal
 SFT_BATCH = 16
