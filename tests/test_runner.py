@@ -305,34 +305,53 @@ WEAK_PERCEPTION = [
 ]
 
 
+# A batch the probe cannot power, constructed honestly: the shipped smoke policy answers its first training batch
+# (2 prompts x 4 rollouts) right every time, so every advantage is 0, the parent gradient is exactly 0, and there is
+# no roundoff floor to measure an injected leak against. With a budget of one batch the run ends underpowered.
+UNPOWERABLE = ["probe_max_degenerate_batches=1", "max_steps=1", "save_steps=1", "n_eval_prompts=4"]
+PROBE_CASES = {
+    "passed": (SMOKE, WEAK_PERCEPTION),
+    "underpowered": (ROOT / "params" / "smoke.yaml", UNPOWERABLE),
+}
+
+
 def assert_probe_tags(tags: dict[str, str], status: str) -> None:
     assert tags["papo_nb.probe_status"] == status, tags
     assert ("papo_nb.probe_warning" in tags) == (status == "underpowered"), tags
+    if status == "underpowered":
+        assert tags["papo_nb.probe_warning"].startswith("probe UNDERPOWERED after 1 batches, none powered"), tags
 
 
-def test_notebook_03_tags_the_probe_status(tmp_path, store):
+@pytest.mark.parametrize("status", PROBE_CASES)
+def test_notebook_03_tags_the_probe_status(tmp_path, store, status):
+    params_file, overrides = PROBE_CASES[status]
     result = run_workbook(
         [ROOT / "notebooks" / "03_training_run.ipynb"],
-        SMOKE,
-        WEAK_PERCEPTION,
+        params_file,
+        overrides,
         run_root=tmp_path / "runs",
         tracking_uri=store,
     )
     assert result.ok, result.failure_message
     run = MlflowClient(store).get_run(result.notebooks[0].run_id)
-    assert_probe_tags(run.data.tags, "passed")
-    assert run.data.metrics["probe_final/underpowered"] == 0.0 and run.data.metrics["start/trainable_parameters"] > 0
+    assert_probe_tags(run.data.tags, status)
+    assert run.data.metrics["probe_final/underpowered"] == float(status == "underpowered")
+    assert run.data.metrics["start/trainable_parameters"] > 0
 
 
 @pytest.mark.slow
-def test_papo_nb_train_tags_the_probe_status(tmp_path, store):
-    overrides = [arg for override in WEAK_PERCEPTION for arg in ("-p", override)]
+@pytest.mark.parametrize("status", PROBE_CASES)
+def test_papo_nb_train_tags_the_probe_status(tmp_path, store, status):
+    params_file, overrides = PROBE_CASES[status]
+    arguments = [arg for override in overrides for arg in ("-p", override)]
     out = tmp_path / "run"
-    process = run_cli("train", "--params", str(SMOKE), *overrides, "--output-dir", str(out), uri=store, cwd=tmp_path)
+    process = run_cli(
+        "train", "--params", str(params_file), *arguments, "--output-dir", str(out), uri=store, cwd=tmp_path
+    )
     stdout, stderr = process.communicate(timeout=600)
     assert process.returncode == 0, stdout[-4000:] + stderr[-4000:]
     run_id = json.loads((out / "run_info.json").read_text())["mlflow_run_id"]
     run = MlflowClient(store).get_run(run_id)
     assert run.info.status == "FINISHED" and run.data.tags["papo_nb.kind"] == "train"
-    assert_probe_tags(run.data.tags, "passed")
-    assert json.loads((out / "train_summary.json").read_text())["probe"]["status"] == "passed"
+    assert_probe_tags(run.data.tags, status)
+    assert json.loads((out / "train_summary.json").read_text())["probe"]["status"] == status

@@ -199,9 +199,9 @@ def test_a_metric_without_items_prints_no_items_not_nan():
 # ---- the reduced study, end to end ----
 
 # Held-out scores the reduced study recorded (params/study_reduced.yaml, seed 0) from the shipped testbed weights, the
-# same on the native AVX-512 and the avx2 path. The weights are the same everywhere, but RL training's float path is not, so another
-# machine samples other answers: the tolerance is statistical, about two binomial standard deviations (vision avg@4:
-# 16 items x 4 samples; text greedy: 8 items; the gap is the difference of two such scores).
+# same on the native AVX-512 and the avx2 path. The weights are the same everywhere, but RL training's float path is
+# not, so another machine may sample other answers: the tolerance is statistical, about two binomial standard
+# deviations (vision avg@4: 16 items x 4 samples; text greedy: 8 items; the gap is the difference of two such scores).
 RECORDED_EVAL = {
     "grpo": {
         "eval/avg_at_k/original/vision": 0.734375,

@@ -212,6 +212,15 @@ def test_every_testbed_ships_its_weights_with_their_hashes():
         assert card["testbed"] == name and card["weights_sha256"] == entry["sha256"]["model.safetensors"]
 
 
+def test_the_smoke_numbers_name_the_weights_they_came_from():
+    """README's and docs/smoke.md's smoke numbers were measured on the shipped shapes_boxed: their hash is the one
+    shipped, so re-pinning without regenerating them fails here."""
+    shipped = json.loads(testbed_policy.PINNED_MANIFEST.read_text())["shapes_boxed"]["sha256"]["model.safetensors"]
+    root = testbed_policy.PINNED_ROOT.parents[2]
+    assert f"`{shipped}`" in (root / "docs" / "smoke.md").read_text()
+    assert f"`{shipped[:12]}...`" in (root / "README.md").read_text()
+
+
 def test_pinned_weights_that_differ_from_their_hash_are_refused(tmp_path, monkeypatch):
     copy = tmp_path / "pinned"
     shutil.copytree(testbed_policy.PINNED_ROOT, copy)
