@@ -171,22 +171,12 @@ def measure_gamma_zero_variants(
     gradients and the roundoff sample (one number dict per assembly)."""
     import trl
 
-    probe_roundoff.check_mode(roundoff)
-    if roundoff == "reordered" and inputs is None:
-        raise ValueError("probe roundoff='reordered' re-runs the batch in chunks: pass the batch as inputs=")
-    if not any(p.requires_grad for p in model.parameters()):
-        raise ProbeFailure(
-            "the model has no trainable parameters: nothing to probe (was the adapter loaded with is_trainable=False?)"
-        )
+    _check_probe_request(model, roundoff, inputs)
     stages = ROUNDOFF_STAGES[roundoff]
     gradients, more_samples = probe_gradients(
         trainer, model, parent_loss, terms, assembles, inputs, roundoff, stages[0]
     )
-    # Sharded: every rank holds disjoint pieces, so norms and dot products sum over the ranks (one all-reduce each).
-    if gradients.shards:
-        norm, reduce_sums = probe_reduce.global_norms, probe_reduce.global_sums
-    else:
-        norm, reduce_sums = (lambda vs: [torch.linalg.vector_norm(v).item() for v in vs]), (lambda t: t)
+    norm, reduce_sums = _reducers(bool(gradients.shards))
     g_parent, perception = gradients.g_parent, gradients.term_grads["perception_kl"]
     parent_norm, perception_norm = norm([g_parent, perception if perception is not None else 0 * g_parent])
     tolerance = gradient_tolerance(parent_norm)
@@ -229,6 +219,24 @@ def measure_gamma_zero_variants(
         }
         for assemble, g_zero, leaks, blocks in zip(assembles, gradients.g_zeros, tests.terms, tests.blocks)
     ]
+
+
+def _check_probe_request(model, roundoff: str, inputs) -> None:
+    probe_roundoff.check_mode(roundoff)
+    if roundoff == "reordered" and inputs is None:
+        raise ValueError("probe roundoff='reordered' re-runs the batch in chunks: pass the batch as inputs=")
+    if not any(p.requires_grad for p in model.parameters()):
+        raise ProbeFailure(
+            "the model has no trainable parameters: nothing to probe (was the adapter loaded with is_trainable=False?)"
+        )
+
+
+def _reducers(sharded: bool) -> tuple[Callable, Callable]:
+    """``(norms, sums)`` over the gradient pieces: sharded, every rank holds disjoint pieces, so norms and dot
+    products sum over the ranks (one all-reduce each)."""
+    if sharded:
+        return probe_reduce.global_norms, probe_reduce.global_sums
+    return (lambda vs: [torch.linalg.vector_norm(v).item() for v in vs]), (lambda t: t)
 
 
 def _zero_gamma_values(trainer, zero_gamma_loss, parent_loss, device) -> tuple[float, float, bool]:
