@@ -10,9 +10,10 @@ curriculum (``papo_nb.testbed.perception``) makes such builds reach their goal (
 papo_nb.testbed.across_paths`` builds each testbed on each path and seed: 26 of 27 did), but not bit for bit the
 same weights. So workbook parameters ``testbed:<name>`` load the seed-0 weights this package ships (``PINNED_ROOT``,
 about 800 kB each), checked against their SHA-256 in ``pinned/manifest.json``: every machine starts from the same
-policy, and a card scored on it is the same to the last greedy answer. ``python -m papo_nb.testbed.pin`` rebuilds them (on the
-``default`` kernel path) and rewrites the manifest. ``build_testbed`` still builds fresh, for another seed or to
-check the recipe on this machine; a build that misses its goal raises ``TestbedGoalMissed`` and caches nothing.
+policy, and a card scored on it is the same to the last greedy answer. ``python -m papo_nb.testbed.pin`` rebuilds
+them (on the ``default`` kernel path) and rewrites the manifest. ``build_testbed`` still builds fresh, for another
+seed or to check the recipe on this machine; a build that misses its goal raises ``TestbedGoalMissed`` and caches
+nothing.
 """
 
 from __future__ import annotations
