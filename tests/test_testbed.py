@@ -221,6 +221,22 @@ def test_the_smoke_numbers_name_the_weights_they_came_from():
     assert f"`{shipped[:12]}...`" in (root / "README.md").read_text()
 
 
+def test_the_across_paths_table_shows_each_build_and_each_miss():
+    from papo_nb.testbed import across_paths
+
+    paths = across_paths.cpu_paths()
+    assert paths[0] == "default" and paths == list(across_paths.PATHS[: len(paths)])
+    card = testbed_policy.read_card(testbed_policy.pinned_testbed("shapes_prior"))
+    row = across_paths.table_row("shapes_prior", 0, "avx2", 1, {"card": card})
+    check, accuracy = card["validation_checks"][-1], card["greedy_accuracy"]
+    assert row == (
+        f"| shapes_prior | 0 | `avx2` | 1 | {card['sft_steps']} | {check['vision']:.3f} | "
+        f"{accuracy['original/vision']:.3f} | 1.000 | {check['blind_prior']:.3f} |"
+    )
+    missed = across_paths.table_row("shapes", 3, "default", 1, {"missed": "testbed:shapes seed 3 missed its goal"})
+    assert missed.startswith("| shapes | 3 | `default` | 1 | **missed**: testbed:shapes seed 3 missed its goal")
+
+
 def test_pinned_weights_that_differ_from_their_hash_are_refused(tmp_path, monkeypatch):
     copy = tmp_path / "pinned"
     shutil.copytree(testbed_policy.PINNED_ROOT, copy)

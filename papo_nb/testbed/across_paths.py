@@ -59,7 +59,8 @@ def table_row(name: str, seed: int, path: str, threads: int, result: dict) -> st
         return f"{head} **missed**: {result['missed'][:160]} | | | | |"
     card = result["card"]
     check, accuracy = card["validation_checks"][-1], card["greedy_accuracy"]
-    blind = accuracy.get("masked_1.0/vision_consistent", accuracy["masked_1.0/vision"])
+    # all black: the card's vision accuracy (chance), or for a prior testbed the stopping check's prior-consistent one
+    blind = check.get("blind_prior", accuracy["masked_1.0/vision"])
     return (
         f"{head} {card['sft_steps']} | {check['vision']:.3f} | {accuracy['original/vision']:.3f} | "
         f"{accuracy['original/text']:.3f} | {blind:.3f} |"
