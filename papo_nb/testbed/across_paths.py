@@ -80,10 +80,11 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unknown testbed name(s) {unknown}; allowed: {list(TESTBEDS)}")
     print("| testbed | seed | kernel path | threads | steps | stopping check | held-out vision | text | all black |")
     print("|---|---:|---|---:|---:|---:|---:|---:|---:|")
+    paths = cpu_paths()
     for name in args.names:
         for seed in args.seeds:
             for threads in args.threads:
-                for path in cpu_paths():
+                for path in paths:
                     print(table_row(name, seed, path, threads, build_on_path(name, seed, path, threads)), flush=True)
     return 0
 

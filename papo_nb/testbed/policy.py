@@ -122,7 +122,7 @@ def _warm_start_to_goal(model, processor, name: str, seed: int) -> tuple[list[fl
     recipe = TESTBED_RECIPES[name]
     checks: list[dict] = []  # step, vision, text (and blind_prior) at each validation check
     kept: dict = {}  # the weights of the last check that met the goal, by itself
-    stopped: list[int] = []
+    in_a_row = 0  # consecutive checks that met the goal, up to the latest
     ratios = (0.0, 1.0) if recipe.blind_prior_floor is not None else (0.0,)
     # mininterval: a handful of lines in a papermill log or a terminal, a widget in JupyterLab
     bar = tqdm(total=SFT_MAX_STEPS, desc=f"building testbed:{name} (warm start)", mininterval=10, unit="step")
@@ -136,12 +136,11 @@ def _warm_start_to_goal(model, processor, name: str, seed: int) -> tuple[list[fl
         if recipe.blind_prior_floor is not None:
             checks[-1]["blind_prior"] = card["masked_1.0/vision_consistent"]
         bar.set_postfix(vision_accuracy=f"{checks[-1]['vision']:.2f}", band=recipe.vision_band)
-        if _meets_goal(recipe, checks[-1]):
+        nonlocal in_a_row
+        in_a_row = in_a_row + 1 if _meets_goal(recipe, checks[-1]) else 0
+        if in_a_row:
             kept.update(step=step, weights={k: v.detach().clone() for k, v in model.state_dict().items()})
-        recent = checks[-STOP_AFTER_CHECKS:]
-        if len(recent) == STOP_AFTER_CHECKS and all(_meets_goal(recipe, check) for check in recent):
-            stopped.append(step)
-        return bool(stopped)
+        return in_a_row >= STOP_AFTER_CHECKS
 
     try:
         losses = warm_start(
@@ -151,7 +150,7 @@ def _warm_start_to_goal(model, processor, name: str, seed: int) -> tuple[list[fl
         )  # fmt: skip
     finally:
         bar.close()
-    if stopped:
+    if in_a_row >= STOP_AFTER_CHECKS:
         return losses, checks
     if not kept:
         raise TestbedGoalMissed(_missed_message(name, seed, recipe, checks))
