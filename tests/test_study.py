@@ -4,6 +4,7 @@ through papermill with its evidence read back from MLflow."""
 import json
 import math
 import shutil
+import statistics
 from pathlib import Path
 
 import pytest
@@ -12,8 +13,10 @@ from scipy import stats
 
 from papo_nb.testbed.policy import read_card
 from papo_nb.workbook.study.claims import claims_table
-from papo_nb.workbook.study.collapse import CollapseRule, detect_collapse
-from papo_nb.workbook.study.stats import at_chance, mean_ci, paired_test, summary_rows
+from papo_nb.workbook.study.collapse import CollapseRule, detect_collapse, heldout_verdict
+from papo_nb.workbook.study.errors import FOLLOWED, MISREAD, SHARE, prior_error_split
+from papo_nb.workbook.study.search import fraction_arm, search_collapse_gamma
+from papo_nb.workbook.study.stats import at_chance, equivalence_test, mean_ci, paired_test, summary_rows
 from papo_nb.workbook.study.tables import comparison_table, markdown_table
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -52,9 +55,32 @@ def test_kl_prcp_hacking_fires_at_the_step_the_paper_symptoms_join():
     )
     verdict = detect_collapse(hacked, CollapseRule(window=3))
     assert verdict["collapsed"] and verdict["mode"] == "KL_prcp hacking (paper)"
-    # window 3: at step 16 the KL's mean is (0.05 + 1.2 + 1.2) / 3 = 0.82 < 1.0 nats; at step 17 it is 1.2
-    assert verdict["step"] == 17
-    assert {"perception_kl_blowup", "entropy_rise", "masked_entropy_rise"} <= set(verdict["symptoms"])
+    # window 3: at step 15 the KL's mean (0.05 + 0.05 + 1.2) / 3 = 0.43 is 8.7x its baseline and the entropy's
+    # (0.1 + 0.1 + 0.6) / 3 = 0.27 is 2.7x and 0.17 nats above its own: a several-fold rise with a rising entropy
+    assert verdict["step"] == 15
+    assert {"perception_kl_rise", "entropy_rise"} <= set(verdict["symptoms"])  # the masked one joins at 16
+
+
+def test_kl_hacking_below_the_one_nat_floor_is_still_the_papers_pattern():
+    """shapes_prior's collapses: the KL rose about 8x to well under 1 nat, both entropies rising."""
+    hacked = logs(kl=lambda s: 0.05 if s < 12 else 0.4, masked=lambda s: 0.3 if s < 12 else 0.9)
+    verdict = detect_collapse(hacked)
+    assert verdict["collapsed"] and verdict["mode"] == "KL_prcp hacking (paper)"
+    assert "perception_kl_blowup" not in verdict["symptoms"]
+    # the same rise with flat entropies and reward is no collapse
+    assert not detect_collapse(logs(kl=lambda s: 0.05 if s < 12 else 0.4))["collapsed"]
+
+
+def test_held_out_evidence_flags_what_the_step_logs_miss_and_names_broken_output():
+    quiet = detect_collapse(logs())
+    grpo = {"avg_at_k/original/all": 0.54}
+    far_below = heldout_verdict(quiet, {"avg_at_k/original/all": 0.334}, grpo, CollapseRule())
+    assert far_below["collapsed"] and far_below["detected_by"] == ["held-out"]
+    assert far_below["mode"] == "held-out accuracy far below GRPO's"
+    near = heldout_verdict(quiet, {"avg_at_k/original/all": 0.45}, grpo, CollapseRule())
+    assert not near["collapsed"] and near["detected_by"] == []
+    broken = heldout_verdict(quiet, {"avg_at_k/original/all": 0.0}, None, CollapseRule())
+    assert broken["collapsed"] and "broken output" in broken["mode"] and "chance" not in broken["mode"]
 
 
 def test_one_symptom_alone_does_not_fire():
@@ -113,6 +139,51 @@ def fake_results(gain):
 
 
 CHANCE = {"chance": 0.25, "vision_items": 128}  # the testbed's four colours, its reduced study's held-out set
+
+
+def test_equivalence_is_two_one_sided_tests_at_the_margin():
+    control = [0.50, 0.52, 0.48, 0.51, 0.49]
+    close = [c + d for c, d in zip(control, (0.004, -0.003, 0.002, 0.0, -0.001))]
+    result = equivalence_test(close, control, margin=0.02)
+    diffs = [a - b for a, b in zip(close, control)]
+    error = stats.tstd(diffs) / math.sqrt(len(diffs))
+    lower = stats.t.sf((statistics.mean(diffs) + 0.02) / error, len(diffs) - 1)
+    upper = stats.t.cdf((statistics.mean(diffs) - 0.02) / error, len(diffs) - 1)
+    assert result["p_value"] == pytest.approx(max(lower, upper)) and result["equivalent"]
+    shifted = [c + 0.05 for c in close]  # 5 points off: far outside a 2-point margin
+    assert not equivalence_test(shifted, control, margin=0.02)["equivalent"]
+    with pytest.raises(ValueError, match="margin"):
+        equivalence_test(close, control, margin=0)
+
+
+def test_the_collapse_search_climbs_then_bisects_below_the_first_collapse():
+    tried = []
+
+    def collapses_from(threshold):
+        def train(gamma):
+            tried.append(gamma)
+            return {"collapsed": gamma >= threshold}
+
+        return train
+
+    gammas, gamma, found = search_collapse_gamma(collapses_from(2.0), [0.2, 1.0, 5.0, 20.0], healthy=0.02, steps=2)
+    # 0.2 and 1 healthy, 5 collapses; sqrt(1 * 5) = 2.24 collapses, sqrt(1 * 2.24) = 1.5 does not
+    assert gammas == tried == [0.2, 1.0, 5.0, 2.24, 1.5] and gamma == 2.24 and found
+    tried.clear()
+    assert search_collapse_gamma(collapses_from(99.0), [0.2, 1.0], healthy=0.02, steps=2) == ([0.2, 1.0], 1.0, False)
+    assert fraction_arm(0.5) == "papo_g_half" and fraction_arm(0.3) == "papo_g_x0.3"
+
+
+def test_prior_breaking_errors_split_into_followed_the_prior_and_misread():
+    golds = ["red", "green", "blue", "yellow", "red"]
+    priors = ["blue", "red", "green", "red", "green"]
+    majorities = ["red", "green", "blue", "yellow", "green"]  # the last square shows mostly its decoy
+    # right; the prior against the image; another colour; no answer; the prior where the image shows it most
+    answers = ["red", "red", "yellow", None, "green"]
+    split = prior_error_split(answers, golds, priors, majorities)
+    assert split[FOLLOWED] == pytest.approx(1 / 5) and split[MISREAD] == pytest.approx(3 / 5)
+    assert split[SHARE] == pytest.approx(1 / 4)
+    assert math.isnan(prior_error_split(golds, golds, priors, majorities)[SHARE])
 
 
 def test_summary_rows_pair_each_arm_with_grpo():
@@ -340,3 +411,69 @@ def test_equal_differences_on_every_seed_say_so_rather_than_asking_for_seeds():
     same = {"grpo": {s: {"m": 0.5 + s / 10} for s in range(3)}, "papo_g": {s: {"m": 0.5 + s / 10} for s in range(3)}}
     line = comparison_table(summary_rows(same, ["m"], control="grpo"), "grpo")[0]
     assert line["papo_g - grpo"] == "0.000 ± 0.000 (p: none, every seed gave the same difference)"
+
+
+@pytest.mark.model
+@pytest.mark.slow
+def test_the_calibrated_design_scores_step_0_searches_one_seed_and_pairs_every_arm(mlflow_store, tmp_path):
+    """The calibrated design end to end on the prior testbed, at a size that tests the wiring, not the method: the
+    warm start scored once, the search on the first seed, every arm (GRPO, the recipe's gamma, a fraction of the
+    collapse gamma) at every seed, each verdict weighing the held-out evidence, and the page's sections."""
+    import mlflow
+
+    from papo_nb.workbook.config.params import load_params
+    from papo_nb.workbook.study import publish
+    from papo_nb.workbook.study.arms import run_study
+
+    params = load_params(ROOT / "params" / "study_reduced.yaml").model_copy(
+        update={
+            "model_name_or_path": "testbed:shapes_prior", "dataset": "testbed:shapes_prior", "max_steps": 2,
+            "n_train_prompts": 8, "n_eval_prompts": 12, "per_device_train_batch_size": 8, "study_seeds": [0, 1],
+            "study_collapse_gammas": [20.0], "study_gamma_fractions": [0.5], "study_search_steps": 1,
+            "study_eval_samples": 2, "measure_perception_kl": True,
+        }
+    )  # fmt: skip
+    with mlflow.start_run():
+        study = run_study(params, tmp_path / "runs", log=lambda line: None)
+    assert "avg_at_k/original/vision" in study.start_scores and SHARE in study.start_scores
+    assert [(r.arm, r.seed) for r in study.sweep] == [("search", 0)] and study.collapse_gamma == 20.0
+    half = 0.5 * study.collapse_gamma
+    assert sorted((r.arm, r.seed, r.gamma) for r in study.runs if r.arm != "papo_g_collapse") == [
+        ("grpo", 0, 0.0), ("grpo", 1, 0.0), ("papo_g", 0, 0.02), ("papo_g", 1, 0.02),
+        ("papo_g_half", 0, half), ("papo_g_half", 1, half),
+    ]  # fmt: skip
+    assert all("detected_by" in r.collapse for r in [*study.sweep, *study.runs])
+    grpo_logs = next(r for r in study.runs if r.arm == "grpo").step_logs
+    assert any(row.get("perception_kl", 0) > 0 for row in grpo_logs)  # measured at gamma 0
+    sections = "\n".join(publish.calibrated_sections(study))
+    for heading in ("counteract GRPO's drift", "Drift:", "Collapse-gamma search", "Each PAPO-G arm against GRPO"):
+        assert heading in sections
+    assert "papo_g_half" in sections and "nan" not in sections.split("Each PAPO-G arm")[0].split("Drift:")[1]
+    publish.write_page_files(tmp_path / "page", study, {}, {})
+    logs = json.loads((tmp_path / "page" / publish.STEP_LOGS).read_text())
+    assert {(r["arm"], r["seed"]) for r in logs} >= {("grpo", 0), ("papo_g_half", 1), ("search", 0)}
+    trained = {(r.arm, r.seed): r for r in [*study.sweep, *study.runs]}
+    for record in logs:  # every step-log label can be recomputed from the page alone
+        assert detect_collapse(record["steps"])["step"] == trained[record["arm"], record["seed"]].collapse["step"]
+
+
+def test_drift_is_the_end_minus_the_warm_start_and_the_claim_says_which_arm_counteracts_it():
+    from papo_nb.workbook.study.drift import PRIMARY, arm_verdicts, counteract_claim, drift_rows
+
+    start = {PRIMARY: 0.50}
+    grpo = {s: {PRIMARY: v, SHARE: 0.6} for s, v in enumerate((0.30, 0.32, 0.28))}
+    half = {s: {PRIMARY: v, SHARE: 0.3} for s, v in enumerate((0.40, 0.41, 0.39))}
+    same = {s: {PRIMARY: grpo[s][PRIMARY] + d, SHARE: 0.6} for s, d in enumerate((0.002, -0.001, 0.0))}
+    results = {"grpo": grpo, "papo_g_half": half, "papo_g": same}
+    rows = {row["arm"]: row for row in drift_rows(start, results, metrics=(PRIMARY,))}
+    assert rows["grpo"]["drift"] == pytest.approx(-0.20) and rows["grpo"]["step_0"] == 0.50
+    assert rows["grpo"]["drift"] + rows["grpo"]["drift_ci95"] < 0 and rows["grpo"]["p_value"] < 0.01
+    verdicts = {r["arm"]: r for r in arm_verdicts(results, {"papo_g_half": 1.0, "papo_g": 0.02}, "grpo")}
+    assert verdicts["papo_g_half"]["verdict"].startswith("better than GRPO (+0.100")
+    assert verdicts["papo_g_half"]["prior_share"] == 0.3 and verdicts["papo_g_half"]["control_prior_share"] == 0.6
+    assert verdicts["papo_g"]["verdict"].startswith("equivalent to GRPO within +-0.02")
+    claim = counteract_claim(list(rows.values()), list(verdicts.values()), "grpo")
+    assert claim["verdict"] == "holds: papo_g_half (gamma 1) recovers +0.100 of GRPO's drift"
+    # no drift, nothing to counteract: the claim is not tested, whatever the arms do
+    flat = {row["arm"]: row for row in drift_rows({PRIMARY: 0.30}, results, metrics=(PRIMARY,))}
+    assert counteract_claim(list(flat.values()), list(verdicts.values()), "grpo")["verdict"].startswith("not tested")

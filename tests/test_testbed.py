@@ -340,3 +340,66 @@ def test_the_prior_testbed_follows_the_text_when_blind_and_reads_the_image_when_
     assert accuracy["masked_1.0/vision_consistent"] > 0.5 and accuracy["masked_1.0/vision"] < chance, accuracy
     # with the image it reads some prior-breaking items, so RL has something to strengthen, and room to do it
     assert chance < accuracy["original/vision"] < 0.8, accuracy
+
+
+def test_the_shortcut_task_pays_the_prior_in_training_and_breaks_it_held_out():
+    recipe = perception.TESTBED_RECIPES["shapes_shortcut"]
+    train, held_out = perception.task_datasets("shapes_shortcut", 600, 300, seed=0, eval_seed=10_000)
+    assert all(train["vision_dependent"]) and all(held_out["vision_dependent"])  # no distractor-image text items
+    training = prior_vision_items(train)
+    following = sum(perception.PRIOR_COLOURS[tag] == answer for tag, answer in training) / len(training)
+    assert abs(following - recipe.prior_rate) < 0.04, following  # 0.9 +/- 3 sd
+    breaking = prior_vision_items(held_out)
+    assert all(perception.PRIOR_COLOURS[tag] != answer for tag, answer in breaking)
+    # the image never rules the prior out: the number's colour is the decoy on every prior-breaking square...
+    majorities = [perception.majority_colour(image) for image in held_out["image"]]
+    shown = [{c for _, c in image.getcolors()} for image in held_out["image"]]
+    named = [perception.COLOURS[perception.PRIOR_COLOURS[tag]] for tag, _ in breaking]
+    assert all(rgb in colours for rgb, colours in zip(named, shown))
+    # ...and a reader of the majority colour is right about 2/3 of the time (decoy share uniform in 0.1-0.7)
+    reader = sum(m == answer for m, (_, answer) in zip(majorities, breaking)) / len(breaking)
+    assert abs(reader - 2 / 3) < 0.09, reader
+
+
+def test_the_shortcut_warm_start_draws_its_decoys_apart_from_the_number():
+    """In the warm start the decoy is independent of the number: a number that always named the decoy where it is
+    not the answer would teach that its colour is the wrong answer."""
+    rng = random.Random(0)
+    rate = perception.TESTBED_RECIPES["shapes_shortcut"].warm_start_prior
+    items = [
+        perception.make_item(rng, "vision", prior_rate=rate, decoy_share=(0.1, 0.7), prior_decoy=False)
+        for _ in range(1200)
+    ]
+    tags = prior_vision_items({k: [it[k] for it in items] for k in ("prompt", "answer", "vision_dependent")})
+    named = [perception.COLOURS[perception.PRIOR_COLOURS[tag]] for tag, _ in tags]
+    present = sum(rgb in {c for _, c in it["image"].getcolors()} for rgb, it in zip(named, items)) / len(items)
+    # the number's colour is in the square where it is the answer (1/2) or the decoy by chance (1/2 x 1/3): 2/3
+    assert rate == 0.5 and abs(present - 2 / 3) < 0.05, present
+
+
+@pytest.mark.model
+@pytest.mark.slow
+def test_the_shortcut_testbed_is_an_imperfect_reader_that_leans_on_the_number(shortcut_testbed_path):
+    card = testbed_policy.read_card(shortcut_testbed_path)
+    accuracy, chance = card["greedy_accuracy"], perception.CHANCE_VISION
+    assert card["prior_rate"] == 0.9 and card["warm_start_prior_rate"] == 0.5 and card["kinds"] == ["vision"]
+    low, high = card["vision_band"]
+    assert low <= card["validation_checks"][-1]["vision"] <= high  # stopped in band, on prior-breaking items
+    # it reads: above chance where the number is wrong, and RL has room below the majority reader's 2/3
+    assert chance + 0.1 < accuracy["original/vision"] < 0.75, accuracy
+    # it leans on the number: better where the number is right; blind, it follows it there and fails where it lies
+    assert accuracy["original/vision_consistent"] > accuracy["original/vision"] + 0.05, accuracy
+    assert accuracy["masked_1.0/vision_consistent"] >= card["blind_prior_floor"] - 0.1, accuracy
+    assert accuracy["masked_1.0/vision"] < chance, accuracy
+
+
+@pytest.mark.model
+@pytest.mark.slow
+def test_the_shipped_shortcut_testbed_scores_its_card_on_this_float_path(shortcut_testbed_path):
+    """The card is exact on any machine: the shipped weights, rescored on this CPU's kernels (CI reruns this file on
+    another ATEN_CPU_CAPABILITY), give the card's accuracies to within a greedy tie or two."""
+    from papo_nb.testbed.models import load_vlm
+
+    model, processor = load_vlm(shortcut_testbed_path)
+    rescored = testbed_policy.score_card(model.eval(), processor, "shapes_shortcut")
+    assert rescored == pytest.approx(testbed_policy.read_card(shortcut_testbed_path)["greedy_accuracy"], abs=0.02)

@@ -69,12 +69,14 @@ class MaskedBranch:
 
     @property
     def skipped(self) -> bool:
-        """True when nothing reads the branch: gamma 0 for the whole run, eta2 0 and no in-training probe."""
+        """True when nothing reads the branch: gamma 0 for the whole run, eta2 0, no in-training probe, and the
+        perception KL not asked for (``measure_perception_kl``)."""
         args = self.args
         return (
             perception_off_for_the_run(args)
             and args.masked_entropy_weight == 0
             and not args.require_gpu_contract_probe
+            and not args.measure_perception_kl
         )
 
     def for_loss(self, model, inputs: dict[str, Any], mask_pixels, logps_of):

@@ -51,6 +51,7 @@ FIELD_RULES = {
     "masked_branch": (lambda v: v in MASKED_BRANCH_TIMINGS, f"one of {MASKED_BRANCH_TIMINGS}"),
     "max_consecutive_nonfinite_grad_steps": (lambda v: _int(v) and v >= 1, "an int >= 1"),
     "require_gpu_contract_probe": (lambda v: isinstance(v, bool), "a bool"),
+    "measure_perception_kl": (lambda v: isinstance(v, bool), "a bool"),
     "probe_max_degenerate_batches": (lambda v: _int(v) and v >= 1, "an int >= 1"),
     "beta": (lambda v: _finite(v) and v >= 0, "a finite number >= 0"),
     "loss_type": (lambda v: v in LOSS_TYPES, f"one of {LOSS_TYPES}"),
@@ -152,6 +153,11 @@ class PAPOGConfig(GRPOConfig):
         require_gpu_contract_probe (`bool`, defaults to `False`):
             Run the gamma-zero reduction probe inside training until it has evidence (smoke and CI runs set
             this true; main runs leave it false so no probe code runs at all).
+        measure_perception_kl (`bool`, defaults to `False`):
+            Run the masked branch even where nothing reads it (gamma 0 for the whole run, eta2 0, no probe), so the
+            perception KL and the masked entropy are logged: a GRPO arm of a study then shows whether it stops
+            looking at the image, and draws the same masks as its PAPO-G arms. Off, such a run skips the branch and
+            costs what GRPOTrainer costs.
         probe_max_degenerate_batches (`int`, defaults to `20`):
             How many image-invariant batches (mean perception KL exactly 0), and separately how many underpowered
             batches (leak-detection power < 1), the probe may defer on before it ends.
@@ -224,6 +230,9 @@ class PAPOGConfig(GRPOConfig):
         },
     )
     require_gpu_contract_probe: bool = field(default=False, metadata={"help": "Run the gamma-zero probe in training."})
+    measure_perception_kl: bool = field(
+        default=False, metadata={"help": "Run the masked branch where nothing reads it, to log the perception KL."}
+    )
     probe_max_degenerate_batches: int = field(
         default=PAPO_PROBE_MAX_DEGENERATE_BATCHES,
         metadata={"help": "Image-invariant (and, apart, underpowered) batches the probe may defer on."},

@@ -41,6 +41,7 @@ curriculum is what makes it reach its goal on every floating-point path. Workboo
 from __future__ import annotations
 
 import random
+import re
 from dataclasses import dataclass
 
 import datasets
@@ -64,6 +65,7 @@ KINDS = ("vision", "vision", "text")  # two vision-dependent items for each text
 CHANCE_VISION = 1 / len(COLOURS)
 PRIOR_QUESTION = "What colour is square {tag}?"
 PRIOR_COLOURS = {str(tag): colour for tag, colour in enumerate(COLOURS, start=1)}  # "1" -> red, ... "4" -> yellow
+PRIOR_PATTERN = re.compile(re.escape(PRIOR_QUESTION).replace(re.escape("{tag}"), "([0-9]+)"))
 
 # the shapes task's columns plus the vision-dependency flag
 FEATURES = datasets.Features({**shapes.FEATURES, "vision_dependent": datasets.Value("bool")})
@@ -111,6 +113,14 @@ class TestbedRecipe:
     blank_every: int = 0
     # validation accuracy on prior-consistent items with the image all black (the prior alone) the stop also needs
     blind_prior_floor: float | None = None
+    kinds: tuple[str, ...] = KINDS  # the question kinds items cycle through, in the warm start and the task
+    # the prior rate of the warm start's items when it differs from the task's (None: the task's, ``prior_rate``)
+    warm_start_prior_rate: float | None = None
+    decoy_share: tuple[float, float] | None = None  # a decoy colour's share of each square's pixels (``overpaint``)
+
+    @property
+    def warm_start_prior(self) -> float | None:
+        return self.prior_rate if self.warm_start_prior_rate is None else self.warm_start_prior_rate
 
 
 TESTBED_RECIPES = {
@@ -119,6 +129,21 @@ TESTBED_RECIPES = {
     # above chance: the smoke workbook's policy.
     "shapes_boxed": TestbedRecipe(vision_band=(0.60, 0.90), boxed_every=2),
     "shapes_prior": TestbedRecipe(vision_band=(0.35, 0.70), prior_rate=0.75, blank_every=2, blind_prior_floor=0.6),
+    # A reader that leans on a prior a little, trained on data that pays for leaning on it a lot. A decoy colour
+    # covers 10-70% of each square, so on a third of items the majority colour is wrong and a majority reader scores
+    # about 2/3; where the number's colour is not the answer it is the decoy, so the image never rules the prior out.
+    # The warm start's numbers name the colour on half its items (its decoys drawn apart from them), as a pretrained
+    # model carries priors; it stops as an imperfect reader that already follows the number blind on some items. The
+    # RL task's number names the colour on 90% of items, so following it earns 0.9 a question against about 2/3 for
+    # reading. Every item is vision-dependent: no distractor-image text questions.
+    "shapes_shortcut": TestbedRecipe(
+        vision_band=(0.40, 0.65),
+        prior_rate=0.9,
+        kinds=("vision",),
+        warm_start_prior_rate=0.5,
+        decoy_share=(0.1, 0.7),
+        blind_prior_floor=0.4,
+    ),
 }
 TESTBEDS = tuple(TESTBED_RECIPES)
 VALIDATION_ITEMS = 192  # 128 vision items: a check's binomial sd about 0.04, so one lucky check cannot stop it
@@ -128,13 +153,18 @@ CARD_SEED = 99_999  # a stream neither the warm-start, the validation nor the st
 
 
 def make_item(
-    rng: random.Random, kind: str, boxed: bool = False, prior_rate: float | None = None, side: int = CELL
-) -> dict:
+    rng: random.Random, kind: str, boxed: bool = False, prior_rate: float | None = None, side: int = CELL,
+    decoy_share: tuple[float, float] | None = None, prior_decoy: bool = True,
+) -> dict:  # fmt: skip
     """One item of ``kind`` ("vision" or "text"), every choice drawn from ``rng``; ``boxed`` asks for the answer in
     ``\\boxed{}`` (``target`` is the completion the warm start teaches). ``prior_rate`` (vision items only) asks
     ``PRIOR_QUESTION`` and gives the square its number's colour with that probability, another colour otherwise.
     ``side`` (pixels) draws a larger square around the same cell, kept inside the image, for the warm start's
-    curriculum; it draws nothing more from ``rng``, so an item differs from the task's only in its square's size."""
+    curriculum; it draws nothing more from ``rng``, so an item differs from the task's only in its square's size.
+    ``decoy_share`` (low, high) paints a share of the square's pixels, drawn uniformly in that range, in a decoy
+    colour (``overpaint``): with ``prior_decoy``, the colour a prior question's number names where that is not the
+    answer, so the image never rules the prior out; otherwise (and on items that follow the prior) another colour
+    than the answer, drawn from ``rng``."""
     colour = rng.choice(list(COLOURS))
     if prior_rate is not None and kind == "vision":
         tag = rng.choice(list(PRIOR_COLOURS))
@@ -147,6 +177,10 @@ def make_item(
     left, top = (min(max(at * CELL - (side - CELL) // 2, 0), IMAGE_SIZE - side) for at in (col, row))
     image = Image.new("RGB", (IMAGE_SIZE, IMAGE_SIZE), "black")
     ImageDraw.Draw(image).rectangle((left, top, left + side - 1, top + side - 1), fill=COLOURS[colour])
+    if decoy_share is not None:
+        named = PRIOR_COLOURS[tag] if prior_rate is not None and kind == "vision" else colour
+        decoy = named if prior_decoy and named != colour else rng.choice([c for c in COLOURS if c != colour])
+        overpaint(image, (left, top, side), decoy, rng.uniform(*decoy_share), random.Random(rng.getrandbits(32)))
     if kind == "vision":
         question, answer = VISION_QUESTION if prior_rate is None else PRIOR_QUESTION.format(tag=tag), colour
     elif kind == "text":
@@ -166,24 +200,54 @@ def make_item(
     }
 
 
-def make_perception_dataset(n: int, seed: int = 0, prior_rate: float | None = None) -> datasets.Dataset:
-    """``n`` items in TRL's conversational VLM format, kinds cycling vision, vision, text; deterministic.
-    ``prior_rate``: the language-prior task (``make_item``), None: the plain one."""
+def overpaint(image: Image.Image, square: tuple[int, int, int], colour: str, share: float, rng: random.Random):
+    """Paint ``share`` of the pixels of ``square`` (left, top, side), picked at random, in ``colour``: where the
+    share passes one half, the square's majority colour is no longer its answer, so no reader is always right."""
+    left, top, side = square
+    for pixel in rng.sample(range(side * side), round(share * side * side)):
+        image.putpixel((left + pixel % side, top + pixel // side), COLOURS[colour])
+
+
+def majority_colour(image: Image.Image) -> str | None:
+    """The task colour most of the image's pixels show (None: none, an all-black image)."""
+    counts = dict.fromkeys(COLOURS, 0)
+    names = {rgb: colour for colour, rgb in COLOURS.items()}
+    for count, rgb in image.convert("RGB").getcolors(IMAGE_SIZE * IMAGE_SIZE):
+        if rgb in names:
+            counts[names[rgb]] += count
+    best = max(counts, key=counts.get)
+    return best if counts[best] else None
+
+
+def make_perception_dataset(
+    n: int, seed: int = 0, prior_rate: float | None = None, kinds: tuple[str, ...] = KINDS,
+    decoy_share: tuple[float, float] | None = None,
+) -> datasets.Dataset:  # fmt: skip
+    """``n`` items in TRL's conversational VLM format, kinds cycling through ``kinds`` (vision, vision, text);
+    deterministic. ``prior_rate``: the language-prior task, ``decoy_share``: overpainted squares (``make_item``)."""
     if n < 1:
         raise ValueError(f"n={n} must be at least 1")
     rng = random.Random(seed)
-    rows = [make_item(rng, KINDS[i % len(KINDS)], prior_rate=prior_rate) for i in range(n)]
+    rows = [make_item(rng, kinds[i % len(kinds)], prior_rate=prior_rate, decoy_share=decoy_share) for i in range(n)]
     return datasets.Dataset.from_dict({key: [row[key] for row in rows] for key in FEATURES}, features=FEATURES)
 
 
 def task_datasets(name: str, n_train: int, n_eval: int, seed: int, eval_seed: int):
     """(training, held-out) items of testbed ``name``'s task: with a language prior, training follows it at the
     recipe's ``prior_rate`` and the held-out items break it (rate 0)."""
-    prior_rate = TESTBED_RECIPES[name].prior_rate
+    recipe = TESTBED_RECIPES[name]
+    prior_rate = recipe.prior_rate
+    held_out_rate = None if prior_rate is None else 0.0
     return (
-        make_perception_dataset(n_train, seed=seed, prior_rate=prior_rate),
-        make_perception_dataset(n_eval, seed=eval_seed, prior_rate=None if prior_rate is None else 0.0),
+        make_perception_dataset(n_train, seed, prior_rate, recipe.kinds, recipe.decoy_share),
+        make_perception_dataset(n_eval, eval_seed, held_out_rate, recipe.kinds, recipe.decoy_share),
     )
+
+
+def prior_answer(question: str) -> str | None:
+    """The colour a prior question's number names ("What colour is square 3?" -> "blue"), None for other text."""
+    found = PRIOR_PATTERN.search(question)
+    return PRIOR_COLOURS[found.group(1)] if found else None
 
 
 def make_official_perception_dataset(n: int, seed: int = 0, kind: str = "vision") -> datasets.Dataset:
@@ -258,14 +322,16 @@ def _sft_batch(processor, items: list[dict]) -> dict[str, torch.Tensor]:
 
 def warm_start(
     model, processor, *, steps: int, seed: int, batch_size: int = SFT_BATCH, lr: float = SFT_LR, after_step=None,
-    boxed_every: int = 0, prior_rate: float | None = None, blank_every: int = 0, progress=None,
+    boxed_every: int = 0, prior_rate: float | None = None, blank_every: int = 0, kinds: tuple[str, ...] = KINDS,
+    decoy_share: tuple[float, float] | None = None, progress=None,
 ) -> list:  # fmt: skip
     """Cross-entropy on the answer tokens for ``steps`` AdamW steps on fresh items, their squares sized by
     ``curriculum_side``; returns the losses.
 
     ``after_step(step)``, if given, runs after each optimizer step; a true result stops the pass there. Every
     ``boxed_every``-th item (0: none) asks for and is taught a ``\\boxed{}`` answer; ``prior_rate`` as in
-    ``make_item``; every ``blank_every``-th item, if a vision item, shows no square (0: none). ``progress``, if
+    ``make_item``; every ``blank_every``-th item, if a vision item, shows no square (0: none); items cycle
+    through ``kinds``, overpainted as ``decoy_share`` says. ``progress``, if
     given, is called with each step's loss (a progress bar's update)."""
     rng = random.Random(seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
@@ -276,10 +342,14 @@ def warm_start(
         items = [
             make_item(
                 rng,
-                KINDS[n % len(KINDS)],
+                kinds[n % len(kinds)],
                 boxed=bool(boxed_every) and n % boxed_every == boxed_every - 1,
                 prior_rate=prior_rate,
                 side=curriculum_side(step),
+                decoy_share=decoy_share,
+                # the warm start's numbers say nothing, the decoy included: tied to the number, it would teach
+                # that the number's colour is the wrong answer
+                prior_decoy=False,
             )  # fmt: skip
             for n in index
         ]

@@ -18,6 +18,7 @@ from pydantic import (
     ConfigDict,
     Field,
     NonNegativeFloat,
+    PositiveFloat,
     ValidationError,
     create_model,
     field_validator,
@@ -148,6 +149,16 @@ class WorkbookParams(PAPOParams):
         min_length=1,
         description="gammas of the dose-response sweep, each trained at every study seed; the smallest flagged by "
         "the collapse detector on most seeds is the collapse arm, or the largest when none collapses",
+    )
+    study_gamma_fractions: list[PositiveFloat] = Field(
+        default_factory=list,
+        description="fractions of the collapse gamma the PAPO-G arms run at, beside GRPO and the recipe's gamma "
+        "(the paper's recipe sits at 1/2 of it); the collapse gamma is then searched on the first seed, "
+        "study_collapse_gammas in turn and a bisection below the first collapse; empty: the sweep design (every "
+        "study_collapse_gammas at every seed)",
+    )
+    study_search_steps: int = Field(
+        2, ge=0, le=8, description="bisection steps (geometric midpoints) of the collapse-gamma search"
     )
     study_eval_samples: int = Field(
         4, ge=1, le=64, description="k of the held-out avg@k at temperature 1.0 (paper: avg@8)"

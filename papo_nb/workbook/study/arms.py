@@ -1,9 +1,11 @@
 """The method study behind notebook 04: GRPO against PAPO-G, paired over seeds, on a policy that reads its images.
 
-Three arms, each trained through the real ``PAPOGTrainer`` (TRL's GRPOTrainer, LoRA) built by ``workbook.builder``,
-with everything but gamma equal: GRPO (gamma = 0), PAPO-G at the recipe's gamma (``perception_loss_weight``), and
-PAPO-G at the smallest gamma of a logged sweep (``study_collapse_gammas``, every seed) that the collapse detector
-flags on most seeds; the sweep with GRPO and the recipe's gamma is the study's dose-response (``workbook.study.dose``).
+Every arm is trained through the real ``PAPOGTrainer`` (TRL's GRPOTrainer, LoRA) built by ``workbook.builder``, with
+everything but gamma equal. The sweep design has three: GRPO (gamma = 0), PAPO-G at the recipe's gamma
+(``perception_loss_weight``), and PAPO-G at the smallest gamma of a logged sweep (``study_collapse_gammas``, every
+seed) that the collapse detector flags on most seeds; the sweep with GRPO and the recipe's gamma is the study's
+dose-response (``workbook.study.dose``). The calibrated design searches the collapse gamma on one seed and runs
+PAPO-G at fractions of it (``workbook.study.search``), with the warm start's own scores as step 0.
 Every (arm, seed) is an MLflow run nested under the notebook's run, with its per-step training metrics, its
 held-out evaluation and the collapse verdict. Seeds pair the arms: the same seed gives the same training data,
 sampling and masks in every arm, and all runs are scored on one held-out set.
@@ -21,11 +23,13 @@ import mlflow
 from papo_nb.testbed.rewards import accuracy_reward
 from papo_nb.workbook.config.params import WorkbookParams
 from papo_nb.workbook.evaluation.benchmarks import score_items
-from papo_nb.workbook.study.collapse import CollapseRule, detect_collapse
-from papo_nb.workbook.training.builder import load_datasets, prepare_training
+from papo_nb.workbook.study.collapse import CollapseRule, detect_collapse, heldout_verdict
+from papo_nb.workbook.study.errors import prior_errors
+from papo_nb.workbook.study.search import fraction_arm, search_collapse_gamma
+from papo_nb.workbook.training.builder import load_datasets, load_policy, prepare_training
 
 GRPO, PAPO_G, PAPO_G_COLLAPSE = "grpo", "papo_g", "papo_g_collapse"
-SWEEP = "sweep"
+SWEEP, SEARCH = "sweep", "search"
 SPLITS = ("all", "vision", "text")
 # Metrics logged per training step (TRL's and the adapter's names).
 STEP_METRICS = (
@@ -61,6 +65,7 @@ class Study:
     collapse_gamma: float | None = None
     collapse_found: bool = False
     runs: list[StudyRun] = field(default_factory=list)
+    start_scores: dict[str, float] = field(default_factory=dict)  # the warm start's, before RL (calibrated design)
 
     def by_arm(self) -> dict[str, dict[int, StudyRun]]:
         arms: dict[str, dict[int, StudyRun]] = {}
@@ -89,7 +94,8 @@ def evaluate_policy(model, processor, data, *, samples: int, mask_ratio: float, 
     """Greedy and avg@``samples`` (temperature 1.0) accuracy, with original and masked images (the official 14x14
     squares at ``mask_ratio``, one fixed mask per item), per split (all, vision-dependent, text-answerable), and
     the perception-reliance gap (original - masked): ``benchmark_eval.score_items`` graded by the shapes reward.
-    Keys: ``<greedy|avg_at_k>/<original|masked|gap>/<split>``.
+    Keys: ``<greedy|avg_at_k>/<original|masked|gap>/<split>``; with a language prior also the split of the greedy
+    errors into followed-the-prior and misread (``errors.prior_errors``).
 
     Datasets without a ``vision_dependent`` column (the shapes task) count every item as vision-dependent."""
     answers = list(data["answer"])
@@ -107,7 +113,7 @@ def evaluate_policy(model, processor, data, *, samples: int, mask_ratio: float, 
             scores[f"{name}/{split}"] = mean(values[i] for i in keep)
         for kind in ("greedy", "avg_at_k"):
             scores[f"{kind}/gap/{split}"] = scores[f"{kind}/original/{split}"] - scores[f"{kind}/masked/{split}"]
-    return scores
+    return scores | prior_errors(model, processor, data, max_new_tokens=max_new_tokens)
 
 
 # --------------------------------------------------------------------------------------------
@@ -132,9 +138,11 @@ def run_one(
     data,
     work_dir: Path,
     rule: CollapseRule,
+    control: dict[str, float] | None = None,
 ) -> StudyRun:
     """Train one (arm, seed) from the notebook's params with only seed and gamma changed, score it, log it as an
-    MLflow run nested under the active run."""
+    MLflow run nested under the active run. With ``control`` (GRPO's held-out scores on this seed) the collapse
+    verdict also weighs the held-out evidence (``collapse.heldout_verdict``)."""
     run_params = params.model_copy(update={"seed": seed, "perception_loss_weight": gamma})
     start = time.perf_counter()
     parent = mlflow.active_run()
@@ -165,6 +173,8 @@ def run_one(
         )
         mlflow.log_metrics({f"eval/{k}": v for k, v in scores.items()})
         collapse = detect_collapse(step_logs, rule)
+        if control is not None or arm == GRPO:
+            collapse = heldout_verdict(collapse, scores, control, rule)
         mlflow.log_dict(collapse, "evidence/collapse.json")
         mlflow.log_metrics({"collapse/flagged": float(collapse["collapsed"]), "collapse/step": collapse["step"] or -1})
         seconds = time.perf_counter() - start
@@ -179,17 +189,28 @@ def run_one(
 
 
 def run_study(params: WorkbookParams, work_dir: str | Path, rule: CollapseRule | None = None, log=print) -> Study:
-    """The dose-response sweep (every gamma of ``study_collapse_gammas`` at every seed, paired like the arms), then
-    GRPO and PAPO-G at the recipe's gamma over ``study_seeds``. The collapse arm is the sweep's runs at the smallest
-    gamma flagged on most seeds (the largest when none is), so it is not trained twice."""
+    """The study in one of two designs. With ``study_gamma_fractions`` set: the warm-start policy scored once (step
+    0), the collapse gamma searched on the first seed (``search``), then GRPO, PAPO-G at the recipe's gamma and at
+    each fraction of the collapse gamma over ``study_seeds``. Otherwise the dose-response sweep (every gamma of
+    ``study_collapse_gammas`` at every seed, paired like the arms), then GRPO and PAPO-G at the recipe's gamma; the
+    collapse arm is the sweep's runs at the smallest gamma flagged on most seeds (the largest when none is)."""
     rule = rule or CollapseRule()
     work_dir = Path(work_dir)
     data = eval_dataset(params)
+
+    def train(arm: str, seed: int, gamma: float, control: dict | None = None) -> StudyRun:
+        return run_one(params, arm, seed, gamma, data, work_dir, rule, control)
+
+    design = _calibrated_study if params.study_gamma_fractions else _sweep_study
+    return design(params, train, data, log)
+
+
+def _sweep_study(params: WorkbookParams, train, data, log) -> Study:
     seeds = list(params.study_seeds)
     study = Study()
     for gamma in sorted(params.study_collapse_gammas):
         for seed in seeds:
-            run = run_one(params, SWEEP, seed, gamma, data, work_dir, rule)
+            run = train(SWEEP, seed, gamma)
             study.sweep.append(run)
             log(f"sweep gamma={gamma:g} seed={seed}: collapsed={run.collapse['collapsed']} at {run.collapse['step']}")
     by_gamma: dict[float, list[StudyRun]] = {}
@@ -198,15 +219,62 @@ def run_study(params: WorkbookParams, work_dir: str | Path, rule: CollapseRule |
     flagged = [g for g, runs in sorted(by_gamma.items()) if sum(r.collapse["collapsed"] for r in runs) > len(runs) / 2]
     study.collapse_found = bool(flagged)
     study.collapse_gamma = flagged[0] if flagged else max(by_gamma)
+    _log_collapse_gamma(study)
+    for seed in seeds:
+        for arm, gamma in ((GRPO, 0.0), (PAPO_G, params.perception_loss_weight)):
+            run = train(arm, seed, gamma)
+            study.runs.append(run)
+            log(f"{arm} seed={seed}: avg_at_k {run.scores['avg_at_k/original/all']:.3f}, {run.seconds:.0f} s")
+    study.runs.extend(_as_arm(run, PAPO_G_COLLAPSE) for run in by_gamma[study.collapse_gamma])
+    return study
+
+
+def _calibrated_study(params: WorkbookParams, train, data, log) -> Study:
+    seeds = list(params.study_seeds)
+    study = Study(start_scores=_start_scores(params, data))
+    log(f"step 0 (the warm start): avg_at_k {study.start_scores['avg_at_k/original/all']:.3f}")
+    grpo = {seeds[0]: train(GRPO, seeds[0], 0.0)}
+
+    def search_run(gamma: float) -> dict:
+        run = train(SEARCH, seeds[0], gamma, control=grpo[seeds[0]].scores)
+        study.sweep.append(run)
+        log(f"search gamma={gamma:g} seed={seeds[0]}: collapsed={run.collapse['collapsed']} ({run.collapse['mode']})")
+        return run.collapse
+
+    _, study.collapse_gamma, study.collapse_found = search_collapse_gamma(
+        search_run, list(params.study_collapse_gammas), healthy=params.perception_loss_weight,
+        steps=params.study_search_steps,
+    )  # fmt: skip
+    _log_collapse_gamma(study)
+    arms = [(PAPO_G, params.perception_loss_weight)]
+    arms += [(fraction_arm(f), float(f"{f * study.collapse_gamma:.4g}")) for f in params.study_gamma_fractions]
+    for seed in seeds:
+        if seed not in grpo:
+            grpo[seed] = train(GRPO, seed, 0.0)
+        study.runs.append(grpo[seed])
+        for arm, gamma in arms:
+            run = train(arm, seed, gamma, control=grpo[seed].scores)
+            study.runs.append(run)
+            log(f"{arm} gamma={gamma:g} seed={seed}: avg_at_k {run.scores['avg_at_k/original/all']:.3f}")
+    study.runs.extend(_as_arm(run, PAPO_G_COLLAPSE) for run in study.sweep if run.gamma == study.collapse_gamma)
+    return study
+
+
+def _start_scores(params: WorkbookParams, data) -> dict[str, float]:
+    """The warm-start policy's held-out scores before any RL step, scored like every trained run."""
+    model, processor = load_policy(params)
+    return evaluate_policy(
+        model, processor, data, samples=params.study_eval_samples, mask_ratio=params.mask_ratio, seed=params.seed,
+        max_new_tokens=params.max_completion_length,
+    )  # fmt: skip
+
+
+def _log_collapse_gamma(study: Study) -> None:
     mlflow.log_metrics(
         {"study/collapse_gamma": study.collapse_gamma, "study/collapse_found": float(study.collapse_found)}
     )
-    for seed in seeds:
-        for arm, gamma in ((GRPO, 0.0), (PAPO_G, params.perception_loss_weight)):
-            run = run_one(params, arm, seed, gamma, data, work_dir, rule)
-            study.runs.append(run)
-            log(f"{arm} seed={seed}: avg_at_k {run.scores['avg_at_k/original/all']:.3f}, {run.seconds:.0f} s")
-    for chosen in by_gamma[study.collapse_gamma]:
-        study.runs.append(StudyRun(PAPO_G_COLLAPSE, chosen.seed, chosen.gamma, chosen.run_id, chosen.step_logs,
-                                   chosen.scores, chosen.collapse, chosen.seconds))  # fmt: skip
-    return study
+
+
+def _as_arm(run: StudyRun, arm: str) -> StudyRun:
+    """A sweep or search run counted as an arm's, not trained twice."""
+    return StudyRun(arm, run.seed, run.gamma, run.run_id, run.step_logs, run.scores, run.collapse, run.seconds)

@@ -4,6 +4,11 @@ The collapse symptoms are the PAPO paper's ("KL_prcp hacking", arXiv 2507.06448;
 perception loss (= -KL_prcp) falls from about -0.05 to about -1.0, both entropies rise, the high clip ratio rises from
 about 5e-4 to about 7e-3 and the reward drops. One symptom is added that the paper does not list, because the
 testbed showed it: the perception KL *vanishing*, the policy answering the same with and without the image.
+
+The KL's absolute level is the paper's 3B/7B picture; a tiny policy hacks the KL from a lower base. So a KL that rises
+several-fold while an entropy rises is the paper's KL_prcp hacking at any level (the 1.0-nat floor only marks a
+blow-up that fires with any other symptom). Step logs cannot see every collapse: ``heldout_verdict`` also flags a run
+whose held-out accuracy falls far below GRPO's on the same seed, and names a score of 0 what it is, broken output.
 """
 
 from __future__ import annotations
@@ -40,6 +45,9 @@ class CollapseRule:
             High clip ratio at or above this counts (the paper's collapsed value; healthy is about 5e-4).
         reward_drop (`float`, defaults to `0.2`):
             The accuracy reward has dropped when it is this much below its baseline (rewards lie in [0, 1]).
+        heldout_drop (`float`, defaults to `0.15`):
+            A run whose held-out accuracy (avg@k, all items) lies this far below GRPO's on the same seed has
+            collapsed, whatever its step logs show (``heldout_verdict``).
     """
 
     baseline_steps: int = field(default=3, metadata={"help": "Logged values that make each metric's baseline."})
@@ -51,11 +59,15 @@ class CollapseRule:
     entropy_min_rise: float = field(default=0.1, metadata={"help": "...and at least this many nats above it."})
     clip_high: float = field(default=0.007, metadata={"help": "High clip ratio at or above this counts."})
     reward_drop: float = field(default=0.2, metadata={"help": "Accuracy reward this far below its baseline."})
+    heldout_drop: float = field(
+        default=0.15, metadata={"help": "Held-out accuracy this far below GRPO's on the same seed flags a collapse."}
+    )
 
 
 # symptom -> (metric in TRL's / the adapter's logs, whether the paper lists it)
 SYMPTOMS = {
     "perception_kl_blowup": ("perception_kl", True),
+    "perception_kl_rise": ("perception_kl", True),
     "perception_kl_vanished": ("perception_kl", False),
     "entropy_rise": ("entropy", True),
     "masked_entropy_rise": ("masked_entropy", True),
@@ -63,6 +75,10 @@ SYMPTOMS = {
     "reward_drop": ("rewards/accuracy_reward/mean", True),
 }
 TRIGGERS = ("perception_kl_blowup", "reward_drop")
+ENTROPY_RISES = {"entropy_rise", "masked_entropy_rise"}
+HACKING = "KL_prcp hacking (paper)"
+BLIND = "image-blind collapse (not the paper's)"
+HELD_OUT_SCORE = "avg_at_k/original/all"
 
 
 def _series(step_logs: list[dict], key: str) -> list[tuple[int, float]]:
@@ -72,6 +88,8 @@ def _series(step_logs: list[dict], key: str) -> list[tuple[int, float]]:
 def _holds(rule: CollapseRule, symptom: str, baseline: float, value: float) -> bool:
     if symptom == "perception_kl_blowup":
         return value >= max(rule.kl_factor * baseline, rule.kl_floor)
+    if symptom == "perception_kl_rise":
+        return value >= rule.kl_factor * baseline
     if symptom == "perception_kl_vanished":
         return value <= rule.kl_vanish_fraction * baseline
     if symptom in ("entropy_rise", "masked_entropy_rise"):
@@ -81,10 +99,19 @@ def _holds(rule: CollapseRule, symptom: str, baseline: float, value: float) -> b
     return value <= baseline - rule.reward_drop
 
 
+def _fires(holding: list[str]) -> tuple[bool, bool]:
+    """(fires, is KL hacking) for the symptoms holding at one step: a several-fold KL rise with a rising entropy is
+    hacking; otherwise a trigger needs one more symptom (a blow-up's rise does not count as another)."""
+    hacking = "perception_kl_rise" in holding and bool(ENTROPY_RISES & set(holding))
+    others = [symptom for symptom in holding if symptom != "perception_kl_rise"]
+    hacking = hacking or ("perception_kl_blowup" in others and len(others) >= 2)
+    return hacking or (any(t in others for t in TRIGGERS) and len(others) >= 2), hacking
+
+
 def detect_collapse(step_logs: list[dict], rule: CollapseRule | None = None) -> dict:
-    """``collapsed`` and ``step``: the first step where a trigger (KL blow-up or reward drop) held with at least one
-    other symptom; ``mode`` says whether it looks like the paper's KL_prcp hacking (the KL blew up) or not;
-    ``first_seen`` is the first step each symptom held (None if never)."""
+    """``collapsed`` and ``step``: the first step where the KL rose several-fold with an entropy, or a trigger (KL
+    blow-up or reward drop) held with at least one other symptom; ``mode`` says whether it looks like the paper's
+    KL_prcp hacking (the KL rose) or not; ``first_seen`` is the first step each symptom held (None if never)."""
     rule = rule or CollapseRule()
     state: dict[str, dict] = {}
     for symptom, (key, _) in SYMPTOMS.items():
@@ -92,7 +119,7 @@ def detect_collapse(step_logs: list[dict], rule: CollapseRule | None = None) -> 
         if len(series) > rule.baseline_steps:
             state[symptom] = {"series": series, "baseline": median(v for _, v in series[: rule.baseline_steps])}
     first_seen: dict[str, int | None] = dict.fromkeys(SYMPTOMS)
-    fired_at, fired_with = None, []
+    fired_at, fired_with, mode = None, [], None
     for step in sorted({s for item in state.values() for s, _ in item["series"]}):
         holding = []
         for symptom, item in state.items():
@@ -100,15 +127,9 @@ def detect_collapse(step_logs: list[dict], rule: CollapseRule | None = None) -> 
             if len(recent) == rule.window and _holds(rule, symptom, item["baseline"], mean(recent)):
                 holding.append(symptom)
                 first_seen[symptom] = first_seen[symptom] or step
-        if fired_at is None and any(t in holding for t in TRIGGERS) and len(holding) >= 2:
-            fired_at, fired_with = step, holding
-    mode = None
-    if fired_at is not None:
-        mode = (
-            "KL_prcp hacking (paper)"
-            if "perception_kl_blowup" in fired_with
-            else "image-blind collapse (not the paper's)"
-        )
+        fires, hacking = _fires(holding)
+        if fired_at is None and fires:
+            fired_at, fired_with, mode = step, holding, HACKING if hacking else BLIND
     return {
         "collapsed": fired_at is not None,
         "step": fired_at,
@@ -118,3 +139,19 @@ def detect_collapse(step_logs: list[dict], rule: CollapseRule | None = None) -> 
         "baselines": {symptom: item["baseline"] for symptom, item in state.items()},
         "rule": asdict(rule),
     }
+
+
+def heldout_verdict(verdict: dict, scores: dict[str, float], control: dict[str, float] | None, rule: CollapseRule):
+    """``verdict`` (``detect_collapse``'s) with the held-out evidence added: a score of 0 is broken output; a score
+    ``rule.heldout_drop`` or more below GRPO's on the same seed (``control``, None for GRPO itself) is a collapse
+    the step logs may have missed (``detected_by`` says which evidence flagged it)."""
+    score = scores[HELD_OUT_SCORE]
+    below = control is not None and score <= control[HELD_OUT_SCORE] - rule.heldout_drop
+    verdict = {**verdict, "heldout": {"score": score, "control": None if control is None else control[HELD_OUT_SCORE]}}
+    verdict["detected_by"] = [name for name, hit in (("step logs", verdict["collapsed"]), ("held-out", below)) if hit]
+    if below and not verdict["collapsed"]:
+        verdict.update(collapsed=True, mode="held-out accuracy far below GRPO's")
+    if score == 0.0:
+        broken = "broken output (held-out accuracy 0)"
+        verdict.update(collapsed=True, mode=f"{verdict['mode']}; {broken}" if verdict["mode"] else broken)
+    return verdict

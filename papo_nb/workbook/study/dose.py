@@ -136,13 +136,28 @@ CONTRASTS = ("avg_at_k/original/vision", "avg_at_k/gap/vision")  # the headline 
 
 
 def run_records(study: Study) -> list[dict]:
-    """Every trained run once, as plain records (``gamma``, ``seed``, ``scores``): what a results page keeps so its
-    contrasts can be recomputed by the code on main."""
+    """Every trained run once, as plain records (``arm``, ``gamma``, ``seed``, ``scores``, the collapse verdict):
+    what a results page keeps so its contrasts can be recomputed by the code on main."""
     return [
-        {"gamma": run.gamma, "seed": seed, "scores": run.scores}
+        {"arm": run.arm, "gamma": run.gamma, "seed": seed, "scores": run.scores, "collapse": _verdict_record(run)}
         for gamma, by_seed in runs_by_gamma(study).items()
         for seed, run in sorted(by_seed.items())
     ]
+
+
+def _verdict_record(run: StudyRun) -> dict:
+    return {key: run.collapse.get(key) for key in ("collapsed", "step", "mode", "symptoms", "detected_by")}
+
+
+def step_log_records(study: Study) -> list[dict]:
+    """Every trained run's per-step training metrics (4 significant digits), so each collapse label on a page can
+    be rechecked from the page alone (``collapse.detect_collapse`` on ``steps``)."""
+    return [
+        {"arm": run.arm, "gamma": run.gamma, "seed": seed,
+         "steps": [{k: float(f"{v:.4g}") for k, v in row.items()} for row in run.step_logs]}
+        for gamma, by_seed in runs_by_gamma(study).items()
+        for seed, run in sorted(by_seed.items())
+    ]  # fmt: skip
 
 
 def dose_contrasts(records: list[dict]) -> list[dict]:

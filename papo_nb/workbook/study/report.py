@@ -48,10 +48,12 @@ def sweep_rows(study: Study) -> list[dict]:
     return [
         {
             "gamma": r.gamma,
+            "seed": r.seed,
             "collapsed": r.collapse["collapsed"],
             "step": r.collapse["step"],
             "mode": r.collapse["mode"],
             "symptoms": ", ".join(r.collapse["symptoms"]),
+            "detected_by": ", ".join(r.collapse.get("detected_by", ["step logs"] if r.collapse["collapsed"] else [])),
             "avg_at_k (all)": r.scores["avg_at_k/original/all"],
             "run_id": r.run_id,
         }

@@ -35,6 +35,26 @@ def paired_test(treatment: list[float], control: list[float]) -> dict:
     return {"diff": centre, "diff_ci95": half, "p_value": p_value, "pairs": len(diffs)}
 
 
+def equivalence_test(treatment: list[float], control: list[float], margin: float) -> dict:
+    """TOST: two one-sided paired t-tests that the true difference lies within +-``margin``. ``p_value`` is the
+    larger one-sided p; ``equivalent`` when it is below 0.05 (the 90% CI of the difference inside the margin). NaN
+    below 2 pairs; with every difference equal, the difference is known exactly and p is 0 or 1."""
+    if len(treatment) != len(control):
+        raise ValueError(f"equivalence test needs equal lengths, got {len(treatment)} and {len(control)}")
+    if not margin > 0:
+        raise ValueError(f"margin={margin} must be positive")
+    diffs = [a - b for a, b in zip(treatment, control)]
+    if len(diffs) < 2:
+        return {"margin": margin, "p_value": math.nan, "equivalent": False}
+    centre, sd = mean(diffs), stats.tstd(diffs)
+    if sd == 0:
+        p_value = 0.0 if abs(centre) < margin else 1.0
+    else:
+        error, df = sd / math.sqrt(len(diffs)), len(diffs) - 1
+        p_value = float(max(stats.t.sf((centre + margin) / error, df), stats.t.cdf((centre - margin) / error, df)))
+    return {"margin": margin, "p_value": p_value, "equivalent": p_value < 0.05}
+
+
 def summary_rows(results: dict[str, dict[int, dict]], metrics: list[str], control: str) -> list[dict]:
     """One row per (arm, metric): mean +/- 95% CI over seeds and, except for ``control``, the paired difference
     against it over the seeds both arms ran. ``results[arm][seed]`` maps metric names to values."""
