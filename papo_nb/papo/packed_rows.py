@@ -29,11 +29,13 @@ from .shared_prefix import rope_positions
 
 @dataclass
 class PackedBatch:
-    """One forward's packed rows: ``model_inputs`` for the model (``logits_to_keep`` included) and, per needed
-    logit, its flat index in the kept ``(rows, logits_to_keep)`` window (``logit_index``), the batch row and
-    completion column it belongs to (``rows``, ``columns``) and the token it predicts (``targets``)."""
+    """One forward's packed rows: ``model_inputs`` for the model (``logits_to_keep`` included), each token's
+    ``segments`` id (-1 padding, 0 prompt, k the k-th completion of its row), and, per needed logit, its flat index in
+    the kept ``(rows, logits_to_keep)`` window (``logit_index``), the batch row and completion column it belongs to
+    (``rows``, ``columns``) and the token it predicts (``targets``)."""
 
     model_inputs: dict[str, Any]
+    segments: torch.Tensor
     logit_index: torch.Tensor
     rows: torch.Tensor
     columns: torch.Tensor
@@ -173,5 +175,5 @@ def pack(
     rows_t, columns_t = (torch.tensor(v, dtype=torch.long, device=device) for v in (rows, columns))
     targets = input_ids[rows_t, n_prompt + columns_t]
     return PackedBatch(
-        model_inputs, torch.tensor(logit_index, dtype=torch.long, device=device), rows_t, columns_t, targets
+        model_inputs, segments, torch.tensor(logit_index, dtype=torch.long, device=device), rows_t, columns_t, targets
     )

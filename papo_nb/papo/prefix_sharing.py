@@ -20,13 +20,14 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 from transformers.utils import logging
 
 from .contract import PARENT_SHUFFLE_FUNCTION
-from .packed_rows import completion_lengths, forward_positions, pack
+from .packed_rows import PackedBatch, completion_lengths, forward_positions, pack
 from .prompt_identity import group_samples
 from .rollout_branch import chunks as whole_group_chunks
 from .shared_prefix import core_model
@@ -77,6 +78,27 @@ def call_reason(arguments: dict[str, Any]) -> str | None:
     return None
 
 
+def packed_batches(model, arguments: dict[str, Any]) -> Iterator[PackedBatch]:
+    """The packed rows of a log-prob call (``arguments``: the parent's parameters by name, ``call_reason`` None),
+    one ``PackedBatch`` per chunk of whole groups of at most ``batch_size`` rows (a larger group alone)."""
+    input_ids, attention_mask = arguments["input_ids"], arguments["attention_mask"]
+    n_completion = arguments["logits_to_keep"]
+    pixel_values, grid = arguments.get("pixel_values"), arguments.get("image_grid_thw")
+    grid = grid if pixel_values is not None else None
+    mm_types, num_images = arguments.get("mm_token_type_ids"), arguments.get("num_images")
+    n_prompt = input_ids.shape[1] - n_completion
+    prompts = {"prompt_ids": input_ids[:, :n_prompt], "prompt_mask": attention_mask[:, :n_prompt]}
+    groups = group_samples({**prompts, "pixel_values": pixel_values, "image_grid_thw": grid, "num_images": num_images})
+    positions = forward_positions(core_model(model), input_ids, attention_mask, mm_types, grid)
+    lengths = completion_lengths(attention_mask, n_completion)
+    pad = int(input_ids[0, n_prompt - 1])  # a real text token; a pad attends to itself only, its output is unused
+    for chunk in whole_group_chunks(groups, len(input_ids), arguments.get("batch_size") or len(input_ids), 1):
+        yield pack(
+            input_ids, attention_mask, positions, n_completion, lengths, chunk, pad_token_id=pad,
+            mm_token_type_ids=mm_types, pixel_values=pixel_values, image_grid_thw=grid, num_images=num_images,
+        )  # fmt: skip
+
+
 def packed_logps_and_entropies(
     model,
     arguments: dict[str, Any],
@@ -85,48 +107,39 @@ def packed_logps_and_entropies(
     entropy_grad: bool,
 ) -> tuple[torch.Tensor, torch.Tensor | None, None, float]:
     """``(logps, entropies or None, None, completions per packed row)`` of a log-prob call (``arguments``: the
-    parent's parameters by name, ``call_reason`` None), each ``(B, logits_to_keep)``; entropies keep their graph
-    when ``entropy_grad``, as the parent's do under its entropy gate."""
+    parent's parameters by name, ``call_reason`` None), each ``(B, logits_to_keep)`` in the call's row order;
+    entropies keep their graph when ``entropy_grad``, as the parent's do under its entropy gate."""
+    n_rows, compute_entropy = len(arguments["input_ids"]), bool(arguments.get("compute_entropy"))
+    logps = entropies = None
+    packed_rows = 0
+    for batch in packed_batches(model, arguments):
+        chunk_logps, chunk_entropies = logps_of_packed(
+            model, batch, temperature=temperature, compute_entropy=compute_entropy, entropy_grad=entropy_grad
+        )
+        if logps is None:
+            logps = chunk_logps.new_zeros((n_rows, arguments["logits_to_keep"]))
+            entropies = logps.new_zeros(logps.shape) if compute_entropy else None
+        logps = logps.index_put((batch.rows, batch.columns), chunk_logps)
+        if compute_entropy:
+            entropies = entropies.index_put((batch.rows, batch.columns), chunk_entropies)
+        packed_rows += len(batch.model_inputs["input_ids"])
+    return logps, entropies, None, n_rows / packed_rows
+
+
+def logps_of_packed(model, batch: PackedBatch, *, temperature: float, compute_entropy: bool, entropy_grad: bool):
+    """``(logps, entropies or None)`` of the needed logits of one packed batch, one value per ``batch.rows``."""
     from trl.trainer.utils import entropy_from_logits, selective_log_softmax
 
-    hf_model = core_model(model)
-    input_ids, attention_mask = arguments["input_ids"], arguments["attention_mask"]
-    n_completion = arguments["logits_to_keep"]
-    pixel_values, grid = arguments.get("pixel_values"), arguments.get("image_grid_thw")
-    grid = grid if pixel_values is not None else None
-    mm_types, num_images = arguments.get("mm_token_type_ids"), arguments.get("num_images")
-    n_prompt = input_ids.shape[1] - n_completion
-    groups = group_samples(
-        {
-            "prompt_ids": input_ids[:, :n_prompt],
-            "prompt_mask": attention_mask[:, :n_prompt],
-            "pixel_values": pixel_values,
-            "image_grid_thw": grid,
-            "num_images": num_images,
-        }
-    )
-    positions = forward_positions(hf_model, input_ids, attention_mask, mm_types, grid)
-    lengths = completion_lengths(attention_mask, n_completion)
-    pad = int(input_ids[0, n_prompt - 1])  # a real text token; a pad attends to itself only, its output is unused
-    logps = entropies = None
-    for chunk in whole_group_chunks(groups, len(input_ids), arguments.get("batch_size") or len(input_ids), 1):
-        batch = pack(
-            input_ids, attention_mask, positions, n_completion, lengths, chunk, pad_token_id=pad,
-            mm_token_type_ids=mm_types, pixel_values=pixel_values, image_grid_thw=grid, num_images=num_images,
-        )  # fmt: skip
-        batch.model_inputs["attention_mask"] = _mask_for(hf_model, batch.model_inputs["attention_mask"])
-        logits = model(**batch.model_inputs, use_cache=False).logits
-        picked = logits.reshape(-1, logits.shape[-1]).index_select(0, batch.logit_index)
-        picked = picked / temperature
-        if logps is None:
-            logps = picked.new_zeros((len(input_ids), n_completion))
-            entropies = picked.new_zeros(logps.shape) if arguments.get("compute_entropy") else None
-        index = (batch.rows, batch.columns)
-        logps = logps.index_put(index, selective_log_softmax(picked[None], batch.targets[None])[0])
-        if entropies is not None:
-            with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
-                entropies = entropies.index_put(index, entropy_from_logits(picked))
-    return logps, entropies, None, len(input_ids) / len(groups)
+    model_inputs = dict(batch.model_inputs)
+    model_inputs["attention_mask"] = _mask_for(core_model(model), model_inputs["attention_mask"])
+    logits = model(**model_inputs, use_cache=False).logits
+    picked = logits.reshape(-1, logits.shape[-1]).index_select(0, batch.logit_index) / temperature
+    logps = selective_log_softmax(picked[None], batch.targets[None])[0]
+    entropies = None
+    if compute_entropy:
+        with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+            entropies = entropy_from_logits(picked)
+    return logps, entropies
 
 
 def _mask_for(hf_model, allowed: torch.Tensor) -> torch.Tensor:

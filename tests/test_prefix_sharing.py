@@ -1,0 +1,236 @@
+"""Prefix sharing (``PAPOGConfig.prefix_sharing``): every forward through ``_get_per_token_logps_and_entropies`` as
+packed rows, equal to TRL's plain forward in log-probs, entropies and gradients on tiny Qwen2-VL and Qwen2.5-VL;
+negative controls that break the mask or the positions fail by far; a ``trainer.train()`` round matches the plain
+path; the round is shuffled by whole groups; unsupported calls fall back with their reason."""
+
+import copy
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from tiny_trainers import tiny_trainer
+from trl import GRPOTrainer
+
+from papo_nb.papo import packed_rows, prefix_sharing
+from papo_nb.papo.prompt_identity import group_samples
+from papo_nb.testbed.models import build_tiny_vlm, load_vlm, vision_special_token_ids
+
+FAMILIES = ("qwen2_vl", "qwen2_5_vl")
+# (log-probs and entropies: max abs error; gradients: per-parameter relative norm), per dtype
+TOLERANCE = {torch.float64: (1e-10, 1e-6), torch.float32: (1e-5, 1e-5)}
+MAX_COMPLETION = 6
+TEMPERATURE = 0.7
+# prompt: (text, image sizes (width, height)); completions: their lengths (1, and MAX_COMPLETION: cut at the maximum)
+PROMPTS = [
+    ("What shape is this?", [(112, 112)]),
+    ("Count the red shapes in both pictures, then answer with one word only.", [(112, 112), (112, 56)]),
+    ("Say hello.", []),  # a text-only row in an image batch
+]
+COMPLETIONS = [(0, 1), (0, MAX_COMPLETION), (0, 3), (1, MAX_COMPLETION), (1, 2), (1, 4), (1, 1), (2, 2), (2, 6)]
+
+
+def prompt_parts(processor, text, sizes, seed):
+    """One prompt through the real processor: its ids, modality types, pixel rows and grids."""
+    rng = np.random.default_rng(seed)
+    images = [Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)) for w, h in sizes]
+    content = [{"type": "image"} for _ in images] + [{"type": "text", "text": text}]
+    chat = processor.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True)
+    out = processor(text=[chat], images=images or None, return_tensors="pt")
+    return dict(
+        ids=out["input_ids"][0],
+        types=out["mm_token_type_ids"][0],
+        pixels=out.get("pixel_values"),
+        grid=out.get("image_grid_thw"),
+        n_images=len(images),
+    )
+
+
+def call_arguments(processor, prompts, completions, order, seed=0):
+    """The parent's log-prob arguments for rows ``[prompt; completion]`` in ``order``, built as TRL builds them:
+    prompts left-padded, completions right-padded (mask 0 after their length), each row its prompt's images."""
+    generator = torch.Generator().manual_seed(seed)
+    banned = set(vision_special_token_ids(processor))
+    vocab = [t for t in range(len(processor.tokenizer)) if t not in banned]
+    pad = processor.tokenizer.pad_token_id
+    n_prompt = max(len(p["ids"]) for p in prompts)
+    rows = []
+    for prompt_index, length in completions:
+        tokens = torch.tensor(vocab)[torch.randint(len(vocab), (length,), generator=generator)]
+        rows.append((prompts[prompt_index], tokens))
+    rows = [rows[i] for i in order]
+    ids, mask, types = [], [], []
+    for prompt, tokens in rows:
+        left, right = n_prompt - len(prompt["ids"]), MAX_COMPLETION - len(tokens)
+        ids.append(torch.cat([torch.full((left,), pad), prompt["ids"], tokens, torch.full((right,), pad)]))
+        mask.append(torch.cat([torch.zeros(left), torch.ones(len(prompt["ids"]) + len(tokens)), torch.zeros(right)]))
+        types.append(torch.cat([torch.zeros(left, dtype=torch.long), prompt["types"], torch.zeros(MAX_COMPLETION)]))
+    with_images = [p for p, _ in rows if p["n_images"]]
+    return dict(
+        input_ids=torch.stack(ids).long(),
+        attention_mask=torch.stack(mask).long(),
+        logits_to_keep=MAX_COMPLETION,
+        compute_entropy=True,
+        pixel_values=torch.cat([p["pixels"] for p in with_images]) if with_images else None,
+        image_grid_thw=torch.cat([p["grid"] for p in with_images]) if with_images else None,
+        num_images=[p["n_images"] for p, _ in rows],
+        mm_token_type_ids=torch.stack(types).long(),
+    )
+
+
+def in_dtype(arguments, dtype):
+    return {
+        k: v.to(dtype) if isinstance(v, torch.Tensor) and v.is_floating_point() else v for k, v in arguments.items()
+    }
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def setup(request, tiny_vlm_path, shapes_dataset, tmp_path_factory):
+    """A tiny model of the family (every parameter trainable, no adapter), a trainer whose plain log-prob method is
+    the reference (on its own copy), and a batch covering the cases, rows shuffled."""
+    family = request.param
+    folder = tiny_vlm_path if family == "qwen2_vl" else build_tiny_vlm(family, cache_dir=tmp_path_factory.mktemp("m"))
+    model, processor = load_vlm(str(folder))
+    model.train()  # dropout is 0 in the tiny config: train mode is what the loss sees
+    trainer_model, _ = load_vlm(str(folder))
+    trainer = tiny_trainer(
+        trainer_model, processor, shapes_dataset, tmp_path_factory.mktemp(f"ps_{family}") / "t", num_generations=3,
+        per_device_train_batch_size=9, prefix_sharing=True,
+    )  # fmt: skip
+    trainer.temperature = TEMPERATURE
+    prompts = [prompt_parts(processor, text, sizes, seed) for seed, (text, sizes) in enumerate(PROMPTS)]
+    order = torch.randperm(len(COMPLETIONS), generator=torch.Generator().manual_seed(1)).tolist()
+    arguments = call_arguments(processor, prompts, COMPLETIONS, order)
+    return dict(family=family, model=model, processor=processor, trainer=trainer, arguments=arguments, order=order)
+
+
+def plain(trainer, model, arguments):
+    return GRPOTrainer._get_per_token_logps_and_entropies(trainer, model, **arguments)[:2]
+
+
+def packed(model, arguments, entropy_grad=False):
+    logps, entropies, _, _ = prefix_sharing.packed_logps_and_entropies(
+        model, arguments, temperature=TEMPERATURE, entropy_grad=entropy_grad
+    )
+    return logps, entropies
+
+
+def completion_mask(arguments):
+    return arguments["attention_mask"][:, -MAX_COMPLETION:].bool()
+
+
+def max_error(a, b, mask):
+    return (a - b)[mask].abs().max().item()
+
+
+@pytest.mark.model
+def test_the_batch_covers_every_case(setup):
+    arguments, order = setup["arguments"], setup["order"]
+    lengths = completion_mask(arguments).sum(1)
+    assert {1, MAX_COMPLETION} <= set(lengths.tolist())
+    prompt_lengths = arguments["attention_mask"][:, :-MAX_COMPLETION].sum(1)
+    assert len(set(prompt_lengths.tolist())) == 3, "three prompts of unequal length"
+    grids = [tuple(g.tolist()) for g in arguments["image_grid_thw"]]
+    assert (1, 8, 8) in grids and (1, 4, 8) in grids, grids  # two images of different grids in one prompt
+    assert 0 in arguments["num_images"] and 2 in arguments["num_images"]
+    assert order != sorted(order)
+    groups = group_samples({"prompt_ids": arguments["input_ids"][:, :-MAX_COMPLETION],
+                            "prompt_mask": arguments["attention_mask"][:, :-MAX_COMPLETION],
+                            "pixel_values": arguments["pixel_values"], "image_grid_thw": arguments["image_grid_thw"],
+                            "num_images": arguments["num_images"]})  # fmt: skip
+    assert sorted(map(len, groups)) == [2, 3, 4] and any(g != sorted(g) or g[-1] - g[0] >= len(g) for g in groups)
+
+
+@pytest.mark.model
+# No fp64 eager: there the plain forward itself is NaN (measured: a left-padded row's fully masked query adds
+# finfo(float64).min to negative scores, -inf throughout, and the NaN reaches real tokens through 0 * NaN values).
+@pytest.mark.parametrize(
+    ("dtype", "attention"),
+    [(torch.float64, "sdpa"), (torch.float32, "sdpa"), (torch.float32, "eager")],
+    ids=["fp64-sdpa", "fp32-sdpa", "fp32-eager"],
+)
+def test_logps_and_entropies_equal_the_plain_forward(setup, dtype, attention):
+    tolerance = TOLERANCE[dtype][0]
+    model = copy.deepcopy(setup["model"]).to(dtype)
+    model.set_attn_implementation(attention)
+    arguments = in_dtype(setup["arguments"], dtype)
+    mask = completion_mask(arguments)
+    with torch.no_grad():
+        reference, ours = plain(setup["trainer"], model, arguments), packed(model, arguments)
+    errors = [max_error(a, b, mask) for a, b in zip(ours, reference)]
+    print(f"{setup['family']} {dtype} {attention}: logps {errors[0]:.2e} entropies {errors[1]:.2e}")
+    assert max(errors) <= tolerance
+    assert ours[0].dtype == reference[0].dtype == dtype
+    assert (ours[0][~mask] == 0).all() and (ours[1][~mask] == 0).all()  # dropped tokens: 0, never read
+
+
+@pytest.mark.model
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["fp64", "fp32"])
+def test_gradients_equal_the_plain_forward_per_parameter(setup, dtype):
+    tolerance = TOLERANCE[dtype][1]
+    model = copy.deepcopy(setup["model"]).to(dtype)
+    arguments = in_dtype(setup["arguments"], dtype)
+    mask = completion_mask(arguments).to(dtype)
+    weights = torch.randn(mask.shape, generator=torch.Generator().manual_seed(2), dtype=dtype)
+    trainer = setup["trainer"]
+    gradients = []
+    for forward in ("plain", "packed"):
+        model.zero_grad(set_to_none=True)
+        if forward == "plain":
+            trainer._entropy_bonus_enabled = True  # the parent's entropies with their graph, as the bonus asks
+            try:
+                logps, entropies = plain(trainer, model, arguments)
+            finally:
+                trainer._entropy_bonus_enabled = False
+        else:
+            logps, entropies = packed(model, arguments, entropy_grad=True)
+        ((logps * weights + 0.1 * entropies) * mask).sum().backward()
+        gradients.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+    reference, ours = gradients
+    assert reference.keys() == ours.keys() and any(".visual." in n or "visual" in n for n in reference)
+    worst = max(
+        ((ours[n] - g).norm() / g.norm()).item() if g.norm() > 0 else ours[n].norm().item()
+        for n, g in reference.items()
+    )
+    print(f"{setup['family']} {dtype}: worst per-parameter relative gradient error {worst:.2e}")
+    assert worst <= tolerance
+
+
+def _packed_one(model, arguments):
+    (batch,) = prefix_sharing.packed_batches(model, arguments)
+    return batch
+
+
+def _scatter(batch, values, arguments):
+    out = torch.zeros(arguments["input_ids"].shape[0], MAX_COMPLETION, dtype=values.dtype)
+    out[batch.rows, batch.columns] = values
+    return out
+
+
+@pytest.mark.model
+@pytest.mark.parametrize("control", ["completion_leak", "positions_shifted"])
+def test_negative_controls_fail_by_far(setup, control):
+    """The exactness test can fail: a completion that sees another, or completion positions one off, moves the
+    log-probs far beyond the fp32 tolerance (let alone fp64's)."""
+    model = copy.deepcopy(setup["model"]).to(torch.float64)
+    arguments = in_dtype(setup["arguments"], torch.float64)
+    batch = _packed_one(model, arguments)
+    inputs, segments = batch.model_inputs, batch.segments
+    if control == "completion_leak":  # one segment for all completions of a row: each sees those before it
+        changed = {"attention_mask": packed_rows.attention_allowed(segments.clamp(max=1))[:, None]}
+    else:  # every completion token one position later
+        changed = {"position_ids": inputs["position_ids"] + (segments > 0).long()[None]}
+    mutated = dataclasses.replace(batch, model_inputs={**inputs, **changed})
+    with torch.no_grad():
+        reference = plain(setup["trainer"], model, arguments)[0]
+        exact = prefix_sharing.logps_of_packed(model, batch, temperature=TEMPERATURE, compute_entropy=False,
+                                               entropy_grad=False)[0]  # fmt: skip
+        broken = prefix_sharing.logps_of_packed(model, mutated, temperature=TEMPERATURE, compute_entropy=False,
+                                                entropy_grad=False)[0]  # fmt: skip
+    mask = completion_mask(arguments)
+    exact_error = max_error(_scatter(batch, exact, arguments), reference, mask)
+    broken_error = max_error(_scatter(batch, broken, arguments), reference, mask)
+    print(f"{setup['family']} {control}: exact {exact_error:.2e}, broken {broken_error:.2e}")
+    assert exact_error <= TOLERANCE[torch.float64][0]
+    assert broken_error > 100 * TOLERANCE[torch.float32][0]
