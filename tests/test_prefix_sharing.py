@@ -3,19 +3,22 @@ packed rows, equal to TRL's plain forward in log-probs, entropies and gradients 
 negative controls that break the mask or the positions fail by far; a ``trainer.train()`` round matches the plain
 path; the round is shuffled by whole groups; unsupported calls fall back with their reason."""
 
+import collections
 import copy
 import dataclasses
 
 import numpy as np
 import pytest
 import torch
+from peft import get_peft_model
 from PIL import Image
-from tiny_trainers import tiny_trainer
+from tiny_trainers import tiny_trainer, unit_params
 from trl import GRPOTrainer
 
-from papo_nb.papo import packed_rows, prefix_sharing
+from papo_nb.papo import PAPOGConfig, PAPOGTrainer, packed_rows, prefix_sharing
 from papo_nb.papo.prompt_identity import group_samples
 from papo_nb.testbed.models import build_tiny_vlm, load_vlm, vision_special_token_ids
+from papo_nb.workbook.training.builder import lora_config
 
 FAMILIES = ("qwen2_vl", "qwen2_5_vl")
 # (log-probs and entropies: max abs error; gradients: per-parameter relative norm), per dtype
@@ -234,3 +237,126 @@ def test_negative_controls_fail_by_far(setup, control):
     print(f"{setup['family']} {control}: exact {exact_error:.2e}, broken {broken_error:.2e}")
     assert exact_error <= TOLERANCE[torch.float64][0]
     assert broken_error > 100 * TOLERANCE[torch.float32][0]
+
+
+@pytest.mark.model
+def test_the_trainer_hook_packs_and_falls_back_with_its_reason(setup, caplog):
+    trainer, model, arguments = setup["trainer"], setup["model"], setup["arguments"]
+    metrics = trainer._metrics["train"]
+    metrics[prefix_sharing.METRIC].clear()
+    with torch.no_grad():
+        ours = trainer._get_per_token_logps_and_entropies(model, **arguments)
+        reference = plain(trainer, model, arguments)
+    assert max_error(ours[0], reference[0], completion_mask(arguments)) <= TOLERANCE[torch.float32][0]
+    assert metrics[prefix_sharing.METRIC] == [1.0] and metrics[prefix_sharing.SHARE_METRIC][-1] == 3.0
+    gap = {**arguments, "attention_mask": arguments["attention_mask"].clone()}
+    row = int(completion_mask(arguments).sum(1).argmax())
+    gap["attention_mask"][row, -MAX_COMPLETION + 1] = 0  # a completion mask with a hole: not TRL's, not packed
+    with caplog.at_level("WARNING", logger="papo_nb.papo.prefix_sharing"), torch.no_grad():
+        fallback = trainer._get_per_token_logps_and_entropies(model, **gap)
+    assert torch.equal(fallback[0], plain(trainer, model, gap)[0]), "the fallback is the parent's method itself"
+    assert metrics[prefix_sharing.METRIC] == [1.0, 0.0]
+    assert "plain forward per completion, because a completion mask with a gap" in caplog.text
+
+
+def test_unsupported_models_and_runs_fall_back_with_their_reason(tmp_path):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    text_model = Qwen2ForCausalLM(
+        Qwen2Config(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                    num_key_value_heads=1)
+    )  # fmt: skip
+    args = PAPOGConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, prefix_sharing=True)
+    sharing = prefix_sharing.PrefixSharing(args, text_model, 1, {"train": collections.defaultdict(list)})
+    assert "model_type 'qwen2'" in sharing.reason and not sharing.shuffles_whole_groups
+    assert sharing.compute(text_model, {}, temperature=1.0, entropy_grad=False, training=True) is None
+    off = PAPOGConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False)
+    assert not off.prefix_sharing and not prefix_sharing.PrefixSharing(off, text_model, 1, {}).enabled
+
+
+@pytest.mark.model
+def test_unsupported_processes_and_attention_are_named(tiny_vlm_path, tmp_path):
+    model, _ = load_vlm(str(tiny_vlm_path))
+    assert prefix_sharing.unsupported_reason(model, 1) is None
+    assert "2 processes" in prefix_sharing.unsupported_reason(model, 2)
+    model.config._attn_implementation = "flash_attention_2"
+    assert "'flash_attention_2' is not one of ('sdpa', 'eager')" in prefix_sharing.unsupported_reason(model, 1)
+
+
+def test_batch_sizes_without_whole_groups_are_refused(tmp_path):
+    with pytest.raises(
+        ValueError,
+        match=r"prefix_sharing=True is invalid with per_device_train_batch_size=6 and "
+        r"num_generations=4: .* allowed: per_device_train_batch_size a multiple of num_generations",
+    ):
+        PAPOGConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, prefix_sharing=True,
+                    per_device_train_batch_size=6, num_generations=4, generation_batch_size=12)  # fmt: skip
+    with pytest.raises(ValueError, match=r"PAPOGConfig.prefix_sharing='yes' is invalid: expected a bool"):
+        PAPOGConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, prefix_sharing="yes")
+
+
+def test_the_round_shuffle_keeps_blocks_whole():
+    blocks = torch.tensor([0, 0, 0, 1, 1, 1, 2, 2, 2, 3, 3, 3])
+    batch = {prefix_sharing.BLOCK_KEY: blocks, "x": torch.arange(12), "names": list("abcdefghijkl"),
+             "owner": torch.tensor(7), "none": None}  # fmt: skip
+    torch.manual_seed(0)
+    out = prefix_sharing.shuffle_whole_blocks(batch)
+    assert out["owner"] is batch["owner"] and out["none"] is None
+    assert [batch["names"][i] for i in out["x"].tolist()] == out["names"]
+    chunks = out[prefix_sharing.BLOCK_KEY].view(4, 3)
+    assert (chunks == chunks[:, :1]).all() and sorted(chunks[:, 0].tolist()) == [0, 1, 2, 3]
+    assert out[prefix_sharing.BLOCK_KEY].tolist() != blocks.tolist(), "the blocks are shuffled (seed 0)"
+
+
+class PlainForwardWholeGroups(PAPOGTrainer):
+    """The reference of the training test: the whole-group shuffle of prefix sharing, TRL's plain forward."""
+
+    def _logps_and_entropies(self, *args, **kwargs):
+        return GRPOTrainer._get_per_token_logps_and_entropies(self, *args, **kwargs)
+
+
+def one_round(tiny_vlm_path, dataset, out, trainer_cls=PAPOGTrainer, **overrides):
+    """One generation round of 4 prompts x 4 completions: 2 optimizer steps of 2 micro-batches, each round's rows
+    seen twice (num_iterations 2: old log-probs are computed), reference KL on (beta 0.01: the reference forward)."""
+    model, processor = load_vlm(str(tiny_vlm_path))
+    torch.manual_seed(0)
+    model = get_peft_model(model, lora_config(unit_params()))
+    settings = dict(
+        num_generations=4, per_device_train_batch_size=8, gradient_accumulation_steps=2, steps_per_generation=2,
+        num_iterations=2, beta=0.01, max_steps=2, logging_steps=1, prefix_sharing=True,
+    )  # fmt: skip
+    trainer = tiny_trainer(model, processor, dataset, out, trainer_cls, **{**settings, **overrides})
+    start = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+    trainer.train()
+    return trainer, start, {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+@pytest.mark.model
+@pytest.mark.slow
+def test_a_training_round_matches_the_plain_forward(tiny_vlm_path, shapes_dataset, tmp_path):
+    shared, start, after = one_round(tiny_vlm_path, shapes_dataset, tmp_path / "shared")
+    reference, _, expected = one_round(tiny_vlm_path, shapes_dataset, tmp_path / "plain", PlainForwardWholeGroups)
+    moved = max((after[n] - start[n]).abs().max().item() for n in start)
+    diff = max((after[n] - expected[n]).abs().max().item() for n in start)
+    print(f"training round: parameters moved by up to {moved:.2e}, packed vs plain differ by {diff:.2e}")
+    assert moved > 10 * 1e-5 and diff <= 1e-5  # the round moves the parameters well past the tolerance
+    logged = [h for h in shared.state.log_history if prefix_sharing.METRIC in h]
+    assert logged and all(h[prefix_sharing.METRIC] == 1.0 for h in logged)
+    assert not any(prefix_sharing.METRIC in h for h in reference.state.log_history)
+    # every micro-batch of the round held whole groups of 4 (the buffered round of the last step)
+    for batch in shared._buffered_inputs:
+        assert sorted(map(len, group_samples(batch))) == [4, 4]
+
+
+@pytest.mark.model
+@pytest.mark.slow
+def test_gamma_zero_probe_and_per_term_metrics_with_sharing_on(tiny_vlm_path, shapes_dataset, tmp_path):
+    trainer, _, _ = one_round(
+        tiny_vlm_path, shapes_dataset, tmp_path / "probe", require_gpu_contract_probe=True, num_iterations=1,
+    )  # fmt: skip
+    assert trainer.probe.evidence.passed, trainer.probe.evidence.message
+    history = trainer.state.log_history
+    assert any(h.get("probe/passed") == 1.0 for h in history)
+    terms = [h for h in history if "perception_kl" in h]
+    assert terms and all(h["perception_kl"] > 0 and "papo/gamma_kl" in h and "papo/parent_loss" in h for h in terms)
+    assert all(h[prefix_sharing.METRIC] == 1.0 for h in history if prefix_sharing.METRIC in h)
