@@ -360,3 +360,63 @@ def test_gamma_zero_probe_and_per_term_metrics_with_sharing_on(tiny_vlm_path, sh
     terms = [h for h in history if "perception_kl" in h]
     assert terms and all(h["perception_kl"] > 0 and "papo/gamma_kl" in h and "papo/parent_loss" in h for h in terms)
     assert all(h[prefix_sharing.METRIC] == 1.0 for h in history if prefix_sharing.METRIC in h)
+
+
+def train_and_evaluate(tmp_path, sharing: bool) -> dict:
+    """``papo-nb train --params params/smoke.yaml -p prefix_sharing=...`` as a user runs it, then notebook 03's
+    held-out evaluation of its last checkpoint."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from mlflow import MlflowClient
+
+    from papo_nb.infra.tracking import EXPERIMENT_NAME
+    from papo_nb.workbook.config.params import load_params
+    from papo_nb.workbook.evaluation.heldout import evaluate_image_reliance
+    from papo_nb.workbook.training.builder import load_datasets, load_policy
+    from papo_nb.workbook.training.checkpoints import latest_checkpoint, load_trainable_adapter
+
+    root = Path(__file__).resolve().parents[1]
+    smoke, out = root / "params" / "smoke.yaml", tmp_path / f"run_{sharing}"
+    command = [sys.executable, "-m", "papo_nb.cli", "train", "--params", str(smoke), "--output-dir", str(out)]
+    command += ["-p", f"prefix_sharing={str(sharing).lower()}"]
+    uri = f"sqlite:///{tmp_path}/mlflow_{sharing}.db"
+    env = {**os.environ, "MLFLOW_TRACKING_URI": uri, "PYTHONPATH": str(root)}
+    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=1800)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    client = MlflowClient(uri)
+    (run,) = client.search_runs([client.get_experiment_by_name(EXPERIMENT_NAME).experiment_id])
+    packed = [m.value for m in client.get_metric_history(run.info.run_id, prefix_sharing.METRIC)]
+    assert (packed and set(packed) == {1.0}) if sharing else not packed, packed
+    params = load_params(smoke)
+    model, processor = load_policy(params)
+    model, _ = load_trainable_adapter(model, latest_checkpoint(out))
+    return evaluate_image_reliance(model, processor, load_datasets(params)[1], mask_ratio=params.mask_ratio,
+                                   seed=params.seed, max_new_tokens=params.max_completion_length)  # fmt: skip
+
+
+@pytest.mark.model
+@pytest.mark.slow
+def test_papo_nb_train_with_sharing_reaches_the_plain_held_out_accuracy(tmp_path):
+    """The smoke testbed trained by ``papo-nb train`` (same seed) with and without prefix sharing: the held-out
+    greedy accuracy within one binomial standard error of the held-out items (seed noise), both far above chance."""
+    plain_run, shared_run = train_and_evaluate(tmp_path, False), train_and_evaluate(tmp_path, True)
+    print(f"held-out accuracy: plain {plain_run}, shared {shared_run}")
+    p, items = plain_run["accuracy_original"], plain_run["items"]
+    noise = (p * (1 - p) / items) ** 0.5
+    assert abs(shared_run["accuracy_original"] - p) <= max(noise, 1 / items), (plain_run, shared_run)
+    assert min(p, shared_run["accuracy_original"]) >= 0.5
+
+
+def test_the_flop_model_of_sharing_is_the_issues():
+    """rho = (P + G R) / (G (P + R)): 0.36 at P = 4R, G = 5 and 0.30 at G = 8; with the masked branch and one
+    old-log-prob forward (3 steps per round) PAPO-G costs 0.45 and 0.375 of TRL's GRPO step."""
+    from papo_nb.bench.in_loop import flop_ratio
+
+    expected = {5: (0.36, 0.45), 8: (0.30, 0.375)}
+    for group, (grpo, papo) in expected.items():
+        assert flop_ratio("grpo_shared", 4.0, 1.0, group, 3) == pytest.approx(grpo)
+        assert flop_ratio("papo_shared", 4.0, 1.0, group, 3) == pytest.approx(papo)
+    assert flop_ratio("papo_rollout", 4.0, 1.0, 5, 1) == pytest.approx(1 + 0.36 / 3)
