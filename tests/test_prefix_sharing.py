@@ -14,6 +14,7 @@ from peft import get_peft_model
 from PIL import Image
 from tiny_trainers import tiny_trainer, unit_params
 from trl import GRPOTrainer
+from trl.trainer.utils import shuffle_sequence_dict
 
 from papo_nb.papo import PAPOGConfig, PAPOGTrainer, packed_rows, prefix_sharing
 from papo_nb.papo.prompt_identity import group_samples
@@ -301,6 +302,10 @@ def test_the_round_shuffle_keeps_blocks_whole():
              "owner": torch.tensor(7), "none": None}  # fmt: skip
     torch.manual_seed(0)
     out = prefix_sharing.shuffle_whole_blocks(batch)
+    after_ours = torch.get_rng_state()
+    torch.manual_seed(0)
+    shuffle_sequence_dict(batch)
+    assert torch.equal(after_ours, torch.get_rng_state()), "the same draw as TRL's: the run's random stream is TRL's"
     assert out["owner"] is batch["owner"] and out["none"] is None
     assert [batch["names"][i] for i in out["x"].tolist()] == out["names"]
     chunks = out[prefix_sharing.BLOCK_KEY].view(4, 3)

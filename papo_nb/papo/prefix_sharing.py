@@ -214,11 +214,17 @@ def block_ids(inputs: dict[str, Any], group_size: int) -> torch.Tensor:
 
 
 def shuffle_whole_blocks(seq_dict: dict[str, Any]) -> dict[str, Any]:
-    """TRL's round shuffle with blocks for rows: the blocks (``BLOCK_KEY``) in random order, each block's rows
-    together; every sequence value permuted alike, 0-d tensors and None kept (as ``shuffle_sequence_dict``)."""
+    """TRL's round shuffle with blocks for rows: TRL's own ``torch.randperm`` over the rows (the same draw from the
+    same generator, so the run's random stream stays TRL's), the blocks (``BLOCK_KEY``) in the order their first row
+    comes in it, each block's rows together; every sequence value permuted alike, 0-d tensors and None kept (as
+    ``shuffle_sequence_dict``)."""
     blocks = seq_dict[BLOCK_KEY]
-    order = torch.randperm(int(blocks.max()) + 1)
-    permutation = torch.cat([(blocks == b).nonzero().flatten() for b in order.tolist()])
+    rows = torch.randperm(len(blocks))
+    first_seen = {}
+    for row in rows.tolist():
+        first_seen.setdefault(int(blocks[row]), len(first_seen))
+    order = sorted(range(len(blocks)), key=lambda row: (first_seen[int(blocks[row])], row))
+    permutation = torch.tensor(order, dtype=torch.long)
 
     def permute(value):
         if value is None or (isinstance(value, torch.Tensor) and value.ndim == 0):
