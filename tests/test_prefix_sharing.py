@@ -338,9 +338,16 @@ def one_round(tiny_vlm_path, dataset, out, trainer_cls=PAPOGTrainer, **overrides
 
 @pytest.mark.model
 @pytest.mark.slow
-def test_a_training_round_matches_the_plain_forward(tiny_vlm_path, shapes_dataset, tmp_path):
-    shared, start, after = one_round(tiny_vlm_path, shapes_dataset, tmp_path / "shared")
-    reference, _, expected = one_round(tiny_vlm_path, shapes_dataset, tmp_path / "plain", PlainForwardWholeGroups)
+@pytest.mark.parametrize(
+    "branch",
+    [dict(), dict(masked_branch="update", masked_branch_grad=True, masked_entropy_weight=0.03)],
+    ids=["rollout_branch", "update_branch_with_grad"],
+)  # the second sends the masked branch's gradient forward through the packed rows too
+def test_a_training_round_matches_the_plain_forward(tiny_vlm_path, shapes_dataset, tmp_path, branch):
+    shared, start, after = one_round(tiny_vlm_path, shapes_dataset, tmp_path / "shared", **branch)
+    reference, _, expected = one_round(
+        tiny_vlm_path, shapes_dataset, tmp_path / "plain", PlainForwardWholeGroups, **branch
+    )
     moved = max((after[n] - start[n]).abs().max().item() for n in start)
     diff = max((after[n] - expected[n]).abs().max().item() for n in start)
     print(f"training round: parameters moved by up to {moved:.2e}, packed vs plain differ by {diff:.2e}")
