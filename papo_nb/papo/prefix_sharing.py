@@ -38,6 +38,7 @@ logger = logging.get_logger(__name__)
 METRIC = "papo/prefix_shared"  # per log-prob call: 1 packed, 0 plain
 SHARE_METRIC = "papo/prefix_share"  # completions per packed row
 BLOCK_KEY = "papo_prefix_block"  # per row: its block of G rows of one prompt, for the whole-group shuffle
+LOGIT_ROWS = 256  # vocabulary-sized rows per log-softmax call
 # The attention implementations that take a 4-D mask as it is: boolean for SDPA, additive for eager.
 MASKED_ATTENTION = ("sdpa", "eager")
 # Keywords of layouts other than Qwen-VL's flattened patch rows: a call that carries one runs the plain path.
@@ -133,8 +134,16 @@ def logps_of_packed(model, batch: PackedBatch, *, temperature: float, compute_en
     model_inputs = dict(batch.model_inputs)
     model_inputs["attention_mask"] = _mask_for(core_model(model), model_inputs["attention_mask"])
     logits = model(**model_inputs, use_cache=False).logits
-    picked = logits.reshape(-1, logits.shape[-1]).index_select(0, batch.logit_index) / temperature
-    logps = selective_log_softmax(picked[None], batch.targets[None])[0]
+    picked = logits.reshape(-1, logits.shape[-1]).index_select(0, batch.logit_index)
+    del logits  # the kept window; only the needed rows go on
+    picked.div_(temperature)  # in place, as the parent divides its logits
+    # LOGIT_ROWS rows at a time: the log-softmax temporaries stay as small as the parent's per-sequence loop keeps them
+    logps = torch.cat(
+        [
+            selective_log_softmax(rows[None], targets[None])[0]
+            for rows, targets in zip(picked.split(LOGIT_ROWS), batch.targets.split(LOGIT_ROWS), strict=True)
+        ]
+    )
     entropies = None
     if compute_entropy:
         with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
