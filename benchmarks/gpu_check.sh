@@ -9,7 +9,8 @@
 #      (WHEELS: a folder filled beforehand, where there is network, by `pip download -d WHEELS .`)
 #   2. main check (gpu_check.py --time-budget 170: timed rounds adapt to it) <= 190 s -> OUT_DIR/gpu_check.json
 #   3. in-loop (issue 22: python -m papo_nb.bench.in_loop --device cuda)    <= 120 s -> OUT_DIR/gpu_in_loop.json
-#      GRPO, PAPO-G rollout and update inside trainer.train(), G 5/8 x 1/3 steps per round; the JSON is rewritten
+#      GRPO, PAPO-G rollout and update, and (issue 34) papo_nb GRPO at gamma 0 and PAPO-G with prefix sharing,
+#      inside trainer.train() in bf16 with SDPA, G 5/8 x 3/1 steps per round (3 first); the JSON is rewritten
 #      after each layout, so a timeout keeps what was measured (IN_LOOP=0 skips it)
 #   4. paper shapes (gpu_check.py --paper-shapes-only --prefix-repeats 3)   <= 110 s -> OUT_DIR/gpu_paper_shapes.json
 #      (PAPER_SHAPES=0 skips it; it gets what is left of the deadline if that is less)
@@ -53,7 +54,8 @@ timeout "$(budget 190)" "$PYTHON" "$HERE/gpu_check.py" --out-dir "$OUT_DIR" --ti
   | tee -a "$OUT_DIR/gpu_check.log" || { STATUS=$?; echo "gpu_check.sh: main check exited $STATUS (124: timeout)"; }
 # Issue 22: the masked branch once per generation round against in every loss call, inside real training loops.
 if [[ "${IN_LOOP:-1}" != 0 ]]; then
-  IN_LOOP_ARGS=(--device cuda --image-px 448 --completion 64 --prompts 4 --repeats 2 --steps 3)
+  IN_LOOP_ARGS=(--device cuda --bf16 --image-px 448 --completion 64 --prompts 4 --repeats 2 --steps 3
+    --layouts G5_k3,G8_k3,G5_k1,G8_k1)
   for a in "$@"; do [[ "$a" == --cpu-dry-run ]] && IN_LOOP_ARGS=(--device cpu --layouts G5_k3 --repeats 1 --warmup 0 \
     --no-memory --image-px 56 --completion 4 --prompts 1 --steps 3); done
   (cd "$ROOT" && PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" timeout "$(budget 120)" "$PYTHON" -m papo_nb.bench.in_loop \

@@ -229,3 +229,38 @@ def test_the_trainer_forwards_exactly_the_parents_parameters():
     parents = list(inspect.signature(GRPOTrainer.__init__).parameters.values())[1:]
     assert [p.name for p in ours] == [p.name for p in parents] == list(PARENT_PARAMETERS)
     assert [p.default for p in ours] == [p.default for p in parents]
+
+
+@pytest.mark.parametrize(
+    ("original", "mutated", "method"),
+    [
+        (  # the loss call's kept logits no longer the completion width: packing would split its rows wrongly
+            "logits_to_keep = completion_ids.size(1)  # we only need to compute the logits for the completion tokens\n"
+            "        mask = completion_mask",
+            "logits_to_keep = completion_ids.size(1) + 1\n        mask = completion_mask",
+            "_compute_loss",
+        ),
+        (  # the rollout's rows no longer [prompt; completion]
+            "prompt_completion_ids = torch.cat([prompt_ids, completion_ids], dim=1)",
+            "prompt_completion_ids = torch.cat([completion_ids, prompt_ids], dim=1)",
+            "_generate_and_score_completions",
+        ),
+        (  # the temperature applied another way: the packed log-probs would not be the parent's
+            "logits.div_(self.temperature)",
+            "logits = logits / self.temperature",
+            "_get_per_token_logps_and_entropies",
+        ),
+        (  # the round shuffled by another function: the whole-group shuffle would not take its place
+            "generation_batch = shuffle_sequence_dict(generation_batch)",
+            "generation_batch = shuffle_rows(generation_batch)",
+            "_prepare_inputs",
+        ),
+    ],
+)
+def test_static_check_pins_what_prefix_sharing_relies_on(original, mutated, method):
+    source = _installed_grpo_source()
+    drifted = source.replace(original, mutated, 1)
+    assert drifted != source, original
+    problems = contract.static_contract_violations(drifted)
+    assert len(problems) == 1 and problems[0].startswith(f"GRPOTrainer.{method} no longer runs `"), problems
+    assert "(prefix sharing relies on it)" in problems[0]

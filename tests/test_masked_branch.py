@@ -341,3 +341,8 @@ def test_in_loop_benchmark_reports_every_variant_and_ratio(tmp_path):
         layout["flop_bound"] == pytest.approx(in_loop.flop_bound(layout["P"], layout["R"], 5), rel=1e-12)
         and 1.0 < layout["flop_bound"] < 2.0
     )
+    for name in in_loop.VARIANTS:  # each variant's FLOP model ratio; prefix sharing below GRPO's step
+        expected = in_loop.flop_ratio(name, layout["P"], layout["R"], 5, 3)
+        assert layout[name]["flop_ratio"] == pytest.approx(expected, rel=1e-12), name
+    assert layout["grpo_shared"]["flop_ratio"] < layout["papo_shared"]["flop_ratio"] < 1.0
+    assert "papo_shared/grpo_no_sampling_cpu_s" in layout

@@ -5,6 +5,8 @@ Variants, at G = 5 and 8 completions per prompt and at 1 and 3 optimizer steps p
     grpo            TRL's GRPOTrainer
     papo_rollout    PAPOGTrainer, ``masked_branch="rollout"`` (the masked branch once per round, before the shuffle)
     papo_update     PAPOGTrainer, ``masked_branch="update"`` (the masked branch in every loss call)
+    grpo_shared     PAPOGTrainer at gamma 0 (no masked branch: GRPO) with ``prefix_sharing=True`` (issue 34)
+    papo_shared     PAPOGTrainer, ``masked_branch="rollout"``, ``prefix_sharing=True``
 
 Each measurement is one ``trainer.train()`` of ``--steps`` optimizer steps on one shared LoRA model (the "wide"
 tiny Qwen2-VL, 30.6M parameters), one thread, the variants interleaved round by round. Completions are forced to
@@ -16,7 +18,10 @@ torch's CPU allocations (profiler; ``torch.cuda.max_memory_allocated`` on a GPU)
 
 The FLOP model of the no-sampling step: GRPO costs ``k * G * (P + R)`` per prompt (forward and backward, k = 3),
 the masked branch ``P + G * R`` (one prefill of the prompt and image, G completions); its bound on the ratio is
-``1 + (P + G*R) / (k * G * (P + R))``, with P and R the mean prompt (image included) and completion tokens.
+``1 + (P + G*R) / (k * G * (P + R))``, with P and R the mean prompt (image included) and completion tokens. With
+prefix sharing every forward costs ``P + G * R`` per prompt instead of ``G * (P + R)``: GRPO's ratio is
+``rho = (P + G*R) / (G * (P + R))`` and PAPO-G's ``rho * (1 + 1/k')``, k' = k plus the old-log-prob forward TRL adds
+at several steps per round (``flop_ratio``).
 
     python -m papo_nb.bench.in_loop --quick --out FILE.json --markdown FILE.md
 """
@@ -38,9 +43,10 @@ import torch
 
 from papo_nb.bench import harness
 
-VARIANTS = ("grpo", "papo_rollout", "papo_update")
+VARIANTS = ("grpo", "papo_rollout", "papo_update", "grpo_shared", "papo_shared")
 FLOP_K = 3.0  # a training step's forward + backward, in forwards
 TARGET_RATIO = 1.10  # PAPO-G (rollout) / GRPO without sampling, G = 5, 3 steps per round
+SHARED_TARGET_RATIO = 0.60  # PAPO-G with prefix sharing / TRL's GRPO without sampling, G = 5 (issue 34)
 FLOP_SLACK = 0.05
 
 
@@ -86,8 +92,10 @@ def build(
     work: Path,
     cache_dir,
     device: str,
+    variants: tuple[str, ...] = VARIANTS,
+    bf16: bool = False,
 ):
-    """The shared LoRA model, its processor and one trainer per variant for ``layout``."""
+    """The shared LoRA model, its processor and one trainer per variant of ``variants`` for ``layout``."""
     from trl import GRPOTrainer
 
     from papo_nb.papo import PAPOGTrainer
@@ -120,13 +128,17 @@ def build(
         logging_steps=1,
         report_to="none",
         use_cpu=device == "cpu",
-        bf16=False,
+        bf16=bf16,
     )
-    trainers = {
-        "grpo": setup.trainer("grpo", GRPOTrainer, **common),
-        "papo_rollout": setup.trainer("papo_rollout", PAPOGTrainer, masked_branch="rollout", **common),
-        "papo_update": setup.trainer("papo_update", PAPOGTrainer, masked_branch="update", **common),
+    gamma_zero = dict(perception_loss_weight=0.0, original_entropy_weight=0.0, masked_entropy_weight=0.0)
+    overrides = {
+        "grpo": (GRPOTrainer, {}),
+        "papo_rollout": (PAPOGTrainer, dict(masked_branch="rollout")),
+        "papo_update": (PAPOGTrainer, dict(masked_branch="update")),
+        "grpo_shared": (PAPOGTrainer, dict(prefix_sharing=True, **gamma_zero)),
+        "papo_shared": (PAPOGTrainer, dict(masked_branch="rollout", prefix_sharing=True)),
     }
+    trainers = {name: setup.trainer(name, overrides[name][0], **overrides[name][1], **common) for name in variants}
     for trainer in trainers.values():  # full-length completions: the same work whatever the weights
         trainer.generation_kwargs["min_new_tokens"] = completion
         trainer.generation_config.min_new_tokens = completion
@@ -187,6 +199,21 @@ def flop_bound(P: float, R: float, G: int, k: float = FLOP_K) -> float:
     return 1.0 + (P + G * R) / (k * G * (P + R))
 
 
+def flop_ratio(variant: str, P: float, R: float, G: int, steps_per_round: int) -> float:
+    """The FLOP model's ratio of ``variant`` to TRL's GRPO step without sampling: forward 1, backward 2, plus the
+    old-log-prob forward at several steps per round (one device batch per step: TRL computes it then); the masked
+    branch one shared forward; prefix sharing ``P + G*R`` tokens per prompt in every forward, not ``G*(P + R)``."""
+    forwards = FLOP_K + (1.0 if steps_per_round > 1 else 0.0)
+    rho = (P + G * R) / (G * (P + R))
+    return {
+        "grpo": 1.0,
+        "papo_rollout": 1.0 + rho / forwards,
+        "papo_update": 1.0 + rho / forwards,
+        "grpo_shared": rho,
+        "papo_shared": rho * (1.0 + 1.0 / forwards),
+    }[variant]
+
+
 def peak_mib(trainer, device: str, steps: int) -> float:
     """Peak allocation above the start of a ``train()`` of ``steps`` steps (one round: the rollout pass included)."""
     from papo_nb.bench.memory import allocation_peak, cuda_peak
@@ -199,12 +226,13 @@ def peak_mib(trainer, device: str, steps: int) -> float:
 def interleaved_runs(trainers: dict, clock: GenerateClock, layout: Layout, args) -> dict[str, list[dict[str, Any]]]:
     """``args.repeats`` rounds of one ``train()`` per variant, the order rotated each round, after ``args.warmup``
     short untimed rounds (first-call costs off the clock)."""
-    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in VARIANTS}
+    names = tuple(trainers)
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in names}
     for _ in range(args.warmup):
-        for name in VARIANTS:
+        for name in names:
             one_run(trainers[name], clock, args.device, layout.steps_per_round)
     for round_index in range(args.repeats):
-        order = VARIANTS[round_index % len(VARIANTS) :] + VARIANTS[: round_index % len(VARIANTS)]
+        order = names[round_index % len(names) :] + names[: round_index % len(names)]
         for name in order:
             runs[name].append(one_run(trainers[name], clock, args.device, args.steps))
     return runs
@@ -240,14 +268,15 @@ def measure_layout(layout: Layout, args, work: Path) -> dict[str, Any]:
         work=work,
         cache_dir=args.cache_dir,
         device=args.device,
+        variants=args.variants,
+        bf16=args.bf16,
     )
     clock = GenerateClock(model)
-    shape = token_shape(
-        trainers["papo_rollout"], trainers["grpo"].train_dataset, args.prompts * layout.steps_per_round
-    )
+    papo = next(trainers[name] for name in args.variants if name != "grpo")
+    shape = token_shape(papo, trainers["grpo"].train_dataset, args.prompts * layout.steps_per_round)
     runs = interleaved_runs(trainers, clock, layout, args)
     steps = layout.steps_per_round
-    peaks = {name: peak_mib(trainers[name], args.device, steps) for name in VARIANTS} if args.memory else {}
+    peaks = {name: peak_mib(trainers[name], args.device, steps) for name in args.variants} if args.memory else {}
     out: dict[str, Any] = dict(
         layout=layout.name,
         G=layout.group_size,
@@ -257,12 +286,13 @@ def measure_layout(layout: Layout, args, work: Path) -> dict[str, Any]:
         **shape,
     )
     out["flop_bound"] = flop_bound(shape["P"], shape["R"], layout.group_size)
-    for name in VARIANTS:
+    for name in args.variants:
         out[name] = median_run(runs[name])
         out[name]["peak_mib"] = peaks.get(name)
+        out[name]["flop_ratio"] = flop_ratio(name, shape["P"], shape["R"], layout.group_size, steps)
     stored = args.prompts * layout.group_size * layout.steps_per_round * shape["R"] * 4
     out["stored_branch_kib_per_round"] = stored / 1024  # rows x completion tokens fp32, what the rollout path keeps
-    for name in ("papo_rollout", "papo_update"):
+    for name in (n for n in args.variants if n != "grpo"):
         for key in ("total_s", "no_sampling_s", "total_cpu_s", "no_sampling_cpu_s"):
             per_round = [a[key] / b[key] for a, b in zip(runs[name], runs["grpo"], strict=True)]
             out[f"{name}/grpo_{key}"] = dict(
@@ -280,11 +310,11 @@ def markdown(results: dict[str, Any]) -> str:
         f"optimizer steps per train(); times are {results['clock']} seconds per optimizer step)",
         "",
         "| layout | P | R | variant | total s/step | no-sampling s/step | masked s/step | completions/prefill |"
-        " peak MiB | ratio total | ratio no-sampling [min, max] | FLOP bound + 0.05 |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        " peak MiB | ratio total | ratio no-sampling [min, max] | FLOP bound + 0.05 | FLOP model |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for layout in results["layouts"]:
-        for name in VARIANTS:
+        for name in (n for n in VARIANTS if n in layout):
             v = layout[name]
             ratio_total = ratio_ns = ""
             if name != "grpo":
@@ -297,7 +327,7 @@ def markdown(results: dict[str, Any]) -> str:
                 f"| {layout['layout']} | {layout['P']:.0f} | {layout['R']:.0f} | {name} | {v[f'total{c}_s']:.3f} | "
                 f"{v[f'no_sampling{c}_s']:.3f} | {v[f'masked{c}_s']:.3f} | {share} | {peak} | {ratio_total} | "
                 f"{ratio_ns} | "
-                f"{layout['flop_bound'] + FLOP_SLACK:.3f} |"
+                f"{layout['flop_bound'] + FLOP_SLACK:.3f} | {v['flop_ratio']:.3f} |"
             )
     return "\n".join(lines) + "\n"
 
@@ -306,13 +336,33 @@ def verdicts(results: dict[str, Any]) -> list[str]:
     c = "_cpu" if results["clock"] == "cpu" else ""
     lines = []
     for layout in results["layouts"]:
-        ratio = layout[f"papo_rollout/grpo_no_sampling{c}_s"]["median"]
-        bound = layout["flop_bound"] + FLOP_SLACK
-        line = f"{layout['layout']}: rollout/GRPO without sampling {ratio:.3f} (FLOP bound + 0.05: {bound:.3f})"
-        if layout["G"] == 5 and layout["steps_per_round"] == 3:
-            line += f"; target <= {TARGET_RATIO}: {'met' if ratio <= min(TARGET_RATIO, bound) else 'NOT met'}"
-        lines.append(line)
+        if "papo_rollout" in layout:
+            ratio = layout[f"papo_rollout/grpo_no_sampling{c}_s"]["median"]
+            bound = layout["flop_bound"] + FLOP_SLACK
+            line = f"{layout['layout']}: rollout/GRPO without sampling {ratio:.3f} (FLOP bound + 0.05: {bound:.3f})"
+            if layout["G"] == 5 and layout["steps_per_round"] == 3:
+                line += f"; target <= {TARGET_RATIO}: {'met' if ratio <= min(TARGET_RATIO, bound) else 'NOT met'}"
+            lines.append(line)
+        if "papo_shared" in layout:
+            lines.append(shared_verdict(layout, c))
     return lines
+
+
+def shared_verdict(layout: dict[str, Any], c: str) -> str:
+    """PAPO-G with prefix sharing against TRL's GRPO: the no-sampling ratio with its spread and FLOP model, and
+    (G = 5) the issue-34 targets: ratio <= 0.60, peak memory at most GRPO's."""
+    ratio = layout[f"papo_shared/grpo_no_sampling{c}_s"]
+    line = (
+        f"{layout['layout']}: PAPO-G shared/GRPO without sampling {ratio['median']:.3f} [{ratio['min']:.3f}, "
+        f"{ratio['max']:.3f}] (FLOP model {layout['papo_shared']['flop_ratio']:.3f})"
+    )
+    peaks = layout["papo_shared"]["peak_mib"], layout["grpo"]["peak_mib"]
+    if None not in peaks:
+        line += f", peak {peaks[0]:.0f} vs {peaks[1]:.0f} MiB"
+    if layout["G"] == 5:
+        met = ratio["median"] <= SHARED_TARGET_RATIO and (None in peaks or peaks[0] <= peaks[1])
+        line += f"; target <= {SHARED_TARGET_RATIO} and peak <= GRPO's: {'met' if met else 'NOT met'}"
+    return line
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -322,6 +372,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--clock", choices=("cpu", "wall"), default=None, help="default: cpu on the CPU, wall on cuda")
     parser.add_argument("--layouts", default=",".join(layout.name for layout in LAYOUTS))
+    parser.add_argument("--variants", default=",".join(VARIANTS), help="grpo and any of the others, comma-separated")
+    parser.add_argument("--bf16", action="store_true", help="bf16 mixed precision (on cuda)")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--steps", type=int, default=3, help="optimizer steps per train() call")
@@ -343,6 +395,10 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [name for name in args.layouts.split(",") if name not in known]
     if unknown:
         parser.error(f"--layouts: unknown {unknown}; allowed: {', '.join(known)}")
+    asked = args.variants.split(",")
+    if [n for n in asked if n not in VARIANTS] or "grpo" not in asked or len(set(asked)) < 2:
+        parser.error(f"--variants={args.variants!r}: 'grpo' and at least one other of {', '.join(VARIANTS)}")
+    args.variants = tuple(name for name in VARIANTS if name in asked)
     torch.set_num_threads(1)
     results: dict[str, Any] = dict(
         clock=args.clock,

@@ -14,6 +14,12 @@ it by ``self._step % steps_per_generation`` (so the stored masked log-probs trav
 that ``_prepare_inputs`` generates when ``self._step % (steps_per_generation * num_iterations) == 0`` and that
 ``training_step`` counts ``self._step`` up by one.
 
+Prefix sharing (``prefix_sharing.py``) replaces the log-prob method's per-row forward by packed rows and the round's
+shuffle by a whole-group one: the contract pins that every caller it serves passes ``[prompt_ids; completion_ids]``
+with ``logits_to_keep`` the completion width, that the method divides the logits by ``self.temperature``, and that
+``_prepare_inputs`` shuffles the round with the module's ``shuffle_sequence_dict`` (looked up by name, so it can be
+swapped for the call) before cutting it into ``steps_per_generation`` device batches.
+
 The pinned upstream SHA-256 is that of the file inside the ``trl==0.29.1`` wheel on PyPI
 (https://github.com/huggingface/trl/blob/v0.29.1/trl/experimental/papo/papo_trainer.py).
 """
@@ -88,6 +94,23 @@ GRAD_NORM_PARAMETERS = ("self", "model", "grad_norm")
 # The adapter flips this attribute around the parent's entropy computation to get entropies with
 # gradient (TRL computes them under no_grad otherwise); the log-prob method must still read it.
 ENTROPY_GRAD_GATE = "_entropy_bonus_enabled"
+# What prefix sharing relies on, as TRL writes it: the callers' rows and kept logits, the temperature, the shuffle.
+PACKED_CALLERS = {
+    LOSS_METHOD: (
+        "input_ids = torch.cat([prompt_ids, completion_ids], dim=1)",
+        "logits_to_keep = completion_ids.size(1)",
+    ),
+    ROLLOUT_METHOD: (
+        "prompt_completion_ids = torch.cat([prompt_ids, completion_ids], dim=1)",
+        "logits_to_keep = completion_ids.size(1)",
+    ),
+}
+LOGP_TEMPERATURE = "logits.div_(self.temperature)"
+PARENT_SHUFFLE_FUNCTION = "shuffle_sequence_dict"
+ROUND_SHUFFLE = (
+    "generation_batch = shuffle_sequence_dict(generation_batch)",
+    "generation_batches = split_tensor_dict(generation_batch, self.args.steps_per_generation)",
+)
 
 
 class ContractError(RuntimeError):
@@ -199,6 +222,25 @@ def cadence_violations(prepare: ast.FunctionDef | None, training_step: ast.Funct
     return problems
 
 
+def prefix_sharing_violations(methods: dict[str, ast.FunctionDef | None]) -> list[str]:
+    """What prefix sharing relies on (``PACKED_CALLERS``, ``LOGP_TEMPERATURE``, ``ROUND_SHUFFLE``) in the parsed
+    methods by name; a missing method is another rule's to name."""
+    problems = []
+    for name, statements in [
+        *PACKED_CALLERS.items(),
+        (LOGP_METHOD, (LOGP_TEMPERATURE,)),
+        (PREPARE_METHOD, ROUND_SHUFFLE),
+    ]:
+        method = methods.get(name)
+        if method is None:
+            continue
+        written = {ast.unparse(node) for node in ast.walk(method) if isinstance(node, ast.stmt)}
+        for statement in statements:
+            if statement not in written:
+                problems.append(f"{PARENT_CLASS}.{name} no longer runs `{statement}` (prefix sharing relies on it)")
+    return problems
+
+
 def _assigns_attribute(node: ast.AST, attribute: str) -> bool:
     return any(
         isinstance(n, ast.Attribute) and n.attr == attribute and isinstance(n.ctx, ast.Store) for n in ast.walk(node)
@@ -215,15 +257,18 @@ def live_contract_violations(grpo_trainer_class: Any) -> list[str]:
     if loss_method is None or logp_method is None:
         missing = [m for m, f in ((LOSS_METHOD, loss_method), (LOGP_METHOD, logp_method)) if f is None]
         return [f"{grpo_trainer_class.__name__} has no method {m}" for m in missing]
-    logp_tree = ast.parse(textwrap.dedent(inspect.getsource(logp_method)))
+    methods = {
+        name: _parsed_method(grpo_trainer_class, name)
+        for name in (LOSS_METHOD, LOGP_METHOD, ROLLOUT_METHOD, PREPARE_METHOD, TRAINING_STEP_METHOD)
+    }
     return contract_violations(
         tuple(inspect.signature(loss_method).parameters),
         inspect.signature(logp_method).parameters,
-        _reads_attribute(logp_tree, ENTROPY_GRAD_GATE),
-        _parsed_method(grpo_trainer_class, ROLLOUT_METHOD),
-        _parsed_method(grpo_trainer_class, PREPARE_METHOD),
-        _parsed_method(grpo_trainer_class, TRAINING_STEP_METHOD),
-    )
+        _reads_attribute(methods[LOGP_METHOD], ENTROPY_GRAD_GATE),
+        methods[ROLLOUT_METHOD],
+        methods[PREPARE_METHOD],
+        methods[TRAINING_STEP_METHOD],
+    ) + prefix_sharing_violations(methods)
 
 
 def _parsed_method(cls: Any, name: str) -> ast.FunctionDef | None:
@@ -286,4 +331,4 @@ def static_contract_violations(grpo_trainer_source: str) -> list[str]:
         methods.get(ROLLOUT_METHOD),
         methods.get(PREPARE_METHOD),
         methods.get(TRAINING_STEP_METHOD),
-    )
+    ) + prefix_sharing_violations(methods)

@@ -49,6 +49,7 @@ FIELD_RULES = {
     "masked_branch_grad": (lambda v: isinstance(v, bool), "a bool"),
     "masked_forward": (lambda v: v in MASKED_FORWARDS, f"one of {MASKED_FORWARDS}"),
     "masked_branch": (lambda v: v in MASKED_BRANCH_TIMINGS, f"one of {MASKED_BRANCH_TIMINGS}"),
+    "prefix_sharing": (lambda v: isinstance(v, bool), "a bool"),
     "max_consecutive_nonfinite_grad_steps": (lambda v: _int(v) and v >= 1, "an int >= 1"),
     "require_gpu_contract_probe": (lambda v: isinstance(v, bool), "a bool"),
     "measure_perception_kl": (lambda v: isinstance(v, bool), "a bool"),
@@ -132,6 +133,17 @@ class PAPOGConfig(GRPOConfig):
             model, a prompt with two completions in the batch), else the full forward. The metric
             `papo/masked_forward_shared` says which ran, `papo/masked_forward_share` how many completions each
             prefill served, and a log line says why when it is the full one.
+
+        > Parameters that control every forward
+
+        prefix_sharing (`bool`, defaults to `False`):
+            Run each prompt group as one packed row `[prompt; c1 ... cg]` in every forward TRL routes through
+            `_get_per_token_logps_and_entropies` (the gradient forward and backward, old and reference log-probs,
+            the masked branch's full forward): the prompt and its images once per group, a 4-D mask that keeps the
+            completions apart, Qwen-VL positions restarting after the prompt (`prefix_sharing.py`); the round is
+            shuffled by whole groups, so `per_device_train_batch_size` must be a multiple of `num_generations`.
+            Qwen2-VL and Qwen2.5-VL with SDPA or eager attention on one process; elsewhere the plain forward runs,
+            with a log line saying why (`papo/prefix_shared` per call). Off: TRL's forward and shuffle, bit for bit.
 
         > Parameters that control the entropy terms
 
@@ -229,6 +241,9 @@ class PAPOGConfig(GRPOConfig):
             "choices": MASKED_FORWARDS,
         },
     )
+    prefix_sharing: bool = field(
+        default=False, metadata={"help": "Each prompt group one packed row in every forward (Qwen-VL, one process)."}
+    )
     require_gpu_contract_probe: bool = field(default=False, metadata={"help": "Run the gamma-zero probe in training."})
     measure_perception_kl: bool = field(
         default=False, metadata={"help": "Run the masked branch where nothing reads it, to log the perception KL."}
@@ -260,6 +275,13 @@ class PAPOGConfig(GRPOConfig):
             raise ValueError(
                 "PAPOGConfig.masked_forward='shared_prefix' is invalid with masked_branch_grad=True: the shared "
                 "prefix is a no-grad path; allowed: masked_forward 'auto' or 'full', or masked_branch_grad=False"
+            )
+        if self.prefix_sharing and self.num_generations and self.per_device_train_batch_size % self.num_generations:
+            raise ValueError(
+                f"PAPOGConfig.prefix_sharing=True is invalid with per_device_train_batch_size="
+                f"{self.per_device_train_batch_size} and num_generations={self.num_generations}: the round is "
+                "shuffled by whole prompt groups, so a device batch must hold whole groups; allowed: "
+                "per_device_train_batch_size a multiple of num_generations, or prefix_sharing=False"
             )
         if self.use_liger_kernel:
             # GRPOTrainer.compute_loss sends a Liger run to compute_liger_loss and never calls _compute_loss

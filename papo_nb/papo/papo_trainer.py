@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from trl import GRPOTrainer
 
+from . import prefix_sharing
 from .citation import PAPO_PAPER
 from .contract import ENTROPY_GRAD_GATE, validate_grad_norm_hook, validate_trl_parent_contract
 from .loss_observer import training_observer
@@ -47,9 +48,11 @@ class PAPOGTrainer(GRPOTrainer):
 
     - ``_compute_loss``: the parent's loss, untouched, plus the PAPO-G terms (``terms.assemble_loss``);
     - ``_get_per_token_logps_and_entropies``: captures the parent's own log-probs (and, for the full-vocabulary
-      estimator with eta1 > 0, entropies with gradient) while it computes its loss;
+      estimator with eta1 > 0, entropies with gradient) while it computes its loss; with ``prefix_sharing`` every
+      call runs each prompt group as one packed row (``prefix_sharing.py``), the parent's method where it cannot;
     - ``_generate_and_score_completions``: with ``masked_branch="rollout"`` (default) adds the masked branch of the
-      round to the batch it returns (``MaskedBranch.rollout_entries``);
+      round to the batch it returns (``MaskedBranch.rollout_entries``); with ``prefix_sharing``, each row's block;
+    - ``_prepare_inputs``: with ``prefix_sharing``, the parent's, its round shuffled by whole prompt groups;
     - ``_get_grad_norm``: skips an optimizer step whose gradient norm is not finite (``step_guard.py``);
     - ``_save_rng_state`` / ``_load_rng_state``: also save and restore the masking generator.
 
@@ -109,6 +112,8 @@ class PAPOGTrainer(GRPOTrainer):
         self.current_gradient_accumulation_steps = self.args.gradient_accumulation_steps
         self._captured_parent_logps = None  # a list while the parent's loss runs: its main forward's outputs
         self.masks = MaskState(self.args, self.model, self.processing_class)
+        processes = self.accelerator.num_processes
+        self.prefix_sharing = prefix_sharing.PrefixSharing(self.args, self.model, processes, self._metrics)
         self.masked_branch = MaskedBranch(self.args, self.model, self.accelerator, self._metrics, self.temperature)
         self.perception_record = PerceptionRecord(keep=self.args.generation_batch_size)
         self.step_guard = NonFiniteStepGuard(self.args.max_consecutive_nonfinite_grad_steps)
@@ -130,7 +135,7 @@ class PAPOGTrainer(GRPOTrainer):
     def _get_per_token_logps_and_entropies(self, *args, **kwargs):
         capturing = self._captured_parent_logps == []  # the parent's main forward of a loss call, not a later one
         if not capturing:
-            return super()._get_per_token_logps_and_entropies(*args, **kwargs)
+            return self._logps_and_entropies(*args, **kwargs)
         entropy_grad = self.args.entropy_estimator == "full" and self.args.original_entropy_weight > 0
         self._captured_parent_logps.append(self._with_entropy_grad(entropy_grad, *args, **kwargs))
         return self._captured_parent_logps[0]
@@ -139,9 +144,17 @@ class PAPOGTrainer(GRPOTrainer):
         batch = super()._generate_and_score_completions(inputs)
         self.perception_record.rollout, self.masks.rollout_masks = {}, {}
         batch[ROLLOUT_ROW_KEY] = torch.arange(len(batch["prompt_ids"]))  # the row in TRL's logs, after shuffling
+        if self.prefix_sharing.shuffles_whole_groups and self.model.training:
+            batch[prefix_sharing.BLOCK_KEY] = prefix_sharing.block_ids(batch, self.num_generations)
         if self.args.masked_branch == "rollout" and not self.masked_branch.skipped:
             batch.update(self.masked_branch.rollout_entries(batch, self.masked_pixel_values, self._with_entropy_grad))
         return batch
+
+    def _prepare_inputs(self, generation_batch):
+        if not self.prefix_sharing.shuffles_whole_groups:
+            return super()._prepare_inputs(generation_batch)
+        with prefix_sharing.whole_block_shuffle(GRPOTrainer):
+            return super()._prepare_inputs(generation_batch)
 
     def _get_grad_norm(self, model, grad_norm=None):
         norm = super()._get_grad_norm(model, grad_norm=grad_norm)
@@ -174,9 +187,26 @@ class PAPOGTrainer(GRPOTrainer):
         gate = getattr(self, ENTROPY_GRAD_GATE)
         setattr(self, ENTROPY_GRAD_GATE, gate or (want_grad and torch.is_grad_enabled()))
         try:
-            return super()._get_per_token_logps_and_entropies(*args, **kwargs)
+            return self._logps_and_entropies(*args, **kwargs)
         finally:
             setattr(self, ENTROPY_GRAD_GATE, gate)
+
+    def _logps_and_entropies(self, *args, **kwargs):
+        """The parent's log-prob method, or with ``prefix_sharing`` the same numbers from packed rows."""
+        if self.prefix_sharing.enabled:
+            arguments = prefix_sharing.bound_arguments(
+                GRPOTrainer._get_per_token_logps_and_entropies, self, args, kwargs
+            )
+            packed = self.prefix_sharing.compute(
+                arguments.pop("model"),
+                arguments,
+                temperature=self.temperature,
+                entropy_grad=bool(getattr(self, ENTROPY_GRAD_GATE)),
+                training=self.model.training,
+            )
+            if packed is not None:
+                return packed
+        return super()._get_per_token_logps_and_entropies(*args, **kwargs)
 
     def papo_loss_parts(self, model, inputs) -> tuple[torch.Tensor, PerceptionTerms]:
         """The parent's loss and the adapter's terms for ``inputs`` (which is never modified).

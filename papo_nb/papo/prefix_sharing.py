@@ -1,0 +1,258 @@
+"""Prefix sharing (``PAPOGConfig.prefix_sharing``): every forward TRL routes through
+``_get_per_token_logps_and_entropies`` runs each prompt group as one packed row (``packed_rows.py``), and the round's
+shuffle keeps whole groups so that a micro-batch holds them.
+
+TRL 1.9.1 calls that one method for the policy's gradient forward (``_compute_loss``), the old log-probs and the
+reference log-probs (``_generate_and_score_completions``); the adapter's masked branch calls it too where it takes the
+full forward. Each call arrives as ``input_ids = [prompt_ids; completion_ids]`` with ``logits_to_keep`` the completion
+width (pinned in ``contract.py``); log-probs are TRL's (logits / temperature, ``selective_log_softmax``,
+``entropy_from_logits``) at the same positions, scattered back into the call's row order. The vision tower sees each
+group's images once. Where a call or model is not supported the plain path runs, with one log line per reason.
+
+The shuffle: TRL shuffles a round row by row before cutting it into ``steps_per_generation`` micro-batches
+(``_prepare_inputs``), which at G = 5 leaves about 1.8 completions per prompt in a micro-batch. With sharing on,
+``_generate_and_score_completions`` tags each row with its block (``BLOCK_KEY``: G rows of one prompt) and the
+round is shuffled block by block (``shuffle_whole_blocks``) in place of TRL's ``shuffle_sequence_dict``, so a
+micro-batch of a multiple of G rows holds whole groups.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from transformers.utils import logging
+
+from .contract import PARENT_SHUFFLE_FUNCTION
+from .packed_rows import PackedBatch, completion_lengths, forward_positions, pack
+from .prompt_identity import group_samples
+from .rollout_branch import chunks as whole_group_chunks
+from .shared_prefix import core_model
+from .shared_prefix import unsupported_reason as model_unsupported_reason
+
+logger = logging.get_logger(__name__)
+
+METRIC = "papo/prefix_shared"  # per log-prob call: 1 packed, 0 plain
+SHARE_METRIC = "papo/prefix_share"  # completions per packed row
+BLOCK_KEY = "papo_prefix_block"  # per row: its block of G rows of one prompt, for the whole-group shuffle
+LOGIT_ROWS = 256  # vocabulary-sized rows per log-softmax call
+# The attention implementations that take a 4-D mask as it is: boolean for SDPA, additive for eager.
+MASKED_ATTENTION = ("sdpa", "eager")
+# Keywords of layouts other than Qwen-VL's flattened patch rows: a call that carries one runs the plain path.
+OTHER_LAYOUT_KEYWORDS = (
+    "pixel_attention_mask",
+    "spatial_shapes",
+    "num_tiles",
+    "image_sizes",
+    "token_type_ids",
+    "image_position_ids",
+)
+
+
+def unsupported_reason(model, processes: int) -> str | None:
+    """Why this model (in a run of ``processes``) cannot take the packed path, or None."""
+    reason = model_unsupported_reason(model)
+    if reason is not None:
+        return reason
+    attention = getattr(core_model(model).config, "_attn_implementation", None)
+    if attention not in MASKED_ATTENTION:
+        return f"attention implementation {attention!r} is not one of {MASKED_ATTENTION} (a dense 4-D mask)"
+    if processes > 1:
+        return f"{processes} processes: the packed path is checked on one process only"
+    return None
+
+
+def call_reason(arguments: dict[str, Any]) -> str | None:
+    """Why one log-prob call runs the plain path, or None (``arguments``: the parent's parameters by name)."""
+    if arguments.get("compute_aux_loss"):
+        return "compute_aux_loss=True (a mixture-of-experts load-balancing loss)"
+    other = [key for key in OTHER_LAYOUT_KEYWORDS if arguments.get(key) is not None]
+    if other:
+        return f"the batch carries {other}: not Qwen-VL's patch-row layout"
+    if arguments.get("pixel_values") is not None and arguments.get("image_grid_thw") is None:
+        return "pixel_values without image_grid_thw"
+    if completion_lengths(arguments["attention_mask"], arguments["logits_to_keep"]) is None:
+        return "a completion mask with a gap, or a prompt that does not end in a real token"
+    return None
+
+
+def packed_batches(model, arguments: dict[str, Any]) -> Iterator[PackedBatch]:
+    """The packed rows of a log-prob call (``arguments``: the parent's parameters by name, ``call_reason`` None),
+    one ``PackedBatch`` per chunk of whole groups of at most ``batch_size`` rows (a larger group alone)."""
+    input_ids, attention_mask = arguments["input_ids"], arguments["attention_mask"]
+    n_completion = arguments["logits_to_keep"]
+    pixel_values, grid = arguments.get("pixel_values"), arguments.get("image_grid_thw")
+    grid = grid if pixel_values is not None else None
+    mm_types, num_images = arguments.get("mm_token_type_ids"), arguments.get("num_images")
+    n_prompt = input_ids.shape[1] - n_completion
+    prompts = {"prompt_ids": input_ids[:, :n_prompt], "prompt_mask": attention_mask[:, :n_prompt]}
+    groups = group_samples({**prompts, "pixel_values": pixel_values, "image_grid_thw": grid, "num_images": num_images})
+    positions = forward_positions(core_model(model), input_ids, attention_mask, mm_types, grid)
+    lengths = completion_lengths(attention_mask, n_completion)
+    pad = int(input_ids[0, n_prompt - 1])  # a real text token; a pad attends to itself only, its output is unused
+    for chunk in whole_group_chunks(groups, len(input_ids), arguments.get("batch_size") or len(input_ids), 1):
+        yield pack(
+            input_ids, attention_mask, positions, n_completion, lengths, chunk, pad_token_id=pad,
+            mm_token_type_ids=mm_types, pixel_values=pixel_values, image_grid_thw=grid, num_images=num_images,
+        )  # fmt: skip
+
+
+def packed_logps_and_entropies(
+    model,
+    arguments: dict[str, Any],
+    *,
+    temperature: float,
+    entropy_grad: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None, None, float]:
+    """``(logps, entropies or None, None, completions per packed row)`` of a log-prob call (``arguments``: the
+    parent's parameters by name, ``call_reason`` None), each ``(B, logits_to_keep)`` in the call's row order;
+    entropies keep their graph when ``entropy_grad``, as the parent's do under its entropy gate."""
+    n_rows, compute_entropy = len(arguments["input_ids"]), bool(arguments.get("compute_entropy"))
+    logps = entropies = None
+    packed_rows = 0
+    for batch in packed_batches(model, arguments):
+        chunk_logps, chunk_entropies = logps_of_packed(
+            model, batch, temperature=temperature, compute_entropy=compute_entropy, entropy_grad=entropy_grad
+        )
+        if logps is None:
+            logps = chunk_logps.new_zeros((n_rows, arguments["logits_to_keep"]))
+            entropies = logps.new_zeros(logps.shape) if compute_entropy else None
+        logps = logps.index_put((batch.rows, batch.columns), chunk_logps)
+        if compute_entropy:
+            entropies = entropies.index_put((batch.rows, batch.columns), chunk_entropies)
+        packed_rows += len(batch.model_inputs["input_ids"])
+    return logps, entropies, None, n_rows / packed_rows
+
+
+def logps_of_packed(model, batch: PackedBatch, *, temperature: float, compute_entropy: bool, entropy_grad: bool):
+    """``(logps, entropies or None)`` of the needed logits of one packed batch, one value per ``batch.rows``."""
+    from trl.trainer.utils import entropy_from_logits, selective_log_softmax
+
+    model_inputs = dict(batch.model_inputs)
+    model_inputs["attention_mask"] = _mask_for(core_model(model), model_inputs["attention_mask"])
+    logits = model(**model_inputs, use_cache=False).logits
+    picked = logits.reshape(-1, logits.shape[-1]).index_select(0, batch.logit_index)
+    del logits  # the kept window; only the needed rows go on
+    picked.div_(temperature)  # in place, as the parent divides its logits
+    # LOGIT_ROWS rows at a time: the log-softmax temporaries stay as small as the parent's per-sequence loop keeps them
+    logps = torch.cat(
+        [
+            selective_log_softmax(rows[None], targets[None])[0]
+            for rows, targets in zip(picked.split(LOGIT_ROWS), batch.targets.split(LOGIT_ROWS), strict=True)
+        ]
+    )
+    entropies = None
+    if compute_entropy:
+        with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+            entropies = entropy_from_logits(picked)
+    return logps, entropies
+
+
+def _mask_for(hf_model, allowed: torch.Tensor) -> torch.Tensor:
+    """The boolean mask SDPA takes, or eager's additive one in the model's dtype."""
+    if hf_model.config._attn_implementation == "sdpa":
+        return allowed
+    dtype = hf_model.dtype
+    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(~allowed, torch.finfo(dtype).min)
+
+
+def bound_arguments(parent_method, trainer, args, kwargs) -> dict[str, Any]:
+    """The parent log-prob method's parameters by name for one call (defaults filled in), ``self`` dropped."""
+    bound = inspect.signature(parent_method).bind(trainer, *args, **kwargs)
+    bound.apply_defaults()
+    return dict(list(bound.arguments.items())[1:])
+
+
+class PrefixSharing:
+    """One per trainer: the static choice (``reason`` None: packed where a call allows it), the per-call choice,
+    its metric and one log line per reason. ``metrics``: the trainer's per-mode metric lists."""
+
+    def __init__(self, args, model, processes: int, metrics: dict):
+        self.enabled = bool(args.prefix_sharing)
+        self.reason = unsupported_reason(model, processes) if self.enabled else "prefix_sharing=False"
+        self.metrics = metrics
+        self.logged: set[tuple[bool, str]] = set()
+        if self.enabled and self.reason is not None:
+            self.note(False, self.reason)
+
+    @property
+    def shuffles_whole_groups(self) -> bool:
+        return self.enabled and self.reason is None
+
+    def compute(self, model, arguments: dict[str, Any], *, temperature: float, entropy_grad: bool, training: bool):
+        """The call's ``(logps, entropies, aux_loss)`` packed, or None where the plain path must run."""
+        if not self.enabled:
+            return None
+        reason = self.reason or call_reason(arguments)
+        mode = "train" if training else "eval"
+        if reason is not None:
+            self.note(False, reason)
+            self.metrics[mode][METRIC].append(0.0)
+            return None
+        logps, entropies, aux, share = packed_logps_and_entropies(
+            model, arguments, temperature=temperature, entropy_grad=entropy_grad
+        )
+        self.metrics[mode][METRIC].append(1.0)
+        self.metrics[mode][SHARE_METRIC].append(share)
+        self.note(True, "each prompt group one packed row, its images once")
+        return logps, entropies, aux
+
+    def note(self, shared: bool, reason: str) -> None:
+        if (shared, reason) in self.logged:
+            return
+        self.logged.add((shared, reason))
+        if shared:
+            logger.info("PAPO-G prefix sharing: %s (SDPA/eager with a boolean 4-D mask)", reason)
+        else:
+            logger.warning("PAPO-G prefix sharing: plain forward per completion, because %s", reason)
+
+
+def block_ids(inputs: dict[str, Any], group_size: int) -> torch.Tensor:
+    """Per row, its block: the rows of one prompt (``group_samples``) in runs of ``group_size`` (a prompt that occurs
+    twice in a round is two blocks)."""
+    blocks = torch.empty(len(inputs["prompt_ids"]), dtype=torch.long)
+    next_block = 0
+    for group in group_samples(inputs):
+        for start in range(0, len(group), group_size):
+            blocks[group[start : start + group_size]] = next_block
+            next_block += 1
+    return blocks
+
+
+def shuffle_whole_blocks(seq_dict: dict[str, Any]) -> dict[str, Any]:
+    """TRL's round shuffle with blocks for rows: TRL's own ``torch.randperm`` over the rows (the same draw from the
+    same generator, so the run's random stream stays TRL's), the blocks (``BLOCK_KEY``) in the order their first row
+    comes in it, each block's rows together; every sequence value permuted alike, 0-d tensors and None kept (as
+    ``shuffle_sequence_dict``)."""
+    blocks = seq_dict[BLOCK_KEY]
+    rows = torch.randperm(len(blocks))
+    first_seen = {}
+    for row in rows.tolist():
+        first_seen.setdefault(int(blocks[row]), len(first_seen))
+    order = sorted(range(len(blocks)), key=lambda row: (first_seen[int(blocks[row])], row))
+    permutation = torch.tensor(order, dtype=torch.long)
+
+    def permute(value):
+        if value is None or (isinstance(value, torch.Tensor) and value.ndim == 0):
+            return value
+        if isinstance(value, torch.Tensor):
+            return value[permutation.to(value.device)]
+        return [value[i] for i in permutation.tolist()]
+
+    return {key: permute(value) for key, value in seq_dict.items()}
+
+
+@contextlib.contextmanager
+def whole_block_shuffle(parent_class):
+    """The round shuffle of ``parent_class``'s module (TRL's ``grpo_trainer.shuffle_sequence_dict``, which
+    ``_prepare_inputs`` looks up by name there) replaced by ``shuffle_whole_blocks`` for the duration."""
+    module = inspect.getmodule(parent_class)
+    original = getattr(module, PARENT_SHUFFLE_FUNCTION)
+    setattr(module, PARENT_SHUFFLE_FUNCTION, shuffle_whole_blocks)
+    try:
+        yield
+    finally:
+        setattr(module, PARENT_SHUFFLE_FUNCTION, original)
