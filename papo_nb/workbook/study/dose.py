@@ -28,9 +28,10 @@ def _end_value(run: StudyRun, key: str) -> float:
 
 
 def runs_by_gamma(study: Study) -> dict[float, dict[int, StudyRun]]:
-    """gamma -> seed -> run, over the arms and the sweep (a run reused by two arms counts once)."""
+    """gamma -> seed -> run, over the arms and the sweep (a run reused by two arms counts once, under the name it was
+    trained as: a sweep or search run counted as the collapse arm stays a sweep or search run)."""
     grouped: dict[float, dict[int, StudyRun]] = {}
-    for run in [*study.sweep, *study.runs]:
+    for run in [*study.runs, *study.sweep]:
         grouped.setdefault(run.gamma, {})[run.seed] = run
     return dict(sorted(grouped.items()))
 

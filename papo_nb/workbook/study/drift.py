@@ -25,7 +25,7 @@ DRIFT_METRICS = (PRIMARY, "greedy/original/vision", "avg_at_k/masked/vision", "a
 
 def drift_rows(start: dict[str, float], results: dict[str, dict[int, dict]], metrics=DRIFT_METRICS) -> list[dict]:
     """Per (arm, metric): the warm start's score, the arm's mean end score, the drift (end - start) with its 95% CI
-    over seeds and the one-sample t-test's p that it is 0."""
+    over seeds and the one-sample t-test's p that it is 0 (1 or 0 when every seed ended at one score)."""
     rows = []
     for arm, by_seed in results.items():
         for metric in metrics:
@@ -36,6 +36,8 @@ def drift_rows(start: dict[str, float], results: dict[str, dict[int, dict]], met
             p_value = math.nan
             if len(ends) >= 2 and len(set(ends)) > 1:
                 p_value = float(scipy_stats.ttest_1samp(ends, start[metric]).pvalue)
+            elif len(ends) >= 2:  # every seed ended at one score: the drift is known exactly
+                p_value = 1.0 if ends[0] == start[metric] else 0.0
             rows.append({
                 "arm": arm, "metric": metric, "seeds": len(ends), "step_0": start[metric], "end": mean(ends),
                 "drift": drift, "drift_ci95": half, "p_value": p_value,
