@@ -39,7 +39,7 @@ CHECKPOINT_PATH_TAG = "papo_nb.checkpoint_path"
 # The INFO lines the callback's own MLflow calls print in every training cell, by logger: they say nothing about
 # the run. Only these messages are dropped; every other line of those loggers still shows.
 QUIET_MLFLOW_LINES = {
-    "mlflow.tracking.fluent": ("Active model is cleared",),
+    "mlflow.tracking.fluent": ("Active model is cleared", "Active model is set to"),
     "mlflow.system_metrics.system_metrics_monitor": (
         "Started monitoring system metrics.",
         "Stopping system metrics monitoring...",
