@@ -17,15 +17,21 @@ from pathlib import Path
 from statistics import mean
 
 import mlflow
+from mlflow import MlflowClient
 
 from papo_nb.testbed.rewards import accuracy_reward
+from papo_nb.workbook.config.metric_keys import HELDOUT_ACCURACY
 from papo_nb.workbook.config.params import WorkbookParams
 from papo_nb.workbook.evaluation.benchmarks import score_items
 from papo_nb.workbook.study.collapse import CollapseRule, detect_collapse
 from papo_nb.workbook.training.builder import load_datasets, prepare_training
+from papo_nb.workbook.training.completions import log_completions
 
 GRPO, PAPO_G, PAPO_G_COLLAPSE = "grpo", "papo_g", "papo_g_collapse"
 SWEEP = "sweep"
+# One colour per arm in the figures and in MLflow (the ``mlflow.runColor`` tag): matplotlib's tab:blue, tab:green,
+# tab:red and tab:gray.
+ARM_COLOURS = {GRPO: "#1f77b4", PAPO_G: "#2ca02c", PAPO_G_COLLAPSE: "#d62728", SWEEP: "#7f7f7f"}
 SPLITS = ("all", "vision", "text")
 # Metrics logged per training step (TRL's and the adapter's names).
 STEP_METRICS = (
@@ -143,17 +149,21 @@ def run_one(
     with mlflow.start_run(
         run_name=f"{arm}-gamma{gamma:g}-seed{seed}", nested=True, experiment_id=experiment_id
     ) as run:
-        mlflow.set_tags({"papo_nb.kind": "study_run", "papo_nb.study_arm": arm, "papo_nb.study_seed": str(seed)})
+        mlflow.set_tags({"papo_nb.kind": "study_run", "papo_nb.study_seed": str(seed)})
+        if arm != SWEEP:  # a sweep run's arm is known once the sweep is over (name_sweep_runs)
+            name_arm(MlflowClient(), run.info.run_id, arm)
         mlflow.log_params(
-            {"arm": arm, "seed": seed, "gamma": gamma, "max_steps": params.max_steps, "finetuning": params.finetuning}
+            {"seed": seed, "gamma": gamma, "max_steps": params.max_steps, "finetuning": params.finetuning}
         )
         trainer, _, _ = prepare_training(
             run_params, work_dir / f"{arm}-g{gamma:g}-s{seed}", save_strategy="no", require_gpu_contract_probe=False
         )
         trainer.train()
+        # The last step's rollouts beside their images and masks, as notebook 03's run shows them (a small table)
+        log_completions(MlflowClient(), run.info.run_id, trainer, trainer.state.global_step)
         step_logs = _step_rows(trainer.state.log_history)
-        for row in step_logs:
-            mlflow.log_metrics({f"train/{k}": v for k, v in row.items() if k != "step"}, step=int(row["step"]))
+        for row in step_logs:  # TRL's own names, as notebook 03's run logs them (metric_keys)
+            mlflow.log_metrics({k: v for k, v in row.items() if k != "step"}, step=int(row["step"]))
         scores = evaluate_policy(
             trainer.model,
             trainer.processing_class,
@@ -164,6 +174,7 @@ def run_one(
             max_new_tokens=params.max_completion_length,
         )
         mlflow.log_metrics({f"eval/{k}": v for k, v in scores.items()})
+        mlflow.log_metric(HELDOUT_ACCURACY, scores["greedy/original/all"])
         collapse = detect_collapse(step_logs, rule)
         mlflow.log_dict(collapse, "evidence/collapse.json")
         mlflow.log_metrics({"collapse/flagged": float(collapse["collapsed"]), "collapse/step": collapse["step"] or -1})
@@ -171,6 +182,24 @@ def run_one(
         mlflow.log_metric("study/run_seconds", seconds)
         del trainer
     return StudyRun(arm, seed, gamma, run.info.run_id, step_logs, scores, collapse, seconds)
+
+
+def name_arm(client: MlflowClient, run_id: str, arm: str) -> None:
+    """One name and one colour per arm everywhere: the ``arm`` param, the ``papo_nb.study_arm`` tag, the run name's
+    first word and the ``mlflow.runColor`` tag."""
+    name = client.get_run(run_id).info.run_name
+    client.log_param(run_id, "arm", arm)
+    client.set_tag(run_id, "papo_nb.study_arm", arm)
+    client.set_tag(run_id, "mlflow.runColor", ARM_COLOURS[arm])
+    client.set_tag(run_id, "mlflow.runName", f"{arm}-{name.split('-', 1)[1]}")
+
+
+def name_sweep_runs(study: Study) -> None:
+    """The sweep's runs at the chosen collapse gamma are the collapse arm's (not trained twice): named so in MLflow
+    as in the tables; the sweep's other gammas stay ``sweep``."""
+    client = MlflowClient()
+    for run in study.sweep:
+        name_arm(client, run.run_id, PAPO_G_COLLAPSE if run.gamma == study.collapse_gamma else SWEEP)
 
 
 # --------------------------------------------------------------------------------------------
@@ -201,6 +230,7 @@ def run_study(params: WorkbookParams, work_dir: str | Path, rule: CollapseRule |
     mlflow.log_metrics(
         {"study/collapse_gamma": study.collapse_gamma, "study/collapse_found": float(study.collapse_found)}
     )
+    name_sweep_runs(study)
     for seed in seeds:
         for arm, gamma in ((GRPO, 0.0), (PAPO_G, params.perception_loss_weight)):
             run = run_one(params, arm, seed, gamma, data, work_dir, rule)
