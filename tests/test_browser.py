@@ -28,9 +28,13 @@ from pathlib import Path
 
 import pytest
 from mlflow import MlflowClient
+from mlflow_review_checks import check_completions_rows, completions_rows, heldout_accuracy_column
 
 from papo_nb.infra.servers import serve_jupyterlab, serve_mlflow_ui, server_base
 from papo_nb.infra.tracking import EXPERIMENT_NAME
+from papo_nb.workbook.config.params import load_params
+from papo_nb.workbook.study.arms import ARM_COLOURS
+from papo_nb.workbook.training.builder import load_datasets
 
 pytestmark = pytest.mark.browser
 
@@ -248,7 +252,9 @@ def test_mlflow_ui_shows_what_a_reviewer_of_the_training_run_needs(chromium, smo
     # In the store: the study's and the sweep's runs carry gamma and seed as parameters, for MLflow's compare view.
     study_runs = client.search_runs([experiment_id], "tags.`papo_nb.kind` = 'study_run'")
     assert study_runs and all({"gamma", "seed"} <= set(r.data.params) for r in study_runs)
-    assert any(r.data.params["arm"] == "sweep" for r in study_runs)
+    # One name and one colour per arm: the sweep's run at the chosen gamma is the collapse arm's.
+    assert {r.data.params["arm"] for r in study_runs} == {"grpo", "papo_g", "papo_g_collapse"}
+    assert all(r.data.tags["mlflow.runColor"] == ARM_COLOURS[r.data.params["arm"]] for r in study_runs)
     ml_view = "?workflowType=machine_learning"
     _hide_mlflow_assistant(browser)
     page = browser.new_page()
@@ -279,6 +285,11 @@ def test_mlflow_ui_shows_what_a_reviewer_of_the_training_run_needs(chromium, smo
         sizes = _decoded_images(page, "img[src^='blob:'], img[src*='table_images']", at_least=2)
         assert len(sizes) >= 2 and all(w > 0 and h > 0 for w, h in sizes), sizes
         shoot(page, "mlflow_8_completions_table")
+        # Every row, page by page: its thumbnail is its own item's, its mask is drawn visibly.
+        rows = completions_rows(page)
+        params = load_params(ROOT / "params" / "smoke_fast.yaml")
+        assert {int(row["step"]) for row in rows} == set(range(1, params.max_steps + 1))
+        check_completions_rows(rows, load_datasets(params)[0])
 
         # 3. The last checkpoint's logged model lists the held-out metrics notebook 03 measured on it.
         mlflow.set_tracking_uri(smoke_workbook.tracking_uri)
@@ -297,7 +308,21 @@ def test_mlflow_ui_shows_what_a_reviewer_of_the_training_run_needs(chromium, smo
         expect(page.get_by_role("link", name=final.name)).to_be_visible()
         shoot(page, "mlflow_10_logged_models")
 
-        # 4. The training run's system metrics are drawn as charts.
+        # 4. One runs-table column holds the held-out accuracy of 03, 05 and every study arm.
+        # (on a page of its own: the runs page keeps its earlier filter and expansion when only the hash changes)
+        heldout_accuracy_column(browser.new_page(), url, client, experiment_id, runs, study_runs, shoot)
+
+        # 5. The training run's page, and the study arms side by side in MLflow's compare view.
+        page.goto(f"{url}/#/experiments/{experiment_id}/runs/{training.info.run_id}/model-metrics{ml_view}")
+        expect(page.locator("svg.main-svg").first).to_be_visible()  # its charts drawn
+        shoot(page, "mlflow_12_training_run_page")
+        ids = ",".join(f'"{r.info.run_id}"' for r in study_runs)
+        page.goto(f'{url}/#/compare-runs?runs=[{ids}]&experiments=["{experiment_id}"]')
+        for run in study_runs:
+            expect(page.get_by_text(run.info.run_name, exact=True).first).to_be_visible()
+        shoot(page, "mlflow_13_compare_study_arms")
+
+        # 6. The training run's system metrics are drawn as charts.
         page.goto(f"{url}/#/experiments/{experiment_id}/runs/{training.info.run_id}/system-metrics{ml_view}")
         expect(page.get_by_text("cpu_utilization_percentage", exact=True)).to_be_visible()
         expect(page.locator("svg.main-svg").first).to_be_visible()
