@@ -3,6 +3,8 @@
 Imports sit inside the fixtures so test files that need neither skip loading transformers.
 """
 
+import logging
+
 import pytest
 
 # Tiers are markers written on the test (registered in pyproject.toml; the fast tier deselects all four). A safety
@@ -81,21 +83,37 @@ def shapes_dataset():
 
 @pytest.fixture(scope="session")
 def smoke_workbook(tmp_path_factory):
-    """All workbook notebooks executed once with params/smoke_fast.yaml (random tiny model) into a new store."""
+    """All workbook notebooks executed once with params/smoke_fast.yaml (random tiny model) into a new store; the
+    warnings papermill logged while running them are kept as ``result.papermill_warnings``."""
     from pathlib import Path
 
     from papo_nb.infra.notebooks import run_workbook
 
     root = Path(__file__).resolve().parents[1]
     folder = tmp_path_factory.mktemp("smoke_workbook")
-    result = run_workbook(
-        sorted((root / "notebooks").glob("[0-9][0-9]_*.ipynb")),
-        root / "params" / "smoke_fast.yaml",
-        run_root=folder / "runs",
-        tracking_uri=f"sqlite:///{folder}/mlflow.db",
-    )
+    warnings = _Records(logging.WARNING)
+    logging.getLogger("papermill").addHandler(warnings)
+    try:
+        result = run_workbook(
+            sorted((root / "notebooks").glob("[0-9][0-9]_*.ipynb")),
+            root / "params" / "smoke_fast.yaml",
+            run_root=folder / "runs",
+            tracking_uri=f"sqlite:///{folder}/mlflow.db",
+        )
+    finally:
+        logging.getLogger("papermill").removeHandler(warnings)
     assert result.ok, result.failure_message
+    result.papermill_warnings = [f"{r.name}: {r.getMessage()}" for r in warnings.records]
     return result
+
+
+class _Records(logging.Handler):
+    def __init__(self, level: int):
+        super().__init__(level)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
 
 
 @pytest.fixture

@@ -28,9 +28,13 @@ from pathlib import Path
 
 import pytest
 from mlflow import MlflowClient
+from mlflow_review_checks import check_completions_rows, completions_rows, heldout_accuracy_column
 
 from papo_nb.infra.servers import serve_jupyterlab, serve_mlflow_ui, server_base
 from papo_nb.infra.tracking import EXPERIMENT_NAME
+from papo_nb.workbook.config.params import load_params
+from papo_nb.workbook.study.arms import ARM_COLOURS
+from papo_nb.workbook.training.builder import load_datasets
 
 pytestmark = pytest.mark.browser
 
@@ -248,7 +252,9 @@ def test_mlflow_ui_shows_what_a_reviewer_of_the_training_run_needs(chromium, smo
     # In the store: the study's and the sweep's runs carry gamma and seed as parameters, for MLflow's compare view.
     study_runs = client.search_runs([experiment_id], "tags.`papo_nb.kind` = 'study_run'")
     assert study_runs and all({"gamma", "seed"} <= set(r.data.params) for r in study_runs)
-    assert any(r.data.params["arm"] == "sweep" for r in study_runs)
+    # One name and one colour per arm: the sweep's run at the chosen gamma is the collapse arm's.
+    assert {r.data.params["arm"] for r in study_runs} == {"grpo", "papo_g", "papo_g_collapse"}
+    assert all(r.data.tags["mlflow.runColor"] == ARM_COLOURS[r.data.params["arm"]] for r in study_runs)
     ml_view = "?workflowType=machine_learning"
     _hide_mlflow_assistant(browser)
     page = browser.new_page()
@@ -279,6 +285,11 @@ def test_mlflow_ui_shows_what_a_reviewer_of_the_training_run_needs(chromium, smo
         sizes = _decoded_images(page, "img[src^='blob:'], img[src*='table_images']", at_least=2)
         assert len(sizes) >= 2 and all(w > 0 and h > 0 for w, h in sizes), sizes
         shoot(page, "mlflow_8_completions_table")
+        # Every row, page by page: its thumbnail is its own item's, its mask is drawn visibly.
+        rows = completions_rows(page)
+        params = load_params(ROOT / "params" / "smoke_fast.yaml")
+        assert {int(row["step"]) for row in rows} == set(range(1, params.max_steps + 1))
+        check_completions_rows(rows, load_datasets(params)[0])
 
         # 3. The last checkpoint's logged model lists the held-out metrics notebook 03 measured on it.
         mlflow.set_tracking_uri(smoke_workbook.tracking_uri)
@@ -297,7 +308,21 @@ def test_mlflow_ui_shows_what_a_reviewer_of_the_training_run_needs(chromium, smo
         expect(page.get_by_role("link", name=final.name)).to_be_visible()
         shoot(page, "mlflow_10_logged_models")
 
-        # 4. The training run's system metrics are drawn as charts.
+        # 4. One runs-table column holds the held-out accuracy of 03, 05 and every study arm.
+        # (on a page of its own: the runs page keeps its earlier filter and expansion when only the hash changes)
+        heldout_accuracy_column(browser.new_page(), url, client, experiment_id, runs, study_runs, shoot)
+
+        # 5. The training run's page, and the study arms side by side in MLflow's compare view.
+        page.goto(f"{url}/#/experiments/{experiment_id}/runs/{training.info.run_id}/model-metrics{ml_view}")
+        expect(page.locator("svg.main-svg").first).to_be_visible()  # its charts drawn
+        shoot(page, "mlflow_12_training_run_page")
+        ids = ",".join(f'"{r.info.run_id}"' for r in study_runs)
+        page.goto(f'{url}/#/compare-runs?runs=[{ids}]&experiments=["{experiment_id}"]')
+        for run in study_runs:
+            expect(page.get_by_text(run.info.run_name, exact=True).first).to_be_visible()
+        shoot(page, "mlflow_13_compare_study_arms")
+
+        # 6. The training run's system metrics are drawn as charts.
         page.goto(f"{url}/#/experiments/{experiment_id}/runs/{training.info.run_id}/system-metrics{ml_view}")
         expect(page.get_by_text("cpu_utilization_percentage", exact=True)).to_be_visible()
         expect(page.locator("svg.main-svg").first).to_be_visible()
@@ -310,17 +335,36 @@ def test_mlflow_ui_shows_what_a_reviewer_of_the_training_run_needs(chromium, smo
 
 
 def _lab_environment(tmp: Path) -> dict[str, str]:
-    """A tmp MLflow store for the interactive run, and JupyterLab state (settings, workspaces) out of $HOME."""
-    settings = tmp / "lab-settings"
-    notification = settings / "@jupyterlab" / "apputils-extension" / "notification.jupyterlab-settings"
-    notification.parent.mkdir(parents=True)
-    notification.write_text('{"fetchNews": "false", "checkForUpdates": false}')  # no "Jupyter news?" toast
+    """A tmp MLflow store for the interactive run, and JupyterLab state (settings, workspaces) out of $HOME; no
+    user setting, so what JupyterLab does is what ``papo-nb lab`` sets (``servers.LAB_SETTING_OVERRIDES``)."""
     return {
         "MLFLOW_TRACKING_URI": f"sqlite:///{tmp / 'mlflow.db'}",
-        "JUPYTERLAB_SETTINGS_DIR": str(settings),
+        "JUPYTERLAB_SETTINGS_DIR": str(tmp / "lab-settings"),
         "JUPYTERLAB_WORKSPACES_DIR": str(tmp / "lab-workspaces"),
         "JUPYTER_RUNTIME_DIR": str(tmp / "jupyter-runtime"),
     }
+
+
+LAB_URL_LINE = re.compile(r"JupyterLab: (http://127\.0\.0\.1:(\d+))/lab\?token=([0-9a-f]{32,})\s")
+
+
+def _start_papo_nb_lab(notebooks: Path, env: dict[str, str]) -> tuple[subprocess.Popen, str]:
+    """``papo-nb lab --notebook-dir notebooks`` as a user starts it, and the url line it prints once it answers."""
+    command = [sys.executable, "-m", "papo_nb.cli", "lab", "--notebook-dir", str(notebooks)]
+    full_env = {**os.environ, **env, "PYTHONUNBUFFERED": "1"}
+    lab = subprocess.Popen(command, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    return lab, lab.stdout.readline()
+
+
+def _stop_with_ctrl_c(lab: subprocess.Popen) -> None:
+    """Ctrl-C stops the server and its kernels (a kill would leave them running); a kill only if that hangs."""
+    if lab.poll() is None:
+        lab.send_signal(signal.SIGINT)
+        try:
+            lab.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            lab.kill()
+            lab.wait()
 
 
 # What the notebook shows so far: its verdict line, a traceback (an error output), a dead kernel, or nothing yet.
@@ -395,6 +439,62 @@ def test_jupyterlab_runs_the_contract_notebook_to_its_verdict(browser, shoot, tm
     assert run.data.metrics["verdict/passed"] == 1.0
 
 
+AUTOSAVE_INTERVAL_S = 2  # JupyterLab's default is 120 s; the test sets a short one to wait past it in seconds
+
+
+def _tracked_notebook_files() -> dict[str, bytes]:
+    return {path.name: path.read_bytes() for path in sorted((ROOT / "notebooks").iterdir()) if path.is_file()}
+
+
+def test_browsing_every_notebook_in_papo_nb_lab_leaves_the_tracked_files_byte_identical(browser, shoot, tmp_path):
+    """Opening a notebook starts its kernel, and JupyterLab then holds it modified (kernelspec, language_info): with
+    autosave on (JupyterLab's default) it rewrote the file within the interval. ``papo-nb lab`` turns autosave off,
+    so only the user's own save writes. The served folder is a copy of the tracked files, so a failure here cannot
+    rewrite the repository's notebooks; the check is against the tracked bytes."""
+    expect = _expect()
+    tracked = _tracked_notebook_files()
+    notebooks = tmp_path / "notebooks"
+    shutil.copytree(ROOT / "notebooks", notebooks)
+    env = _lab_environment(tmp_path)
+    interval = (
+        Path(env["JUPYTERLAB_SETTINGS_DIR"]) / "@jupyterlab" / "docmanager-extension" / "plugin.jupyterlab-settings"
+    )
+    interval.parent.mkdir(parents=True)
+    interval.write_text(
+        f'{{"autosaveInterval": {AUTOSAVE_INTERVAL_S}}}'
+    )  # the interval only; autosave is papo-nb lab's
+    lab, line = _start_papo_nb_lab(notebooks, env)
+    page = browser.new_page()
+    try:
+        match = LAB_URL_LINE.match(line)
+        assert match, f"unexpected first line {line!r}"
+        base, _, token = match.groups()
+        status = page.locator("#jp-main-statusbar")
+        for name in (n for n in tracked if n.endswith(".ipynb")):
+            page.goto(f"{base}/lab/tree/{name}?token={token}")
+            expect(status).to_contain_text(re.compile(r"Python 3.*\|\s*Idle"), timeout=NOTEBOOK_RUN_TIMEOUT_S * 1000)
+            tab = page.locator(".lm-TabBar-tab.jp-mod-current", has_text=name)
+            expect(tab).to_have_class(re.compile(r"\bjp-mod-dirty\b"))  # modified in the browser: autosave would write
+            # Browse it: select the first cell, walk down every cell (command mode) and back to the top.
+            page.locator(".jp-NotebookPanel:visible .jp-Cell").first.click()  # (earlier tabs stay, hidden)
+            page.keyboard.press("Escape")
+            for key in ("ArrowDown",) * 40 + ("Home",):
+                page.keyboard.press(key)
+            if name.startswith("03_"):
+                shoot(page, "lab_4_notebook_03_open")
+        page.wait_for_timeout(5 * AUTOSAVE_INTERVAL_S * 1000)
+        # No "Jupyter news?" toast, nor any other notification.
+        assert page.locator(".Toastify__toast").all_inner_texts() == []
+        assert page.get_by_text(re.compile("Jupyter news", re.I)).count() == 0
+        shoot(page, "lab_5_after_autosave_interval")
+    finally:
+        page.close()
+        _stop_with_ctrl_c(lab)
+    now = {path.name: path.read_bytes() for path in sorted(notebooks.iterdir()) if path.is_file()}
+    assert [name for name in tracked if now.get(name) != tracked[name]] == []
+    assert set(now) == set(tracked)  # nothing new beside them (JupyterLab's .ipynb_checkpoints/ is git-ignored)
+
+
 # --------------------------------------------------------------------------------------------
 # papo-nb lab, without a browser
 # --------------------------------------------------------------------------------------------
@@ -411,12 +511,9 @@ def _status(url: str) -> int:
 def test_papo_nb_lab_serves_the_notebooks_locally_with_a_token_and_stops_on_ctrl_c(tmp_path):
     notebooks = tmp_path / "notebooks"
     shutil.copytree(ROOT / "notebooks", notebooks)
-    env = {**os.environ, **_lab_environment(tmp_path), "PYTHONUNBUFFERED": "1"}
-    command = [sys.executable, "-m", "papo_nb.cli", "lab", "--notebook-dir", str(notebooks)]
-    lab = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    lab, line = _start_papo_nb_lab(notebooks, _lab_environment(tmp_path))
     try:
-        line = lab.stdout.readline()  # the url line, printed once the server answers
-        match = re.match(r"JupyterLab: (http://127\.0\.0\.1:(\d+))/lab\?token=([0-9a-f]{32,})\s", line)
+        match = LAB_URL_LINE.match(line)  # the url line, printed once the server answers
         assert match, f"unexpected first line {line!r}"
         base, port, token = match.groups()
         assert str(notebooks) in line
@@ -435,13 +532,7 @@ def test_papo_nb_lab_serves_the_notebooks_locally_with_a_token_and_stops_on_ctrl
             time.sleep(0.2)
         assert not _port_open(int(port)), "the server still listens after Ctrl-C"
     finally:
-        if lab.poll() is None:  # a failed check above: Ctrl-C still stops the server, a kill would leave it running
-            lab.send_signal(signal.SIGINT)
-            try:
-                lab.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                lab.kill()
-                lab.wait()
+        _stop_with_ctrl_c(lab)  # after a failed check above
 
 
 def _port_open(port: int) -> bool:

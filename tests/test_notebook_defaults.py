@@ -1,4 +1,6 @@
-"""Every notebook's parameters-cell defaults equal the schema's (WorkbookParams): the schema is the one source.
+"""Every notebook's parameters-cell defaults equal ``params/smoke.yaml``'s values (validated by WorkbookParams, so
+a field it leaves out has the schema's default): a notebook run by hand in JupyterLab runs the smoke workbook's
+settings, the ones its logged smoke run used. A markdown note just before the cell says papermill replaces it.
 
 papermill parses the ``parameters`` cell (``name: type = default  # help``) exactly as it does before injecting
 values, so this reads what a notebook run by hand in JupyterLab really starts with. The comments may say what a
@@ -15,15 +17,16 @@ import papermill
 import pytest
 
 from papo_nb.infra.notebooks import RUNTIME_PARAMETERS
-from papo_nb.workbook.config.params import WorkbookParams
+from papo_nb.workbook.config.params import WorkbookParams, load_params
 
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
+SMOKE_PARAMS = ROOT / "params" / "smoke.yaml"
 
 
 def default_drift(notebook: Path) -> list[str]:
-    """One line per parameter whose notebook default differs from the schema's (or is not a literal)."""
-    schema = WorkbookParams().model_dump()
+    """One line per parameter whose notebook default differs from ``params/smoke.yaml``'s (or is not a literal)."""
+    schema = load_params(SMOKE_PARAMS).model_dump()
     problems = []
     for name, spec in papermill.inspect_notebook(notebook).items():
         if name not in schema:
@@ -36,7 +39,7 @@ def default_drift(notebook: Path) -> list[str]:
             problems.append(f"{notebook.name}: {name!r} default {spec['default']!r} is not a literal")
             continue
         if value != schema[name] or type(value) is not type(schema[name]):
-            problems.append(f"{notebook.name}: {name!r} notebook default {value!r} != schema default {schema[name]!r}")
+            problems.append(f"{notebook.name}: {name!r} notebook default {value!r} != smoke.yaml's {schema[name]!r}")
     return problems
 
 
@@ -100,8 +103,17 @@ def test_notebooks_found():
 
 
 @pytest.mark.parametrize("notebook", NOTEBOOKS, ids=lambda p: p.stem)
-def test_notebook_defaults_equal_schema(notebook):
+def test_notebook_defaults_equal_the_smoke_params(notebook):
     assert default_drift(notebook) == []
+
+
+@pytest.mark.parametrize("notebook", NOTEBOOKS, ids=lambda p: p.stem)
+def test_a_visible_note_before_the_parameters_cell_says_papermill_replaces_it(notebook):
+    cells = nbformat.read(notebook, as_version=4).cells
+    (index,) = [i for i, c in enumerate(cells) if "parameters" in c.metadata.get("tags", [])]
+    note = cells[index - 1]
+    assert note.cell_type == "markdown" and "papermill" in note.source and "replaces" in note.source
+    assert "params/smoke.yaml" in note.source
 
 
 def test_runtime_parameters_default_to_empty():
@@ -126,8 +138,8 @@ def test_drift_is_reported_with_notebook_key_and_both_values(tmp_path):
     nbformat.write(book, path)
     drift = default_drift(path)
     assert drift == [
-        "99_drift.ipynb: 'max_steps' notebook default 7 != schema default 6",
-        "99_drift.ipynb: 'learning_rate' notebook default 1 != schema default 0.0005",
+        "99_drift.ipynb: 'max_steps' notebook default 7 != smoke.yaml's 6",
+        "99_drift.ipynb: 'learning_rate' notebook default 1 != smoke.yaml's 0.005",
     ]
 
 

@@ -1,6 +1,7 @@
 """Every workbook notebook, executed through papermill with the smoke parameters; assertions read MLflow back."""
 
 import json
+import re
 from pathlib import Path
 
 import nbformat
@@ -10,6 +11,7 @@ from mlflow import MlflowClient
 from papo_nb.infra.notebooks import WorkbookError, run_workbook
 from papo_nb.papo.contract import PAPO_ADAPTER_VERSION
 from papo_nb.testbed.shapes import make_shapes_dataset
+from papo_nb.workbook.config.metric_keys import HELDOUT_ACCURACY
 from papo_nb.workbook.config.params import load_params
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -102,6 +104,40 @@ def test_calibration_notebook_logged_points_margins_and_plot(workbook):
     assert sum(r["alarms"] for r in emulated.values()) <= 4
 
 
+# What an executed notebook must not show: MLflow's INFO chatter (review.QUIET_MLFLOW_LINES, dropped at its loggers)
+# and any papermill warning (e.g. "Unable to parse line" of a parameters cell).
+NOISE = re.compile(r"\bINFO mlflow|papermill.*(WARNING|warn)|WARNING.*papermill|Unable to parse line", re.I)
+
+
+def noise_lines(notebook: Path) -> list[str]:
+    """``cell N: line`` for every output line of an executed notebook that ``NOISE`` matches."""
+    found = []
+    for index, cell in enumerate(nbformat.read(notebook, as_version=4).cells):
+        for output in cell.get("outputs", []):
+            text = output.get("text", "") or output.get("data", {}).get("text/plain", "")
+            found += [f"cell {index}: {line}" for line in text.splitlines() if NOISE.search(line)]
+    return found
+
+
+def test_noise_lines_finds_an_mlflow_info_line(tmp_path):
+    book = nbformat.v4.new_notebook()
+    cell = nbformat.v4.new_code_cell("x")
+    line = "2026/12/02 03:49:56 INFO mlflow.tracking.fluent: Active model is cleared"
+    cell.outputs = [nbformat.v4.new_output("stream", name="stderr", text=f"kept\n{line}\n")]
+    book.cells = [nbformat.v4.new_code_cell("y"), cell]
+    path = tmp_path / "noisy.ipynb"
+    nbformat.write(book, path)
+    assert noise_lines(path) == [f"cell 1: {line}"]
+
+
+@pytest.mark.notebook
+def test_executed_notebooks_show_no_mlflow_info_line_and_papermill_warned_nothing(workbook):
+    result, _, _ = workbook
+    assert result.papermill_warnings == []
+    for nb in result.notebooks:
+        assert noise_lines(nb.output_path) == [], nb.name
+
+
 @pytest.mark.notebook
 def test_training_notebook_logged_every_step(workbook):
     _, client, runs = workbook
@@ -115,6 +151,7 @@ def test_training_notebook_logged_every_step(workbook):
     assert metrics["probe_final/passed"] == 1.0 and metrics["probe/passed"] == 1.0
     assert run.data.tags["papo_nb.probe_status"] == "passed" and "papo_nb.probe_warning" not in run.data.tags
     assert {"eval/accuracy_original", "eval/accuracy_masked", "eval/image_reliance_gap"} <= set(metrics)
+    assert HELDOUT_ACCURACY in metrics  # the one held-out column with 05 and the study's arms
     assert metrics["start/trainable_parameters"] > 0
     assert [a.path for a in client.list_artifacts(run.info.run_id, "figures")] == ["figures/training_curves.png"]
     assert Path(run.data.tags["papo_nb.last_checkpoint"], "adapter_model.safetensors").is_file()

@@ -9,6 +9,7 @@ from PIL import Image
 
 from papo_nb.testbed.models import build_tiny_processor
 from papo_nb.testbed.official_schema import make_official_schema_dataset
+from papo_nb.workbook.config.metric_keys import HELDOUT_ACCURACY
 from papo_nb.workbook.evaluation import benchmarks as be
 from papo_nb.workbook.recipe import data as rd
 
@@ -155,6 +156,10 @@ def test_benchmark_groups_and_summary():
     assert by_name["vision_dependent"]["avg_at_k"] == pytest.approx(0.3)
     assert by_name["overall"]["avg_at_k"] == pytest.approx(0.3)  # mean over benchmarks, not over groups
     assert be.mlflow_metrics(table)["eval/overall/avg_at_k"] == pytest.approx(0.3)
+    # The overall greedy score is also the held-out accuracy every run logs under one name (03, 04's arms, 05).
+    per["a"]["greedy"], per["c"]["greedy"] = 0.9, 0.6
+    metrics = be.mlflow_metrics(be.summarise(per, {"a": "general", "b": "general", "c": "vision_dependent"}))
+    assert metrics[HELDOUT_ACCURACY] == metrics["eval/overall/greedy"] == pytest.approx(0.5)
 
 
 def test_format_prompt_is_the_official_file_byte_for_byte():

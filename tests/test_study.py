@@ -12,6 +12,8 @@ from mlflow import MlflowClient
 from scipy import stats
 
 from papo_nb.testbed.policy import read_card
+from papo_nb.workbook.config.metric_keys import HELDOUT_ACCURACY
+from papo_nb.workbook.study.arms import ARM_COLOURS
 from papo_nb.workbook.study.claims import claims_table
 from papo_nb.workbook.study.collapse import CollapseRule, detect_collapse, heldout_verdict
 from papo_nb.workbook.study.errors import FOLLOWED, MISREAD, SHARE, prior_error_split
@@ -284,7 +286,7 @@ RECORDED_EVAL = {
         "eval/greedy/masked/text": 1.0,
         "eval/avg_at_k/gap/vision": 0.25,
     },
-    "sweep": {
+    "papo_g_collapse": {  # the sweep's run at the chosen gamma (20), named as its arm
         "eval/avg_at_k/original/vision": 0.734375,
         "eval/greedy/masked/text": 1.0,
         "eval/avg_at_k/gap/vision": 0.265625,
@@ -326,20 +328,25 @@ def test_reduced_study_logs_nested_runs_figures_and_tables(reduced_study, testbe
         [notebook_run.info.experiment_id], filter_string=f"tags.`mlflow.parentRunId` = '{notebook_run.info.run_id}'"
     )
     arms = sorted(r.data.tags["papo_nb.study_arm"] for r in children)
-    assert arms == ["grpo", "papo_g", "sweep"]  # the collapse arm's one seed is the sweep's run, not trained twice
+    # the collapse arm's one seed is the sweep's run, not trained twice, and named as its arm
+    assert arms == ["grpo", "papo_g", "papo_g_collapse"]
     for child in children:
         metrics, arm = child.data.metrics, child.data.tags["papo_nb.study_arm"]
         for key, recorded in RECORDED_EVAL[arm].items():
             assert metrics[key] == pytest.approx(recorded, abs=TOLERANCE[key] + 1e-9), (arm, key, metrics[key])
-        history = client.get_metric_history(child.info.run_id, "train/perception_kl")
+        assert child.info.run_name.startswith(f"{arm}-") and child.data.params["arm"] == arm
+        assert child.data.tags["mlflow.runColor"] == ARM_COLOURS[arm]
+        assert metrics[HELDOUT_ACCURACY] == metrics["eval/greedy/original/all"]  # one column with 03 and 05
+        history = client.get_metric_history(child.info.run_id, "perception_kl")  # TRL's names, as 03 logs them
         assert len(history) == 4 and all(math.isfinite(m.value) for m in history)
-        assert client.get_metric_history(child.info.run_id, "train/entropy")
-        assert client.get_metric_history(child.info.run_id, "train/clip_ratio/high_mean")
+        assert client.get_metric_history(child.info.run_id, "entropy")
+        assert client.get_metric_history(child.info.run_id, "clip_ratio/high_mean")
+        assert "completions.json" in {a.path for a in client.list_artifacts(child.info.run_id)}
         collapse = json.loads(Path(client.download_artifacts(child.info.run_id, "evidence/collapse.json")).read_text())
         assert set(collapse) >= {"collapsed", "step", "mode", "symptoms"}
     gammas = {r.data.tags["papo_nb.study_arm"]: float(r.data.params["gamma"]) for r in children}
     assert {r.data.params["finetuning"] for r in children} == {"lora"}
-    assert gammas == {"grpo": 0.0, "papo_g": 0.02, "sweep": 20.0}
+    assert gammas == {"grpo": 0.0, "papo_g": 0.02, "papo_g_collapse": 20.0}
     assert notebook_run.data.metrics["study/collapse_gamma"] == 20.0
     # the card is exact on any machine: greedy answers of the shipped weights, logged as the notebook read them
     shipped = read_card(testbed_path)["greedy_accuracy"]["original/vision"]

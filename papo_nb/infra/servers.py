@@ -16,6 +16,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -156,6 +157,16 @@ def _shutdown(base: str, token: str) -> None:
         urllib.request.urlopen(request, timeout=5).close()
 
 
+# JupyterLab's defaults for this server (its settings overrides, below any setting a user saves): no autosave, since
+# opening a tracked notebook and starting its kernel marks it modified (kernelspec, language_info, key order) and an
+# autosave would then rewrite the file; nothing changes on disk until the user saves (Ctrl-S). No news or update
+# check either (offline machines; no "Jupyter news?" toast over the notebook).
+LAB_SETTING_OVERRIDES = {
+    "@jupyterlab/docmanager-extension:plugin": {"autosave": False},
+    "@jupyterlab/apputils-extension:notification": {"fetchNews": "false", "checkForUpdates": False},
+}
+
+
 @contextmanager
 def serve_jupyterlab(
     notebook_dir: str | Path,
@@ -170,12 +181,20 @@ def serve_jupyterlab(
 
     Bound to ``host`` (local only by default) on ``port`` or a free one, with ``token`` or a fresh random
     one. ``env`` (merged over ``os.environ``) is the server's and so its kernels' environment, e.g. an
-    ``MLFLOW_TRACKING_URI``. On exit the server is asked to shut down (its kernels with it); whatever of
-    its process group is left after ``stop_timeout`` s is terminated.
+    ``MLFLOW_TRACKING_URI``. ``LAB_SETTING_OVERRIDES`` are its settings' defaults (no autosave: opening and
+    browsing a notebook leaves its file as it is). On exit the server is asked to shut down (its kernels with it);
+    whatever of its process group is left after ``stop_timeout`` s is terminated.
     """
     notebook_dir = Path(notebook_dir).resolve()
     if not notebook_dir.is_dir():
         raise RuntimeError(f"notebook folder {notebook_dir} does not exist")
+    with tempfile.TemporaryDirectory(prefix="papo_nb-lab-settings-") as app_settings:
+        (Path(app_settings) / "overrides.json").write_text(json.dumps(LAB_SETTING_OVERRIDES, indent=2))
+        yield from _run_jupyterlab(notebook_dir, app_settings, port, host, token, env, startup_timeout, stop_timeout)
+
+
+def _run_jupyterlab(notebook_dir, app_settings, port, host, token, env, startup_timeout, stop_timeout):
+    """``serve_jupyterlab``'s server, its settings overrides in ``app_settings``."""
     port = port or free_port(host)
     token = token or secrets.token_hex(24)
     base = f"http://{host}:{port}"
@@ -190,6 +209,7 @@ def serve_jupyterlab(
         "--ServerApp.port_retries=0",
         f"--ServerApp.root_dir={notebook_dir}",
         f"--IdentityProvider.token={token}",
+        f"--LabApp.app_settings_dir={app_settings}",
         # Offline machines: no update check, no news feed, no "receive news?" prompt over the notebook.
         "--LabApp.news_url=None",
         "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate",

@@ -171,6 +171,9 @@ def attach_run(
     run when ``reuse_active`` (a notebook calling the runner in process), else a new run ``run_name`` with
     ``tags`` in the workbook experiment. Any other active run is ended first.
     """
+    from papo_nb.workbook.training.review import quiet_mlflow_review_lines
+
+    quiet_mlflow_review_lines()  # before use_store, whose clear_active_model prints one of them
     tracking_uri = absolute_tracking_uri(tracking_uri or default_tracking_uri())
     # This also exports MLFLOW_TRACKING_URI, which transformers' MLflowCallback re-reads: it must agree.
     use_store(tracking_uri)
@@ -181,9 +184,6 @@ def attach_run(
         mlflow.end_run()
     # A run attached anew never inherits a logged model made active by an earlier run (mlflow exports it to child
     # processes as _MLFLOW_ACTIVE_MODEL_ID): its metrics would be linked to a model of another run or store.
-    from papo_nb.workbook.training.review import quiet_mlflow_review_lines
-
-    quiet_mlflow_review_lines()
     mlflow.clear_active_model()
     tracking_client(tracking_uri)
     if run_id:

@@ -27,6 +27,7 @@ import torch
 from PIL import Image
 
 from papo_nb.testbed.generation import generate_answers
+from papo_nb.workbook.config.metric_keys import HELDOUT_ACCURACY
 from papo_nb.workbook.evaluation import eval_review
 from papo_nb.workbook.evaluation.heldout import mask_images
 from papo_nb.workbook.recipe.data import EVAL_DATASET, RecipeDataError, load_official_dataset
@@ -189,10 +190,14 @@ def _mean_scored(rows: list[dict], key: str) -> float:
 
 
 def mlflow_metrics(table: list[dict]) -> dict[str, float]:
-    """``eval/<name>/<score>`` for every row of :func:`summarise`."""
-    return {
+    """``eval/<name>/<score>`` for every row of :func:`summarise`, and the overall greedy score once more under the
+    name every run's held-out accuracy has (``metric_keys.HELDOUT_ACCURACY``)."""
+    metrics = {
         f"eval/{row['name']}/{key}": float(row[key]) for row in table for key in SCORE_KEYS if math.isfinite(row[key])
     }
+    if "eval/overall/greedy" in metrics:
+        metrics[HELDOUT_ACCURACY] = metrics["eval/overall/greedy"]
+    return metrics
 
 
 # --------------------------------------------------------------------------------------------

@@ -19,17 +19,27 @@ from pathlib import Path
 from statistics import mean
 
 import mlflow
+from mlflow import MlflowClient
 
 from papo_nb.testbed.rewards import accuracy_reward
+from papo_nb.workbook.config.metric_keys import HELDOUT_ACCURACY
 from papo_nb.workbook.config.params import WorkbookParams
 from papo_nb.workbook.evaluation.benchmarks import score_items
 from papo_nb.workbook.study.collapse import CollapseRule, detect_collapse, heldout_verdict
 from papo_nb.workbook.study.errors import prior_errors
-from papo_nb.workbook.study.search import fraction_arm, search_collapse_gamma
+from papo_nb.workbook.study.search import FRACTION_NAMES, fraction_arm, search_collapse_gamma
 from papo_nb.workbook.training.builder import load_datasets, load_policy, prepare_training
+from papo_nb.workbook.training.completions import log_completions
 
 GRPO, PAPO_G, PAPO_G_COLLAPSE = "grpo", "papo_g", "papo_g_collapse"
 SWEEP, SEARCH = "sweep", "search"
+# One colour per arm in the figures and in MLflow (the ``mlflow.runColor`` tag): matplotlib's tab:blue, tab:green,
+# tab:red and tab:gray, and for the calibrated design's fraction arms tab:purple, tab:brown and tab:pink.
+ARM_COLOURS = {
+    GRPO: "#1f77b4", PAPO_G: "#2ca02c", PAPO_G_COLLAPSE: "#d62728", SWEEP: "#7f7f7f", SEARCH: "#7f7f7f",
+    **dict(zip(map(fraction_arm, FRACTION_NAMES), ("#9467bd", "#8c564b", "#e377c2"))),
+}  # fmt: skip
+OTHER_ARM_COLOUR = "#17becf"  # tab:cyan: a fraction arm without a name of its own
 SPLITS = ("all", "vision", "text")
 # Metrics logged per training step (TRL's and the adapter's names).
 STEP_METRICS = (
@@ -151,17 +161,21 @@ def run_one(
     with mlflow.start_run(
         run_name=f"{arm}-gamma{gamma:g}-seed{seed}", nested=True, experiment_id=experiment_id
     ) as run:
-        mlflow.set_tags({"papo_nb.kind": "study_run", "papo_nb.study_arm": arm, "papo_nb.study_seed": str(seed)})
+        mlflow.set_tags({"papo_nb.kind": "study_run", "papo_nb.study_seed": str(seed)})
+        if arm not in (SWEEP, SEARCH):  # a sweep run's arm is known once the sweep is over (name_sweep_runs)
+            name_arm(MlflowClient(), run.info.run_id, arm)
         mlflow.log_params(
-            {"arm": arm, "seed": seed, "gamma": gamma, "max_steps": params.max_steps, "finetuning": params.finetuning}
+            {"seed": seed, "gamma": gamma, "max_steps": params.max_steps, "finetuning": params.finetuning}
         )
         trainer, _, _ = prepare_training(
             run_params, work_dir / f"{arm}-g{gamma:g}-s{seed}", save_strategy="no", require_gpu_contract_probe=False
         )
         trainer.train()
+        # The last step's rollouts beside their images and masks, as notebook 03's run shows them (a small table)
+        log_completions(MlflowClient(), run.info.run_id, trainer, trainer.state.global_step)
         step_logs = _step_rows(trainer.state.log_history)
-        for row in step_logs:
-            mlflow.log_metrics({f"train/{k}": v for k, v in row.items() if k != "step"}, step=int(row["step"]))
+        for row in step_logs:  # TRL's own names, as notebook 03's run logs them (metric_keys)
+            mlflow.log_metrics({k: v for k, v in row.items() if k != "step"}, step=int(row["step"]))
         scores = evaluate_policy(
             trainer.model,
             trainer.processing_class,
@@ -172,6 +186,7 @@ def run_one(
             max_new_tokens=params.max_completion_length,
         )
         mlflow.log_metrics({f"eval/{k}": v for k, v in scores.items()})
+        mlflow.log_metric(HELDOUT_ACCURACY, scores["greedy/original/all"])
         collapse = detect_collapse(step_logs, rule)
         if control is not None or arm == GRPO:
             collapse = heldout_verdict(collapse, scores, control, rule)
@@ -181,6 +196,24 @@ def run_one(
         mlflow.log_metric("study/run_seconds", seconds)
         del trainer
     return StudyRun(arm, seed, gamma, run.info.run_id, step_logs, scores, collapse, seconds)
+
+
+def name_arm(client: MlflowClient, run_id: str, arm: str) -> None:
+    """One name and one colour per arm everywhere: the ``arm`` param, the ``papo_nb.study_arm`` tag, the run name's
+    first word and the ``mlflow.runColor`` tag."""
+    name = client.get_run(run_id).info.run_name
+    client.log_param(run_id, "arm", arm)
+    client.set_tag(run_id, "papo_nb.study_arm", arm)
+    client.set_tag(run_id, "mlflow.runColor", ARM_COLOURS.get(arm, OTHER_ARM_COLOUR))
+    client.set_tag(run_id, "mlflow.runName", f"{arm}-{name.split('-', 1)[1]}")
+
+
+def name_sweep_runs(study: Study) -> None:
+    """The sweep's (or search's) runs at the chosen collapse gamma are the collapse arm's (not trained twice): named
+    so in MLflow as in the tables; its other gammas stay ``sweep`` (``search``)."""
+    client = MlflowClient()
+    for run in study.sweep:
+        name_arm(client, run.run_id, PAPO_G_COLLAPSE if run.gamma == study.collapse_gamma else run.arm)
 
 
 # --------------------------------------------------------------------------------------------
@@ -219,7 +252,7 @@ def _sweep_study(params: WorkbookParams, train, data, log) -> Study:
     flagged = [g for g, runs in sorted(by_gamma.items()) if sum(r.collapse["collapsed"] for r in runs) > len(runs) / 2]
     study.collapse_found = bool(flagged)
     study.collapse_gamma = flagged[0] if flagged else max(by_gamma)
-    _log_collapse_gamma(study)
+    _record_collapse_gamma(study)
     for seed in seeds:
         for arm, gamma in ((GRPO, 0.0), (PAPO_G, params.perception_loss_weight)):
             run = train(arm, seed, gamma)
@@ -245,7 +278,7 @@ def _calibrated_study(params: WorkbookParams, train, data, log) -> Study:
         search_run, list(params.study_collapse_gammas), healthy=params.perception_loss_weight,
         steps=params.study_search_steps,
     )  # fmt: skip
-    _log_collapse_gamma(study)
+    _record_collapse_gamma(study)
     arms = [(PAPO_G, params.perception_loss_weight)]
     arms += [(fraction_arm(f), float(f"{f * study.collapse_gamma:.4g}")) for f in params.study_gamma_fractions]
     for seed in seeds:
@@ -269,10 +302,12 @@ def _start_scores(params: WorkbookParams, data) -> dict[str, float]:
     )  # fmt: skip
 
 
-def _log_collapse_gamma(study: Study) -> None:
+def _record_collapse_gamma(study: Study) -> None:
+    """The chosen collapse gamma logged on the study's run, and its sweep or search runs named the collapse arm."""
     mlflow.log_metrics(
         {"study/collapse_gamma": study.collapse_gamma, "study/collapse_found": float(study.collapse_found)}
     )
+    name_sweep_runs(study)
 
 
 def _as_arm(run: StudyRun, arm: str) -> StudyRun:

@@ -7,7 +7,7 @@ from statistics import mean
 
 from matplotlib.figure import Figure
 
-from papo_nb.workbook.study.arms import PAPO_G_COLLAPSE, Study, StudyRun
+from papo_nb.workbook.study.arms import ARM_COLOURS, Study, StudyRun
 from papo_nb.workbook.study.stats import mean_ci
 
 # (metric, panel title); the symptom each should show on collapse is the paper's.
@@ -18,7 +18,7 @@ CURVES = (
     ("masked_entropy", "entropy, masked images (collapse: rises)"),
     ("clip_ratio/high_mean", "high clip ratio (collapse: ~7e-3)"),
 )
-COLOURS = {"grpo": "tab:blue", "papo_g": "tab:green", PAPO_G_COLLAPSE: "tab:red", "sweep": "tab:gray"}
+COLOURS = ARM_COLOURS  # one colour per arm, as the runs carry in MLflow
 
 
 def _label(run: StudyRun) -> str:

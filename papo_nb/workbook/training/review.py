@@ -36,10 +36,11 @@ from papo_nb.workbook.training.completions import log_completions
 
 SYSTEM_METRICS_INTERVAL_S = 5.0  # MLflow's default is 10 s; a CPU smoke run trains in about a minute
 CHECKPOINT_PATH_TAG = "papo_nb.checkpoint_path"
-# The INFO lines the callback's own MLflow calls print in every training cell, by logger: they say nothing about
-# the run. Only these messages are dropped; every other line of those loggers still shows.
+# The INFO lines the workbook's own MLflow calls print in every notebook (attaching a run, training, setting the
+# evaluated model), by logger: they say nothing about the run. Only these messages are dropped; every other line of
+# those loggers still shows. Installed by ``tracking.attach_run`` and the callback.
 QUIET_MLFLOW_LINES = {
-    "mlflow.tracking.fluent": ("Active model is cleared",),
+    "mlflow.tracking.fluent": ("Active model is cleared", "Active model is set to"),
     "mlflow.system_metrics.system_metrics_monitor": (
         "Started monitoring system metrics.",
         "Stopping system metrics monitoring...",
