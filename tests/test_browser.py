@@ -413,7 +413,16 @@ def test_papo_nb_lab_serves_the_notebooks_locally_with_a_token_and_stops_on_ctrl
     shutil.copytree(ROOT / "notebooks", notebooks)
     env = {**os.environ, **_lab_environment(tmp_path), "PYTHONUNBUFFERED": "1"}
     command = [sys.executable, "-m", "papo_nb.cli", "lab", "--notebook-dir", str(notebooks)]
-    lab = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    # SIGINT at its default in the child, whatever this process inherited (ignored, in a background job): the
+    # plain Ctrl-C path (test_runner's ui test covers the inherited-ignored one).
+    lab = subprocess.Popen(
+        command,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
     try:
         line = lab.stdout.readline()  # the url line, printed once the server answers
         match = re.match(r"JupyterLab: (http://127\.0\.0\.1:(\d+))/lab\?token=([0-9a-f]{32,})\s", line)
