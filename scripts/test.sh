@@ -6,6 +6,7 @@
 #   bash scripts/test.sh --setup-only    # set up only (used by scripts/smoke.sh)
 #
 # PYTHON selects the interpreter that creates .venv (default: python3; must match requires-python).
+# TEST_SEED=N replays a shuffled test order (the seed is printed on every run); TEST_SEED=file keeps the file order.
 # Exits with pytest's status, so "no tests ran" (5) fails too.
 set -euo pipefail
 
@@ -43,8 +44,20 @@ fi
 
 start=$SECONDS
 rc=0
-# File order (-p no:randomly): two tests still fail in some shuffled orders (README, "Tests"); a plain
-# `.venv/bin/pytest` shuffles with pytest-randomly.
-"$VENV/bin/python" -m pytest -p no:randomly "$@" || rc=$?
-echo "==> tests wall time: $((SECONDS - start)) s (pytest exit code $rc)"
+# A shuffled order (pytest-randomly), its seed printed so that a failing order can be replayed:
+# TEST_SEED=N replays one, TEST_SEED=file keeps the file order.
+seed="${TEST_SEED:-$(od -An -N2 -tu2 /dev/urandom | tr -d ' ')}"
+if [[ ! "$seed" =~ ^([0-9]+|file)$ ]]; then
+    echo "TEST_SEED='$seed' is invalid: a non-negative integer (a shuffled order's seed) or 'file'" >&2
+    exit 2
+fi
+if [[ "$seed" == "file" ]]; then
+    echo "==> test order: file order (TEST_SEED=file)"
+    order=(-p no:randomly)
+else
+    echo "==> test order: shuffled, seed $seed (replay: TEST_SEED=$seed bash scripts/test.sh)"
+    order=(-p randomly "--randomly-seed=$seed")
+fi
+"$VENV/bin/python" -m pytest "${order[@]}" "$@" || rc=$?
+echo "==> tests wall time: $((SECONDS - start)) s (pytest exit code $rc, test order seed $seed)"
 exit "$rc"

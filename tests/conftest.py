@@ -4,6 +4,8 @@ Imports sit inside the fixtures so test files that need neither skip loading tra
 """
 
 import logging
+import os
+import sys
 
 import pytest
 
@@ -118,13 +120,40 @@ class _Records(logging.Handler):
 
 @pytest.fixture
 def mlflow_store(tmp_path, monkeypatch) -> str:
-    """A fresh sqlite MLflow store for one test, named by MLFLOW_TRACKING_URI; no run, model or URI outlives it."""
-    import mlflow
-
+    """A fresh sqlite MLflow store for one test, named by MLFLOW_TRACKING_URI; no run, model or URI outlives it
+    (no_mlflow_state_outlives_a_test)."""
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
-    yield uri
-    while mlflow.active_run():
-        mlflow.end_run()
-    mlflow.clear_active_model()
-    mlflow.set_tracking_uri(None)
+    return uri
+
+
+# What MLflow exports to os.environ as a process uses its fluent API (so that child processes inherit it).
+MLFLOW_PROCESS_ENV = (
+    "MLFLOW_TRACKING_URI",
+    "MLFLOW_EXPERIMENT_ID",
+    "MLFLOW_EXPERIMENT_NAME",
+    "MLFLOW_RUN_ID",
+    "MLFLOW_ACTIVE_MODEL_ID",
+    "_MLFLOW_ACTIVE_MODEL_ID",
+)
+
+
+@pytest.fixture(autouse=True)
+def no_mlflow_state_outlives_a_test():
+    """MLflow keeps the active run, logged model, experiment and tracking uri per process: a test that used them in
+    process would otherwise leave them to whichever test runs next (in a shuffled order, a run or logged model of
+    another store: a FOREIGN KEY failure there). A test that never imported mlflow pays nothing."""
+    env_before = {name: os.environ.get(name) for name in MLFLOW_PROCESS_ENV}
+    yield
+    if "mlflow" in sys.modules:
+        import mlflow
+
+        from papo_nb.infra.tracking import forget_store_state
+
+        forget_store_state()
+        mlflow.set_tracking_uri(None)
+    for name, value in env_before.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value

@@ -352,7 +352,12 @@ def _start_papo_nb_lab(notebooks: Path, env: dict[str, str]) -> tuple[subprocess
     """``papo-nb lab --notebook-dir notebooks`` as a user starts it, and the url line it prints once it answers."""
     command = [sys.executable, "-m", "papo_nb.cli", "lab", "--notebook-dir", str(notebooks)]
     full_env = {**os.environ, **env, "PYTHONUNBUFFERED": "1"}
-    lab = subprocess.Popen(command, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    # SIGINT at its default in the child, whatever this process inherited (ignored, in a background job): the
+    # plain Ctrl-C path (test_runner's ui test covers the inherited-ignored one).
+    lab = subprocess.Popen(
+        command, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )  # fmt: skip
     return lab, lab.stdout.readline()
 
 

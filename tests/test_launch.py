@@ -8,10 +8,12 @@ import os
 import re
 import shutil
 import signal
+import sqlite3
 import subprocess
 import sys
 import threading
 import time
+from contextlib import closing
 from pathlib import Path
 
 import pytest
@@ -20,7 +22,7 @@ import yaml
 from mlflow import MlflowClient
 
 from papo_nb.cli import main
-from papo_nb.infra.tracking import EXPERIMENT_NAME
+from papo_nb.infra.tracking import ARTIFACTS_DIRNAME, DB_FILENAME, EXPERIMENT_NAME, artifacts_dir, sqlite_path
 from papo_nb.train.integrity import CorruptCheckpointWarning, checkpoint_problems, find_resume_checkpoint
 from papo_nb.train.resume import ResumeMismatch
 from papo_nb.train.run_folder import (
@@ -194,10 +196,34 @@ def test_a_killed_run_resumes_where_its_checkpoint_left_off(killed_and_resumed):
     assert run.data.metrics["resume/restored"] == 1.0 and run.data.tags["papo_nb.attempts"] == "2"
 
 
-def copy_run(k, tmp_path) -> Path:
+def copy_run(k, tmp_path) -> tuple[Path, str]:
+    """A copy of the killed-and-resumed run folder and of its MLflow store, as (folder, tracking uri): a test that
+    trains the copy re-attaches to the same MLflow run id, and must do it in its own store, not in the fixture's
+    (there it would add an attempt that test_a_killed_run_resumes_where_its_checkpoint_left_off would then count)."""
     copy = tmp_path / "run"
     shutil.copytree(k["out"], copy)
-    return copy
+    db, store = sqlite_path(k["uri"]), tmp_path / "store"
+    store.mkdir()
+    shutil.copy2(db, store / DB_FILENAME)
+    shutil.copytree(artifacts_dir(k["uri"]), store / ARTIFACTS_DIRNAME)
+    uri = f"sqlite:///{store / DB_FILENAME}"
+    relocate_artifacts(store / DB_FILENAME, artifacts_dir(k["uri"]).as_uri(), artifacts_dir(uri).as_uri())
+    return copy, uri
+
+
+# where an MLflow 3 SQLite store keeps absolute artifact locations
+ARTIFACT_COLUMNS = [
+    ("experiments", "artifact_location"),
+    ("runs", "artifact_uri"),
+    ("logged_models", "artifact_location"),
+]
+
+
+def relocate_artifacts(db: Path, old: str, new: str) -> None:
+    """Point a copied store's artifact locations at its own copy of ``mlartifacts/`` (MLflow stores them absolute)."""
+    with closing(sqlite3.connect(db)) as connection, connection:
+        for table, column in ARTIFACT_COLUMNS:
+            connection.execute(f"UPDATE {table} SET {column} = replace({column}, ?, ?)", (old, new))
 
 
 @pytest.mark.parametrize(
@@ -210,7 +236,7 @@ def copy_run(k, tmp_path) -> Path:
     ],
 )
 def test_a_corrupt_last_checkpoint_is_skipped_with_a_warning_naming_it(killed_and_resumed, tmp_path, damage, expected):
-    out = copy_run(killed_and_resumed, tmp_path)
+    out, _ = copy_run(killed_and_resumed, tmp_path)
     last = out / f"checkpoint-{MAX_STEPS}"
     target = {
         "truncate_adapter": "adapter_model.safetensors",
@@ -233,11 +259,11 @@ def test_a_corrupt_last_checkpoint_is_skipped_with_a_warning_naming_it(killed_an
 
 def test_resume_past_a_truncated_checkpoint_trains_from_the_previous_one(killed_and_resumed, tmp_path):
     k = killed_and_resumed
-    out = copy_run(k, tmp_path)
+    out, uri = copy_run(k, tmp_path)
     adapter = out / f"checkpoint-{MAX_STEPS}" / "adapter_model.safetensors"
     adapter.write_bytes(adapter.read_bytes()[:100])
     result = subprocess.run(
-        k["command"][:-1] + [str(out), "--resume"], env=env_for(k["uri"]), capture_output=True, text=True, timeout=600
+        k["command"][:-1] + [str(out), "--resume"], env=env_for(uri), capture_output=True, text=True, timeout=600
     )
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     assert (
@@ -256,7 +282,7 @@ def test_resume_past_a_truncated_checkpoint_trains_from_the_previous_one(killed_
 
 
 def test_resume_with_different_parameters_is_refused_naming_them(killed_and_resumed, tmp_path, capsys):
-    out = copy_run(killed_and_resumed, tmp_path)
+    out, _ = copy_run(killed_and_resumed, tmp_path)
     before = {p.name: p.stat().st_mtime_ns for p in out.iterdir()}
     code = main(
         [
@@ -292,19 +318,19 @@ def test_resume_with_different_parameters_is_refused_naming_them(killed_and_resu
 
 def test_force_resume_accepts_and_records_the_changes(killed_and_resumed, tmp_path):
     k = killed_and_resumed
-    out = copy_run(k, tmp_path)
+    out, uri = copy_run(k, tmp_path)
     shutil.rmtree(out / f"checkpoint-{MAX_STEPS}")  # so that steps remain to be trained
     params = load_params(SMOKE, [o for o in RUN if o != "-p"] + ["mask_ratio=0.5"])
     with pytest.raises(ResumeMismatch, match=r"mask_ratio: 0.6 \(original\) -> 0.5 \(now\)"):
-        run_training(params, out, resume=True, tracking_uri=k["uri"])
-    outcome = run_training(params, out, force_resume=True, tracking_uri=k["uri"])
+        run_training(params, out, resume=True, tracking_uri=uri)
+    outcome = run_training(params, out, force_resume=True, tracking_uri=uri)
     assert outcome.resumed_from == out / f"checkpoint-{MAX_STEPS - SAVE_STEPS}" and outcome.global_step == MAX_STEPS
     assert outcome.mlflow_run_id == k["info_before"]["mlflow_run_id"]
     assert read_run_info(out)["attempts"][-1]["forced_parameter_changes"] == {"mask_ratio": [0.6, 0.5]}
     assert yaml.safe_load((out / PARAMS_FILE).read_text())["mask_ratio"] == 0.5
 
     # a complete run resumed stays complete (the Trainer alone would run one step past max_steps)
-    again = run_training(params, out, resume=True, tracking_uri=k["uri"])
+    again = run_training(params, out, resume=True, tracking_uri=uri)
     assert again.global_step == MAX_STEPS and again.trainer is None
 
 

@@ -261,9 +261,16 @@ def test_two_workbooks_at_once_on_a_fresh_store(tmp_path, store):
     assert len(list((tmp_path / "runs").iterdir())) == 2
 
 
+def ignore_sigint() -> None:
+    """In the child before exec: SIGINT ignored, as a job started in the background of a POSIX shell inherits it."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 def test_ui_serves_on_localhost_and_stops_on_ctrl_c(tmp_path, store):
+    """The child starts with SIGINT ignored whatever this process inherited (pytest run as a background job or not):
+    Ctrl-C must stop the CLI all the same (it installs its own handler)."""
     ensure_experiment(store)
-    proc = run_cli("ui", uri=store, cwd=tmp_path)
+    proc = run_cli("ui", uri=store, cwd=tmp_path, preexec_fn=ignore_sigint)
     try:
         line = proc.stdout.readline()  # blocks until the server answers
         assert line.startswith("MLflow UI: http://127.0.0.1:"), line + proc.stderr.read() if proc.poll() else line

@@ -1,5 +1,6 @@
 """PAPOGTrainer on the tiny VLM: parent reduction, the PAPO terms, masking hygiene, config validation."""
 
+import copy
 import dataclasses
 
 import pytest
@@ -269,7 +270,10 @@ def test_bounded_kl_keeps_loss_and_gradient_finite_at_extreme_log_ratios(policy,
 def test_kl_is_fp32_under_bf16_autocast_and_adds_no_rounding_of_its_own(policy, shapes_dataset, batch, tmp_path):
     """The 1e-3 agreement the issue asked for is out of reach: TRL 1.9.1 returns bf16 log-probs under bf16 autocast
     (STACK_FACTS "Log-prob precision"), so the KL moves by their rounding. What holds, and is tested: the adapter's
-    own arithmetic is fp32 and exact to 1e-6 on those inputs, and it is closer to the fp32 KL than bf16 arithmetic."""
+    own arithmetic is fp32 and exact to 1e-6 on those inputs, where k3 in bf16 arithmetic rounds by a bf16 step,
+    and the whole gap to the fp32 KL is what the bf16 log-probs move it by (a bound derived from them, not a
+    measured one: which of the two bf16 KLs lands nearer the fp32 one is the bf16 forward's roundoff, and it
+    changes with the policy's weights and the CPU's kernel path)."""
     trainer = make_trainer(policy, shapes_dataset, tmp_path)
     model = policy[0]
     positional, vlm = logp_call_arguments(batch)
@@ -284,14 +288,28 @@ def test_kl_is_fp32_under_bf16_autocast_and_adds_no_rounding_of_its_own(policy, 
     ref_logps, ref_masked = kls["fp32"]
     bf_logps, bf_masked = kls["bf16"]
     assert bf_logps.dtype == torch.bfloat16 and bounded_k3(bf_masked, bf_logps).dtype == torch.float32
-    exact = bounded_k3(bf_masked.double(), bf_logps.double())[mask].mean()
-    ours = bounded_k3(bf_masked, bf_logps)[mask].mean().double()
+    exact_per_token = bounded_k3(bf_masked.double(), bf_logps.double())[mask]
+    ours_per_token = bounded_k3(bf_masked, bf_logps)[mask].double()
+    exact, ours = exact_per_token.mean(), ours_per_token.mean()
     assert abs(ours - exact) <= 1e-6 * exact
-    reference = bounded_k3(ref_masked, ref_logps)[mask].mean().double()
+    assert ((ours_per_token - exact_per_token).abs() <= 1e-6 * (1 + exact_per_token)).all()
     r = bf_masked - bf_logps  # the old path: k3 in the log-probs' own dtype
-    in_bf16 = (torch.exp(r) - r - 1)[mask].double().mean()
-    print(f"KL fp32 {reference:.6e}; bf16 autocast, fp32 k3 {ours:.6e}; bf16 autocast, bf16 k3 {in_bf16:.6e}")
-    assert abs(ours - reference) < abs(in_bf16 - reference)
+    in_bf16_per_token = (torch.exp(r) - r - 1)[mask].double()
+    # a bf16 step near 1 is 2**-8: over this many tokens some value rounds by far more than fp32's 1e-6
+    assert mask.sum() >= 32 and (in_bf16_per_token - exact_per_token).abs().max() > 1e-4
+
+    # |k3(a) - k3(b)| <= |a - b| * max(|e^a - 1|, |e^b - 1|) (mean value theorem, k3' = e^x - 1 is monotone; the
+    # clamps only shrink it): the bf16 log-ratios' deviation from the fp32 ones bounds the KL's move
+    reference = bounded_k3(ref_masked, ref_logps)[mask].mean().double()
+    r_bf, r_fp = r[mask].double(), (ref_masked - ref_logps)[mask].double()
+    slope = torch.maximum(torch.expm1(r_bf).abs(), torch.expm1(r_fp).abs())
+    allowed = ((r_bf - r_fp).abs() * slope).mean()
+    in_bf16 = in_bf16_per_token.mean()
+    print(
+        f"KL fp32 {reference:.6e}; bf16 autocast, fp32 k3 {ours:.6e}; bf16 autocast, bf16 k3 {in_bf16:.6e}; "
+        f"gap allowed by the bf16 log-probs {allowed:.3e}"
+    )
+    assert abs(ours - reference) <= allowed + 1e-6 * reference
 
 
 @pytest.mark.model
@@ -311,8 +329,9 @@ def test_model_card_credits_papo(policy, shapes_dataset, tmp_path):
 
 @pytest.mark.model
 def test_gamma_schedule_uses_the_trainer_state_when_training_by_epochs(policy, shapes_dataset, tmp_path):
+    # it trains: a copy, so the module's policy (and the batch drawn from it) is the same whatever ran before
     trainer = make_trainer(
-        policy,
+        (copy.deepcopy(policy[0]), policy[1]),
         shapes_dataset.select(range(4)),  # 2 prompts per step: 2 steps in the epoch
         tmp_path,
         max_steps=-1,

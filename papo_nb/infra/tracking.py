@@ -153,13 +153,19 @@ def use_store(tracking_uri: str) -> None:
     that belongs to the old one (the active run, the active logged model, the active experiment): a later
     ``log_metrics`` would link its metrics to a run or model the new store lacks (a FOREIGN KEY failure)."""
     if mlflow.get_tracking_uri() != tracking_uri:
-        if mlflow.active_run() is not None:
-            mlflow.end_run()
-        mlflow.clear_active_model()
-        # mlflow.set_experiment keeps the experiment in a module global and exports it to child processes
-        mlflow.tracking.fluent._active_experiment_id = None
-        MLFLOW_EXPERIMENT_ID.unset()
+        forget_store_state()
     mlflow.set_tracking_uri(tracking_uri)
+
+
+def forget_store_state() -> None:
+    """End every active run and drop the active logged model and experiment. MLflow keeps them per process, not per
+    store (the tracking uri is left as it is)."""
+    while mlflow.active_run() is not None:
+        mlflow.end_run()
+    mlflow.clear_active_model()
+    # mlflow.set_experiment keeps the experiment in a module global and exports it to child processes
+    mlflow.tracking.fluent._active_experiment_id = None
+    MLFLOW_EXPERIMENT_ID.unset()
 
 
 def attach_run(
