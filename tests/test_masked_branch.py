@@ -206,12 +206,14 @@ def count_forwards(model) -> list:
 def test_gamma_zero_runs_no_masked_forward_and_costs_what_grpo_costs(tiny_vlm_path, shapes_dataset, tmp_path):
     """Issue 31: with the perception term off for the whole run (gamma 0, eta2 0, no probe) the masked branch is
     skipped: no mask drawn, no masked forward, so PAPOGTrainer makes exactly GRPOTrainer's forwards and losses;
-    the KL is logged as exactly 0. At the defaults the branch runs once per round."""
+    the KL is logged as exactly 0. At the defaults the branch runs once per round, and at gamma 0 with
+    ``measure_perception_kl`` too."""
     zero = dict(perception_loss_weight=0.0, original_entropy_weight=0.0, masked_entropy_weight=0.0)
     runs = {}
     for name, trainer_cls, overrides in (
         ("grpo", GRPOTrainer, {}),
         ("gamma0", PAPOGTrainer, zero),
+        ("measured", PAPOGTrainer, {**zero, "measure_perception_kl": True}),
         ("papo", PAPOGTrainer, {}),
     ):
         model, processor = fresh_policy(tiny_vlm_path)
@@ -231,6 +233,11 @@ def test_gamma_zero_runs_no_masked_forward_and_costs_what_grpo_costs(tiny_vlm_pa
     assert logged(gamma0["trainer"], "perception_kl") == [0.0, 0.0]
     assert not papo["trainer"].masked_branch.skipped and papo["trainer"].masked_branch.clock.calls == 2
     assert papo["forwards"] > grpo["forwards"] and min(logged(papo["trainer"], "perception_kl")) > 0
+    # asked to measure, gamma 0 runs the branch (a study's GRPO arm logs its KL) and still trains as GRPO does
+    measured = runs["measured"]
+    assert not measured["trainer"].masked_branch.skipped and measured["forwards"] == papo["forwards"]
+    assert min(logged(measured["trainer"], "perception_kl")) > 0
+    assert measured["losses"] == pytest.approx(grpo["losses"], abs=1e-6)
 
 
 def test_text_only_round_stores_nothing_and_has_a_zero_perception_term(tiny_vlm_path, shapes_dataset, tmp_path):
