@@ -55,3 +55,23 @@ def test_the_readme_block_is_replaced_in_place():
     assert replace_block(f"a\n{start}\nold\n{end}\nb\n", "new\n") == f"a\n{start}\nnew\n{end}\nb\n"
     with pytest.raises(ValueError, match="study-summary"):
         replace_block("no markers", "new\n")
+
+
+CALIBRATED_PAGES = sorted(path.parent for path in (ROOT / "docs" / "study").glob("*/start_scores.json"))
+
+
+def test_a_calibrated_page_exists_and_its_verdict_is_recomputed_from_its_own_files():
+    from papo_nb.workbook.study.drift import PRIMARY
+    from papo_nb.workbook.study.publish import SUMMARY, page_tables
+
+    assert CALIBRATED_PAGES, "no calibrated study page (params/study_shortcut.yaml, docs/study.md)"
+    for page in CALIBRATED_PAGES:
+        drift, verdicts, claim = page_tables(page)
+        summary = json.loads((page / SUMMARY).read_text())
+        assert summary["counteract"] == claim["verdict"], page
+        assert f"**{claim['verdict']}.**" in (page / "results.md").read_text(), page
+        # what the page found about GRPO, pinned so that it cannot change silently: it drifted off the image by
+        # 5 points or more, its 95% CI clear of 0, on the prior-breaking items
+        grpo = next(row for row in drift if row["arm"] == "grpo" and row["metric"] == PRIMARY)
+        assert grpo["drift"] <= -0.05 and grpo["drift"] + grpo["drift_ci95"] < 0, grpo
+        assert {row["arm"] for row in verdicts} >= {"papo_g", "papo_g_eighth", "papo_g_quarter", "papo_g_half"}

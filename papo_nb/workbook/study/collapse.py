@@ -142,16 +142,17 @@ def detect_collapse(step_logs: list[dict], rule: CollapseRule | None = None) -> 
 
 
 def heldout_verdict(verdict: dict, scores: dict[str, float], control: dict[str, float] | None, rule: CollapseRule):
-    """``verdict`` (``detect_collapse``'s) with the held-out evidence added: a score of 0 is broken output; a score
-    ``rule.heldout_drop`` or more below GRPO's on the same seed (``control``, None for GRPO itself) is a collapse
-    the step logs may have missed (``detected_by`` says which evidence flagged it)."""
+    """``verdict`` (``detect_collapse``'s) with the held-out evidence added: a score ``rule.heldout_drop`` or more
+    below GRPO's on the same seed (``control``, None for GRPO itself) is a collapse the step logs may have missed
+    (``detected_by`` says which evidence flagged it); a score of 0 is labelled broken output, not chance (a policy
+    that never answered, as the random tiny model, is broken in every arm, which no gamma caused)."""
     score = scores[HELD_OUT_SCORE]
     below = control is not None and score <= control[HELD_OUT_SCORE] - rule.heldout_drop
     verdict = {**verdict, "heldout": {"score": score, "control": None if control is None else control[HELD_OUT_SCORE]}}
     verdict["detected_by"] = [name for name, hit in (("step logs", verdict["collapsed"]), ("held-out", below)) if hit]
     if below and not verdict["collapsed"]:
         verdict.update(collapsed=True, mode="held-out accuracy far below GRPO's")
-    if score == 0.0:
+    if score == 0.0:  # named for what it is; a collapse only where GRPO on the same seed scores (the drop above)
         broken = "broken output (held-out accuracy 0)"
-        verdict.update(collapsed=True, mode=f"{verdict['mode']}; {broken}" if verdict["mode"] else broken)
+        verdict["mode"] = f"{verdict['mode']}; {broken}" if verdict["mode"] else broken
     return verdict

@@ -46,7 +46,7 @@ def plot_learning_curves(study: Study) -> Figure:
             ax.plot(steps, centre, color=COLOURS.get(arm), label=f"{_label(runs[0])}, {len(runs)} seeds")
             ax.fill_between(steps, low, high, color=COLOURS.get(arm), alpha=0.2)
             for run in runs:
-                if run.collapse["collapsed"]:
+                if run.collapse["step"] is not None:  # a collapse the step logs saw (held-out ones have no step)
                     ax.axvline(run.collapse["step"], color=COLOURS.get(arm), linestyle=":", linewidth=1)
         ax.set_title(title, fontsize=10)
         ax.set_xlabel("optimizer step")

@@ -16,7 +16,7 @@ from matplotlib.figure import Figure
 from papo_nb.workbook.config.params import WorkbookParams
 from papo_nb.workbook.study import dose, drift, power, report, tables
 from papo_nb.workbook.study import stats as study_stats
-from papo_nb.workbook.study.arms import GRPO, PAPO_G, PAPO_G_COLLAPSE, Study
+from papo_nb.workbook.study.arms import GRPO, PAPO_G, PAPO_G_COLLAPSE, SEARCH, SWEEP, Study
 from papo_nb.workbook.study.claims import claims_table
 
 PAGE = "results.md"
@@ -26,6 +26,7 @@ SUMMARY_PAGE = "summary.md"
 DOSE_ROWS = "dose_response.json"  # the dose-response table, so its figure can be redrawn by the code on main
 RUNS = "runs.json"  # every run's held-out scores, so the paired contrasts can be recomputed by the code on main
 CONTRASTS_PAGE = "contrasts.md"
+START = "start_scores.json"  # the warm start's held-out scores (step 0), which a calibrated page's drift is against
 STEP_LOGS = "step_logs.json"  # every run's per-step training metrics, compact: each collapse label can be rechecked
 SUMMARY_METRICS = ("avg_at_k/original/vision", "avg_at_k/gap/vision", "avg_at_k/original/all")
 # the parameters a reader needs to know what was trained (the rest are the study file's, named on the page)
@@ -106,13 +107,30 @@ def write_results_page(
     return page
 
 
-def _calibrated_tables(study: Study) -> tuple[list[dict], list[dict], dict]:
-    """(drift rows, per-arm verdicts, the counteract claim) of a calibrated study."""
-    arms = {arm: by_seed for arm, by_seed in study.scores().items() if arm != PAPO_G_COLLAPSE}
-    gammas = {arm: next(iter(runs.values())).gamma for arm, runs in study.by_arm().items()}
-    drift_table = drift.drift_rows(study.start_scores, arms)
+def calibrated_tables(start: dict, results: dict[str, dict[int, dict]], gammas: dict[str, float]):
+    """(drift rows, per-arm verdicts, the counteract claim) from the warm start's scores and each arm's per seed;
+    the collapse arm (a search run reused) and the search itself are not arms here."""
+    arms = {arm: by_seed for arm, by_seed in results.items() if arm not in (PAPO_G_COLLAPSE, SEARCH, SWEEP)}
+    drift_table = drift.drift_rows(start, arms)
     verdicts = drift.arm_verdicts(arms, gammas, GRPO)
     return drift_table, verdicts, drift.counteract_claim(drift_table, verdicts, GRPO)
+
+
+def _calibrated_tables(study: Study):
+    gammas = {arm: next(iter(runs.values())).gamma for arm, runs in study.by_arm().items()}
+    return calibrated_tables(study.start_scores, study.scores(), gammas)
+
+
+def page_tables(folder: str | Path):
+    """``calibrated_tables`` recomputed from a calibrated page's own files (``start_scores.json``, ``runs.json``)."""
+    folder = Path(folder)
+    start = json.loads((folder / START).read_text())
+    results: dict[str, dict[int, dict]] = {}
+    gammas: dict[str, float] = {}
+    for record in json.loads((folder / RUNS).read_text()):
+        results.setdefault(record["arm"], {})[record["seed"]] = record["scores"]
+        gammas[record["arm"]] = record["gamma"]
+    return calibrated_tables(start, results, gammas)
 
 
 def counteract_verdict(study: Study) -> str:
@@ -158,6 +176,8 @@ def write_page_files(folder: Path, study: Study, card: dict, figures: dict[str, 
     (folder / DOSE_ROWS).write_text(json.dumps(dose_rows, indent=1) + "\n")
     (folder / RUNS).write_text(json.dumps(dose.run_records(study), indent=1) + "\n")
     (folder / STEP_LOGS).write_text(json.dumps(dose.step_log_records(study), separators=(",", ":")) + "\n")
+    if study.start_scores:
+        (folder / START).write_text(json.dumps(study.start_scores, indent=1) + "\n")
     write_contrasts(folder)
     return dose_rows
 
@@ -230,7 +250,7 @@ def summary_markdown(root: str | Path, link_prefix: str = "") -> str:
     root = Path(root)
     lines = [
         "| page | testbed | finetuning | seeds | GRPO vision avg@k | PAPO-G - GRPO, vision avg@k | "
-        "PAPO-G - GRPO, reliance gap | collapse gamma | weights | GRPO's drift off the image, and PAPO-G against it |",
+        "PAPO-G - GRPO, reliance gap | collapse gamma | GRPO's drift off the image, and PAPO-G against it | weights |",
         "|---|---|---|---|---:|---|---|---:|---|---|",
     ]
     for path in sorted(root.glob(f"*/{SUMMARY}")):
@@ -242,7 +262,7 @@ def summary_markdown(root: str | Path, link_prefix: str = "") -> str:
             f"{summary['finetuning']} | "
             f"{summary['seeds']} | {summary['grpo']['avg_at_k/original/vision']:.3f} | "
             f"{effects['avg_at_k/original/vision']['verdict']} | {effects['avg_at_k/gap/vision']['verdict']} | "
-            f"{collapse} | {policy_hash(path.parent)} | {summary.get('counteract', 'not measured (sweep design)')} |"
+            f"{collapse} | {summary.get('counteract', 'not measured (sweep design)')} | {policy_hash(path.parent)} |"
         )
     return "\n".join(lines) + "\n"
 
