@@ -12,15 +12,11 @@ from __future__ import annotations
 from papo_nb.testbed.generation import generate_answers
 from papo_nb.testbed.perception import majority_colour, prior_answer
 from papo_nb.testbed.rewards import completion_text, extract_answer, normalise_answer
+from papo_nb.workbook.evaluation.eval_review import prompt_text
 
 FOLLOWED = "greedy/errors/followed_prior/vision"  # share of the items answered with the prior's colour
 MISREAD = "greedy/errors/misread/vision"  # share of the items answered with another wrong colour (or none)
 SHARE = "greedy/errors/prior_share/vision"  # the prior's share of the errors
-
-
-def question_text(prompt: list[dict]) -> str:
-    """The text of a one-turn conversational prompt (TRL's format: image and text parts)."""
-    return " ".join(part["text"] for part in prompt[0]["content"] if part.get("type") == "text")
 
 
 def prior_error_split(
@@ -41,12 +37,12 @@ def prior_error_split(
 def prior_errors(model, processor, data, *, max_new_tokens: int) -> dict[str, float]:
     """``prior_error_split`` of the greedy answers with original images on the prior-breaking vision items of
     ``data``; empty when ``data`` has no prior questions (a testbed without a language prior)."""
-    rows = [i for i, prompt in enumerate(data["prompt"]) if prior_answer(question_text(prompt)) is not None]
+    rows = [i for i, prompt in enumerate(data["prompt"]) if prior_answer(prompt_text(prompt)) is not None]
     if not rows:
         return {}
     items = data.select(rows)
     golds = [normalise_answer(str(a)) for a in items["answer"]]
-    priors = [prior_answer(question_text(p)) for p in items["prompt"]]
+    priors = [prior_answer(prompt_text(p)) for p in items["prompt"]]
     if any(g == p for g, p in zip(golds, priors)):
         raise ValueError("prior_errors scores prior-breaking items only; some held-out items follow the prior")
     was_training = model.training

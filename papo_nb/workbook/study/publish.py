@@ -97,7 +97,7 @@ def write_results_page(
         + tables.markdown_table(claims),
         *calibrated_sections(study),
         "## Collapse sweep\n![curves](curves.png)\n\n"
-        + _records_markdown([{k: v for k, v in row.items() if k != "run_id"} for row in report.sweep_rows(study)]),
+        + ("The search's runs: its table above." if study.start_scores else _sweep_markdown(study)),
         f"## Runtime\n{len(study.sweep) + sum(r.arm != PAPO_G_COLLAPSE for r in study.runs)} trained runs in "
         f"{seconds:.0f} s wall.",
     ]
@@ -143,7 +143,6 @@ def calibrated_sections(study: Study) -> list[str]:
     if not study.start_scores:
         return []
     drift_table, verdicts, claim = _calibrated_tables(study)
-    search = [{k: v for k, v in row.items() if k != "run_id"} for row in report.sweep_rows(study)]
     return [
         f"## Does PAPO-G counteract GRPO's drift off the image?\n**{claim['verdict']}.** {claim['here']}.",
         "## Drift: from the warm start (step 0) to the end of training, per arm\n"
@@ -154,13 +153,17 @@ def calibrated_sections(study: Study) -> list[str]:
         + ("" if study.collapse_found else " (none collapsed: the ladder's largest)")
         + "\nThe ladder `study_collapse_gammas` in turn until a run collapses, then geometric bisection below it "
         "(`study_search_steps`); `detected_by` says whether the step logs or the held-out score flagged it.\n\n"
-        + _records_markdown(search),
+        + _sweep_markdown(study),
         f"## Each PAPO-G arm against GRPO on `{drift.PRIMARY}`\n"
         "Paired over seeds: the difference with its 95% CI and p, TOST equivalence at "
         f"+-{drift.EQUIVALENCE_MARGIN:g}, the MDE at 80% power, and the share of the held-out errors that followed "
         "the prior against the image (the paper's perception-error category; it reports 30.5% fewer perception "
         "errors for PAPO).\n\n" + _records_markdown(verdicts),
     ]
+
+
+def _sweep_markdown(study: Study) -> str:
+    return _records_markdown([{k: v for k, v in row.items() if k != "run_id"} for row in report.sweep_rows(study)])
 
 
 def write_page_files(folder: Path, study: Study, card: dict, figures: dict[str, Figure]) -> list[dict]:
