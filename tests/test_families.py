@@ -7,6 +7,7 @@ import math
 import numpy as np
 import pytest
 import torch
+from peft import get_peft_model
 from PIL import Image
 from tiny_trainers import unit_params
 from transformers import Gemma4ImageProcessor, PixtralImageProcessor
@@ -81,8 +82,12 @@ def real_and_changed_patches(layout, inputs, masked, patch_size):
         per_image = inputs["image_grid_thw"].prod(-1).tolist()
         changed = [int(d.any(1).sum()) for d in diff.split(per_image)]
         return per_image, changed, 0
-    if layout == "tile_rows":
-        real = inputs["pixel_attention_mask"].bool()
+    if layout in ("tile_rows", "position_rows"):  # rows of patches: real by the mask, or by a position >= 0
+        real = (
+            inputs["pixel_attention_mask"].bool()
+            if layout == "tile_rows"
+            else (inputs["image_position_ids"] >= 0).all(-1)
+        )
         changed = diff.any(-1)
         return real.sum(1).tolist(), changed.sum(1).tolist(), int(diff[~real].sum())
     if layout == "tiles":
@@ -142,12 +147,13 @@ def test_each_family_mask_blackens_exactly_round_p_n_real_patches_and_no_padding
 
 
 def black_like(layout, values, black):
-    """Normalised black per value, broadcastable to ``values``: Qwen rows are (C, T, P, P), LFM2 rows (P, P, C),
+    """Normalised black per value, broadcastable to ``values``: Qwen rows are (C, T, P, P), LFM2 and Gemma4 rows
+    (P, P, C),
     5-D tiles (B, N, C, H, W) and 4-D images (n, C, H, W)."""
     channels = black.numel()
     if layout == "grid_rows":
         return black.repeat_interleave(values.shape[-1] // channels)
-    if layout == "tile_rows":
+    if layout in ("tile_rows", "position_rows"):
         return black.repeat(values.shape[-1] // channels)
     return black[:, None, None]
 
@@ -164,6 +170,10 @@ def test_tiled_variants_really_carry_padding(family_batch):
         assert inputs["pixel_values"].shape[1] == 5 and not inputs["pixel_values"][1, 3:].any()
     if family == "lfm2_vl_tiled":  # 64-px tiles are 16 rows of the 36 a thumbnail has: padded rows
         assert inputs["num_tiles"] == [5, 3] and not inputs["pixel_attention_mask"].all()
+    if family == "gemma4":  # 630 rows an image: 24x24 patches of the square one, 15x33 of the wide one, then padding
+        real = (inputs["image_position_ids"] >= 0).all(-1)
+        assert inputs["pixel_values"].shape[:2] == (2, 630) and real.sum(1).tolist() == [576, 495]
+        assert not inputs["pixel_values"][~real].any() and (inputs["image_position_ids"][~real] == -1).all()
 
 
 @pytest.mark.parametrize("family", [f for f in FAMILY_NAMES if LAYOUT_OF[f] == "tiles"])
@@ -291,6 +301,24 @@ def test_gemma4_position_rows_mask_only_real_rows():
     changed = (masked != inputs["pixel_values"]).any(-1)
     assert not changed[~real].any()
     assert changed.sum(1).tolist() == [round(RATIO * n) for n in real.sum(1).tolist()]
+
+
+def test_lora_adapts_the_linear_inside_gemma4s_clipped_vision_projections():
+    """Gemma4's vision q_proj/v_proj are ``Gemma4ClippableLinear`` wrappers, which PEFT refuses: the builder's LoRA
+    adapts the ``nn.Linear`` each wraps, and the text projections as they are. When PEFT learns to adapt the wrapper
+    the refusal below stops and the exclusion in ``builder.lora_config`` can go."""
+    config = families.FAMILIES["gemma4"].build()[1]
+    with pytest.raises(ValueError, match="Target module Gemma4ClippableLinear"):
+        get_peft_model(families.Gemma4ForConditionalGeneration(config), builder.lora_config(unit_params()))
+    model = families.Gemma4ForConditionalGeneration(config)
+    adapted = get_peft_model(model, builder.lora_config(unit_params(), model)).targeted_module_names
+    projections = lambda prefix, tower, suffix: {
+        f"model.{prefix}layers.{i}.self_attn.{p}{suffix}"
+        for i in range(tower.num_hidden_layers)
+        for p in ("q_proj", "v_proj")
+    }
+    vision = projections("vision_tower.encoder.", config.vision_config, ".linear")
+    assert sorted(adapted) == sorted(vision | projections("language_model.", config.text_config, ""))
 
 
 def test_more_images_than_num_images_counts_fails_by_name():

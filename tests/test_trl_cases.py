@@ -5,9 +5,11 @@ Each test rebuilds the upstream scenario (full fine-tuning at learning rate 0.1,
 8-token completions, a reward for longer completions) and asserts what upstream asserts, once at gamma 0 (PAPO-G's
 terms off: a GRPO-equivalent config) and once at PAPOGConfig's defaults. Upstream trains its tiny hub checkpoints
 over a whole dataset; here a step or two on the shapes task, which already moves every trainable parameter at this
-learning rate. Upstream models without a tiny stand-in here (Gemma4, Qwen3.5) are left out; Qwen3-VL stands in for
-the newest Qwen family. The stand-ins are configured as the hub checkpoints are (LLaVA-NeXT's
-``vision_feature_layer=-2``, Gemma3's vision tower without its attention-pooling head).
+learning rate. Upstream's ``test_train_vlm`` models all have a stand-in here (its
+``trl-internal-testing/tiny-Gemma4ForConditionalGeneration`` is ``tiny:gemma4``) except Qwen3.5 and Qwen3.5-MoE, for
+which Qwen3-VL stands in as the newest Qwen family. The stand-ins are configured as the hub checkpoints are
+(LLaVA-NeXT's ``vision_feature_layer=-2``, Gemma3's vision tower without its attention-pooling head, Gemma4 as
+gemma-4-E2B, which upstream's tiny Gemma4 copies: clipped vision linears, per-layer inputs, 3x3 pooling).
 """
 
 from __future__ import annotations
@@ -94,7 +96,7 @@ def train_and_diff(trainer) -> tuple[list[str], list[str]]:
 FROZEN_BY_DESIGN = {"llava_next": ("encoder.layers.1", "post_layernorm")}
 
 
-@pytest.mark.parametrize("family", ["gemma3", "llava_next", "qwen2_5_vl", "qwen2_vl", "qwen3_vl"])
+@pytest.mark.parametrize("family", ["gemma3", "gemma4", "llava_next", "qwen2_5_vl", "qwen2_vl", "qwen3_vl"])
 def test_train_vlm(family, mode, cache, tmp_path):
     """Upstream ``test_train_vlm``: every parameter changes, except LLaVA-NeXT's frozen-by-design ones."""
     changed, unchanged = train_and_diff(upstream_trainer(family, mode, cache, tmp_path))

@@ -1,5 +1,5 @@
-"""Tiny offline VLMs of the other families TRL 1.9.1 trains: Qwen3-VL, Idefics3, SmolVLM, Gemma3, LFM2-VL, LLaVA,
-Mistral3, LLaVA-NeXT, LLaVA-OneVision.
+"""Tiny offline VLMs of the other families TRL 1.9.1 trains: Qwen3-VL, Idefics3, SmolVLM, Gemma3, Gemma4, LFM2-VL,
+LLaVA, Mistral3, LLaVA-NeXT, LLaVA-OneVision.
 
 As for Qwen2-VL (``models.py``), everything is made locally: a byte-level BPE trained on the shapes task with the
 family's own special tokens, a ChatML-style template that places the family's image token, the family's own image
@@ -23,6 +23,12 @@ from transformers import (
     Gemma3ForConditionalGeneration,
     Gemma3ImageProcessor,
     Gemma3Processor,
+    Gemma4AudioFeatureExtractor,
+    Gemma4Config,
+    Gemma4ForConditionalGeneration,
+    Gemma4ImageProcessor,
+    Gemma4Processor,
+    Gemma4VideoProcessor,
     Idefics3Config,
     Idefics3ForConditionalGeneration,
     Idefics3ImageProcessor,
@@ -74,6 +80,15 @@ IDEFICS_TOKENS = ["<fake_token_around_image>", "<image>", "<end_of_utterance>", 
     f"<row_{i}_col_{j}>" for i in range(1, 7) for j in range(1, 7)
 ]
 GEMMA3_TOKENS = ["<start_of_image>", "<image_soft_token>", "<end_of_image>"]
+GEMMA4_NAMED = {  # Gemma4Processor reads all six off the tokenizer (audio ones too: validate_inputs needs them)
+    "boi_token": "<|image>",
+    "image_token": "<|image|>",
+    "eoi_token": "<image|>",
+    "boa_token": "<|audio>",
+    "audio_token": "<|audio|>",
+    "eoa_token": "<audio|>",
+}
+GEMMA4_TOKENS = [*GEMMA4_NAMED.values(), "<|video|>"]  # the processor registers <|video|> itself
 LFM2_TOKENS = ["<image>", "<|image_start|>", "<|image_end|>", "<|img_thumbnail|>"] + [
     f"<|img_row_{i}_col_{j}|>" for i in range(1, 11) for j in range(1, 11)
 ]
@@ -82,7 +97,15 @@ ONEVISION_TOKENS = ["<image>", "<video>"]
 PIXTRAL_TOKENS = ["[IMG]", "[IMG_BREAK]", "[IMG_END]"]
 QWEN_VISION_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>"]
 FAMILY_VISION_TOKENS = sorted(
-    set(IDEFICS_TOKENS + GEMMA3_TOKENS + LFM2_TOKENS + ONEVISION_TOKENS + PIXTRAL_TOKENS + QWEN_VISION_TOKENS)
+    set(
+        IDEFICS_TOKENS
+        + GEMMA3_TOKENS
+        + GEMMA4_TOKENS
+        + LFM2_TOKENS
+        + ONEVISION_TOKENS
+        + PIXTRAL_TOKENS
+        + QWEN_VISION_TOKENS
+    )
 )
 
 
@@ -162,13 +185,14 @@ def _llama_text(tokenizer, **extra) -> dict:
     }
 
 
-def _siglip(image_size: int, patch_size: int, **extra) -> dict:
+def _siglip(image_size: int | None, patch_size: int, **extra) -> dict:
+    """A small vision tower's fields; ``image_size=None`` for a tower without a fixed size (Gemma4)."""
     return {
         "hidden_size": VISION["width"],
         "intermediate_size": VISION["intermediate"],
         "num_hidden_layers": VISION["depth"],
         "num_attention_heads": VISION["heads"],
-        "image_size": image_size,
+        **({} if image_size is None else {"image_size": image_size}),
         "patch_size": patch_size,
         **extra,
     }
@@ -265,6 +289,45 @@ def _gemma3():
         eoi_token_index=tokenizer.convert_tokens_to_ids("<end_of_image>"),
         image_token_index=tokenizer.convert_tokens_to_ids("<image_soft_token>"),
         tie_word_embeddings=False,
+    )
+    return processor, config
+
+
+def _gemma4():
+    # As gemma-4-E2B (the checkpoint TRL's tiny Gemma4 copies): 16-px patches pooled 3x3 by position into soft
+    # tokens, clipped vision linears, no standardisation, per-layer inputs, causal attention over image tokens. The
+    # smallest soft-token budget (70) still pads each image to 630 patch rows: 576 real for a square image.
+    patch, pooling, budget = 16, 3, 70
+    tokenizer = family_tokenizer(GEMMA4_TOKENS, named=GEMMA4_NAMED)
+    processor = Gemma4Processor(
+        feature_extractor=Gemma4AudioFeatureExtractor(),  # required, like the video processor; neither is used
+        image_processor=Gemma4ImageProcessor(patch_size=patch, max_soft_tokens=budget, pooling_kernel_size=pooling),
+        tokenizer=tokenizer,
+        video_processor=Gemma4VideoProcessor(),
+        image_seq_length=budget,
+        chat_template=chat_template("<|image|>"),
+    )
+    text = _llama_text(tokenizer, head_dim=16, global_head_dim=16, sliding_window=64, final_logit_softcapping=30.0)
+    text |= {"layer_types": ["sliding_attention", "full_attention"], "hidden_size_per_layer_input": 16}
+    text["vocab_size_per_layer_input"] = len(tokenizer)
+    vision = _siglip(None, patch, head_dim=VISION["width"] // VISION["heads"], num_key_value_heads=VISION["heads"])
+    vision |= {"pooling_kernel_size": pooling, "use_clipped_linears": True, "standardize": False}
+    vision["position_embedding_size"] = budget * pooling**2  # an x or y index per possible patch row
+    token_fields = {
+        "image_token_id": "<|image|>",
+        "boi_token_id": "<|image>",
+        "eoi_token_id": "<image|>",
+        "video_token_id": "<|video|>",
+        "audio_token_id": "<|audio|>",
+        "boa_token_id": "<|audio>",
+        "eoa_token_index": "<audio|>",
+    }
+    config = Gemma4Config(
+        text_config=text,
+        vision_config=vision,
+        audio_config=None,
+        tie_word_embeddings=False,
+        **{field: tokenizer.convert_tokens_to_ids(token) for field, token in token_fields.items()},
     )
     return processor, config
 
@@ -414,6 +477,7 @@ FAMILIES = {
     "smolvlm": Family(lambda: _idefics(True, False), SmolVLMForConditionalGeneration, "tiles"),
     "smolvlm_tiled": Family(lambda: _idefics(True, True), SmolVLMForConditionalGeneration, "tiles"),
     "gemma3": Family(_gemma3, Gemma3ForConditionalGeneration, "images"),
+    "gemma4": Family(_gemma4, Gemma4ForConditionalGeneration, "position_rows"),
     "lfm2_vl": Family(lambda: _lfm2_vl(False), Lfm2VlForConditionalGeneration, "tile_rows"),
     "lfm2_vl_tiled": Family(lambda: _lfm2_vl(True), Lfm2VlForConditionalGeneration, "tile_rows"),
     "llava": Family(_llava, LlavaForConditionalGeneration, "images"),

@@ -319,6 +319,7 @@ TINY_FAMILIES = (
     "smolvlm",
     "smolvlm_tiled",
     "gemma3",
+    "gemma4",
     "lfm2_vl",
     "lfm2_vl_tiled",
     "llava",

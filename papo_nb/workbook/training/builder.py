@@ -103,15 +103,28 @@ def papo_config(
     return PAPOGConfig(**settings)
 
 
-def lora_config(params: WorkbookParams):
+LORA_TARGETS = ("q_proj", "v_proj")
+
+
+def lora_config(params: WorkbookParams, model=None):
+    """LoRA on every ``q_proj``/``v_proj`` linear. Given ``model``, a projection that is no ``nn.Linear`` but wraps
+    one as ``.linear`` (Gemma4's vision tower: ``Gemma4ClippableLinear``, which PEFT refuses to adapt) is excluded
+    and its ``linear`` adapted instead."""
     from peft import LoraConfig
 
     # q_proj/v_proj exist only in the language model of Qwen-VL (the vision tower has a fused qkv).
+    wrappers = [
+        name
+        for name, module in (model.named_modules() if model is not None else ())
+        if name.rsplit(".", 1)[-1] in LORA_TARGETS and isinstance(getattr(module, "linear", None), torch.nn.Linear)
+    ]
+    targets = [*LORA_TARGETS, *(f"{t}.linear" for t in LORA_TARGETS)] if wrappers else list(LORA_TARGETS)
     return LoraConfig(
         r=params.lora_r,
         lora_alpha=params.lora_alpha,
         lora_dropout=0.0,
-        target_modules=["q_proj", "v_proj"],
+        target_modules=targets,
+        exclude_modules=wrappers or None,
         task_type="CAUSAL_LM",
     )
 
@@ -128,7 +141,7 @@ def build_trainer(
         if params.freeze_vision_tower:
             vision_tower(model).requires_grad_(False)
     else:
-        peft_config = None if isinstance(model, PeftModel) else lora_config(params)
+        peft_config = None if isinstance(model, PeftModel) else lora_config(params, model)
     official = params.dataset_schema == "official"
     # TRL draws a fresh LoRA adapter from the global RNG before Trainer.__init__ seeds it: seed here, or phase 1 of
     # every workbook starts from a different adapter in every process.
