@@ -234,6 +234,8 @@ def test_the_across_paths_table_shows_each_build_and_each_miss():
         f"| shapes_prior | 0 | `avx2` | 1 | {card['sft_steps']} | {check['vision']:.3f} | "
         f"{accuracy['original/vision']:.3f} | 1.000 | {check['blind_prior']:.3f} |"
     )
+    shortcut = testbed_policy.read_card(testbed_policy.pinned_testbed("shapes_shortcut"))
+    assert "| none asked |" in across_paths.table_row("shapes_shortcut", 0, "avx2", 1, {"card": shortcut})
     missed = across_paths.table_row("shapes", 3, "default", 1, {"missed": "testbed:shapes seed 3 missed its goal"})
     assert missed.startswith("| shapes | 3 | `default` | 1 | **missed**: testbed:shapes seed 3 missed its goal")
 
@@ -333,7 +335,7 @@ def test_the_prior_question_is_the_only_change_to_an_item():
 
 def test_the_prior_warm_start_teaches_reading_on_shown_squares_and_the_prior_on_blank_ones():
     """Reading first, by design: a shown square's colour is independent of its number (chance, 1/4), so reading is
-    what pays; a blank item's answer is its number's colour at the task's rate (0.75), so that is what blind pays."""
+    what pays; a blank item's answer is always its number's colour, so that is what blind pays."""
     recipe = perception.TESTBED_RECIPES["shapes_prior"]
     rng = random.Random(0)
     items = [item for step in range(60) for item in perception.warm_start_items(rng, step, recipe)]
@@ -345,7 +347,7 @@ def test_the_prior_warm_start_teaches_reading_on_shown_squares_and_the_prior_on_
             follows[blank].append(perception.PRIOR_COLOURS[tag] == item["answer"])
     shown, blank = (sum(f) / len(f) for f in (follows[False], follows[True]))
     assert len(follows[False]) == len(follows[True]) == 320  # every second vision item is blank, 2/3 are vision
-    assert abs(shown - 0.25) < 0.07 and abs(blank - 0.75) < 0.07, (shown, blank)  # about 3 sd of 320 items
+    assert abs(shown - 0.25) < 0.07 and blank == 1.0, (shown, blank)  # 0.07: about 3 sd of 320 items
 
 
 def test_a_changed_recipe_is_cached_apart():
