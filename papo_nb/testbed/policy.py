@@ -7,7 +7,7 @@ workbook's greedy generation and the official raw-image mask, so it lives here.
 Why the weights are shipped: training in floating point is chaotic, so the same code, seed and data build a
 slightly different policy on another CPU's kernels (``ATEN_CPU_CAPABILITY=default|avx2|avx512``). The warm start's
 curriculum (``papo_nb.testbed.perception``) makes such builds reach their goal (``python -m
-papo_nb.testbed.across_paths`` builds each testbed on each path and seed: 26 of 27 did), but not bit for bit the
+papo_nb.testbed.across_paths`` builds each testbed on each path and seed: 36 of 36 did), but not bit for bit the
 same weights. So workbook parameters ``testbed:<name>`` load the seed-0 weights this package ships (``PINNED_ROOT``,
 about 800 kB each), checked against their SHA-256 in ``pinned/manifest.json``: every machine starts from the same
 policy, and a card scored on it is the same to the last greedy answer. ``python -m papo_nb.testbed.pin`` rebuilds
