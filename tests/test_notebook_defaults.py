@@ -17,11 +17,11 @@ import papermill
 import pytest
 
 from papo_nb.infra.notebooks import RUNTIME_PARAMETERS
+from papo_nb.infra.smoke_paths import SMOKE_PARAMS
 from papo_nb.workbook.config.params import WorkbookParams, load_params
 
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
-SMOKE_PARAMS = ROOT / "params" / "smoke.yaml"
 
 
 def default_drift(notebook: Path) -> list[str]:

@@ -4,6 +4,7 @@ The tests of the built policy use the weights the package ships (conftest's test
 machine; a fresh build is tested for what it must do anywhere: stop at its goal or fail loudly, never cache a miss.
 """
 
+import dataclasses
 import json
 import random
 import shutil
@@ -146,7 +147,7 @@ def test_warm_start_is_deterministic_for_a_seed():
     for _ in range(2):
         torch.manual_seed(0)
         model = FAMILIES["qwen2_vl"][1](tiny_config("qwen2_vl", processor.tokenizer))
-        losses = perception.warm_start(model, processor, steps=3, seed=7)
+        losses = perception.warm_start(model, processor, perception.TESTBED_RECIPES["shapes"], steps=3, seed=7)
         weights.append(torch.cat([p.detach().flatten() for p in model.parameters()]))
     assert losses[-1] < losses[0]
     assert torch.equal(weights[0], weights[1])
@@ -233,6 +234,8 @@ def test_the_across_paths_table_shows_each_build_and_each_miss():
         f"| shapes_prior | 0 | `avx2` | 1 | {card['sft_steps']} | {check['vision']:.3f} | "
         f"{accuracy['original/vision']:.3f} | 1.000 | {check['blind_prior']:.3f} |"
     )
+    shortcut = testbed_policy.read_card(testbed_policy.pinned_testbed("shapes_shortcut"))
+    assert "| none asked |" in across_paths.table_row("shapes_shortcut", 0, "avx2", 1, {"card": shortcut})
     missed = across_paths.table_row("shapes", 3, "default", 1, {"missed": "testbed:shapes seed 3 missed its goal"})
     assert missed.startswith("| shapes | 3 | `default` | 1 | **missed**: testbed:shapes seed 3 missed its goal")
 
@@ -328,6 +331,31 @@ def test_the_prior_question_is_the_only_change_to_an_item():
     vision = perception.make_item(random.Random(2), "vision", prior_rate=1.0)
     tag = prior_vision_items({"prompt": [vision["prompt"]], "answer": [vision["answer"]], "vision_dependent": [True]})
     assert tag == [(tag[0][0], perception.PRIOR_COLOURS[tag[0][0]])]  # rate 1: the square has its number's colour
+
+
+def test_the_prior_warm_start_teaches_reading_on_shown_squares_and_the_prior_on_blank_ones():
+    """Reading first, by design: a shown square's colour is independent of its number (chance, 1/4), so reading is
+    what pays; a blank item's answer is always its number's colour, so that is what blind pays."""
+    recipe = perception.TESTBED_RECIPES["shapes_prior"]
+    rng = random.Random(0)
+    items = [item for step in range(60) for item in perception.warm_start_items(rng, step, recipe)]
+    follows = {True: [], False: []}  # blank or not: does the answer follow the number?
+    for item in items:
+        if item["vision_dependent"]:
+            tag = perception.PRIOR_PATTERN.search(item["prompt"][0]["content"][1]["text"]).group(1)
+            blank = item["image"].getcolors() == [(perception.IMAGE_SIZE**2, (0, 0, 0))]
+            follows[blank].append(perception.PRIOR_COLOURS[tag] == item["answer"])
+    shown, blank = (sum(f) / len(f) for f in (follows[False], follows[True]))
+    assert len(follows[False]) == len(follows[True]) == 320  # every second vision item is blank, 2/3 are vision
+    assert abs(shown - 0.25) < 0.07 and blank == 1.0, (shown, blank)  # 0.07: about 3 sd of 320 items
+
+
+def test_a_changed_recipe_is_cached_apart():
+    """A recipe's own change renames its cache, so a fresh build of an earlier recipe is never read back as this."""
+    recipe = perception.TESTBED_RECIPES["shapes_prior"]
+    changed = dataclasses.replace(recipe, blank_prior_rate=0.9)
+    assert changed.digest != recipe.digest and recipe.digest == perception.TESTBED_RECIPES["shapes_prior"].digest
+    assert len({r.digest for r in perception.TESTBED_RECIPES.values()}) == len(perception.TESTBEDS)
 
 
 @pytest.mark.model

@@ -7,7 +7,7 @@ workbook's greedy generation and the official raw-image mask, so it lives here.
 Why the weights are shipped: training in floating point is chaotic, so the same code, seed and data build a
 slightly different policy on another CPU's kernels (``ATEN_CPU_CAPABILITY=default|avx2|avx512``). The warm start's
 curriculum (``papo_nb.testbed.perception``) makes such builds reach their goal (``python -m
-papo_nb.testbed.across_paths`` builds each testbed on each path and seed: 26 of 27 did), but not bit for bit the
+papo_nb.testbed.across_paths`` builds each testbed on each path and seed: 36 of 36 did), but not bit for bit the
 same weights. So workbook parameters ``testbed:<name>`` load the seed-0 weights this package ships (``PINNED_ROOT``,
 about 800 kB each), checked against their SHA-256 in ``pinned/manifest.json``: every machine starts from the same
 policy, and a card scored on it is the same to the last greedy answer. ``python -m papo_nb.testbed.pin`` rebuilds
@@ -149,9 +149,8 @@ def _warm_start_to_goal(model, processor, name: str, seed: int) -> tuple[list[fl
 
     try:
         losses = warm_start(
-            model, processor, steps=SFT_MAX_STEPS, seed=seed, after_step=stop_in_band,
-            boxed_every=recipe.boxed_every, prior_rate=recipe.warm_start_prior, blank_every=recipe.blank_every,
-            kinds=recipe.kinds, decoy_share=recipe.decoy_share, progress=lambda loss: bar.update(),
+            model, processor, recipe, steps=SFT_MAX_STEPS, seed=seed, after_step=stop_in_band,
+            progress=lambda loss: bar.update(),
         )  # fmt: skip
     finally:
         bar.close()
@@ -201,6 +200,7 @@ def _write_testbed(folder: Path, name: str, seed: int) -> None:
         "check_every": SFT_CHECK_EVERY,
         "curriculum": {"hold_steps": CURRICULUM_HOLD, "shrink_steps": CURRICULUM_SHRINK, "final_side": CELL},
         "blank_every": recipe.blank_every,
+        **({"blank_prior_rate": recipe.blank_prior} if recipe.blank_every else {}),
         "blind_prior_floor": recipe.blind_prior_floor,
         "validation_checks": checks,
         "sft_batch": SFT_BATCH,
@@ -242,14 +242,15 @@ def _missed_message(name: str, seed: int, recipe, checks: list[dict]) -> str:
 def build_testbed(name: str = "shapes", seed: int = 0, cache_dir: str | Path | None = None) -> Path:
     """Build (or reuse) the warm-started testbed policy and return its folder, loadable with ``load_vlm``.
 
-    Cached under ``<cache>/testbed-<name>-seed<seed>-v<version>`` (``~/.cache/papo_nb`` or ``PAPO_NB_CACHE``: one
-    build per machine, shared by every run and clone) with a completion marker written last (see ``build_cached``).
+    Cached under ``<cache>/testbed-<name>-seed<seed>-v<version>-<recipe digest>`` (``~/.cache/papo_nb`` or
+    ``PAPO_NB_CACHE``: one build per machine, shared by every run and clone) with a completion marker written last
+    (see ``build_cached``).
     Its ``testbed_card.json`` holds the held-out accuracies measured at build time.
     """
     if name not in TESTBEDS:
         raise ValueError(f"testbed name={name!r} is unknown; allowed: {list(TESTBEDS)}")
     root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_root()
-    folder = root / f"testbed-{name}-seed{seed}-v{TESTBED_VERSION}"
+    folder = root / f"testbed-{name}-seed{seed}-v{TESTBED_VERSION}-{TESTBED_RECIPES[name].digest}"
     return build_cached(
         folder, lambda staging: _write_testbed(staging, name, seed), f"testbed={name} seed={seed} v={TESTBED_VERSION}"
     )
