@@ -146,8 +146,9 @@ TESTBED_RECIPES = {
     # Reading first, by design: the number says nothing about a square that is shown (rate 1/4, chance), so the
     # warm start learns to read as shapes' does; the prior comes from the blank items, whose answer is the number's
     # colour, always. Trained with the prior on shown squares too (0.75), the prior won the race against reading on
-    # one kernel path (seed 0, avx2: prior-breaking accuracy 0 for 1500 steps) and was late on others; blank items
-    # that follow it only at the task's 0.75 left the blind prior under its floor (0.69-0.80) on two paths of three.
+    # one kernel path (seed 0, avx2: prior-breaking accuracy 0 for 1500 steps) and was late on others; with blank
+    # items that follow it only at the task's 0.75, the blind prior reached its floor only after reading had passed
+    # the band, on two paths of three (seed 0: at the step limit vision 1.00, blind prior 0.69-0.80).
     "shapes_prior": TestbedRecipe(
         vision_band=(0.35, 0.70),
         prior_rate=0.75,
