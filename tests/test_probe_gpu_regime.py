@@ -217,5 +217,11 @@ def test_a_leak_confined_to_a_one_percent_block_of_the_wide_model_fails(cached_w
         )
         assert shares[block] < 0.05
         assert all(f"{term} in {block}" in e["seen"] for e in leaky), "the block test sees the confined leak"
-        if precision == "bf16":  # at bf16 floors the whole fit sees only share x 0.02: the block test is needed
-            assert not any(term in e["seen"] for e in leaky), "the whole-gradient fit alone would have missed it"
+        # The whole-gradient fit sees only share x 0.02 of a confined leak. At bf16 floors that lies below what the
+        # whole fit can detect (measured 2.6-15x below on the default, avx2 and avx512 paths), so the block test is
+        # what catches it. Whether the whole fit crosses its threshold anyway on one evaluation is chance (once in 8
+        # on the default path), so this holds its power, not a miss.
+        effective = shares[block] * RECIPE_GAMMA
+        if precision == "bf16":
+            detectable = [e["detectable"][term] for e in leaky]
+            assert min(detectable) > effective, f"the whole fit is powered for {effective:.2e}: {detectable}"
