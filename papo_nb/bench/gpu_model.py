@@ -55,7 +55,7 @@ VISION_TINY = dict(VISION_3B, hidden_size=32, intermediate_size=64, num_heads=2,
 def model_config(processor, *, tiny: bool, text_layers: int, vision_depth: int):
     from transformers import Qwen2_5_VLConfig
 
-    from papo_nb.testbed.families import qwen_vision_token_ids
+    from papo_nb.testbed.family_tokens import qwen_vision_token_ids
 
     tokenizer = processor.tokenizer
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in ("<|endoftext|>", "<|im_end|>")}

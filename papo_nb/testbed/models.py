@@ -31,7 +31,7 @@ from transformers import (
     Qwen2VLVideoProcessor,
 )
 
-from papo_nb.testbed import families
+from papo_nb.testbed import families, family_tokens
 from papo_nb.testbed.shapes import task_corpus
 
 # Bump when the tiny model's recipe changes, so old caches are not reused.
@@ -214,7 +214,7 @@ def tiny_config(family: str, tokenizer: PreTrainedTokenizerFast, size: str = "ti
     return config_cls(
         text_config=text_config,
         vision_config=vision_config,
-        **families.qwen_vision_token_ids(tokenizer),
+        **family_tokens.qwen_vision_token_ids(tokenizer),
     )
 
 
@@ -331,5 +331,5 @@ def vision_special_token_ids(processor_or_tokenizer) -> list[int]:
     """Ids of the vision placeholder tokens, for `generation_kwargs={"suppress_tokens": ...}`."""
     tokenizer = getattr(processor_or_tokenizer, "tokenizer", processor_or_tokenizer)
     vocab = tokenizer.get_vocab()
-    names = set(VISION_SPECIAL_TOKENS) | set(families.FAMILY_VISION_TOKENS)
+    names = set(VISION_SPECIAL_TOKENS) | set(family_tokens.FAMILY_VISION_TOKENS)
     return sorted(vocab[t] for t in names if t in vocab)
