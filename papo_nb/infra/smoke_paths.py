@@ -19,7 +19,7 @@ from pathlib import Path
 from mlflow import MlflowClient
 
 from papo_nb.infra.notebooks import run_workbook
-from papo_nb.testbed.across_paths import cpu_paths
+from papo_nb.testbed.kernel_paths import cpu_paths
 
 ROOT = Path(__file__).resolve().parents[2]
 SMOKE_PARAMS = ROOT / "params" / "smoke.yaml"

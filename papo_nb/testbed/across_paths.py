@@ -18,7 +18,8 @@ import subprocess
 import sys
 import tempfile
 
-PATHS = ("default", "avx2", "avx512")
+from papo_nb.testbed.kernel_paths import cpu_paths
+
 _BUILD = """
 import json, sys, torch
 from papo_nb.testbed import policy
@@ -32,15 +33,6 @@ try:
 except policy.TestbedGoalMissed as missed:
     print(json.dumps({"missed": str(missed)}))
 """
-
-
-def cpu_paths() -> list[str]:
-    """The kernel paths this CPU can run: up to the one ATen picks natively (``avx512`` only where it has it)."""
-    probe = "import torch; print(torch.backends.cpu.get_cpu_capability())"
-    env = {k: v for k, v in os.environ.items() if k != "ATEN_CPU_CAPABILITY"}
-    native = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True)
-    native_path = native.stdout.strip().lower()
-    return list(PATHS[: PATHS.index(native_path) + 1]) if native_path in PATHS else ["default"]  # e.g. ARM
 
 
 def build_on_path(name: str, seed: int, path: str, threads: int) -> dict:
