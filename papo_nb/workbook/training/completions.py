@@ -143,6 +143,7 @@ def completions_table(trainer, step: int) -> pd.DataFrame:
     advantages = list(logs["advantages"])
     papo = hasattr(trainer, "perception_record")  # a GRPOTrainer keeps neither
     perception = trainer.perception_record.rollout if papo else {}
+    skipped = papo and trainer.masked_branch.skipped
     masks = trainer.masks.rollout_masks if papo else {}
     local_rows = len(prompts) // max(trainer.accelerator.num_processes, 1)  # rank 0's rows come first
     items = item_keys(prompts[:local_rows], images[:local_rows])
@@ -157,6 +158,8 @@ def completions_table(trainer, step: int) -> pd.DataFrame:
         row.update(prompt=prompts[i], completion=completions[i])
         row.update({f"reward/{name}": float(values[i]) for name, values in rewards.items()})
         kl, entropy, masked_entropy = perception.get(i, (None, None, None))
+        if skipped:  # the masked branch did not run: its KL and entropy would be the original branch's (issue 45)
+            kl, masked_entropy = None, None
         row.update(advantage=float(advantages[i]), perception_kl=kl)
         row.update(original_entropy=entropy, masked_entropy=masked_entropy)
         table.append(row)
