@@ -127,6 +127,18 @@ def test_one_completions_table_across_steps_each_row_with_its_own_item_and_terms
 
 
 @pytest.mark.slow
+def test_the_model_config_is_an_artifact_not_a_hundred_params(trained):
+    """Issue 45: transformers' MLflow callback logged the model config as params (160 of them for the tiny model); the
+    run keeps the TrainingArguments as params and the config as one artifact."""
+    client, run_id, trainer, _ = trained
+    params = client.get_run(run_id).data.params
+    assert {"learning_rate", "perception_loss_weight", "num_generations"} <= set(params)
+    assert not {"vocab_size", "vision_config", "architectures", "model_type"} & set(params)
+    config = json.loads(Path(client.download_artifacts(run_id, "train/model_config.json")).read_text())
+    assert config["model_type"] == trainer.model.config.model_type and "vision_config" in config
+
+
+@pytest.mark.slow
 def test_masked_thumbnails_draw_the_steps_own_mask_visibly(trained):
     client, run_id, trainer, _ = trained
     folder, rows = _table_rows(client, run_id)
