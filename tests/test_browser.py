@@ -28,7 +28,13 @@ from pathlib import Path
 
 import pytest
 from mlflow import MlflowClient
-from mlflow_review_checks import check_completions_rows, completions_rows, heldout_accuracy_column
+from mlflow_review_checks import (
+    check_completions_rows,
+    completions_rows,
+    heldout_accuracy_column,
+    notebook_renders_as_html,
+    results_page_and_headline_columns,
+)
 
 from papo_nb.infra.servers import serve_jupyterlab, serve_mlflow_ui, server_base
 from papo_nb.infra.tracking import EXPERIMENT_NAME
@@ -229,6 +235,25 @@ def test_mlflow_ui_shows_the_workbook_its_notebook_runs_the_calibration_plot_and
         for text in ('"status": "passed"', '"loss_bit_equal": true', '"passed": true', '"perception_kl": '):
             expect(shown).to_contain_text(text)
         shoot(page, "mlflow_6_probe_evidence")
+
+
+def test_the_workbook_run_opens_on_its_results_page_and_notebooks_render_as_html(
+    chromium, smoke_workbook, browser, shoot
+):
+    """Issue 45: the workbook run's Description shows the verdict, the probe status and held-out accuracy original and
+    masked in its first screen, the runs list gets a column for each within the window, and an executed notebook
+    opens as HTML in the artifact view (its code and outputs rendered)."""
+    _expect()
+    client = MlflowClient(smoke_workbook.tracking_uri)
+    experiment_id = client.get_experiment_by_name(EXPERIMENT_NAME).experiment_id
+    runs = {nb.name: nb.run_id for nb in smoke_workbook.notebooks}
+    _hide_mlflow_assistant(browser)
+    page = browser.new_page()
+    with serve_mlflow_ui(tracking_uri=smoke_workbook.tracking_uri) as landing:
+        url = server_base(landing)
+        results_page_and_headline_columns(page, url, client, experiment_id, smoke_workbook.parent_run_id, shoot)
+        for name in ("03_training_run", "04_method_study"):
+            notebook_renders_as_html(browser.new_page(), url, experiment_id, runs[name], name, shoot)
 
 
 def _decoded_images(page, locator, at_least: int) -> list[tuple[int, int]]:

@@ -60,7 +60,7 @@ def test_parent_and_nested_runs(workbook):
             f"notebook/{name}.html",
             f"notebook/{name}.ipynb",
         ]
-        assert run.data.tags["mlflow.note.content"].startswith(f"## Results of {name} (finished)"), name
+        assert run.data.tags["mlflow.note.content"].startswith(f"**{name} finished**"), name
         # every notebook tags its run with what its results depend on (tracking.standard_tags)
         assert run.data.tags.get("papo_nb.adapter_version") == PAPO_ADAPTER_VERSION, f"{name}: no standard tags"
         assert run.data.tags.get("papo_nb.trl_version") == "1.9.1", name
@@ -75,6 +75,7 @@ def test_the_workbook_run_carries_the_results_page_and_the_headline_columns(work
     parent = client.get_run(result.parent_run_id).data
     page = parent.tags["mlflow.note.content"]
     training = runs["03_training_run"].data.metrics
+    assert page.startswith("**5 notebooks finished** · contract **PASS** · probe **passed** (power ")
     assert "Contract verdict**: PASS" in page and "Gamma-zero probe**: passed" in page
     assert f"| all items | {training['eval/accuracy_original']:.3f} | {training['eval/accuracy_masked']:.3f} |" in page
     assert parent.metrics["headline/contract_passed"] == 1.0 and parent.metrics["headline/probe_passed"] == 1.0
@@ -193,7 +194,10 @@ def test_training_notebook_logged_every_step(workbook):
     assert {"eval/accuracy_original", "eval/accuracy_masked", "eval/image_reliance_gap"} <= set(metrics)
     assert HELDOUT_ACCURACY in metrics  # the one held-out column with 05 and the study's arms
     assert metrics["start/trainable_parameters"] > 0
-    assert [a.path for a in client.list_artifacts(run.info.run_id, "figures")] == ["figures/training_curves.png"]
+    # the probe's per-block fits are a figure and evidence/probe.json, not hundreds of metrics (issue 45)
+    figures = [a.path for a in client.list_artifacts(run.info.run_id, "figures")]
+    assert figures == ["figures/probe.png", "figures/training_curves.png"]
+    assert not [key for key in metrics if key.startswith(("probe_final/projection_block", "probe/projection_block"))]
     assert Path(run.data.tags["papo_nb.last_checkpoint"], "adapter_model.safetensors").is_file()
 
 

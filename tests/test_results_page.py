@@ -29,6 +29,7 @@ def child_run(client, experiment_id, parent_id, name, metrics, tags=(), zero_std
     client.log_batch(run_id, metrics=[Metric(k, v, 0, 0) for k, v in metrics.items()])
     for step, share in enumerate(zero_std, start=1):
         client.log_metric(run_id, "frac_reward_zero_std", share, step=step)
+    client.set_terminated(run_id, "FINISHED")  # as the runner leaves it before writing the page
     return run_id
 
 
@@ -55,6 +56,10 @@ def test_notebook_and_workbook_pages_carry_verdict_probe_heldout_and_roll_up(mlf
 
     pages = [publish_notebook_page(client, run_id) for run_id in (contract, training)]
     page = client.get_run(training).data.tags[NOTE_TAG]
+    assert page.startswith(
+        "**03_training_run finished** · probe **passed** (power 12.2) · held-out **0.833** original / **0.708** masked"
+        " · learning signal **WEAK** (67% of groups without reward spread)"
+    )
     assert "Gamma-zero probe**: passed" in page and "12.2" in page
     assert "| all items | 0.833 | 0.708 | 0.125 | 48 |" in page and "| vision-dependent | 0.750 | 0.562 |" in page
     assert "WEAK: 67% of the groups had zero reward spread" in page and "step(s) 1, 5, 6" in page
@@ -73,6 +78,7 @@ def test_notebook_and_workbook_pages_carry_verdict_probe_heldout_and_roll_up(mlf
     assert parent.metrics["headline/zero_std_share"] == 4 / 6
     assert parent.tags["papo_nb.verdict"].startswith("PASS") and parent.tags["papo_nb.probe_status"] == "passed"
     workbook_page = parent.tags[NOTE_TAG]
+    assert workbook_page.startswith("**2 notebooks finished** · contract **PASS** · probe **passed** (power 37.5)")
     assert "Contract verdict**: PASS" in workbook_page and "| all items | 0.833 | 0.708 |" in workbook_page
     assert f"#/experiments/{experiment_id}/runs/{training}" in workbook_page
 

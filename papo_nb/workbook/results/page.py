@@ -20,7 +20,7 @@ from mlflow import MlflowClient
 from mlflow.entities import Metric
 
 from papo_nb.workbook.config.metric_keys import HELDOUT_ACCURACY
-from papo_nb.workbook.results.signal import SIGNAL_TAG, signal_health
+from papo_nb.workbook.results.signal import SIGNAL_TAG, ZERO_STD_FLAG, signal_health
 
 NOTE_TAG = "mlflow.note.content"  # what MLflow's UI shows as the run's Description
 VERDICT_TAG, PROBE_STATUS_TAG, PROBE_WARNING_TAG = "papo_nb.verdict", "papo_nb.probe_status", "papo_nb.probe_warning"
@@ -178,9 +178,34 @@ def artifact_links(record: RunRecord) -> list[str]:
     return [f"- [{path}]({record.link(path)})" for path in wanted]
 
 
+def summary_line(status: str, rolled: dict[str, float], tags: dict[str, str]) -> str:
+    """The page's first line, what the Description shows before "Show more": the status, then the contract, the
+    probe with its power, the calibration, held-out accuracy original / masked and the learning signal, each only
+    where the run measured it."""
+    parts = [f"**{status}**"]
+    if "headline/contract_passed" in rolled:
+        parts.append(f"contract **{'PASS' if rolled['headline/contract_passed'] == 1.0 else 'FAIL'}**")
+    status_word = tags.get(PROBE_STATUS_TAG)
+    if status_word is None and "headline/probe_passed" in rolled:
+        status_word = "passed" if rolled["headline/probe_passed"] == 1.0 else "not passed"
+    if status_word is not None:
+        parts.append(f"probe **{status_word}** (power {_number(rolled.get('headline/probe_power'), 1)})")
+    if "headline/calibration_separated" in rolled:
+        parts.append(f"calibration **{'separated' if rolled['headline/calibration_separated'] else 'NOT separated'}**")
+    if "headline/heldout_original" in rolled:
+        original, masked = rolled["headline/heldout_original"], rolled.get("headline/heldout_masked")
+        parts.append(f"held-out **{_number(original)}** original / **{_number(masked)}** masked")
+    if "headline/zero_std_share" in rolled:
+        share = rolled["headline/zero_std_share"]
+        word = "WEAK" if share > ZERO_STD_FLAG else "ok"
+        parts.append(f"learning signal **{word}** ({share:.0%} of groups without reward spread)")
+    return " · ".join(parts)
+
+
 def notebook_page(record: RunRecord, signal: dict | None) -> str:
     """The Markdown results page of one notebook run."""
-    lines = [f"## Results of {record.name} ({record.status.lower()})", ""]
+    status = f"{record.name} {record.status.lower()}"
+    lines = [summary_line(status, headlines(record, signal), record.tags), ""]
     if record.tags.get("papo_nb.failed_cell"):
         lines += [f"**Failed at** {record.tags['papo_nb.failed_cell']}", ""]
     lines += verdict_lines(record)
@@ -237,7 +262,10 @@ def publish_notebook_page(client: MlflowClient, run_id: str) -> tuple[RunRecord,
 def workbook_page(parent: RunRecord, children: list[tuple[RunRecord, dict[str, float]]]) -> str:
     """The workbook run's page: the headlines, then one line per notebook run with its link and status."""
     merged = merge_headlines(children)
-    lines = [f"## Results of {parent.name}", ""]
+    unfinished = [f"{child.name} {child.status}" for child, _ in children if child.status != "FINISHED"]
+    status = ", ".join(unfinished) if unfinished else f"{len(children)} notebooks finished"
+    tags = {key: value for child, _ in reversed(children) for key, value in child.tags.items()}
+    lines = [summary_line(status, merged, tags), "", "### Details", ""]
     for child, _ in children:
         lines += verdict_lines(child)
     signals = [child.tags.get(SIGNAL_TAG) for child, _ in children]
