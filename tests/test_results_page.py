@@ -17,6 +17,7 @@ from mlflow.entities import Metric
 
 from papo_nb.infra.tracking import ensure_experiment
 from papo_nb.papo.perception_metrics import MASKED_BRANCH_METRICS, log_perception_metrics
+from papo_nb.workbook.config.evidence_names import STUDY_TABLE_MD
 from papo_nb.workbook.results.page import NOTE_TAG, publish_notebook_page, publish_workbook_page
 from papo_nb.workbook.results.probe_record import log_probe_evidence
 from papo_nb.workbook.results.readable import write_html_copy
@@ -53,8 +54,14 @@ def test_notebook_and_workbook_pages_carry_verdict_probe_heldout_and_roll_up(mlf
     figure.subplots().plot([1, 2, 3])
     client.log_figure(training, figure, "figures/training_curves.png")
     client.log_text(training, "{}", "completions.json")
+    study = child_run(client, experiment_id, parent_id, "04_method_study", {"study/headline/grpo": 0.734})
+    client.log_text(
+        study, "| metric | grpo | papo_g |\n| --- | --- | --- |\n| avg@k | 0.734 | 0.750 |\n", STUDY_TABLE_MD
+    )
 
-    pages = [publish_notebook_page(client, run_id) for run_id in (contract, training)]
+    pages = [publish_notebook_page(client, run_id) for run_id in (contract, training, study)]
+    study_page = client.get_run(study).data.tags[NOTE_TAG]
+    assert "| grpo | 0.734 |" in study_page and "| avg@k | 0.734 | 0.750 |" in study_page  # the arms, compared
     page = client.get_run(training).data.tags[NOTE_TAG]
     assert page.startswith(
         "**03_training_run finished** · probe **passed** (power 12.2) · held-out **0.833** original / **0.708** masked"
@@ -78,7 +85,7 @@ def test_notebook_and_workbook_pages_carry_verdict_probe_heldout_and_roll_up(mlf
     assert parent.metrics["headline/zero_std_share"] == 4 / 6
     assert parent.tags["papo_nb.verdict"].startswith("PASS") and parent.tags["papo_nb.probe_status"] == "passed"
     workbook_page = parent.tags[NOTE_TAG]
-    assert workbook_page.startswith("**2 notebooks finished** · contract **PASS** · probe **passed** (power 37.5)")
+    assert workbook_page.startswith("**3 notebooks finished** · contract **PASS** · probe **passed** (power 37.5)")
     assert "Contract verdict**: PASS" in workbook_page and "| all items | 0.833 | 0.708 |" in workbook_page
     assert f"#/experiments/{experiment_id}/runs/{training}" in workbook_page
 

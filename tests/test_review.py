@@ -160,8 +160,15 @@ def test_masked_thumbnails_draw_the_steps_own_mask_visibly(trained):
     pictures = {}
     for row in last:
         selection = completions.row_mask(trainer.masks.rollout_masks, items, row["row"])
-        drawn = np.array(completions.masked_thumbnail(trainer, by_digest[row["item"]], selection))
+        views = completions.mask_views(trainer, by_digest[row["item"]], selection)
+        drawn = np.array(views["masked_image"])
         assert np.array_equal(drawn, np.array(Image.open(folder / row["masked_image"]["filepath"]).convert("RGB")))
+        # the pixels the model received: black exactly where the overlay is grey (issue 45)
+        received = np.array(Image.open(folder / row["model_input"]["filepath"]).convert("RGB"))
+        grey_fill = (drawn == completions.MASK_GREY).all(-1)
+        assert grey_fill.any() and (received[grey_fill] == 0).all()
+        assert row["mask_content_share"] == pytest.approx(views["mask_content_share"])
+        assert row["mask_missed_content"] == (row["mask_content_share"] == 0.0)
         pictures.setdefault(row["item"], set()).add(selection.numpy().tobytes())
     assert all(len(seen) == 1 for seen in pictures.values()) and len(set().union(*pictures.values())) == len(pictures)
 

@@ -19,6 +19,7 @@ from urllib.parse import quote
 from mlflow import MlflowClient
 from mlflow.entities import Metric
 
+from papo_nb.workbook.config.evidence_names import STUDY_TABLE_MD
 from papo_nb.workbook.config.metric_keys import HELDOUT_ACCURACY
 from papo_nb.workbook.results.signal import SIGNAL_TAG, ZERO_STD_FLAG, signal_health
 
@@ -202,8 +203,9 @@ def summary_line(status: str, rolled: dict[str, float], tags: dict[str, str]) ->
     return " · ".join(parts)
 
 
-def notebook_page(record: RunRecord, signal: dict | None) -> str:
-    """The Markdown results page of one notebook run."""
+def notebook_page(record: RunRecord, signal: dict | None, arms_comparison: str = "") -> str:
+    """The Markdown results page of one notebook run; ``arms_comparison``: 04's GRPO against PAPO-G table (Markdown),
+    placed after its arms' headline."""
     status = f"{record.name} {record.status.lower()}"
     lines = [summary_line(status, headlines(record, signal), record.tags), ""]
     if record.tags.get("papo_nb.failed_cell"):
@@ -218,6 +220,8 @@ def notebook_page(record: RunRecord, signal: dict | None) -> str:
     ):
         if table:
             lines += ["", f"### {title}", "", *table]
+    if arms_comparison:
+        lines += ["", f"### GRPO against PAPO-G ({STUDY_TABLE_MD})", "", arms_comparison.strip()]
     figures = [path for path in record.artifacts if path.startswith("figures/") and path.endswith(".png")]
     curves = next((p for p in figures if "curves" in p), figures[0] if figures else None)
     if curves is not None:
@@ -255,7 +259,10 @@ def publish_notebook_page(client: MlflowClient, run_id: str) -> tuple[RunRecord,
         client.log_metric(run_id, "signal/zero_std_share", signal["share"])
         client.set_tag(run_id, SIGNAL_TAG, signal["message"])
         record.tags[SIGNAL_TAG] = signal["message"]
-    client.set_tag(run_id, NOTE_TAG, notebook_page(record, signal))
+    comparison = ""
+    if STUDY_TABLE_MD in record.artifacts:
+        comparison = Path(client.download_artifacts(run_id, STUDY_TABLE_MD)).read_text()
+    client.set_tag(run_id, NOTE_TAG, notebook_page(record, signal, comparison))
     return record, headlines(record, signal)
 
 
