@@ -274,7 +274,7 @@ def workbook_page(parent: RunRecord, children: list[tuple[RunRecord, dict[str, f
     tags = {key: value for child, _ in reversed(children) for key, value in child.tags.items()}
     lines = [summary_line(status, merged, tags), "", "### Details", ""]
     for child, _ in children:
-        lines += verdict_lines(child)
+        lines += [line.replace("- **", f"- {child.name}, **", 1) for line in verdict_lines(child)]
     signals = [child.tags.get(SIGNAL_TAG) for child, _ in children]
     lines += [f"- **Learning signal**: {text}" for text in signals if text]
     if "headline/heldout_original" in merged:
