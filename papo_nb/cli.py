@@ -181,17 +181,24 @@ def _cmd_lab(subparsers: Subparsers) -> None:
     p.add_argument(
         "--notebook-dir", metavar="DIR", default=None, help="folder to serve (default: the project's notebooks/)"
     )
+    p.add_argument(
+        "--runs-dir", metavar="DIR", default=None,
+        help="the workbook runs' folder, linked into the served folder as runs/ (default: the project's runs/)",
+    )  # fmt: skip
+    p.add_argument("--edit", action="store_true", help="allow saving over the tracked NN_*.ipynb notebooks")
 
     def handler(args: argparse.Namespace) -> int:
+        from papo_nb.infra.lab import PROTECT_TRACKED_ARGS, link_results
         from papo_nb.infra.servers import serve_jupyterlab
         from papo_nb.infra.tracking import default_tracking_uri, project_dir
 
         folder = Path(args.notebook_dir) if args.notebook_dir else project_dir() / "notebooks"
+        results = link_results(folder, args.runs_dir or project_dir() / "runs")
         return _serve_until_interrupted(
             "lab",
             "JupyterLab",
-            serve_jupyterlab(folder, port=args.port),
-            f"notebooks {folder.resolve()}; store {default_tracking_uri()}",
+            serve_jupyterlab(folder, port=args.port, extra_args=() if args.edit else PROTECT_TRACKED_ARGS),
+            f"notebooks {folder.resolve()}; executed runs {results}; store {default_tracking_uri()}",
         )
 
     p.set_defaults(handler=handler)

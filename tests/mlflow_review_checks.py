@@ -135,3 +135,66 @@ def heldout_accuracy_column(page, url, client, experiment_id, runs, study_runs, 
             value,
         )
     shoot(page, "mlflow_11b_heldout_accuracy_column")
+
+
+# The workbook run's headline columns the browser test adds and expects to see without scrolling (issue 45).
+HEADLINE_COLUMNS = (
+    "headline/contract_passed",
+    "headline/probe_passed",
+    "headline/heldout_original",
+    "headline/heldout_masked",
+)
+
+
+def results_page_and_headline_columns(page, url, client, experiment_id, parent_id, shoot) -> None:
+    """The workbook run opens on its results page (the Description): verdict, probe status and held-out accuracy
+    original and masked, in the first screen; then the runs list with a column for each headline, each cell the
+    parent's value, every header within the window's width."""
+    from playwright.sync_api import expect
+
+    parent = client.get_run(parent_id)
+    metrics = parent.data.metrics
+    page.goto(f"{url}/#/experiments/{experiment_id}/runs/{parent_id}")
+    summary = page.locator("p").filter(has_text="notebooks finished").first
+    expect(summary).to_be_visible()
+    text = summary.inner_text()
+    original, masked = metrics["headline/heldout_original"], metrics["headline/heldout_masked"]
+    heldout = f"held-out {original:.3f} original / {masked:.3f} masked"
+    for wanted in ("contract PASS", "probe passed (power", heldout):
+        assert wanted in text, (wanted, text)
+    box = summary.bounding_box()
+    assert box and box["y"] + box["height"] <= page.viewport_size["height"], f"summary below the first screen: {box}"
+    shoot(page, "mlflow_20_workbook_results_page")
+
+    page.goto(f"{url}/#/experiments/{experiment_id}/runs?workflowType=machine_learning")
+    expect(page.locator(f"[role=row][row-id='{parent_id}']").first).to_be_visible()
+    page.get_by_role("button", name="Columns", exact=True).click()
+    for attribute in ("Dataset", "Source", "Models"):  # MLflow's default columns, wide and empty on a workbook run
+        page.get_by_text(attribute, exact=True).last.click()
+    page.keyboard.press("Escape")
+    for name in HEADLINE_COLUMNS:
+        page.get_by_role("button", name="Columns", exact=True).click()
+        page.get_by_placeholder("Search columns").fill(name)
+        page.get_by_text(name, exact=True).last.click()
+        page.keyboard.press("Escape")
+    width = page.viewport_size["width"]
+    for name in HEADLINE_COLUMNS:
+        header = page.locator("[role=columnheader]").filter(has_text=name).first
+        expect(header).to_be_visible()
+        box = header.bounding_box()
+        assert box and box["x"] + box["width"] <= width, f"column {name} beyond the window: {box}"
+        cell = page.locator(f"[role=row][row-id='{parent_id}'] [col-id='{header.get_attribute('col-id')}']").first
+        assert float(cell.inner_text()) == pytest.approx(metrics[name], abs=5e-3), name
+    shoot(page, "mlflow_21_runs_list_headline_columns")
+
+
+def notebook_renders_as_html(page, url, experiment_id, run_id, name, shoot) -> None:
+    """The executed notebook's HTML copy renders in the artifact view: its code and outputs are text on the page."""
+    from playwright.sync_api import expect
+
+    page.goto(f"{url}/#/experiments/{experiment_id}/runs/{run_id}/artifacts/notebook/{name}.html")
+    expect(page.get_by_text(f"notebook/{name}.html", exact=True)).to_be_visible()
+    frame = page.frame_locator("iframe").first
+    expect(frame.get_by_text("papo_nb.infra.notebook_start import start").first).to_be_visible()
+    expect(frame.locator(".jp-OutputArea-output").first).to_be_visible()
+    shoot(page, f"mlflow_22_{name}_html")

@@ -28,7 +28,13 @@ from pathlib import Path
 
 import pytest
 from mlflow import MlflowClient
-from mlflow_review_checks import check_completions_rows, completions_rows, heldout_accuracy_column
+from mlflow_review_checks import (
+    check_completions_rows,
+    completions_rows,
+    heldout_accuracy_column,
+    notebook_renders_as_html,
+    results_page_and_headline_columns,
+)
 
 from papo_nb.infra.servers import serve_jupyterlab, serve_mlflow_ui, server_base
 from papo_nb.infra.tracking import EXPERIMENT_NAME
@@ -231,6 +237,25 @@ def test_mlflow_ui_shows_the_workbook_its_notebook_runs_the_calibration_plot_and
         shoot(page, "mlflow_6_probe_evidence")
 
 
+def test_the_workbook_run_opens_on_its_results_page_and_notebooks_render_as_html(
+    chromium, smoke_workbook, browser, shoot
+):
+    """Issue 45: the workbook run's Description shows the verdict, the probe status and held-out accuracy original and
+    masked in its first screen, the runs list gets a column for each within the window, and an executed notebook
+    opens as HTML in the artifact view (its code and outputs rendered)."""
+    _expect()
+    client = MlflowClient(smoke_workbook.tracking_uri)
+    experiment_id = client.get_experiment_by_name(EXPERIMENT_NAME).experiment_id
+    runs = {nb.name: nb.run_id for nb in smoke_workbook.notebooks}
+    _hide_mlflow_assistant(browser)
+    page = browser.new_page()
+    with serve_mlflow_ui(tracking_uri=smoke_workbook.tracking_uri) as landing:
+        url = server_base(landing)
+        results_page_and_headline_columns(page, url, client, experiment_id, smoke_workbook.parent_run_id, shoot)
+        for name in ("03_training_run", "04_method_study"):
+            notebook_renders_as_html(browser.new_page(), url, experiment_id, runs[name], name, shoot)
+
+
 def _decoded_images(page, locator, at_least: int) -> list[tuple[int, int]]:
     """Wait until ``at_least`` of the images ``locator`` finds are decoded; their natural sizes."""
     page.wait_for_function(
@@ -348,9 +373,10 @@ def _lab_environment(tmp: Path) -> dict[str, str]:
 LAB_URL_LINE = re.compile(r"JupyterLab: (http://127\.0\.0\.1:(\d+))/lab\?token=([0-9a-f]{32,})\s")
 
 
-def _start_papo_nb_lab(notebooks: Path, env: dict[str, str]) -> tuple[subprocess.Popen, str]:
-    """``papo-nb lab --notebook-dir notebooks`` as a user starts it, and the url line it prints once it answers."""
-    command = [sys.executable, "-m", "papo_nb.cli", "lab", "--notebook-dir", str(notebooks)]
+def _start_papo_nb_lab(notebooks: Path, env: dict[str, str], *options: str) -> tuple[subprocess.Popen, str]:
+    """``papo-nb lab --notebook-dir notebooks [options]`` as a user starts it, and the url line it prints once it
+    answers."""
+    command = [sys.executable, "-m", "papo_nb.cli", "lab", "--notebook-dir", str(notebooks), *options]
     full_env = {**os.environ, **env, "PYTHONUNBUFFERED": "1"}
     # SIGINT at its default in the child, whatever this process inherited (ignored, in a background job): the
     # plain Ctrl-C path (test_runner's ui test covers the inherited-ignored one).
@@ -538,6 +564,54 @@ def test_papo_nb_lab_serves_the_notebooks_locally_with_a_token_and_stops_on_ctrl
         assert not _port_open(int(port)), "the server still listens after Ctrl-C"
     finally:
         _stop_with_ctrl_c(lab)  # after a failed check above
+
+
+def _contents(base: str, token: str, path: str, model: dict | None = None) -> tuple[int, dict]:
+    """GET (or PUT ``model``) ``/api/contents/<path>``: the status and the JSON answer."""
+    import json
+
+    data = None if model is None else json.dumps(model).encode()
+    request = urllib.request.Request(
+        f"{base}/api/contents/{path}?token={token}", data=data, method="PUT" if data else "GET"
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=30) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read() or b"{}")
+
+
+def test_papo_nb_lab_lists_the_last_runs_executed_notebooks_and_refuses_to_overwrite_a_tracked_one(tmp_path):
+    """Issue 45: the workbook runs' folder is reachable from Lab (``runs/`` in its file browser, the executed copies
+    inside), and a save over a tracked notebook is refused with the reason (the bytes stay), while an executed copy
+    saves as usual; ``--edit`` allows the save."""
+    import json
+
+    notebooks, runs = tmp_path / "notebooks", tmp_path / "runs"
+    shutil.copytree(ROOT / "notebooks", notebooks)
+    executed = runs / "20261203-101500-abc123" / "03_training_run.ipynb"
+    executed.parent.mkdir(parents=True)
+    shutil.copy2(notebooks / "03_training_run.ipynb", executed)
+    tracked = (notebooks / "03_training_run.ipynb").read_bytes()
+    for options, tracked_status in (((), 403), (("--edit",), 200)):
+        lab, line = _start_papo_nb_lab(notebooks, _lab_environment(tmp_path), "--runs-dir", str(runs), *options)
+        try:
+            base, _, token = LAB_URL_LINE.match(line).groups()
+            status, listing = _contents(base, token, "")
+            assert status == 200 and "runs" in {item["name"] for item in listing["content"]}
+            status, folder = _contents(base, token, f"runs/{executed.parent.name}")
+            assert status == 200 and [item["name"] for item in folder["content"]] == [executed.name]
+            model = {"type": "notebook", "format": "json", "content": json.loads(tracked)}
+            status, answer = _contents(base, token, "03_training_run.ipynb", model)
+            assert status == tracked_status, answer
+            if tracked_status == 403:
+                assert "tracked workbook notebook" in answer["message"] and "Save Notebook As" in answer["message"]
+                assert (notebooks / "03_training_run.ipynb").read_bytes() == tracked
+            status, _ = _contents(base, token, f"runs/{executed.parent.name}/{executed.name}", model)
+            assert status == 200
+        finally:
+            _stop_with_ctrl_c(lab)
+    assert (notebooks / "runs").resolve() == runs.resolve()
 
 
 def _port_open(port: int) -> bool:

@@ -55,11 +55,51 @@ def test_parent_and_nested_runs(workbook):
     for name, run in runs.items():
         assert run.info.status == "FINISHED", name
         assert run.data.tags["mlflow.parentRunId"] == result.parent_run_id
-        assert [a.path for a in client.list_artifacts(run.info.run_id, "notebook")] == [f"notebook/{name}.ipynb"]
+        # the executed notebook, and its HTML copy that MLflow's artifact view renders (issue 45)
+        assert [a.path for a in client.list_artifacts(run.info.run_id, "notebook")] == [
+            f"notebook/{name}.html",
+            f"notebook/{name}.ipynb",
+        ]
+        assert run.data.tags["mlflow.note.content"].startswith(f"**{name} finished**"), name
         # every notebook tags its run with what its results depend on (tracking.standard_tags)
         assert run.data.tags.get("papo_nb.adapter_version") == PAPO_ADAPTER_VERSION, f"{name}: no standard tags"
         assert run.data.tags.get("papo_nb.trl_version") == "1.9.1", name
         assert run.data.tags.get("papo_nb.upstream_sha_verified") == "yes", name
+
+
+@pytest.mark.notebook
+def test_the_workbook_run_carries_the_results_page_and_the_headline_columns(workbook):
+    """Issue 45: the parent run's description holds the verdict, the probe status and held-out accuracy original and
+    masked, and its metrics hold a runs-list column for each (the values of the notebooks that measured them)."""
+    result, client, runs = workbook
+    parent = client.get_run(result.parent_run_id).data
+    page = parent.tags["mlflow.note.content"]
+    training = runs["03_training_run"].data.metrics
+    assert page.startswith("**5 notebooks finished** · contract **PASS** · probe **passed** (power ")
+    assert "Contract verdict**: PASS" in page and "Gamma-zero probe**: passed" in page
+    assert f"| all items | {training['eval/accuracy_original']:.3f} | {training['eval/accuracy_masked']:.3f} |" in page
+    assert parent.metrics["headline/contract_passed"] == 1.0 and parent.metrics["headline/probe_passed"] == 1.0
+    assert parent.metrics["headline/heldout_original"] == training["eval/accuracy_original"]
+    assert parent.metrics["headline/heldout_masked"] == training["eval/accuracy_masked"]
+    assert 0.0 <= parent.metrics["headline/zero_std_share"] <= 1.0
+    assert parent.tags["papo_nb.probe_status"] == "passed" and parent.tags["papo_nb.verdict"].startswith("PASS")
+
+
+@pytest.mark.notebook
+def test_no_run_logs_a_perception_term_it_did_not_measure(workbook):
+    """Every run of the workbook, the study's GRPO arm (gamma 0) included, either measured its masked branch or
+    logged none of its terms: a perception KL of exactly 0 is the mark of a branch that never ran (issue 45)."""
+    result, client, _ = workbook
+    experiment_id = client.get_run(result.parent_run_id).info.experiment_id
+    measured = 0
+    for run in client.search_runs([experiment_id]):
+        if "perception_kl" in run.data.metrics:
+            values = [m.value for m in client.get_metric_history(run.info.run_id, "perception_kl")]
+            assert all(v != 0.0 for v in values), f"{run.info.run_name}: perception_kl logged as 0: {values}"
+            measured += 1
+    grpo = client.search_runs([experiment_id], filter_string="tags.`papo_nb.study_arm` = 'grpo'")
+    assert grpo and all("perception_kl" in run.data.metrics for run in grpo), "the GRPO arm measures its KL"
+    assert measured >= 3
 
 
 @pytest.mark.notebook
@@ -154,7 +194,10 @@ def test_training_notebook_logged_every_step(workbook):
     assert {"eval/accuracy_original", "eval/accuracy_masked", "eval/image_reliance_gap"} <= set(metrics)
     assert HELDOUT_ACCURACY in metrics  # the one held-out column with 05 and the study's arms
     assert metrics["start/trainable_parameters"] > 0
-    assert [a.path for a in client.list_artifacts(run.info.run_id, "figures")] == ["figures/training_curves.png"]
+    # the probe's per-block fits are a figure and evidence/probe.json, not hundreds of metrics (issue 45)
+    figures = [a.path for a in client.list_artifacts(run.info.run_id, "figures")]
+    assert figures == ["figures/probe.png", "figures/training_curves.png"]
+    assert not [key for key in metrics if key.startswith(("probe_final/projection_block", "probe/projection_block"))]
     assert Path(run.data.tags["papo_nb.last_checkpoint"], "adapter_model.safetensors").is_file()
 
 

@@ -127,6 +127,18 @@ def test_one_completions_table_across_steps_each_row_with_its_own_item_and_terms
 
 
 @pytest.mark.slow
+def test_the_model_config_is_an_artifact_not_a_hundred_params(trained):
+    """Issue 45: transformers' MLflow callback logged the model config as params (160 of them for the tiny model); the
+    run keeps the TrainingArguments as params and the config as one artifact."""
+    client, run_id, trainer, _ = trained
+    params = client.get_run(run_id).data.params
+    assert {"learning_rate", "perception_loss_weight", "num_generations"} <= set(params)
+    assert not {"vocab_size", "vision_config", "architectures", "model_type"} & set(params)
+    config = json.loads(Path(client.download_artifacts(run_id, "train/model_config.json")).read_text())
+    assert config["model_type"] == trainer.model.config.model_type and "vision_config" in config
+
+
+@pytest.mark.slow
 def test_masked_thumbnails_draw_the_steps_own_mask_visibly(trained):
     client, run_id, trainer, _ = trained
     folder, rows = _table_rows(client, run_id)
@@ -148,8 +160,15 @@ def test_masked_thumbnails_draw_the_steps_own_mask_visibly(trained):
     pictures = {}
     for row in last:
         selection = completions.row_mask(trainer.masks.rollout_masks, items, row["row"])
-        drawn = np.array(completions.masked_thumbnail(trainer, by_digest[row["item"]], selection))
+        views = completions.mask_views(trainer, by_digest[row["item"]], selection)
+        drawn = np.array(views["masked_image"])
         assert np.array_equal(drawn, np.array(Image.open(folder / row["masked_image"]["filepath"]).convert("RGB")))
+        # the pixels the model received: black exactly where the overlay is grey (issue 45)
+        received = np.array(Image.open(folder / row["model_input"]["filepath"]).convert("RGB"))
+        grey_fill = (drawn == completions.MASK_GREY).all(-1)
+        assert grey_fill.any() and (received[grey_fill] == 0).all()
+        assert row["mask_content_share"] == pytest.approx(views["mask_content_share"])
+        assert row["mask_missed_content"] == (row["mask_content_share"] == 0.0)
         pictures.setdefault(row["item"], set()).add(selection.numpy().tobytes())
     assert all(len(seen) == 1 for seen in pictures.values()) and len(set().union(*pictures.values())) == len(pictures)
 

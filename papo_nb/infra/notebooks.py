@@ -6,7 +6,9 @@ Layout of one workbook run:
 - an MLflow parent run ``workbook-<timestamp>`` (all parameters, ``params.yaml``) with one nested child
   run per notebook. The runner injects the child's id as ``mlflow_run_id`` and the notebook attaches to
   it with ``papo_nb.infra.notebook_start.start``; the executed notebook, failed or not, is logged to
-  the child as ``notebook/<name>.ipynb``.
+  the child as ``notebook/<name>.ipynb`` and, readable in the browser, ``notebook/<name>.html``;
+- a results page on every run (its Description, ``workbook.results.page``), the notebooks' headline numbers on the
+  parent as ``headline/*`` metrics.
 """
 
 from __future__ import annotations
@@ -34,6 +36,8 @@ from papermill.exceptions import PapermillExecutionError
 
 from papo_nb.infra.notebook_start import LocalKernelManager
 from papo_nb.workbook.config.params import ParamsError, WorkbookParams, load_params, preflight_problems
+from papo_nb.workbook.results.page import publish_notebook_page, publish_workbook_page
+from papo_nb.workbook.results.readable import write_html_copy
 
 # Values the runner supplies to any notebook that declares them, on top of the WorkbookParams fields.
 RUNTIME_PARAMETERS = ("mlflow_tracking_uri", "mlflow_run_id", "run_dir")
@@ -193,6 +197,7 @@ def run_workbook(
     parent_id = parent.info.run_id
     result = WorkbookResult(run_dir, parent_id, tracking_uri, [NotebookResult(path) for path in declared])
     parent_status = FAILED
+    pages: list = []  # each notebook run's record and headline numbers, for the workbook run's own page
     try:
         client.log_batch(parent_id, params=[Param(k, _param_text(v)) for k, v in values.items()])
         client.log_artifact(parent_id, str(params_yaml))
@@ -201,6 +206,7 @@ def run_workbook(
             _run_notebook(
                 nb, declared[nb.notebook], {**values, **runtime}, client, experiment_id, parent_id, log_output
             )
+            pages.append(publish_notebook_page(client, nb.run_id))
             if nb.status != FINISHED:
                 break
         else:
@@ -209,7 +215,11 @@ def run_workbook(
         parent_status = "KILLED"
         raise
     finally:
-        client.set_terminated(parent_id, parent_status)
+        try:
+            if pages:
+                publish_workbook_page(client, parent_id, pages)
+        finally:
+            client.set_terminated(parent_id, parent_status)
     return result
 
 
@@ -260,6 +270,7 @@ def _run_notebook(
         # papermill writes the executed notebook even when a cell fails: that is the evidence.
         if nb.output_path.is_file():
             client.log_artifact(nb.run_id, str(nb.output_path), "notebook")
+            client.log_artifact(nb.run_id, str(write_html_copy(nb.output_path)), "notebook")
         client.log_metric(nb.run_id, "papo_nb/wall_seconds", nb.wall_seconds)
         # The kernel may have left the run RUNNING or ended it FINISHED; the runner has the last word.
         client.set_terminated(nb.run_id, status)

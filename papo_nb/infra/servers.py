@@ -20,7 +20,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager, suppress
 from pathlib import Path
 
@@ -176,6 +176,7 @@ def serve_jupyterlab(
     env: Mapping[str, str] | None = None,
     startup_timeout: float = 120.0,
     stop_timeout: float = 20.0,
+    extra_args: Sequence[str] = (),
 ) -> Iterator[str]:
     """Run JupyterLab on ``notebook_dir``; yield ``http://host:port/lab?token=...`` once it answers.
 
@@ -183,17 +184,20 @@ def serve_jupyterlab(
     one. ``env`` (merged over ``os.environ``) is the server's and so its kernels' environment, e.g. an
     ``MLFLOW_TRACKING_URI``. ``LAB_SETTING_OVERRIDES`` are its settings' defaults (no autosave: opening and
     browsing a notebook leaves its file as it is). On exit the server is asked to shut down (its kernels with it);
-    whatever of its process group is left after ``stop_timeout`` s is terminated.
+    whatever of its process group is left after ``stop_timeout`` s is terminated. ``extra_args`` are passed to
+    ``jupyter lab`` as they are.
     """
     notebook_dir = Path(notebook_dir).resolve()
     if not notebook_dir.is_dir():
         raise RuntimeError(f"notebook folder {notebook_dir} does not exist")
     with tempfile.TemporaryDirectory(prefix="papo_nb-lab-settings-") as app_settings:
         (Path(app_settings) / "overrides.json").write_text(json.dumps(LAB_SETTING_OVERRIDES, indent=2))
-        yield from _run_jupyterlab(notebook_dir, app_settings, port, host, token, env, startup_timeout, stop_timeout)
+        yield from _run_jupyterlab(
+            notebook_dir, app_settings, port, host, token, env, startup_timeout, stop_timeout, extra_args
+        )
 
 
-def _run_jupyterlab(notebook_dir, app_settings, port, host, token, env, startup_timeout, stop_timeout):
+def _run_jupyterlab(notebook_dir, app_settings, port, host, token, env, startup_timeout, stop_timeout, extra_args):
     """``serve_jupyterlab``'s server, its settings overrides in ``app_settings``."""
     port = port or free_port(host)
     token = token or secrets.token_hex(24)
@@ -213,6 +217,7 @@ def _run_jupyterlab(notebook_dir, app_settings, port, host, token, env, startup_
         # Offline machines: no update check, no news feed, no "receive news?" prompt over the notebook.
         "--LabApp.news_url=None",
         "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate",
+        *extra_args,  # e.g. lab.PROTECT_TRACKED_ARGS
     ]
     if hasattr(os, "geteuid") and os.geteuid() == 0:
         command.append("--ServerApp.allow_root=True")  # containers and CI machines run as root

@@ -261,6 +261,7 @@ class PAPOGTrainer(GRPOTrainer):
         eta = (args.original_entropy_weight * discount, args.masked_entropy_weight * discount)
         metrics = self._metrics["train" if training else "eval"]
         log_perception_metrics(
-            metrics, self.accelerator, sums, terms.token_count, parent_loss, gamma=gamma, discount=discount, eta=eta
-        )
+            metrics, self.accelerator, sums, terms.token_count, parent_loss, gamma=gamma, discount=discount, eta=eta,
+            masked_measured=not self.masked_branch.skipped,
+        )  # fmt: skip
         return terms

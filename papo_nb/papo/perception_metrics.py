@@ -29,12 +29,33 @@ class PerceptionRecord:
             self.rollout[row] = tuple(row_terms)
 
 
+# What the masked branch measures: with the branch skipped these would read the original branch (a KL of exactly 0,
+# the original entropy under the masked name), so they are not logged at all rather than logged as numbers.
+MASKED_BRANCH_METRICS = (
+    "perception_kl",
+    "perception_loss",
+    "masked_entropy",
+    "papo/gamma_kl",
+    "papo/masked_entropy_term",
+)
+
+
 def log_perception_metrics(
-    metrics: dict, accelerator, sums, token_count, parent_loss, *, gamma: float, discount: float, eta: tuple
+    metrics: dict,
+    accelerator,
+    sums,
+    token_count,
+    parent_loss,
+    *,
+    gamma: float,
+    discount: float,
+    eta: tuple,
+    masked_measured: bool = True,
 ) -> None:
     """Every term on its own, as token means over all ranks (so comparable with the official actor/* logs), into
     ``metrics`` (the trainer's lists of this mode): KL, both entropies, gamma * KL, each weighted entropy term
-    (``eta``: the effective weights, discount applied), gamma, the discount and the parent's loss."""
+    (``eta``: the effective weights, discount applied), gamma, the discount and the parent's loss. Without
+    ``masked_measured`` (the masked branch skipped) the terms of ``MASKED_BRANCH_METRICS`` are left out."""
     # One all-reduce per step: the parent's loss rides along (its mean over ranks is its sum / processes).
     parent = sums.new_zeros(1) if parent_loss is None else parent_loss.detach().float().reshape(1)
     totals = accelerator.reduce(torch.cat([sums, token_count[None], parent]).float(), reduction="sum")
@@ -54,4 +75,5 @@ def log_perception_metrics(
     if parent_loss is not None:
         values["papo/parent_loss"] = (totals[4] / accelerator.num_processes).item()
     for key, value in values.items():
-        metrics[key].append(value)
+        if masked_measured or key not in MASKED_BRANCH_METRICS:
+            metrics[key].append(value)

@@ -90,12 +90,13 @@ def write_summary(output_dir: Path, summary: dict) -> None:
 
 
 def log_probe(trainer, probe: dict | None, same_on_all_ranks: bool) -> None:
-    """The probe's final evidence (``evidence/probe.json``, ``probe_final/*`` metrics) and its status tags."""
+    """The probe's final evidence (``evidence/probe.json``, ``figures/probe.png``, headline ``probe_final/*`` metrics)
+    and its status tags."""
     if probe is None:
         return
-    from papo_nb.infra.tracking import log_evidence
+    from papo_nb.workbook.results.probe_record import log_probe_evidence
 
-    log_evidence("probe", {**probe, "same_on_all_ranks": same_on_all_ranks}, prefix="probe_final")
+    log_probe_evidence({**probe, "same_on_all_ranks": same_on_all_ranks}, prefix="probe_final")
     tag_probe_status(trainer)
 
 

@@ -318,11 +318,8 @@ class GammaZeroProbe:
             for k, v in self.evidence.to_dict().items()
             if isinstance(v, (int, float)) and k not in ("rel_tol", "abs_floor", "recipe_gamma", "false_alarm_rate")
         }
-        return {
-            **numbers,
-            **probe_projection.flat_metrics(self.evidence.term_leaks or {}),
-            **probe_projection.block_metrics(self.evidence.block_leaks or {}),
-        }
+        # Per-block fits stay in the evidence (evidence/probe.json): as one-value metrics they were hundreds of charts.
+        return {**numbers, **probe_projection.flat_metrics(self.evidence.term_leaks or {})}
 
 
 def probe_batches(

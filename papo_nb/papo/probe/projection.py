@@ -368,14 +368,6 @@ def term_gradients(
     return {name: grads.get(name) for name in tensors}
 
 
-def block_metrics(blocks: dict[str, dict[str, dict]], prefix: str = "projection_block") -> dict[str, float]:
-    """``projection_block/<block>/<term>/<number>`` for MLflow: each block's share, coefficient, floor, detectable."""
-    out = {}
-    for block, leaks in blocks.items():
-        out.update(flat_metrics(leaks, f"{prefix}/{block}"))
-    return out
-
-
 def block_leaks(blocks: dict[str, dict[str, dict]]) -> list[str]:
     """``"<term> in <block>"`` for every block fit that sees a leak."""
     return [f"{term} in {block}" for block, leaks in blocks.items() for term, e in leaks.items() if e.get("leak_seen")]

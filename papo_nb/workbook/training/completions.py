@@ -6,9 +6,12 @@ in order (``trainer._logs``), and ``PAPOGTrainer`` keeps, for the same positions
 through TRL's shuffle), each completion's perception terms and the exact mask selection its masked branch used
 (``perception_record.rollout``, ``masks.rollout_masks``). Nothing is keyed by prompt text, which two items may share.
 
-The masked thumbnail is the row's image at the model's input size with that selection drawn on it: masked patches
-grey with a dark outline, so that they show on any image (a black fill would vanish on a black background). It is
-drawn for the Qwen-VL patch-row layout and for whole-image layouts; other layouts log the image without it.
+Each row shows its mask twice, at the model's input size (``mask_views``): ``model_input``, the pixels the masked
+branch received (masked patches black), and ``masked_image``, the same selection drawn grey with a magenta outline,
+which shows on a black background too; ``mask_content_share`` is the share of the image's content pixels the mask
+covered and ``mask_missed_content`` marks a row whose mask covered none of them (its perception KL is then about 0 by
+construction, not a dead branch). They are drawn for the Qwen-VL patch-row layout and for whole-image layouts; other
+layouts log the image without them.
 """
 
 from __future__ import annotations
@@ -94,17 +97,43 @@ def draw_mask(image: Image.Image, per_pixel: np.ndarray, patch: int) -> Image.Im
     return drawn
 
 
-def masked_thumbnail(trainer, image: Image.Image, selection: torch.Tensor | None) -> Image.Image | None:
+MASK_VIEW_COLUMNS = ("model_input", "masked_image", "mask_content_share", "mask_missed_content")
+
+
+def content_pixels(image: Image.Image) -> np.ndarray:
+    """A bool per pixel: the pixel differs from the image's most common colour (its background; black in the shapes
+    testbed), so it carries what the image shows."""
+    pixels = np.asarray(image.convert("RGB")).reshape(-1, 3)
+    colours, counts = np.unique(pixels, axis=0, return_counts=True)
+    background = colours[counts.argmax()]
+    return (pixels != background).any(1).reshape(image.size[1], image.size[0])
+
+
+def mask_views(trainer, image: Image.Image, selection: torch.Tensor | None) -> dict[str, Any]:
+    """What a row shows of its mask: ``model_input``, the pixels the model received (masked patches black, as the
+    processor's normalised black); ``masked_image``, the same mask drawn grey with a magenta outline, which shows on
+    a black background too; ``mask_content_share``, the share of the image's content pixels the mask covered (0: it
+    missed everything the image shows, and the row's perception KL measures nothing). Empty where the mask is
+    unknown or cannot be drawn."""
     if selection is None:
-        return None
+        return {}
     found = mask_pixels(trainer, image, selection)
     if found is None:
-        return None
+        return {}
     resized, per_pixel = found
     patch = trainer.masks.patch_size() if trainer.args.mask_type != "random" else per_pixel.shape[0]
     if trainer.args.mask_type == "merge_unit":
         patch *= getattr(trainer.processing_class.image_processor, "merge_size", 1)
-    return thumbnail(draw_mask(resized, per_pixel, patch))
+    received = np.array(resized)
+    received[per_pixel] = 0
+    content = content_pixels(resized)
+    share = float((content & per_pixel).sum() / content.sum()) if content.any() else float("nan")
+    return {
+        "model_input": thumbnail(Image.fromarray(received)),
+        "masked_image": thumbnail(draw_mask(resized, per_pixel, patch)),
+        "mask_content_share": share,
+        "mask_missed_content": bool(content.any() and share == 0.0),
+    }
 
 
 def item_keys(prompts: list[str], images: list) -> list[tuple[str, str]]:
@@ -143,6 +172,7 @@ def completions_table(trainer, step: int) -> pd.DataFrame:
     advantages = list(logs["advantages"])
     papo = hasattr(trainer, "perception_record")  # a GRPOTrainer keeps neither
     perception = trainer.perception_record.rollout if papo else {}
+    skipped = papo and trainer.masked_branch.skipped
     masks = trainer.masks.rollout_masks if papo else {}
     local_rows = len(prompts) // max(trainer.accelerator.num_processes, 1)  # rank 0's rows come first
     items = item_keys(prompts[:local_rows], images[:local_rows])
@@ -153,16 +183,19 @@ def completions_table(trainer, step: int) -> pd.DataFrame:
         row.update({name: values[i] for name, values in extra.items()})
         if first is not None:
             row["image"] = thumbnail(first)
-            row["masked_image"] = masked_thumbnail(trainer, first, row_mask(masks, items, i))
+            row.update(mask_views(trainer, first, row_mask(masks, items, i)))
         row.update(prompt=prompts[i], completion=completions[i])
         row.update({f"reward/{name}": float(values[i]) for name, values in rewards.items()})
         kl, entropy, masked_entropy = perception.get(i, (None, None, None))
+        if skipped:  # the masked branch did not run: its KL and entropy would be the original branch's (issue 45)
+            kl, masked_entropy = None, None
         row.update(advantage=float(advantages[i]), perception_kl=kl)
         row.update(original_entropy=entropy, masked_entropy=masked_entropy)
         table.append(row)
     frame = pd.DataFrame(table)
-    if "masked_image" in frame and frame["masked_image"].isna().any():
-        frame = frame.drop(columns="masked_image")  # log_table refuses a column of images and blanks
+    views = [column for column in MASK_VIEW_COLUMNS if column in frame]
+    if views and frame[views].isna().any().any():
+        frame = frame.drop(columns=views)  # log_table refuses a column of images and blanks
     return frame
 
 

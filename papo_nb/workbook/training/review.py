@@ -30,6 +30,7 @@ import mlflow
 from mlflow import MlflowClient
 from mlflow.entities import LoggedModelOutput
 from transformers import TrainerCallback
+from transformers.integrations import MLflowCallback
 
 from papo_nb.workbook.training.checkpoints import holds_model
 from papo_nb.workbook.training.completions import log_completions
@@ -235,8 +236,24 @@ class ReviewCallback(TrainerCallback):
             mlflow.set_active_model(model_id=self.models[state.global_step])
 
 
+class MLflowCallbackWithoutModelConfig(MLflowCallback):
+    """transformers' ``MLflowCallback`` except that the model's config is not logged as run params (a tiny Qwen2-VL's
+    is some 160 of them, which buried the run's own parameters): the TrainingArguments stay params, the model config
+    is logged once as ``train/model_config.json``."""
+
+    def setup(self, args, state, model):
+        super().setup(args, state, None)
+        config = getattr(model, "config", None)
+        if config is not None and state.is_world_process_zero and mlflow.active_run() is not None:
+            mlflow.log_text(config.to_json_string(), "train/model_config.json")
+
+
 def attach_review(trainer, params, train_dataset, eval_dataset) -> ReviewCallback:
-    """Add a ``ReviewCallback`` for ``params``' training and held-out datasets to ``trainer``; returns it."""
+    """Add a ``ReviewCallback`` for ``params``' training and held-out datasets to ``trainer``, and put
+    ``MLflowCallbackWithoutModelConfig`` in place of transformers' MLflow callback where it reports; returns the
+    review callback."""
+    if trainer.pop_callback(MLflowCallback) is not None:
+        trainer.add_callback(MLflowCallbackWithoutModelConfig())
     source = dataset_source(params, params.dataset)
     named = {"train": (train_dataset, "training"), "heldout": (eval_dataset, "evaluation")}
     datasets = {f"{params.dataset}-{k}": (d, source, context) for k, (d, context) in named.items() if d is not None}
