@@ -100,6 +100,22 @@ def test_an_image_blind_collapse_is_flagged_as_not_the_papers():
     assert 12 < verdict["step"] <= 12 + CollapseRule().window
 
 
+def test_a_zero_kl_baseline_is_neither_a_rise_nor_a_vanishing():
+    """Issue 41 item 9: a KL logged as 0 from the start (a skipped masked branch) has no ratio to rise or fall by,
+    so a GRPO-like run whose entropy rises reads as no collapse, not as KL hacking; a KL that does blow up past the
+    floor still counts."""
+    rising_entropy = logs(kl=lambda s: 0.0, entropy=lambda s: 0.1 if s < 12 else 0.6)
+    verdict = detect_collapse(rising_entropy)
+    assert not verdict["collapsed"] and verdict["mode"] is None
+    assert (
+        verdict["first_seen"]["perception_kl_rise"] is None and verdict["first_seen"]["perception_kl_vanished"] is None
+    )
+    assert verdict["first_seen"]["entropy_rise"] is not None  # the entropy did rise: only the KL's ratios are off
+    blowup = detect_collapse(logs(kl=lambda s: 0.0 if s < 12 else 2.0, acc=lambda s: 0.6 if s < 12 else 0.2))
+    assert blowup["collapsed"] and "perception_kl_blowup" in blowup["symptoms"]
+    assert "perception_kl_rise" not in blowup["symptoms"]
+
+
 def test_sparse_reward_logs_still_work():
     """With two optimizer steps per rollout batch TRL logs the reward on every other step only."""
     sparse = [
@@ -107,6 +123,24 @@ def test_sparse_reward_logs_still_work():
         for row in logs(kl=lambda s: 0.3 if s < 12 else 0.0, acc=lambda s: 0.7 if s < 12 else 0.15)
     ]
     assert detect_collapse(sparse)["collapsed"]
+
+
+def test_a_study_run_that_logs_a_zero_kl_while_measuring_fails():
+    """Issue 41 item 6: with ``measure_perception_kl`` on (or gamma > 0) a run whose logged perception KL is 0 at
+    every step did not run its masked branch, and the study stops there instead of reporting the zeros."""
+    from types import SimpleNamespace
+
+    from papo_nb.workbook.study.arms import perception_kl_measured, require_measured_kl
+
+    zeros, measured = logs(kl=lambda s: 0.0), logs(kl=lambda s: 0.01 * s)
+    assert not perception_kl_measured(zeros) and perception_kl_measured(measured)
+    on, off = SimpleNamespace(measure_perception_kl=True), SimpleNamespace(measure_perception_kl=False)
+    with pytest.raises(RuntimeError, match="grpo .*seed 3.*measure_perception_kl=True.*0 at all 30 steps"):
+        require_measured_kl(on, "grpo", 3, 0.0, zeros)
+    with pytest.raises(RuntimeError, match="papo_g .*gamma 0.02"):
+        require_measured_kl(off, "papo_g", 0, 0.02, zeros)
+    require_measured_kl(on, "grpo", 3, 0.0, measured)
+    require_measured_kl(off, "grpo", 3, 0.0, zeros)  # not asked to measure: GRPO's skipped branch is right
 
 
 # ---- statistics ----

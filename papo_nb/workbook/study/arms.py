@@ -140,6 +140,23 @@ def _step_rows(log_history: list[dict]) -> list[dict]:
     ]
 
 
+def perception_kl_measured(step_logs: list[dict]) -> bool:
+    """True when the masked branch ran: some logged perception KL is not 0. A skipped branch logs exactly 0 at every
+    step, which a real KL between two forwards on different images never is."""
+    return any(row.get("perception_kl", 0.0) != 0.0 for row in step_logs)
+
+
+def require_measured_kl(params: WorkbookParams, arm: str, seed: int, gamma: float, step_logs: list[dict]) -> None:
+    """Raise when a run should have measured its perception KL (``measure_perception_kl`` on, or a perception term
+    on) and logged 0 at every step: a study that read those zeros as a KL would report an artefact (issue 41)."""
+    if (params.measure_perception_kl or gamma > 0) and not perception_kl_measured(step_logs):
+        raise RuntimeError(
+            f"study run {arm} (seed {seed}, gamma {gamma:g}): measure_perception_kl="
+            f"{params.measure_perception_kl} but the logged perception_kl is 0 at all {len(step_logs)} steps: the "
+            "masked branch did not run"
+        )
+
+
 def run_one(
     params: WorkbookParams,
     arm: str,
@@ -174,6 +191,7 @@ def run_one(
         # The last step's rollouts beside their images and masks, as notebook 03's run shows them (a small table)
         log_completions(MlflowClient(), run.info.run_id, trainer, trainer.state.global_step)
         step_logs = _step_rows(trainer.state.log_history)
+        require_measured_kl(params, arm, seed, gamma, step_logs)
         for row in step_logs:  # TRL's own names, as notebook 03's run logs them (metric_keys)
             mlflow.log_metrics({k: v for k, v in row.items() if k != "step"}, step=int(row["step"]))
         scores = evaluate_policy(

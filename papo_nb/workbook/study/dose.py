@@ -13,7 +13,7 @@ from statistics import mean
 
 from matplotlib.figure import Figure
 
-from papo_nb.workbook.study.arms import Study, StudyRun
+from papo_nb.workbook.study.arms import Study, StudyRun, perception_kl_measured
 from papo_nb.workbook.study.power import effect_verdict, power_row
 from papo_nb.workbook.study.stats import mean_ci, paired_test
 
@@ -23,6 +23,9 @@ END_METRICS = ("perception_kl", "entropy", "masked_entropy")
 
 
 def _end_value(run: StudyRun, key: str) -> float:
+    """The mean of the last logged values; NaN for a perception KL that was never measured (0 at every step)."""
+    if key == "perception_kl" and not perception_kl_measured(run.step_logs):
+        return math.nan
     values = [row[key] for row in run.step_logs if key in row]
     return mean(values[-END_WINDOW:]) if values else math.nan
 
@@ -62,8 +65,8 @@ def dose_markdown(rows: list[dict]) -> str:
     for row in rows:
         cells = []
         for key in columns:
-            if key not in row:
-                cells.append("no items")
+            if key not in row:  # a score without items, or a KL no run measured (a skipped masked branch)
+                cells.append("not measured" if key == "perception_kl" else "no items")
                 continue
             half = row[f"{key}_ci95"]
             cells.append(f"{row[key]:.3f}" + (f" +/- {half:.3f}" if math.isfinite(half) else ""))
