@@ -16,7 +16,7 @@ from papo_nb.workbook.config.metric_keys import HELDOUT_ACCURACY
 from papo_nb.workbook.study.arms import ARM_COLOURS
 from papo_nb.workbook.study.claims import claims_table
 from papo_nb.workbook.study.collapse import CollapseRule, detect_collapse, heldout_verdict
-from papo_nb.workbook.study.errors import FOLLOWED, MISREAD, SHARE, prior_error_split
+from papo_nb.workbook.study.errors import CLEAN, DECOY, OTHER, PRIOR, PRIOR_IS_DECOY, SHARE, error_split
 from papo_nb.workbook.study.search import fraction_arm, search_collapse_gamma
 from papo_nb.workbook.study.stats import at_chance, equivalence_test, mean_ci, paired_test, summary_rows
 from papo_nb.workbook.study.tables import comparison_table, markdown_table
@@ -164,14 +164,13 @@ def test_paired_test_matches_a_hand_computed_t_test():
 def fake_results(gain):
     base = {"avg_at_k/original/all": 0.5, "avg_at_k/original/vision": 0.4, "avg_at_k/original/text": 0.7}
     base["avg_at_k/gap/vision"] = 0.1
+    base[PRIOR], base[DECOY] = 0.3, 0.1  # a gain of reading is a fall of the prior's errors (the error split)
     noise = {0: 0.0, 1: 0.01, 2: -0.01}
     spread = {0: 1.0, 1: 1.2, 2: 0.8}  # the paired gain varies a little across seeds, as real gains do
+    effect = {PRIOR: -1.0, DECOY: 0.0, **{k: 2.0 if "vision" in k else 1.0 for k in base if "error" not in k}}
     return {
         "grpo": {s: {k: v + n for k, v in base.items()} for s, n in noise.items()},
-        "papo_g": {
-            s: {k: v + n + spread[s] * (gain * 2 if "vision" in k else gain) for k, v in base.items()}
-            for s, n in noise.items()
-        },
+        "papo_g": {s: {k: v + n + spread[s] * gain * effect[k] for k, v in base.items()} for s, n in noise.items()},
         "papo_g_collapse": {s: {k: v - 0.2 for k, v in base.items()} for s in noise},
     }
 
@@ -212,16 +211,33 @@ def test_the_collapse_search_climbs_then_bisects_below_the_first_collapse():
     assert fraction_arm(0.5) == "papo_g_half" and fraction_arm(0.3) == "papo_g_x0.3"
 
 
-def test_prior_breaking_errors_split_into_followed_the_prior_and_misread():
-    golds = ["red", "green", "blue", "yellow", "red"]
-    priors = ["blue", "red", "green", "red", "green"]
-    majorities = ["red", "green", "blue", "yellow", "green"]  # the last square shows mostly its decoy
-    # right; the prior against the image; another colour; no answer; the prior where the image shows it most
-    answers = ["red", "red", "yellow", None, "green"]
-    split = prior_error_split(answers, golds, priors, majorities)
-    assert split[FOLLOWED] == pytest.approx(1 / 5) and split[MISREAD] == pytest.approx(3 / 5)
-    assert split[SHARE] == pytest.approx(1 / 4)
-    assert math.isnan(prior_error_split(golds, golds, priors, majorities)[SHARE])
+def test_prior_breaking_errors_split_into_the_prior_the_decoy_and_other():
+    """Issue 41 item 2: where the decoy is not the number's colour, an error is the prior (a colour not shown), the
+    decoy (a colour shown) or other; where it is, an answer with that colour is counted apart."""
+    golds = ["red", "green", "blue", "yellow", "red", "green", "blue"]
+    priors = ["blue", "red", "green", "red", "green", "blue", "red"]
+    decoys = ["yellow", "yellow", "red", "blue", "green", "blue", "red"]  # the last three: decoy is the prior
+    answers = ["red", "red", "red", "green", "green", "blue", None]
+    # clean: right; the prior; the decoy; another colour. Tied: the named colour twice, then no answer
+    split = error_split(answers, golds, priors, decoys)
+    assert split[CLEAN] == 4 and split[PRIOR] == split[DECOY] == split[OTHER] == pytest.approx(1 / 4)
+    assert split[SHARE] == pytest.approx(1 / 3) and split[PRIOR_IS_DECOY] == pytest.approx(2 / 3)
+    assert math.isnan(error_split(golds, golds, priors, decoys)[SHARE])
+    with pytest.raises(ValueError, match="prior-breaking items only"):
+        error_split(["red"], ["red"], ["red"], ["blue"])
+
+
+def test_the_decoy_is_read_from_the_pixels_as_the_colour_beside_the_answer():
+    import random
+
+    from papo_nb.testbed import perception
+    from papo_nb.workbook.study.errors import decoy_colour
+
+    rng = random.Random(3)
+    for _ in range(40):
+        item = perception.make_item(rng, "vision", prior_rate=0.0, decoy_share=(0.1, 0.7), prior_decoy=False)
+        shown = {c for _, c in item["image"].getcolors()} - {(0, 0, 0), perception.COLOURS[item["answer"]]}
+        assert [perception.COLOURS[decoy_colour(item["image"], item["answer"])]] == list(shown)
 
 
 def test_summary_rows_pair_each_arm_with_grpo():
@@ -245,7 +261,7 @@ def test_claims_table_says_plainly_what_holds():
     assert better == {  # paired diffs 0.05, 0.06, 0.04 (vision twice that)
         "overall": "detected (+0.050, p = 0.0131)",
         "vision": "detected (+0.100, p = 0.0131)",
-        "perception_errors": "detected (+0.100, p = 0.0131)",
+        "perception_errors": "detected (-0.050, p = 0.0131)",
         "reliance": "detected (+0.100, p = 0.0131)",
         "collapse": "holds here",
     }
@@ -447,7 +463,23 @@ def test_claims_table_without_a_text_split_says_so():
     collapse = {arm: {s: {"collapsed": False} for s in range(3)} for arm in results}
     arms = {"control": "grpo", "treatment": "papo_g", "collapse": "papo_g_collapse"}
     vision = next(r for r in claims_table(results, collapse, arms, **CHANCE) if r["claim"] == "vision")
-    assert "no text-only split" in vision["here"] and vision["verdict"] == "detected (+0.100, p = 0.0131)"
+    assert "no text-only split" in vision["here"]
+    assert vision["verdict"].startswith("not testable here: every held-out item is vision-dependent")
+    assert vision["verdict"].endswith("(vision split alone: detected (+0.100, p = 0.0131))")
+
+
+def test_claims_state_exact_p_values_and_what_cannot_be_tested():
+    """Issue 41 item 8: beside the t-test, the exact sign and Wilcoxon p (3 pairs, all one sign: 2 / 2^3 = 0.25
+    for both, the floor of 3 pairs); without a language prior the perception-error claim is not testable here."""
+    collapse = {arm: {s: {"collapsed": False} for s in range(3)} for arm in ("grpo", "papo_g", "papo_g_collapse")}
+    arms = {"control": "grpo", "treatment": "papo_g", "collapse": "papo_g_collapse"}
+    rows = {r["claim"]: r for r in claims_table(fake_results(0.05), collapse, arms, **CHANCE)}
+    assert "paired p = 0.0131; exact sign p = 0.25; Wilcoxon p = 0.25" in rows["overall"]["here"]
+    assert "answered the number's colour against the image" in rows["perception_errors"]["here"]
+    no_prior = {arm: {s: {k: v for k, v in r.items() if k != PRIOR} for s, r in by.items()}
+                for arm, by in fake_results(0.05).items()}  # fmt: skip
+    row = next(r for r in claims_table(no_prior, collapse, arms, **CHANCE) if r["claim"] == "perception_errors")
+    assert row["verdict"].startswith("not testable here") and "1 - accuracy" not in row["here"]
 
 
 def test_equal_differences_on_every_seed_say_so_rather_than_asking_for_seeds():
@@ -478,7 +510,8 @@ def test_the_calibrated_design_scores_step_0_searches_one_seed_and_pairs_every_a
     )  # fmt: skip
     with mlflow.start_run():
         study = run_study(params, tmp_path / "runs", log=lambda line: None)
-    assert "avg_at_k/original/vision" in study.start_scores and SHARE in study.start_scores
+    assert "avg_at_k/original/vision" in study.start_scores and PRIOR in study.start_scores
+    assert "avg_at_k/original/consistent" in study.start_scores  # the in-distribution split beside it
     assert [(r.arm, r.seed) for r in study.sweep] == [("search", 0)] and study.collapse_gamma == 20.0
     half = 0.5 * study.collapse_gamma
     assert sorted((r.arm, r.seed, r.gamma) for r in study.runs if r.arm != "papo_g_collapse") == [
@@ -548,4 +581,22 @@ def test_grpo_drifts_off_the_image_on_the_shortcut_testbed_on_this_float_path(ml
     trainer.train()
     end = score(trainer.model, trainer.processing_class)
     assert end[PRIMARY] <= start[PRIMARY] - 0.05, (start[PRIMARY], end[PRIMARY])
-    assert end[FOLLOWED] > start[FOLLOWED], (start[FOLLOWED], end[FOLLOWED])  # it follows the number more
+    assert end[PRIOR] > start[PRIOR], (start[PRIOR], end[PRIOR])  # it follows the number more
+
+
+def test_the_held_out_set_adds_an_in_distribution_split_beside_the_prior_breaking_one():
+    """Issue 41 item 7: on a language-prior testbed the study also scores prior-consistent items, apart, so each
+    arm's cost where the prior is right is shown; ``all`` and ``vision`` stay the prior-breaking held-out set."""
+    from papo_nb.testbed.perception import prior_answer
+    from papo_nb.workbook.config.params import load_params
+    from papo_nb.workbook.evaluation.eval_review import prompt_text
+    from papo_nb.workbook.study.arms import eval_dataset, held_out_splits
+
+    params = load_params(ROOT / "params" / "study_shortcut.yaml").model_copy(update={"n_eval_prompts": 24})
+    data = eval_dataset(params)
+    splits = held_out_splits(data)
+    assert len(data) == 36 and splits["all"] == splits["vision"] == list(range(24)) and "text" not in splits
+    assert splits["consistent"] == list(range(24, 36))
+    named = [prior_answer(prompt_text(p)) for p in data["prompt"]]
+    assert all(named[i] != data["answer"][i] for i in splits["vision"])
+    assert all(named[i] == data["answer"][i] for i in splits["consistent"])

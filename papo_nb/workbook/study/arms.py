@@ -19,20 +19,24 @@ from pathlib import Path
 from statistics import mean
 
 import mlflow
+from datasets import concatenate_datasets
 from mlflow import MlflowClient
 
-from papo_nb.testbed.rewards import accuracy_reward
+from papo_nb.testbed.perception import TESTBED_RECIPES, held_out_items, prior_answer, testbed_name
+from papo_nb.testbed.rewards import accuracy_reward, normalise_answer
 from papo_nb.workbook.config.metric_keys import HELDOUT_ACCURACY
 from papo_nb.workbook.config.params import WorkbookParams
 from papo_nb.workbook.evaluation.benchmarks import score_items
+from papo_nb.workbook.evaluation.eval_review import prompt_text
 from papo_nb.workbook.study.collapse import CollapseRule, detect_collapse, heldout_verdict
 from papo_nb.workbook.study.errors import prior_errors
 from papo_nb.workbook.study.search import FRACTION_NAMES, fraction_arm, search_collapse_gamma
-from papo_nb.workbook.training.builder import load_datasets, load_policy, prepare_training
+from papo_nb.workbook.training.builder import EVAL_SEED_OFFSET, load_datasets, load_policy, prepare_training
 from papo_nb.workbook.training.completions import log_completions
 
 GRPO, PAPO_G, PAPO_G_COLLAPSE = "grpo", "papo_g", "papo_g_collapse"
 SWEEP, SEARCH = "sweep", "search"
+CONSISTENT_SEED_OFFSET = 1  # the in-distribution held-out items: a stream of their own
 # One colour per arm in the figures and in MLflow (the ``mlflow.runColor`` tag): matplotlib's tab:blue, tab:green,
 # tab:red and tab:gray, and for the calibrated design's fraction arms tab:purple, tab:brown and tab:pink.
 ARM_COLOURS = {
@@ -40,7 +44,7 @@ ARM_COLOURS = {
     **dict(zip(map(fraction_arm, FRACTION_NAMES), ("#9467bd", "#8c564b", "#e377c2"))),
 }  # fmt: skip
 OTHER_ARM_COLOUR = "#17becf"  # tab:cyan: a fraction arm without a name of its own
-SPLITS = ("all", "vision", "text")
+SPLITS = ("all", "vision", "text", "consistent")  # held_out_splits
 # Metrics logged per training step (TRL's and the adapter's names).
 STEP_METRICS = (
     "reward",
@@ -96,8 +100,31 @@ class Study:
 
 
 def eval_dataset(params: WorkbookParams):
-    """The one held-out set every run is scored on (from the notebook's seed, not the run's)."""
-    return load_datasets(params)[1]
+    """The one held-out set every run is scored on (from the notebook's seed, not the run's). On a language-prior
+    testbed, half as many prior-consistent items follow the prior-breaking ones: the in-distribution split
+    (``consistent``), where the prior is right, so each arm's cost there is shown (issue 41)."""
+    held_out = load_datasets(params)[1]
+    name = testbed_name(params.dataset)
+    if name is None or TESTBED_RECIPES[name].prior_rate is None or params.n_eval_prompts < 2:
+        return held_out
+    seed = params.seed + EVAL_SEED_OFFSET + CONSISTENT_SEED_OFFSET
+    consistent = held_out_items(name, params.n_eval_prompts // 2, seed, prior_rate=1.0)
+    return concatenate_datasets([held_out, consistent.cast(held_out.features)])
+
+
+def held_out_splits(data) -> dict[str, list[int]]:
+    """Row indices of each split: ``all`` the held-out distribution (prior-breaking vision items and text items),
+    ``vision`` and ``text`` within it, and ``consistent`` the vision items whose number names their answer."""
+    vision = list(data["vision_dependent"]) if "vision_dependent" in data.column_names else [True] * len(data)
+    named = [prior_answer(prompt_text(prompt)) for prompt in data["prompt"]]
+    consistent = [v and n == normalise_answer(str(a)) for v, n, a in zip(vision, named, data["answer"])]
+    rows = {
+        "all": [i for i, c in enumerate(consistent) if not c],
+        "vision": [i for i, (v, c) in enumerate(zip(vision, consistent)) if v and not c],
+        "text": [i for i, v in enumerate(vision) if not v],
+        "consistent": [i for i, c in enumerate(consistent) if c],
+    }
+    return {split: keep for split, keep in rows.items() if keep}
 
 
 def evaluate_policy(model, processor, data, *, samples: int, mask_ratio: float, seed: int, max_new_tokens: int):
@@ -109,16 +136,12 @@ def evaluate_policy(model, processor, data, *, samples: int, mask_ratio: float, 
 
     Datasets without a ``vision_dependent`` column (the shapes task) count every item as vision-dependent."""
     answers = list(data["answer"])
-    vision = list(data["vision_dependent"]) if "vision_dependent" in data.column_names else [True] * len(answers)
     per_item = score_items(
         model, processor, list(data["prompt"]), answers, list(data["image"]), grade=accuracy_reward, samples=samples,
         max_new_tokens=max_new_tokens, mask_ratio=mask_ratio, seed=seed, batch_size=64,
     )  # fmt: skip
     scores = {}
-    for split in SPLITS:
-        keep = [i for i, v in enumerate(vision) if split == "all" or v == (split == "vision")]
-        if not keep:
-            continue
+    for split, keep in held_out_splits(data).items():
         for name, values in per_item.items():
             scores[f"{name}/{split}"] = mean(values[i] for i in keep)
         for kind in ("greedy", "avg_at_k"):
