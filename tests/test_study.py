@@ -505,7 +505,7 @@ def test_the_calibrated_design_scores_step_0_searches_one_seed_and_pairs_every_a
             "model_name_or_path": "testbed:shapes_prior", "dataset": "testbed:shapes_prior", "max_steps": 2,
             "n_train_prompts": 8, "n_eval_prompts": 12, "per_device_train_batch_size": 8, "study_seeds": [0, 1],
             "study_collapse_gammas": [20.0], "study_gamma_fractions": [0.5], "study_search_steps": 1,
-            "study_eval_samples": 2, "measure_perception_kl": True,
+            "study_eval_samples": 2, "measure_perception_kl": True, "study_control_learning_rates": [0.001],
         }
     )  # fmt: skip
     with mlflow.start_run():
@@ -515,19 +515,25 @@ def test_the_calibrated_design_scores_step_0_searches_one_seed_and_pairs_every_a
     assert [(r.arm, r.seed) for r in study.sweep] == [("search", 0)] and study.collapse_gamma == 20.0
     half = 0.5 * study.collapse_gamma
     assert sorted((r.arm, r.seed, r.gamma) for r in study.runs if r.arm != "papo_g_collapse") == [
-        ("grpo", 0, 0.0), ("grpo", 1, 0.0), ("papo_g", 0, 0.02), ("papo_g", 1, 0.02),
-        ("papo_g_half", 0, half), ("papo_g_half", 1, half),
+        ("grpo", 0, 0.0), ("grpo", 1, 0.0), ("grpo_lr", 0, 0.0), ("grpo_lr", 1, 0.0), ("papo_g", 0, 0.02),
+        ("papo_g", 1, 0.02), ("papo_g_half", 0, half), ("papo_g_half", 1, half),
     ]  # fmt: skip
+    # the matched control: its ladder searched on the search seed against papo_g_half's end reward there
+    (match,) = study.controls
+    assert match.arm == "grpo_lr" and match.value == 0.001 and math.isfinite(match.target)
     assert all("detected_by" in r.collapse for r in [*study.sweep, *study.runs])
     grpo_logs = next(r for r in study.runs if r.arm == "grpo").step_logs
     assert any(row.get("perception_kl", 0) > 0 for row in grpo_logs)  # measured at gamma 0
     sections = "\n".join(publish.calibrated_sections(study))
-    for heading in ("counteract GRPO's drift", "Drift:", "Collapse-gamma search", "Each PAPO-G arm against GRPO"):
+    for heading in ("counteract GRPO's drift", "Drift:", "Collapse-gamma search", "Each arm against GRPO",
+                    "The matched controls", "The error split"):  # fmt: skip
         assert heading in sections
-    assert "papo_g_half" in sections and "nan" not in sections.split("Each PAPO-G arm")[0].split("Drift:")[1]
+    assert "papo_g_half" in sections and "nan" not in sections.split("Collapse-gamma")[0].split("Drift:")[1]
     publish.write_page_files(tmp_path / "page", study, {}, {})
+    rows, verdict = publish.page_control_tables(tmp_path / "page")  # recomputed from the page's runs.json
+    assert {row["against"] for row in rows} == {"grpo", "grpo_lr"} and f"**{verdict}**" in sections
     logs = json.loads((tmp_path / "page" / publish.STEP_LOGS).read_text())
-    assert {(r["arm"], r["seed"]) for r in logs} >= {("grpo", 0), ("papo_g_half", 1), ("search", 0)}
+    assert {(r["arm"], r["seed"]) for r in logs} >= {("grpo", 0), ("papo_g_half", 1), ("search", 0), ("grpo_lr", 1)}
     trained = {(r.arm, r.seed): r for r in [*study.sweep, *study.runs]}
     for record in logs:  # every step-log label can be recomputed from the page alone
         assert detect_collapse(record["steps"])["step"] == trained[record["arm"], record["seed"]].collapse["step"]
@@ -600,3 +606,38 @@ def test_the_held_out_set_adds_an_in_distribution_split_beside_the_prior_breakin
     named = [prior_answer(prompt_text(p)) for p in data["prompt"]]
     assert all(named[i] != data["answer"][i] for i in splits["vision"])
     assert all(named[i] == data["answer"][i] for i in splits["consistent"])
+
+
+def test_a_control_is_matched_on_end_reward_and_the_verdict_names_the_closest():
+    """Issue 41 item 1: each control's ladder is trained once and the value whose end-of-training accuracy reward
+    lies closest to the strongest PAPO-G arm's is kept; the verdict calls the gain perception-specific only if that
+    arm beats every control on both prior-breaking accuracy and the reliance gap."""
+    from papo_nb.workbook.study.controls import comparison_rows, control_verdict, end_reward, match_control
+
+    assert end_reward(logs(12, acc=lambda s: 0.5 if s <= 2 else 0.7)) == pytest.approx(0.7)
+    assert math.isnan(end_reward([{"step": 1}]))
+    rewards = {0.5: 0.66, 2.0: 0.61, 8.0: 0.52}
+    match = match_control("grpo_beta", list(rewards), 0.58, rewards.__getitem__)
+    assert match.value == 2.0 and match.margin == pytest.approx(0.03) and [r["kept"] for r in match.rows()] == [
+        False, True, False,
+    ]  # fmt: skip
+    with pytest.raises(ValueError, match="control arm='grpo_entropy' is unknown; allowed"):
+        match_control("grpo_entropy", [1.0], 0.5, rewards.__getitem__)
+    with pytest.raises(ValueError, match="ladder of learning_rate values is empty"):
+        match_control("grpo_lr", [], 0.5, rewards.__getitem__)
+    primary, gap = "avg_at_k/original/vision", "avg_at_k/gap/vision"
+
+    def arm(level, spread=(0.0, 0.01, -0.01, 0.005, -0.004)):
+        return {s: {primary: level + d, gap: level / 4 + d} for s, d in enumerate(spread)}
+
+    results = {"grpo": arm(0.30), "grpo_beta": arm(0.40), "grpo_lr": arm(0.33), "papo_g_half": arm(0.45)}
+    results["papo_g_half"] = {s: {k: v + 0.003 * s for k, v in r.items()} for s, r in results["papo_g_half"].items()}
+    rows = comparison_rows(results, "papo_g_half", (primary, gap), paired_test)
+    verdict = control_verdict(rows, "papo_g_half", primary, gap)
+    assert verdict.startswith("papo_g_half keeps more prior-breaking accuracy and a larger reliance gap than every")
+    assert "The closest control is grpo_beta: papo_g_half - grpo_beta = +0.056" in verdict
+    results["grpo_beta"] = {s: {k: v + 0.01 for k, v in r.items()} for s, r in results["papo_g_half"].items()}
+    verdict = control_verdict(comparison_rows(results, "papo_g_half", (primary, gap), paired_test), "papo_g_half",
+                              primary, gap)  # fmt: skip
+    assert "does not beat every matched control" in verdict and "(it does against grpo_lr)" in verdict
+    assert control_verdict([], "papo_g_half", primary, gap).startswith("No matched control ran")
