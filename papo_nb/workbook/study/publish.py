@@ -335,9 +335,9 @@ def summary_markdown(root: str | Path, link_prefix: str = "") -> str:
     return "\n".join(lines) + "\n"
 
 
-def replace_block(text: str, block: str) -> str:
-    """``text`` with the lines between the ``README_MARKERS`` replaced by ``block``."""
-    start, end = README_MARKERS
+def replace_block(text: str, block: str, markers: tuple[str, str] | None = None) -> str:
+    """``text`` with the lines between ``markers`` (``README_MARKERS``) replaced by ``block``."""
+    start, end = markers or README_MARKERS
     if start not in text or end not in text:
         raise ValueError(f"README has no {start} ... {end} block to write the study summary into")
     head, rest = text.split(start, 1)
@@ -345,6 +345,12 @@ def replace_block(text: str, block: str) -> str:
 
 
 README_MARKERS = ("<!-- study-summary:start -->", "<!-- study-summary:end -->")
+# The pages kept for the record but out of the summary (issue 41): the 2025 sweep design, run from a warm start that
+# no longer exists and whose weights were not kept ("not pinned"), so no number on them is comparable with a pinned
+# page's. docs/study.md's archive section carries their table between these markers.
+ARCHIVE = "archive"
+ARCHIVE_MARKERS = ("<!-- study-archive:start -->", "<!-- study-archive:end -->")
+ARCHIVE_TARGET = ("docs/study.md", "study/archive/")
 
 
 # the pages that carry the summary table between README_MARKERS, and how each links to docs/study/
@@ -359,10 +365,15 @@ def main(root: str | Path = "docs/study", targets=SUMMARY_TARGETS) -> None:
         dose.plot_dose_response(json.loads(rows.read_text())).savefig(rows.with_suffix(".png"), dpi=80)
     for runs in sorted(root.glob(f"*/{RUNS}")):
         write_contrasts(runs.parent)
+    for runs in sorted((root / ARCHIVE).glob(f"*/{RUNS}")):
+        write_contrasts(runs.parent)
     (root / SUMMARY_PAGE).write_text(summary_markdown(root))
     for target, prefix in targets:
         path = Path(target)
         path.write_text(replace_block(path.read_text(), summary_markdown(root, link_prefix=prefix)))
+    if (root / ARCHIVE).is_dir() and Path(ARCHIVE_TARGET[0]).exists():
+        path, archive = Path(ARCHIVE_TARGET[0]), summary_markdown(root / ARCHIVE, link_prefix=ARCHIVE_TARGET[1])
+        path.write_text(replace_block(path.read_text(), archive, ARCHIVE_MARKERS))
     print(f"wrote {root / SUMMARY_PAGE} and the study table of {', '.join(str(t) for t, _ in targets)}")
 
 
