@@ -563,17 +563,30 @@ def test_drift_is_the_end_minus_the_warm_start_and_the_claim_says_which_arm_coun
 
 @pytest.mark.model
 @pytest.mark.slow
-def test_grpo_drifts_off_the_image_on_the_shortcut_testbed_on_this_float_path(mlflow_store, tmp_path):
-    """The published drift, rechecked fresh: GRPO (seed 0, the study's settings) trained on this CPU's kernels falls
-    5 points or more on prior-breaking items from the shipped warm start (statistical: training's float path differs
-    between machines; the page's drift is 20 points, so this holds with a wide margin)."""
+def test_a_fresh_warm_start_meets_its_card_and_grpo_drifts_further_than_a_control(mlflow_store, tmp_path):
+    """Issue 41: one warm start rebuilt fresh (shapes_shortcut, seed 0) meets its goal, and on the kernel path the
+    shipped weights were built on its card is the shipped card, exact (elsewhere a path's build differs a little:
+    docs/study.md's table, held-out vision 0.40-0.44 across paths, so within 0.06 here). On it GRPO (seed 0, the
+    study's settings) falls 5 points or more on the prior-breaking items and names the number's colour, unseen, more
+    often; the learning-rate control (the ladder's smallest step) ends above it (statistical: training's float path
+    differs between machines; seed 0 fell 8 points in issue 41's check, 60 steps, 128 items)."""
+    import os
+
+    from papo_nb.testbed import policy as testbed_policy
     from papo_nb.workbook.config.params import load_params
     from papo_nb.workbook.study.arms import eval_dataset, evaluate_policy
     from papo_nb.workbook.study.drift import PRIMARY
     from papo_nb.workbook.training.builder import load_policy, prepare_training
 
+    fresh = testbed_policy.build_testbed("shapes_shortcut", seed=0, cache_dir=tmp_path / "cache")
+    card, shipped = (testbed_policy.read_card(f) for f in (fresh, testbed_policy.pinned_testbed("shapes_shortcut")))
+    manifest = json.loads(testbed_policy.PINNED_MANIFEST.read_text())["shapes_shortcut"]["built_with"]
+    if os.environ.get("ATEN_CPU_CAPABILITY", "default") == manifest["ATEN_CPU_CAPABILITY"]:
+        assert card["greedy_accuracy"] == shipped["greedy_accuracy"] and card["sft_steps"] == shipped["sft_steps"]
+    else:
+        assert card["greedy_accuracy"] == pytest.approx(shipped["greedy_accuracy"], abs=0.06)
     params = load_params(ROOT / "params" / "study_shortcut.yaml").model_copy(
-        update={"perception_loss_weight": 0.0, "n_eval_prompts": 128, "study_eval_samples": 2}
+        update={"model_name_or_path": str(fresh), "perception_loss_weight": 0.0, "n_eval_prompts": 128}
     )
     data = eval_dataset(params)
 
@@ -582,12 +595,20 @@ def test_grpo_drifts_off_the_image_on_the_shortcut_testbed_on_this_float_path(ml
             model, processor, data, samples=2, mask_ratio=params.mask_ratio, seed=params.seed, max_new_tokens=10
         )
 
+    def trained(run_params, name):
+        trainer, _, _ = prepare_training(
+            run_params, tmp_path / name, save_strategy="no", require_gpu_contract_probe=False
+        )
+        trainer.train()
+        return score(trainer.model, trainer.processing_class)
+
     start = score(*load_policy(params))
-    trainer, _, _ = prepare_training(params, tmp_path / "grpo", save_strategy="no", require_gpu_contract_probe=False)
-    trainer.train()
-    end = score(trainer.model, trainer.processing_class)
-    assert end[PRIMARY] <= start[PRIMARY] - 0.05, (start[PRIMARY], end[PRIMARY])
-    assert end[PRIOR] > start[PRIOR], (start[PRIOR], end[PRIOR])  # it follows the number more
+    grpo = trained(params, "grpo")
+    assert grpo[PRIMARY] <= start[PRIMARY] - 0.05, (start[PRIMARY], grpo[PRIMARY])
+    assert grpo[PRIOR] > start[PRIOR], (start[PRIOR], grpo[PRIOR])  # it names the unseen number's colour more
+    smallest = min(load_params(ROOT / "params" / "study_controls.yaml").study_control_learning_rates)
+    control = trained(params.model_copy(update={"learning_rate": smallest}), "grpo_lr")
+    assert control[PRIMARY] > grpo[PRIMARY], (start[PRIMARY], grpo[PRIMARY], control[PRIMARY])
 
 
 def test_the_held_out_set_adds_an_in_distribution_split_beside_the_prior_breaking_one():
