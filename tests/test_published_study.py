@@ -94,4 +94,24 @@ def test_a_calibrated_page_exists_and_its_verdict_is_recomputed_from_its_own_fil
         # 5 points or more, its 95% CI clear of 0, on the prior-breaking items
         grpo = next(row for row in drift if row["arm"] == "grpo" and row["metric"] == PRIMARY)
         assert grpo["drift"] <= -0.05 and grpo["drift"] + grpo["drift_ci95"] < 0, grpo
-        assert {row["arm"] for row in verdicts} >= {"papo_g", "papo_g_eighth", "papo_g_quarter", "papo_g_half"}
+        assert {row["arm"] for row in verdicts} >= {"papo_g", "papo_g_half"}
+
+
+def test_the_controls_page_compares_papo_g_with_every_matched_control_from_its_own_files():
+    """Issue 41 item 1: the controls page's verdict is recomputed from its runs.json and names every control. Its
+    PAPO-G runs measured their perception KL; its gamma-0 runs (GRPO and the controls) logged 0 at every step,
+    because notebook 04 did not declare ``measure_perception_kl`` and ``papo-nb run`` dropped the study file's value
+    (fixed after the page ran): the page's dose table says "not measured" for them, never 0.000."""
+    from papo_nb.workbook.study.arms import perception_kl_measured
+    from papo_nb.workbook.study.publish import SUMMARY, page_control_tables
+
+    pages = [page for page in CALIBRATED_PAGES if "controls" in json.loads((page / SUMMARY).read_text())]
+    assert pages, "no controls page (params/study_controls.yaml, docs/study.md)"
+    for page in pages:
+        rows, verdict = page_control_tables(page)
+        assert json.loads((page / SUMMARY).read_text())["controls"] == verdict, page
+        assert f"**{verdict}**" in (page / "results.md").read_text() and "The closest control is" in verdict
+        assert {row["against"] for row in rows} == {"grpo", "grpo_beta", "grpo_lr"}, page
+        logs = json.loads((page / "step_logs.json").read_text())
+        assert all(perception_kl_measured(record["steps"]) == (record["gamma"] > 0) for record in logs), page
+        assert "not measured" in (page / "results.md").read_text().split("## Dose-response")[1].split("##")[0]

@@ -563,30 +563,42 @@ def test_drift_is_the_end_minus_the_warm_start_and_the_claim_says_which_arm_coun
 
 @pytest.mark.model
 @pytest.mark.slow
-def test_a_fresh_warm_start_meets_its_card_and_grpo_drifts_further_than_a_control(mlflow_store, tmp_path):
-    """Issue 41: one warm start rebuilt fresh (shapes_shortcut, seed 0) meets its goal, and on the kernel path the
-    shipped weights were built on its card is the shipped card, exact (elsewhere a path's build differs a little:
-    docs/study.md's table, held-out vision 0.40-0.44 across paths, so within 0.06 here). On it GRPO (seed 0, the
-    study's settings) falls 5 points or more on the prior-breaking items and names the number's colour, unseen, more
-    often; the learning-rate control (the ladder's smallest step) ends above it (statistical: training's float path
-    differs between machines; seed 0 fell 8 points in issue 41's check, 60 steps, 128 items)."""
-    import os
+def test_a_fresh_shortcut_warm_start_meets_its_card():
+    """Issue 41: one warm start rebuilt fresh (shapes_shortcut, seed 0) meets its goal (the builder raises when it
+    misses), and on the kernel path the shipped weights were built on its card is the shipped card, exact; on
+    another path a build differs a little (docs/study.md's table: held-out vision 0.40-0.44 across paths), so within
+    0.06 (issue 41's run on AVX2: 0.401 against 0.4375, 24 minutes on 2 loaded cores, 860 steps)."""
+    import tempfile
+
+    import torch
 
     from papo_nb.testbed import policy as testbed_policy
+
+    with tempfile.TemporaryDirectory() as cache:
+        card = testbed_policy.read_card(testbed_policy.build_testbed("shapes_shortcut", seed=0, cache_dir=cache))
+    shipped = testbed_policy.read_card(testbed_policy.pinned_testbed("shapes_shortcut"))
+    built_on = json.loads(testbed_policy.PINNED_MANIFEST.read_text())["shapes_shortcut"]["built_with"]
+    assert card["sft_stopped_by_validation"] and card["testbed"] == shipped["testbed"]
+    if torch.backends.cpu.get_cpu_capability().lower() == built_on["ATEN_CPU_CAPABILITY"].lower():
+        assert card["greedy_accuracy"] == shipped["greedy_accuracy"] and card["sft_steps"] == shipped["sft_steps"]
+    else:
+        assert card["greedy_accuracy"] == pytest.approx(shipped["greedy_accuracy"], abs=0.06)
+
+
+@pytest.mark.model
+@pytest.mark.slow
+def test_grpo_drifts_off_the_image_and_a_learning_rate_control_ends_above_it(mlflow_store, tmp_path):
+    """The published drift, rechecked fresh on the shipped warm start: GRPO (seed 0, the study's settings) trained on
+    this CPU's kernels falls 5 points or more on the prior-breaking items and names the number's colour, unseen,
+    more often; the learning-rate control (the ladder's smallest step, the one the controls page kept) ends above
+    it (statistical: training's float path differs between machines; seed 0 fell 8 points in issue 41's check)."""
     from papo_nb.workbook.config.params import load_params
     from papo_nb.workbook.study.arms import eval_dataset, evaluate_policy
     from papo_nb.workbook.study.drift import PRIMARY
     from papo_nb.workbook.training.builder import load_policy, prepare_training
 
-    fresh = testbed_policy.build_testbed("shapes_shortcut", seed=0, cache_dir=tmp_path / "cache")
-    card, shipped = (testbed_policy.read_card(f) for f in (fresh, testbed_policy.pinned_testbed("shapes_shortcut")))
-    manifest = json.loads(testbed_policy.PINNED_MANIFEST.read_text())["shapes_shortcut"]["built_with"]
-    if os.environ.get("ATEN_CPU_CAPABILITY", "default") == manifest["ATEN_CPU_CAPABILITY"]:
-        assert card["greedy_accuracy"] == shipped["greedy_accuracy"] and card["sft_steps"] == shipped["sft_steps"]
-    else:
-        assert card["greedy_accuracy"] == pytest.approx(shipped["greedy_accuracy"], abs=0.06)
     params = load_params(ROOT / "params" / "study_shortcut.yaml").model_copy(
-        update={"model_name_or_path": str(fresh), "perception_loss_weight": 0.0, "n_eval_prompts": 128}
+        update={"perception_loss_weight": 0.0, "n_eval_prompts": 128}
     )
     data = eval_dataset(params)
 

@@ -52,8 +52,8 @@ class ControlMatch:
 
     def rows(self) -> list[dict]:
         return [
-            {"control": self.arm, CONTROL_PARAMS[self.arm]: value, "end_reward": reward, "target": self.target,
-             "kept": value == self.value}
+            {"control": self.arm, "knob": CONTROL_PARAMS[self.arm], "value": value, "end_reward": reward,
+             "target": self.target, "kept": value == self.value}
             for value, reward in self.tried
         ]  # fmt: skip
 
