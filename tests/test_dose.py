@@ -84,3 +84,29 @@ def test_a_difference_below_the_seed_spread_is_drawn_flat():
     # a real change (0.01 to 0.5) fills the axis
     low, high = honest_ylim([0.01, 0.5], [0.0, 0.0])
     assert 0.49 / (high - low) > 0.8
+
+
+def test_a_kl_logged_as_zero_at_every_step_is_not_measured_not_zero():
+    """Issue 41 item 6: a skipped masked branch logs perception_kl 0 at every step; the dose table says "not
+    measured" rather than a KL of 0.000."""
+    study = _study()
+    for run in study.runs:
+        if run.arm == GRPO:
+            run.step_logs = [{**row, "perception_kl": 0.0} for row in run.step_logs]
+    rows = {row["gamma"]: row for row in dose_rows(study)}
+    assert "perception_kl" not in rows[0.0] and rows[0.02]["perception_kl"] == pytest.approx(0.6)
+    assert dose_markdown(list(rows.values())).splitlines()[2].count("not measured") == 1
+
+
+def test_a_matched_control_at_gamma_0_is_kept_apart_from_the_dose_response():
+    """Issue 41: a matched control is GRPO held back another way, at gamma 0; it must not replace GRPO in the dose
+    rows or the contrasts, and its runs are still recorded on the page."""
+    from papo_nb.workbook.study.dose import dose_contrasts, run_records
+
+    study = _study()
+    study.runs += [_run("grpo_lr", s, 0.0, 0.9, 0.3, 0.1) for s in (0, 1)]
+    assert runs_by_gamma(study)[0.0][0].arm == GRPO
+    records = run_records(study)
+    assert sum(r["arm"] == "grpo_lr" for r in records) == 2
+    assert {row["gamma"]: row for row in dose_rows(study)}[0.0]["avg_at_k/original/vision"] == pytest.approx(0.55)
+    assert dose_contrasts(records) == dose_contrasts(run_records(_study()))

@@ -16,7 +16,7 @@ from papo_nb.workbook.config.metric_keys import HELDOUT_ACCURACY
 from papo_nb.workbook.study.arms import ARM_COLOURS
 from papo_nb.workbook.study.claims import claims_table
 from papo_nb.workbook.study.collapse import CollapseRule, detect_collapse, heldout_verdict
-from papo_nb.workbook.study.errors import FOLLOWED, MISREAD, SHARE, prior_error_split
+from papo_nb.workbook.study.errors import CLEAN, DECOY, OTHER, PRIOR, PRIOR_IS_DECOY, SHARE, error_split
 from papo_nb.workbook.study.search import fraction_arm, search_collapse_gamma
 from papo_nb.workbook.study.stats import at_chance, equivalence_test, mean_ci, paired_test, summary_rows
 from papo_nb.workbook.study.tables import comparison_table, markdown_table
@@ -100,6 +100,22 @@ def test_an_image_blind_collapse_is_flagged_as_not_the_papers():
     assert 12 < verdict["step"] <= 12 + CollapseRule().window
 
 
+def test_a_zero_kl_baseline_is_neither_a_rise_nor_a_vanishing():
+    """Issue 41 item 9: a KL logged as 0 from the start (a skipped masked branch) has no ratio to rise or fall by,
+    so a GRPO-like run whose entropy rises reads as no collapse, not as KL hacking; a KL that does blow up past the
+    floor still counts."""
+    rising_entropy = logs(kl=lambda s: 0.0, entropy=lambda s: 0.1 if s < 12 else 0.6)
+    verdict = detect_collapse(rising_entropy)
+    assert not verdict["collapsed"] and verdict["mode"] is None
+    assert (
+        verdict["first_seen"]["perception_kl_rise"] is None and verdict["first_seen"]["perception_kl_vanished"] is None
+    )
+    assert verdict["first_seen"]["entropy_rise"] is not None  # the entropy did rise: only the KL's ratios are off
+    blowup = detect_collapse(logs(kl=lambda s: 0.0 if s < 12 else 2.0, acc=lambda s: 0.6 if s < 12 else 0.2))
+    assert blowup["collapsed"] and "perception_kl_blowup" in blowup["symptoms"]
+    assert "perception_kl_rise" not in blowup["symptoms"]
+
+
 def test_sparse_reward_logs_still_work():
     """With two optimizer steps per rollout batch TRL logs the reward on every other step only."""
     sparse = [
@@ -107,6 +123,24 @@ def test_sparse_reward_logs_still_work():
         for row in logs(kl=lambda s: 0.3 if s < 12 else 0.0, acc=lambda s: 0.7 if s < 12 else 0.15)
     ]
     assert detect_collapse(sparse)["collapsed"]
+
+
+def test_a_study_run_that_logs_a_zero_kl_while_measuring_fails():
+    """Issue 41 item 6: with ``measure_perception_kl`` on (or gamma > 0) a run whose logged perception KL is 0 at
+    every step did not run its masked branch, and the study stops there instead of reporting the zeros."""
+    from types import SimpleNamespace
+
+    from papo_nb.workbook.study.arms import perception_kl_measured, require_measured_kl
+
+    zeros, measured = logs(kl=lambda s: 0.0), logs(kl=lambda s: 0.01 * s)
+    assert not perception_kl_measured(zeros) and perception_kl_measured(measured)
+    on, off = SimpleNamespace(measure_perception_kl=True), SimpleNamespace(measure_perception_kl=False)
+    with pytest.raises(RuntimeError, match="grpo .*seed 3.*measure_perception_kl=True.*0 at all 30 steps"):
+        require_measured_kl(on, "grpo", 3, 0.0, zeros)
+    with pytest.raises(RuntimeError, match="papo_g .*gamma 0.02"):
+        require_measured_kl(off, "papo_g", 0, 0.02, zeros)
+    require_measured_kl(on, "grpo", 3, 0.0, measured)
+    require_measured_kl(off, "grpo", 3, 0.0, zeros)  # not asked to measure: GRPO's skipped branch is right
 
 
 # ---- statistics ----
@@ -130,14 +164,13 @@ def test_paired_test_matches_a_hand_computed_t_test():
 def fake_results(gain):
     base = {"avg_at_k/original/all": 0.5, "avg_at_k/original/vision": 0.4, "avg_at_k/original/text": 0.7}
     base["avg_at_k/gap/vision"] = 0.1
+    base[PRIOR], base[DECOY] = 0.3, 0.1  # a gain of reading is a fall of the prior's errors (the error split)
     noise = {0: 0.0, 1: 0.01, 2: -0.01}
     spread = {0: 1.0, 1: 1.2, 2: 0.8}  # the paired gain varies a little across seeds, as real gains do
+    effect = {PRIOR: -1.0, DECOY: 0.0, **{k: 2.0 if "vision" in k else 1.0 for k in base if "error" not in k}}
     return {
         "grpo": {s: {k: v + n for k, v in base.items()} for s, n in noise.items()},
-        "papo_g": {
-            s: {k: v + n + spread[s] * (gain * 2 if "vision" in k else gain) for k, v in base.items()}
-            for s, n in noise.items()
-        },
+        "papo_g": {s: {k: v + n + spread[s] * gain * effect[k] for k, v in base.items()} for s, n in noise.items()},
         "papo_g_collapse": {s: {k: v - 0.2 for k, v in base.items()} for s in noise},
     }
 
@@ -178,16 +211,33 @@ def test_the_collapse_search_climbs_then_bisects_below_the_first_collapse():
     assert fraction_arm(0.5) == "papo_g_half" and fraction_arm(0.3) == "papo_g_x0.3"
 
 
-def test_prior_breaking_errors_split_into_followed_the_prior_and_misread():
-    golds = ["red", "green", "blue", "yellow", "red"]
-    priors = ["blue", "red", "green", "red", "green"]
-    majorities = ["red", "green", "blue", "yellow", "green"]  # the last square shows mostly its decoy
-    # right; the prior against the image; another colour; no answer; the prior where the image shows it most
-    answers = ["red", "red", "yellow", None, "green"]
-    split = prior_error_split(answers, golds, priors, majorities)
-    assert split[FOLLOWED] == pytest.approx(1 / 5) and split[MISREAD] == pytest.approx(3 / 5)
-    assert split[SHARE] == pytest.approx(1 / 4)
-    assert math.isnan(prior_error_split(golds, golds, priors, majorities)[SHARE])
+def test_prior_breaking_errors_split_into_the_prior_the_decoy_and_other():
+    """Issue 41 item 2: where the decoy is not the number's colour, an error is the prior (a colour not shown), the
+    decoy (a colour shown) or other; where it is, an answer with that colour is counted apart."""
+    golds = ["red", "green", "blue", "yellow", "red", "green", "blue"]
+    priors = ["blue", "red", "green", "red", "green", "blue", "red"]
+    decoys = ["yellow", "yellow", "red", "blue", "green", "blue", "red"]  # the last three: decoy is the prior
+    answers = ["red", "red", "red", "green", "green", "blue", None]
+    # clean: right; the prior; the decoy; another colour. Tied: the named colour twice, then no answer
+    split = error_split(answers, golds, priors, decoys)
+    assert split[CLEAN] == 4 and split[PRIOR] == split[DECOY] == split[OTHER] == pytest.approx(1 / 4)
+    assert split[SHARE] == pytest.approx(1 / 3) and split[PRIOR_IS_DECOY] == pytest.approx(2 / 3)
+    assert math.isnan(error_split(golds, golds, priors, decoys)[SHARE])
+    with pytest.raises(ValueError, match="prior-breaking items only"):
+        error_split(["red"], ["red"], ["red"], ["blue"])
+
+
+def test_the_decoy_is_read_from_the_pixels_as_the_colour_beside_the_answer():
+    import random
+
+    from papo_nb.testbed import perception
+    from papo_nb.workbook.study.errors import decoy_colour
+
+    rng = random.Random(3)
+    for _ in range(40):
+        item = perception.make_item(rng, "vision", prior_rate=0.0, decoy_share=(0.1, 0.7), prior_decoy=False)
+        shown = {c for _, c in item["image"].getcolors()} - {(0, 0, 0), perception.COLOURS[item["answer"]]}
+        assert [perception.COLOURS[decoy_colour(item["image"], item["answer"])]] == list(shown)
 
 
 def test_summary_rows_pair_each_arm_with_grpo():
@@ -211,7 +261,7 @@ def test_claims_table_says_plainly_what_holds():
     assert better == {  # paired diffs 0.05, 0.06, 0.04 (vision twice that)
         "overall": "detected (+0.050, p = 0.0131)",
         "vision": "detected (+0.100, p = 0.0131)",
-        "perception_errors": "detected (+0.100, p = 0.0131)",
+        "perception_errors": "detected (-0.050, p = 0.0131)",
         "reliance": "detected (+0.100, p = 0.0131)",
         "collapse": "holds here",
     }
@@ -413,7 +463,23 @@ def test_claims_table_without_a_text_split_says_so():
     collapse = {arm: {s: {"collapsed": False} for s in range(3)} for arm in results}
     arms = {"control": "grpo", "treatment": "papo_g", "collapse": "papo_g_collapse"}
     vision = next(r for r in claims_table(results, collapse, arms, **CHANCE) if r["claim"] == "vision")
-    assert "no text-only split" in vision["here"] and vision["verdict"] == "detected (+0.100, p = 0.0131)"
+    assert "no text-only split" in vision["here"]
+    assert vision["verdict"].startswith("not testable here: every held-out item is vision-dependent")
+    assert vision["verdict"].endswith("(vision split alone: detected (+0.100, p = 0.0131))")
+
+
+def test_claims_state_exact_p_values_and_what_cannot_be_tested():
+    """Issue 41 item 8: beside the t-test, the exact sign and Wilcoxon p (3 pairs, all one sign: 2 / 2^3 = 0.25
+    for both, the floor of 3 pairs); without a language prior the perception-error claim is not testable here."""
+    collapse = {arm: {s: {"collapsed": False} for s in range(3)} for arm in ("grpo", "papo_g", "papo_g_collapse")}
+    arms = {"control": "grpo", "treatment": "papo_g", "collapse": "papo_g_collapse"}
+    rows = {r["claim"]: r for r in claims_table(fake_results(0.05), collapse, arms, **CHANCE)}
+    assert "paired p = 0.0131; exact sign p = 0.25; Wilcoxon p = 0.25" in rows["overall"]["here"]
+    assert "answered the number's colour against the image" in rows["perception_errors"]["here"]
+    no_prior = {arm: {s: {k: v for k, v in r.items() if k != PRIOR} for s, r in by.items()}
+                for arm, by in fake_results(0.05).items()}  # fmt: skip
+    row = next(r for r in claims_table(no_prior, collapse, arms, **CHANCE) if r["claim"] == "perception_errors")
+    assert row["verdict"].startswith("not testable here") and "1 - accuracy" not in row["here"]
 
 
 def test_equal_differences_on_every_seed_say_so_rather_than_asking_for_seeds():
@@ -439,28 +505,35 @@ def test_the_calibrated_design_scores_step_0_searches_one_seed_and_pairs_every_a
             "model_name_or_path": "testbed:shapes_prior", "dataset": "testbed:shapes_prior", "max_steps": 2,
             "n_train_prompts": 8, "n_eval_prompts": 12, "per_device_train_batch_size": 8, "study_seeds": [0, 1],
             "study_collapse_gammas": [20.0], "study_gamma_fractions": [0.5], "study_search_steps": 1,
-            "study_eval_samples": 2, "measure_perception_kl": True,
+            "study_eval_samples": 2, "measure_perception_kl": True, "study_control_learning_rates": [0.001],
         }
     )  # fmt: skip
     with mlflow.start_run():
         study = run_study(params, tmp_path / "runs", log=lambda line: None)
-    assert "avg_at_k/original/vision" in study.start_scores and SHARE in study.start_scores
+    assert "avg_at_k/original/vision" in study.start_scores and PRIOR in study.start_scores
+    assert "avg_at_k/original/consistent" in study.start_scores  # the in-distribution split beside it
     assert [(r.arm, r.seed) for r in study.sweep] == [("search", 0)] and study.collapse_gamma == 20.0
     half = 0.5 * study.collapse_gamma
     assert sorted((r.arm, r.seed, r.gamma) for r in study.runs if r.arm != "papo_g_collapse") == [
-        ("grpo", 0, 0.0), ("grpo", 1, 0.0), ("papo_g", 0, 0.02), ("papo_g", 1, 0.02),
-        ("papo_g_half", 0, half), ("papo_g_half", 1, half),
+        ("grpo", 0, 0.0), ("grpo", 1, 0.0), ("grpo_lr", 0, 0.0), ("grpo_lr", 1, 0.0), ("papo_g", 0, 0.02),
+        ("papo_g", 1, 0.02), ("papo_g_half", 0, half), ("papo_g_half", 1, half),
     ]  # fmt: skip
+    # the matched control: its ladder searched on the search seed against papo_g_half's end reward there
+    (match,) = study.controls
+    assert match.arm == "grpo_lr" and match.value == 0.001 and math.isfinite(match.target)
     assert all("detected_by" in r.collapse for r in [*study.sweep, *study.runs])
     grpo_logs = next(r for r in study.runs if r.arm == "grpo").step_logs
     assert any(row.get("perception_kl", 0) > 0 for row in grpo_logs)  # measured at gamma 0
     sections = "\n".join(publish.calibrated_sections(study))
-    for heading in ("counteract GRPO's drift", "Drift:", "Collapse-gamma search", "Each PAPO-G arm against GRPO"):
+    for heading in ("counteract GRPO's drift", "Drift:", "Collapse-gamma search", "Each arm against GRPO",
+                    "The matched controls", "The error split"):  # fmt: skip
         assert heading in sections
-    assert "papo_g_half" in sections and "nan" not in sections.split("Each PAPO-G arm")[0].split("Drift:")[1]
+    assert "papo_g_half" in sections and "nan" not in sections.split("Collapse-gamma")[0].split("Drift:")[1]
     publish.write_page_files(tmp_path / "page", study, {}, {})
+    rows, verdict = publish.page_control_tables(tmp_path / "page")  # recomputed from the page's runs.json
+    assert {row["against"] for row in rows} == {"grpo", "grpo_lr"} and f"**{verdict}**" in sections
     logs = json.loads((tmp_path / "page" / publish.STEP_LOGS).read_text())
-    assert {(r["arm"], r["seed"]) for r in logs} >= {("grpo", 0), ("papo_g_half", 1), ("search", 0)}
+    assert {(r["arm"], r["seed"]) for r in logs} >= {("grpo", 0), ("papo_g_half", 1), ("search", 0), ("grpo_lr", 1)}
     trained = {(r.arm, r.seed): r for r in [*study.sweep, *study.runs]}
     for record in logs:  # every step-log label can be recomputed from the page alone
         assert detect_collapse(record["steps"])["step"] == trained[record["arm"], record["seed"]].collapse["step"]
@@ -490,17 +563,42 @@ def test_drift_is_the_end_minus_the_warm_start_and_the_claim_says_which_arm_coun
 
 @pytest.mark.model
 @pytest.mark.slow
-def test_grpo_drifts_off_the_image_on_the_shortcut_testbed_on_this_float_path(mlflow_store, tmp_path):
-    """The published drift, rechecked fresh: GRPO (seed 0, the study's settings) trained on this CPU's kernels falls
-    5 points or more on prior-breaking items from the shipped warm start (statistical: training's float path differs
-    between machines; the page's drift is 20 points, so this holds with a wide margin)."""
+def test_a_fresh_shortcut_warm_start_meets_its_card():
+    """Issue 41: one warm start rebuilt fresh (shapes_shortcut, seed 0) meets its goal (the builder raises when it
+    misses), and on the kernel path the shipped weights were built on its card is the shipped card, exact; on
+    another path a build differs a little (docs/study.md's table: held-out vision 0.40-0.44 across paths), so within
+    0.06 (issue 41's run on AVX2: 0.401 against 0.4375, 24 minutes on 2 loaded cores, 860 steps)."""
+    import tempfile
+
+    import torch
+
+    from papo_nb.testbed import policy as testbed_policy
+
+    with tempfile.TemporaryDirectory() as cache:
+        card = testbed_policy.read_card(testbed_policy.build_testbed("shapes_shortcut", seed=0, cache_dir=cache))
+    shipped = testbed_policy.read_card(testbed_policy.pinned_testbed("shapes_shortcut"))
+    built_on = json.loads(testbed_policy.PINNED_MANIFEST.read_text())["shapes_shortcut"]["built_with"]
+    assert card["sft_stopped_by_validation"] and card["testbed"] == shipped["testbed"]
+    if torch.backends.cpu.get_cpu_capability().lower() == built_on["ATEN_CPU_CAPABILITY"].lower():
+        assert card["greedy_accuracy"] == shipped["greedy_accuracy"] and card["sft_steps"] == shipped["sft_steps"]
+    else:
+        assert card["greedy_accuracy"] == pytest.approx(shipped["greedy_accuracy"], abs=0.06)
+
+
+@pytest.mark.model
+@pytest.mark.slow
+def test_grpo_drifts_off_the_image_and_a_learning_rate_control_ends_above_it(mlflow_store, tmp_path):
+    """The published drift, rechecked fresh on the shipped warm start: GRPO (seed 0, the study's settings) trained on
+    this CPU's kernels falls 5 points or more on the prior-breaking items and names the number's colour, unseen,
+    more often; the learning-rate control (the ladder's smallest step, the one the controls page kept) ends above
+    it (statistical: training's float path differs between machines; seed 0 fell 8 points in issue 41's check)."""
     from papo_nb.workbook.config.params import load_params
     from papo_nb.workbook.study.arms import eval_dataset, evaluate_policy
     from papo_nb.workbook.study.drift import PRIMARY
     from papo_nb.workbook.training.builder import load_policy, prepare_training
 
     params = load_params(ROOT / "params" / "study_shortcut.yaml").model_copy(
-        update={"perception_loss_weight": 0.0, "n_eval_prompts": 128, "study_eval_samples": 2}
+        update={"perception_loss_weight": 0.0, "n_eval_prompts": 128}
     )
     data = eval_dataset(params)
 
@@ -509,9 +607,70 @@ def test_grpo_drifts_off_the_image_on_the_shortcut_testbed_on_this_float_path(ml
             model, processor, data, samples=2, mask_ratio=params.mask_ratio, seed=params.seed, max_new_tokens=10
         )
 
+    def trained(run_params, name):
+        trainer, _, _ = prepare_training(
+            run_params, tmp_path / name, save_strategy="no", require_gpu_contract_probe=False
+        )
+        trainer.train()
+        return score(trainer.model, trainer.processing_class)
+
     start = score(*load_policy(params))
-    trainer, _, _ = prepare_training(params, tmp_path / "grpo", save_strategy="no", require_gpu_contract_probe=False)
-    trainer.train()
-    end = score(trainer.model, trainer.processing_class)
-    assert end[PRIMARY] <= start[PRIMARY] - 0.05, (start[PRIMARY], end[PRIMARY])
-    assert end[FOLLOWED] > start[FOLLOWED], (start[FOLLOWED], end[FOLLOWED])  # it follows the number more
+    grpo = trained(params, "grpo")
+    assert grpo[PRIMARY] <= start[PRIMARY] - 0.05, (start[PRIMARY], grpo[PRIMARY])
+    assert grpo[PRIOR] > start[PRIOR], (start[PRIOR], grpo[PRIOR])  # it names the unseen number's colour more
+    smallest = min(load_params(ROOT / "params" / "study_controls.yaml").study_control_learning_rates)
+    control = trained(params.model_copy(update={"learning_rate": smallest}), "grpo_lr")
+    assert control[PRIMARY] > grpo[PRIMARY], (start[PRIMARY], grpo[PRIMARY], control[PRIMARY])
+
+
+def test_the_held_out_set_adds_an_in_distribution_split_beside_the_prior_breaking_one():
+    """Issue 41 item 7: on a language-prior testbed the study also scores prior-consistent items, apart, so each
+    arm's cost where the prior is right is shown; ``all`` and ``vision`` stay the prior-breaking held-out set."""
+    from papo_nb.testbed.perception import prior_answer
+    from papo_nb.workbook.config.params import load_params
+    from papo_nb.workbook.evaluation.eval_review import prompt_text
+    from papo_nb.workbook.study.arms import eval_dataset, held_out_splits
+
+    params = load_params(ROOT / "params" / "study_shortcut.yaml").model_copy(update={"n_eval_prompts": 24})
+    data = eval_dataset(params)
+    splits = held_out_splits(data)
+    assert len(data) == 36 and splits["all"] == splits["vision"] == list(range(24)) and "text" not in splits
+    assert splits["consistent"] == list(range(24, 36))
+    named = [prior_answer(prompt_text(p)) for p in data["prompt"]]
+    assert all(named[i] != data["answer"][i] for i in splits["vision"])
+    assert all(named[i] == data["answer"][i] for i in splits["consistent"])
+
+
+def test_a_control_is_matched_on_end_reward_and_the_verdict_names_the_closest():
+    """Issue 41 item 1: each control's ladder is trained once and the value whose end-of-training accuracy reward
+    lies closest to the strongest PAPO-G arm's is kept; the verdict calls the gain perception-specific only if that
+    arm beats every control on both prior-breaking accuracy and the reliance gap."""
+    from papo_nb.workbook.study.controls import comparison_rows, control_verdict, end_reward, match_control
+
+    assert end_reward(logs(12, acc=lambda s: 0.5 if s <= 2 else 0.7)) == pytest.approx(0.7)
+    assert math.isnan(end_reward([{"step": 1}]))
+    rewards = {0.5: 0.66, 2.0: 0.61, 8.0: 0.52}
+    match = match_control("grpo_beta", list(rewards), 0.58, rewards.__getitem__)
+    assert match.value == 2.0 and match.margin == pytest.approx(0.03) and [r["kept"] for r in match.rows()] == [
+        False, True, False,
+    ]  # fmt: skip
+    with pytest.raises(ValueError, match="control arm='grpo_entropy' is unknown; allowed"):
+        match_control("grpo_entropy", [1.0], 0.5, rewards.__getitem__)
+    with pytest.raises(ValueError, match="ladder of learning_rate values is empty"):
+        match_control("grpo_lr", [], 0.5, rewards.__getitem__)
+    primary, gap = "avg_at_k/original/vision", "avg_at_k/gap/vision"
+
+    def arm(level, spread=(0.0, 0.01, -0.01, 0.005, -0.004)):
+        return {s: {primary: level + d, gap: level / 4 + d} for s, d in enumerate(spread)}
+
+    results = {"grpo": arm(0.30), "grpo_beta": arm(0.40), "grpo_lr": arm(0.33), "papo_g_half": arm(0.45)}
+    results["papo_g_half"] = {s: {k: v + 0.003 * s for k, v in r.items()} for s, r in results["papo_g_half"].items()}
+    rows = comparison_rows(results, "papo_g_half", (primary, gap), paired_test)
+    verdict = control_verdict(rows, "papo_g_half", primary, gap)
+    assert verdict.startswith("papo_g_half keeps more prior-breaking accuracy and a larger reliance gap than every")
+    assert "The closest control is grpo_beta: papo_g_half - grpo_beta = +0.056" in verdict
+    results["grpo_beta"] = {s: {k: v + 0.01 for k, v in r.items()} for s, r in results["papo_g_half"].items()}
+    verdict = control_verdict(comparison_rows(results, "papo_g_half", (primary, gap), paired_test), "papo_g_half",
+                              primary, gap)  # fmt: skip
+    assert "does not beat every matched control" in verdict and "(it does against grpo_lr)" in verdict
+    assert control_verdict([], "papo_g_half", primary, gap).startswith("No matched control ran")

@@ -123,6 +123,9 @@ class TestbedRecipe:
     # the prior rate of blank warm-start items (None: ``warm_start_prior``): what a policy learns to answer blind
     blank_prior_rate: float | None = None
     decoy_share: tuple[float, float] | None = None  # a decoy colour's share of each square's pixels (``overpaint``)
+    # the held-out items' decoys: the number's colour where it is not the answer (True, as the RL task's), or drawn
+    # from the other colours apart from the number (False). The warm start, its validation and card never read it.
+    held_out_prior_decoy: bool = True
 
     @property
     def warm_start_prior(self) -> float | None:
@@ -171,6 +174,10 @@ TESTBED_RECIPES = {
         warm_start_prior_rate=0.5,
         decoy_share=(0.1, 0.7),
         blind_prior_floor=0.4,
+        # issue 41: with the decoy apart from the number, a held-out error tells the prior (a colour not shown) from
+        # the decoy (a colour shown); tied, the two were one colour. Training keeps them tied (docs/study.md: drawn
+        # apart there too, GRPO learnt the number as a tiebreaker between shown colours and drifted 4 points, not 11)
+        held_out_prior_decoy=False,
     ),
 }
 TESTBEDS = tuple(TESTBED_RECIPES)
@@ -249,14 +256,18 @@ def majority_colour(image: Image.Image) -> str | None:
 
 def make_perception_dataset(
     n: int, seed: int = 0, prior_rate: float | None = None, kinds: tuple[str, ...] = KINDS,
-    decoy_share: tuple[float, float] | None = None,
+    decoy_share: tuple[float, float] | None = None, prior_decoy: bool = True,
 ) -> datasets.Dataset:  # fmt: skip
     """``n`` items in TRL's conversational VLM format, kinds cycling through ``kinds`` (vision, vision, text);
-    deterministic. ``prior_rate``: the language-prior task, ``decoy_share``: overpainted squares (``make_item``)."""
+    deterministic. ``prior_rate``: the language-prior task, ``decoy_share`` and ``prior_decoy``: overpainted squares
+    (``make_item``)."""
     if n < 1:
         raise ValueError(f"n={n} must be at least 1")
     rng = random.Random(seed)
-    rows = [make_item(rng, kinds[i % len(kinds)], prior_rate=prior_rate, decoy_share=decoy_share) for i in range(n)]
+    rows = [
+        make_item(rng, kinds[i % len(kinds)], prior_rate=prior_rate, decoy_share=decoy_share, prior_decoy=prior_decoy)
+        for i in range(n)
+    ]
     return datasets.Dataset.from_dict({key: [row[key] for row in rows] for key in FEATURES}, features=FEATURES)
 
 
@@ -264,12 +275,16 @@ def task_datasets(name: str, n_train: int, n_eval: int, seed: int, eval_seed: in
     """(training, held-out) items of testbed ``name``'s task: with a language prior, training follows it at the
     recipe's ``prior_rate`` and the held-out items break it (rate 0)."""
     recipe = TESTBED_RECIPES[name]
-    prior_rate = recipe.prior_rate
-    held_out_rate = None if prior_rate is None else 0.0
-    return (
-        make_perception_dataset(n_train, seed, prior_rate, recipe.kinds, recipe.decoy_share),
-        make_perception_dataset(n_eval, eval_seed, held_out_rate, recipe.kinds, recipe.decoy_share),
-    )
+    held_out_rate = None if recipe.prior_rate is None else 0.0
+    training = make_perception_dataset(n_train, seed, recipe.prior_rate, recipe.kinds, recipe.decoy_share)
+    return training, held_out_items(name, n_eval, eval_seed, held_out_rate)
+
+
+def held_out_items(name: str, n: int, seed: int, prior_rate: float | None):
+    """``n`` held-out items of testbed ``name``'s task (its kinds, its held-out decoys) at ``prior_rate``: 1.0 gives
+    items where the prior is right, the in-distribution split beside the prior-breaking one (issue 41)."""
+    recipe = TESTBED_RECIPES[name]
+    return make_perception_dataset(n, seed, prior_rate, recipe.kinds, recipe.decoy_share, recipe.held_out_prior_decoy)
 
 
 def prior_answer(question: str) -> str | None:

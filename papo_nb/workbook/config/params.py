@@ -160,6 +160,18 @@ class WorkbookParams(PAPOParams):
     study_search_steps: int = Field(
         2, ge=0, le=8, description="bisection steps (geometric midpoints) of the collapse-gamma search"
     )
+    study_search_seed: int | None = Field(
+        None, description="seed of the collapse-gamma and control searches, one no arm uses (item 5 of issue 41); "
+        "None: the first study seed",
+    )  # fmt: skip
+    study_control_betas: list[PositiveFloat] = Field(
+        default_factory=list, description="calibrated design: ladder of beta values for the GRPO control held back "
+        "by the reference KL, matched to the strongest PAPO-G arm's end reward (study.controls); empty: no control",
+    )  # fmt: skip
+    study_control_learning_rates: list[PositiveFloat] = Field(
+        default_factory=list, description="calibrated design: ladder of learning rates for the GRPO control held "
+        "back by a smaller step, matched like study_control_betas; empty: no control",
+    )  # fmt: skip
     study_eval_samples: int = Field(
         4, ge=1, le=64, description="k of the held-out avg@k at temperature 1.0 (paper: avg@8)"
     )

@@ -19,20 +19,26 @@ from pathlib import Path
 from statistics import mean
 
 import mlflow
+from datasets import concatenate_datasets
 from mlflow import MlflowClient
 
-from papo_nb.testbed.rewards import accuracy_reward
+from papo_nb.testbed.perception import TESTBED_RECIPES, held_out_items, prior_answer, testbed_name
+from papo_nb.testbed.rewards import accuracy_reward, normalise_answer
 from papo_nb.workbook.config.metric_keys import HELDOUT_ACCURACY
 from papo_nb.workbook.config.params import WorkbookParams
 from papo_nb.workbook.evaluation.benchmarks import score_items
+from papo_nb.workbook.evaluation.eval_review import prompt_text
 from papo_nb.workbook.study.collapse import CollapseRule, detect_collapse, heldout_verdict
+from papo_nb.workbook.study.controls import CONTROL_PARAMS, GRPO_BETA, GRPO_LR, ControlMatch, end_reward, match_control
 from papo_nb.workbook.study.errors import prior_errors
 from papo_nb.workbook.study.search import FRACTION_NAMES, fraction_arm, search_collapse_gamma
-from papo_nb.workbook.training.builder import load_datasets, load_policy, prepare_training
+from papo_nb.workbook.training.builder import EVAL_SEED_OFFSET, load_datasets, load_policy, prepare_training
 from papo_nb.workbook.training.completions import log_completions
 
 GRPO, PAPO_G, PAPO_G_COLLAPSE = "grpo", "papo_g", "papo_g_collapse"
 SWEEP, SEARCH = "sweep", "search"
+CONTROL_SEARCH = "control_search"  # the matched controls' search runs (and the target's), on the search seed
+CONSISTENT_SEED_OFFSET = 1  # the in-distribution held-out items: a stream of their own
 # One colour per arm in the figures and in MLflow (the ``mlflow.runColor`` tag): matplotlib's tab:blue, tab:green,
 # tab:red and tab:gray, and for the calibrated design's fraction arms tab:purple, tab:brown and tab:pink.
 ARM_COLOURS = {
@@ -40,7 +46,7 @@ ARM_COLOURS = {
     **dict(zip(map(fraction_arm, FRACTION_NAMES), ("#9467bd", "#8c564b", "#e377c2"))),
 }  # fmt: skip
 OTHER_ARM_COLOUR = "#17becf"  # tab:cyan: a fraction arm without a name of its own
-SPLITS = ("all", "vision", "text")
+SPLITS = ("all", "vision", "text", "consistent")  # held_out_splits
 # Metrics logged per training step (TRL's and the adapter's names).
 STEP_METRICS = (
     "reward",
@@ -76,6 +82,7 @@ class Study:
     collapse_found: bool = False
     runs: list[StudyRun] = field(default_factory=list)
     start_scores: dict[str, float] = field(default_factory=dict)  # the warm start's, before RL (calibrated design)
+    controls: list[ControlMatch] = field(default_factory=list)  # the matched controls' searches (calibrated design)
 
     def by_arm(self) -> dict[str, dict[int, StudyRun]]:
         arms: dict[str, dict[int, StudyRun]] = {}
@@ -96,8 +103,31 @@ class Study:
 
 
 def eval_dataset(params: WorkbookParams):
-    """The one held-out set every run is scored on (from the notebook's seed, not the run's)."""
-    return load_datasets(params)[1]
+    """The one held-out set every run is scored on (from the notebook's seed, not the run's). On a language-prior
+    testbed, half as many prior-consistent items follow the prior-breaking ones: the in-distribution split
+    (``consistent``), where the prior is right, so each arm's cost there is shown (issue 41)."""
+    held_out = load_datasets(params)[1]
+    name = testbed_name(params.dataset)
+    if name is None or TESTBED_RECIPES[name].prior_rate is None or params.n_eval_prompts < 2:
+        return held_out
+    seed = params.seed + EVAL_SEED_OFFSET + CONSISTENT_SEED_OFFSET
+    consistent = held_out_items(name, params.n_eval_prompts // 2, seed, prior_rate=1.0)
+    return concatenate_datasets([held_out, consistent.cast(held_out.features)])
+
+
+def held_out_splits(data) -> dict[str, list[int]]:
+    """Row indices of each split: ``all`` the held-out distribution (prior-breaking vision items and text items),
+    ``vision`` and ``text`` within it, and ``consistent`` the vision items whose number names their answer."""
+    vision = list(data["vision_dependent"]) if "vision_dependent" in data.column_names else [True] * len(data)
+    named = [prior_answer(prompt_text(prompt)) for prompt in data["prompt"]]
+    consistent = [v and n == normalise_answer(str(a)) for v, n, a in zip(vision, named, data["answer"])]
+    rows = {
+        "all": [i for i, c in enumerate(consistent) if not c],
+        "vision": [i for i, (v, c) in enumerate(zip(vision, consistent)) if v and not c],
+        "text": [i for i, v in enumerate(vision) if not v],
+        "consistent": [i for i, c in enumerate(consistent) if c],
+    }
+    return {split: keep for split, keep in rows.items() if keep}
 
 
 def evaluate_policy(model, processor, data, *, samples: int, mask_ratio: float, seed: int, max_new_tokens: int):
@@ -109,16 +139,12 @@ def evaluate_policy(model, processor, data, *, samples: int, mask_ratio: float, 
 
     Datasets without a ``vision_dependent`` column (the shapes task) count every item as vision-dependent."""
     answers = list(data["answer"])
-    vision = list(data["vision_dependent"]) if "vision_dependent" in data.column_names else [True] * len(answers)
     per_item = score_items(
         model, processor, list(data["prompt"]), answers, list(data["image"]), grade=accuracy_reward, samples=samples,
         max_new_tokens=max_new_tokens, mask_ratio=mask_ratio, seed=seed, batch_size=64,
     )  # fmt: skip
     scores = {}
-    for split in SPLITS:
-        keep = [i for i, v in enumerate(vision) if split == "all" or v == (split == "vision")]
-        if not keep:
-            continue
+    for split, keep in held_out_splits(data).items():
         for name, values in per_item.items():
             scores[f"{name}/{split}"] = mean(values[i] for i in keep)
         for kind in ("greedy", "avg_at_k"):
@@ -140,6 +166,23 @@ def _step_rows(log_history: list[dict]) -> list[dict]:
     ]
 
 
+def perception_kl_measured(step_logs: list[dict]) -> bool:
+    """True when the masked branch ran: some logged perception KL is not 0. A skipped branch logs exactly 0 at every
+    step, which a real KL between two forwards on different images never is."""
+    return any(row.get("perception_kl", 0.0) != 0.0 for row in step_logs)
+
+
+def require_measured_kl(params: WorkbookParams, arm: str, seed: int, gamma: float, step_logs: list[dict]) -> None:
+    """Raise when a run should have measured its perception KL (``measure_perception_kl`` on, or a perception term
+    on) and logged 0 at every step: a study that read those zeros as a KL would report an artefact (issue 41)."""
+    if (params.measure_perception_kl or gamma > 0) and not perception_kl_measured(step_logs):
+        raise RuntimeError(
+            f"study run {arm} (seed {seed}, gamma {gamma:g}): measure_perception_kl="
+            f"{params.measure_perception_kl} but the logged perception_kl is 0 at all {len(step_logs)} steps: the "
+            "masked branch did not run"
+        )
+
+
 def run_one(
     params: WorkbookParams,
     arm: str,
@@ -149,11 +192,14 @@ def run_one(
     work_dir: Path,
     rule: CollapseRule,
     control: dict[str, float] | None = None,
+    overrides: dict[str, float] | None = None,
 ) -> StudyRun:
-    """Train one (arm, seed) from the notebook's params with only seed and gamma changed, score it, log it as an
-    MLflow run nested under the active run. With ``control`` (GRPO's held-out scores on this seed) the collapse
-    verdict also weighs the held-out evidence (``collapse.heldout_verdict``)."""
-    run_params = params.model_copy(update={"seed": seed, "perception_loss_weight": gamma})
+    """Train one (arm, seed) from the notebook's params with only seed and gamma changed (and ``overrides``, a
+    matched control's knob), score it, log it as an MLflow run nested under the active run. With ``control``
+    (GRPO's held-out scores on this seed) the collapse verdict also weighs the held-out evidence
+    (``collapse.heldout_verdict``)."""
+    overrides = overrides or {}
+    run_params = params.model_copy(update={"seed": seed, "perception_loss_weight": gamma, **overrides})
     start = time.perf_counter()
     parent = mlflow.active_run()
     # nested=True alone files the child in the default experiment; it belongs beside its parent
@@ -165,15 +211,15 @@ def run_one(
         if arm not in (SWEEP, SEARCH):  # a sweep run's arm is known once the sweep is over (name_sweep_runs)
             name_arm(MlflowClient(), run.info.run_id, arm)
         mlflow.log_params(
-            {"seed": seed, "gamma": gamma, "max_steps": params.max_steps, "finetuning": params.finetuning}
+            {"seed": seed, "gamma": gamma, "max_steps": params.max_steps, "finetuning": params.finetuning, **overrides}
         )
-        trainer, _, _ = prepare_training(
-            run_params, work_dir / f"{arm}-g{gamma:g}-s{seed}", save_strategy="no", require_gpu_contract_probe=False
-        )
+        folder = work_dir / "-".join([f"{arm}-g{gamma:g}-s{seed}", *(f"{k}{v:g}" for k, v in overrides.items())])
+        trainer, _, _ = prepare_training(run_params, folder, save_strategy="no", require_gpu_contract_probe=False)
         trainer.train()
         # The last step's rollouts beside their images and masks, as notebook 03's run shows them (a small table)
         log_completions(MlflowClient(), run.info.run_id, trainer, trainer.state.global_step)
         step_logs = _step_rows(trainer.state.log_history)
+        require_measured_kl(run_params, arm, seed, gamma, step_logs)
         for row in step_logs:  # TRL's own names, as notebook 03's run logs them (metric_keys)
             mlflow.log_metrics({k: v for k, v in row.items() if k != "step"}, step=int(row["step"]))
         scores = evaluate_policy(
@@ -231,8 +277,8 @@ def run_study(params: WorkbookParams, work_dir: str | Path, rule: CollapseRule |
     work_dir = Path(work_dir)
     data = eval_dataset(params)
 
-    def train(arm: str, seed: int, gamma: float, control: dict | None = None) -> StudyRun:
-        return run_one(params, arm, seed, gamma, data, work_dir, rule, control)
+    def train(arm: str, seed: int, gamma: float, control: dict | None = None, overrides=None) -> StudyRun:
+        return run_one(params, arm, seed, gamma, data, work_dir, rule, control, overrides)
 
     design = _calibrated_study if params.study_gamma_fractions else _sweep_study
     return design(params, train, data, log)
@@ -266,12 +312,16 @@ def _calibrated_study(params: WorkbookParams, train, data, log) -> Study:
     seeds = list(params.study_seeds)
     study = Study(start_scores=_start_scores(params, data))
     log(f"step 0 (the warm start): avg_at_k {study.start_scores['avg_at_k/original/all']:.3f}")
-    grpo = {seeds[0]: train(GRPO, seeds[0], 0.0)}
+    # On a seed no arm uses the search reads the step logs alone; on the first arm seed (the earlier design) it also
+    # weighs held-out accuracy against GRPO's on that seed
+    search_seed = seeds[0] if params.study_search_seed is None else params.study_search_seed
+    grpo = {seeds[0]: train(GRPO, seeds[0], 0.0)} if search_seed == seeds[0] else {}
 
     def search_run(gamma: float) -> dict:
-        run = train(SEARCH, seeds[0], gamma, control=grpo[seeds[0]].scores)
+        run = train(SEARCH, search_seed, gamma, control=grpo[search_seed].scores if grpo else None)
         study.sweep.append(run)
-        log(f"search gamma={gamma:g} seed={seeds[0]}: collapsed={run.collapse['collapsed']} ({run.collapse['mode']})")
+        verdict = run.collapse
+        log(f"search gamma={gamma:g} seed={search_seed}: collapsed={verdict['collapsed']} ({verdict['mode']})")
         return run.collapse
 
     _, study.collapse_gamma, study.collapse_found = search_collapse_gamma(
@@ -279,18 +329,44 @@ def _calibrated_study(params: WorkbookParams, train, data, log) -> Study:
         steps=params.study_search_steps,
     )  # fmt: skip
     _record_collapse_gamma(study)
-    arms = [(PAPO_G, params.perception_loss_weight)]
-    arms += [(fraction_arm(f), float(f"{f * study.collapse_gamma:.4g}")) for f in params.study_gamma_fractions]
+    arms = [(PAPO_G, params.perception_loss_weight, {})]
+    arms += [(fraction_arm(f), float(f"{f * study.collapse_gamma:.4g}"), {}) for f in params.study_gamma_fractions]
+    study.controls = _match_controls(params, train, search_seed, strongest=arms[-1], log=log)
+    arms += [(m.arm, 0.0, {CONTROL_PARAMS[m.arm]: m.value}) for m in study.controls]
     for seed in seeds:
         if seed not in grpo:
             grpo[seed] = train(GRPO, seed, 0.0)
         study.runs.append(grpo[seed])
-        for arm, gamma in arms:
-            run = train(arm, seed, gamma, control=grpo[seed].scores)
+        for arm, gamma, overrides in arms:
+            run = train(arm, seed, gamma, control=grpo[seed].scores, overrides=overrides)
             study.runs.append(run)
-            log(f"{arm} gamma={gamma:g} seed={seed}: avg_at_k {run.scores['avg_at_k/original/all']:.3f}")
+            score = run.scores["avg_at_k/original/all"]
+            log(f"{arm} gamma={gamma:g} {overrides or ''} seed={seed}: avg_at_k {score:.3f}")
     study.runs.extend(_as_arm(run, PAPO_G_COLLAPSE) for run in study.sweep if run.gamma == study.collapse_gamma)
     return study
+
+
+def _match_controls(params: WorkbookParams, train, seed: int, strongest: tuple, log) -> list[ControlMatch]:
+    """The matched controls (``study.controls``): the strongest PAPO-G arm trained on the search seed sets the
+    target end reward, and each control's ladder is searched there (none without a ladder)."""
+    ladders = {GRPO_BETA: params.study_control_betas, GRPO_LR: params.study_control_learning_rates}
+    if not any(ladders.values()):
+        return []
+    arm, gamma, _ = strongest
+    target = end_reward(train(f"{CONTROL_SEARCH}_{arm}", seed, gamma).step_logs)
+    log(f"control target: {arm} (gamma {gamma:g}) on seed {seed} ends at accuracy reward {target:.3f}")
+    matches = []
+    for control, ladder in ladders.items():
+        if not ladder:
+            continue
+        knob = CONTROL_PARAMS[control]
+
+        def control_reward(value: float, knob: str = knob) -> float:
+            return end_reward(train(CONTROL_SEARCH, seed, 0.0, overrides={knob: value}).step_logs)
+
+        matches.append(match_control(control, list(ladder), target, control_reward))
+        log(f"{control}: {knob} {matches[-1].value:g}, end reward {matches[-1].margin:+.3f} from the target")
+    return matches
 
 
 def _start_scores(params: WorkbookParams, data) -> dict[str, float]:

@@ -88,10 +88,12 @@ def _series(step_logs: list[dict], key: str) -> list[tuple[int, float]]:
 def _holds(rule: CollapseRule, symptom: str, baseline: float, value: float) -> bool:
     if symptom == "perception_kl_blowup":
         return value >= max(rule.kl_factor * baseline, rule.kl_floor)
+    # A rise or a fall is a ratio to the baseline, which a KL of 0 at the start has not: every value would be a
+    # 4-fold "rise" of 0 and a value of 0 its "vanishing" too (a GRPO run whose masked branch never ran logs 0)
     if symptom == "perception_kl_rise":
-        return value >= rule.kl_factor * baseline
+        return baseline > 0 and value >= rule.kl_factor * baseline
     if symptom == "perception_kl_vanished":
-        return value <= rule.kl_vanish_fraction * baseline
+        return baseline > 0 and value <= rule.kl_vanish_fraction * baseline
     if symptom in ("entropy_rise", "masked_entropy_rise"):
         return value >= rule.entropy_factor * baseline and value - baseline >= rule.entropy_min_rise
     if symptom == "high_clip_ratio":

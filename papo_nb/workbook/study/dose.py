@@ -13,7 +13,8 @@ from statistics import mean
 
 from matplotlib.figure import Figure
 
-from papo_nb.workbook.study.arms import Study, StudyRun
+from papo_nb.workbook.study.arms import Study, StudyRun, perception_kl_measured
+from papo_nb.workbook.study.controls import CONTROL_ARMS
 from papo_nb.workbook.study.power import effect_verdict, power_row
 from papo_nb.workbook.study.stats import mean_ci, paired_test
 
@@ -23,6 +24,9 @@ END_METRICS = ("perception_kl", "entropy", "masked_entropy")
 
 
 def _end_value(run: StudyRun, key: str) -> float:
+    """The mean of the last logged values; NaN for a perception KL that was never measured (0 at every step)."""
+    if key == "perception_kl" and not perception_kl_measured(run.step_logs):
+        return math.nan
     values = [row[key] for row in run.step_logs if key in row]
     return mean(values[-END_WINDOW:]) if values else math.nan
 
@@ -32,7 +36,8 @@ def runs_by_gamma(study: Study) -> dict[float, dict[int, StudyRun]]:
     trained as: a sweep or search run counted as the collapse arm stays a sweep or search run)."""
     grouped: dict[float, dict[int, StudyRun]] = {}
     for run in [*study.runs, *study.sweep]:
-        grouped.setdefault(run.gamma, {})[run.seed] = run
+        if run.arm not in CONTROL_ARMS:  # GRPO held back another way: gamma 0, but not the dose's gamma 0
+            grouped.setdefault(run.gamma, {})[run.seed] = run
     return dict(sorted(grouped.items()))
 
 
@@ -62,8 +67,8 @@ def dose_markdown(rows: list[dict]) -> str:
     for row in rows:
         cells = []
         for key in columns:
-            if key not in row:
-                cells.append("no items")
+            if key not in row:  # a score without items, or a KL no run measured (a skipped masked branch)
+                cells.append("not measured" if key == "perception_kl" else "no items")
                 continue
             half = row[f"{key}_ci95"]
             cells.append(f"{row[key]:.3f}" + (f" +/- {half:.3f}" if math.isfinite(half) else ""))
@@ -140,10 +145,15 @@ def run_records(study: Study) -> list[dict]:
     """Every trained run once, as plain records (``arm``, ``gamma``, ``seed``, ``scores``, the collapse verdict):
     what a results page keeps so its contrasts can be recomputed by the code on main."""
     return [
-        {"arm": run.arm, "gamma": run.gamma, "seed": seed, "scores": run.scores, "collapse": _verdict_record(run)}
-        for gamma, by_seed in runs_by_gamma(study).items()
-        for seed, run in sorted(by_seed.items())
+        {"arm": run.arm, "gamma": run.gamma, "seed": run.seed, "scores": run.scores, "collapse": _verdict_record(run)}
+        for run in _every_run(study)
     ]
+
+
+def _every_run(study: Study) -> list[StudyRun]:
+    """Every trained run once: by gamma (``runs_by_gamma``), then the matched controls' arm runs."""
+    dosed = [run for _, by_seed in runs_by_gamma(study).items() for _, run in sorted(by_seed.items())]
+    return dosed + [run for run in study.runs if run.arm in CONTROL_ARMS]
 
 
 def _verdict_record(run: StudyRun) -> dict:
@@ -154,10 +164,9 @@ def step_log_records(study: Study) -> list[dict]:
     """Every trained run's per-step training metrics (4 significant digits), so each collapse label on a page can
     be rechecked from the page alone (``collapse.detect_collapse`` on ``steps``)."""
     return [
-        {"arm": run.arm, "gamma": run.gamma, "seed": seed,
+        {"arm": run.arm, "gamma": run.gamma, "seed": run.seed,
          "steps": [{k: float(f"{v:.4g}") for k, v in row.items()} for row in run.step_logs]}
-        for gamma, by_seed in runs_by_gamma(study).items()
-        for seed, run in sorted(by_seed.items())
+        for run in _every_run(study)
     ]  # fmt: skip
 
 
@@ -166,7 +175,8 @@ def dose_contrasts(records: list[dict]) -> list[dict]:
     difference, its p-value, the MDE at 80% power and the verdict (``power.effect_verdict``)."""
     scores: dict[float, dict[int, dict]] = {}
     for record in records:
-        scores.setdefault(record["gamma"], {})[record["seed"]] = record["scores"]
+        if record.get("arm") not in CONTROL_ARMS:
+            scores.setdefault(record["gamma"], {})[record["seed"]] = record["scores"]
     control = scores.get(0.0, {})
     rows = []
     for gamma in sorted(g for g in scores if g > 0):

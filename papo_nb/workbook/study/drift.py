@@ -14,13 +14,16 @@ from statistics import mean
 
 from scipy import stats as scipy_stats
 
-from papo_nb.workbook.study.errors import FOLLOWED, SHARE
+from papo_nb.workbook.study.errors import DECOY, PRIOR, SHARE
 from papo_nb.workbook.study.power import power_row
-from papo_nb.workbook.study.stats import equivalence_test, mean_ci, paired_test
+from papo_nb.workbook.study.stats import equivalence_test, exact_paired_tests, mean_ci, paired_test
 
 EQUIVALENCE_MARGIN = 0.02  # 2 points: about the paper's gains, the smallest difference worth ruling in or out
 PRIMARY = "avg_at_k/original/vision"  # prior-breaking items on a language-prior testbed: only reading scores
-DRIFT_METRICS = (PRIMARY, "greedy/original/vision", "avg_at_k/masked/vision", "avg_at_k/gap/vision", FOLLOWED)
+CONSISTENT = "avg_at_k/original/consistent"  # the in-distribution split: where the prior is right
+DRIFT_METRICS = (
+    PRIMARY, "greedy/original/vision", "avg_at_k/masked/vision", "avg_at_k/gap/vision", CONSISTENT, PRIOR, DECOY,
+)  # fmt: skip
 
 
 def drift_rows(start: dict[str, float], results: dict[str, dict[int, dict]], metrics=DRIFT_METRICS) -> list[dict]:
@@ -64,7 +67,7 @@ def arm_verdicts(
         rows.append({
             "arm": arm, "gamma": gammas[arm], "pairs": len(seeds), "arm_mean": mean(ours), "control_mean": mean(base),
             "diff": test["diff"], "diff_ci95": test["diff_ci95"], "p_value": test["p_value"],
-            "tost_p": tost["p_value"], "mde": power_row(ours, base)["mde"],
+            **exact_paired_tests(ours, base), "tost_p": tost["p_value"], "mde": power_row(ours, base)["mde"],
             "prior_share": _mean_of(by_seed, seeds, SHARE),
             "control_prior_share": _mean_of(results[control], seeds, SHARE),
             "verdict": _verdict(test, tost, margin),

@@ -14,7 +14,7 @@ from pathlib import Path
 from matplotlib.figure import Figure
 
 from papo_nb.workbook.config.params import WorkbookParams
-from papo_nb.workbook.study import dose, drift, power, report, tables
+from papo_nb.workbook.study import controls, dose, drift, errors, power, report, tables
 from papo_nb.workbook.study import stats as study_stats
 from papo_nb.workbook.study.arms import GRPO, PAPO_G, PAPO_G_COLLAPSE, SEARCH, SWEEP, Study
 from papo_nb.workbook.study.claims import claims_table
@@ -28,6 +28,9 @@ RUNS = "runs.json"  # every run's held-out scores, so the paired contrasts can b
 CONTRASTS_PAGE = "contrasts.md"
 START = "start_scores.json"  # the warm start's held-out scores (step 0), which a calibrated page's drift is against
 STEP_LOGS = "step_logs.json"  # every run's per-step training metrics, compact: each collapse label can be rechecked
+GAP = "avg_at_k/gap/vision"
+CONSISTENT = "avg_at_k/original/consistent"  # the in-distribution split (drift.CONSISTENT)
+CONTROL_METRICS = (drift.PRIMARY, GAP, CONSISTENT, errors.PRIOR)
 SUMMARY_METRICS = ("avg_at_k/original/vision", "avg_at_k/gap/vision", "avg_at_k/original/all")
 # the parameters a reader needs to know what was trained (the rest are the study file's, named on the page)
 SETTINGS = (
@@ -109,11 +112,33 @@ def write_results_page(
 
 def calibrated_tables(start: dict, results: dict[str, dict[int, dict]], gammas: dict[str, float]):
     """(drift rows, per-arm verdicts, the counteract claim) from the warm start's scores and each arm's per seed;
-    the collapse arm (a search run reused) and the search itself are not arms here."""
+    the collapse arm (a search run reused) and the search itself are not arms here, and the claim weighs the PAPO-G
+    arms only (a matched control is GRPO held back another way)."""
     arms = {arm: by_seed for arm, by_seed in results.items() if arm not in (PAPO_G_COLLAPSE, SEARCH, SWEEP)}
     drift_table = drift.drift_rows(start, arms)
     verdicts = drift.arm_verdicts(arms, gammas, GRPO)
-    return drift_table, verdicts, drift.counteract_claim(drift_table, verdicts, GRPO)
+    papo = [row for row in verdicts if row["arm"] not in controls.CONTROL_ARMS]
+    return drift_table, verdicts, drift.counteract_claim(drift_table, papo, GRPO)
+
+
+def control_tables(results: dict[str, dict[int, dict]], gammas: dict[str, float]) -> tuple[list[dict], str]:
+    """(the strongest PAPO-G arm against GRPO and each matched control, the two-sentence verdict); no rows and a
+    verdict that says so without a control."""
+    papo = [arm for arm in results if arm.startswith(PAPO_G) and arm != PAPO_G_COLLAPSE]
+    if not papo:
+        return [], "No PAPO-G arm ran."
+    strongest = max(papo, key=lambda arm: gammas[arm])
+    rows = controls.comparison_rows(results, strongest, CONTROL_METRICS, study_stats.paired_test)
+    return rows, controls.control_verdict(rows, strongest, drift.PRIMARY, GAP)
+
+
+def _page_results(folder: Path) -> tuple[dict, dict]:
+    results: dict[str, dict[int, dict]] = {}
+    gammas: dict[str, float] = {}
+    for record in json.loads((folder / RUNS).read_text()):
+        results.setdefault(record["arm"], {})[record["seed"]] = record["scores"]
+        gammas[record["arm"]] = record["gamma"]
+    return results, gammas
 
 
 def _calibrated_tables(study: Study):
@@ -124,13 +149,12 @@ def _calibrated_tables(study: Study):
 def page_tables(folder: str | Path):
     """``calibrated_tables`` recomputed from a calibrated page's own files (``start_scores.json``, ``runs.json``)."""
     folder = Path(folder)
-    start = json.loads((folder / START).read_text())
-    results: dict[str, dict[int, dict]] = {}
-    gammas: dict[str, float] = {}
-    for record in json.loads((folder / RUNS).read_text()):
-        results.setdefault(record["arm"], {})[record["seed"]] = record["scores"]
-        gammas[record["arm"]] = record["gamma"]
-    return calibrated_tables(start, results, gammas)
+    return calibrated_tables(json.loads((folder / START).read_text()), *_page_results(folder))
+
+
+def page_control_tables(folder: str | Path):
+    """``control_tables`` recomputed from a calibrated page's own ``runs.json``."""
+    return control_tables(*_page_results(Path(folder)))
 
 
 def counteract_verdict(study: Study) -> str:
@@ -154,11 +178,49 @@ def calibrated_sections(study: Study) -> list[str]:
         + "\nThe ladder `study_collapse_gammas` in turn until a run collapses, then geometric bisection below it "
         "(`study_search_steps`); `detected_by` says whether the step logs or the held-out score flagged it.\n\n"
         + _sweep_markdown(study),
-        f"## Each PAPO-G arm against GRPO on `{drift.PRIMARY}`\n"
+        *_control_sections(study),
+        "## The error split, and the in-distribution cost, per arm (mean +/- 95% CI; paired difference against "
+        "GRPO)\nGreedy answers to the clean prior-breaking items (the decoy is not the number's colour): answered "
+        "the number's colour, which the square does not show (`prior`), the decoy it shows (`decoy`), or another "
+        "(`other`), each a share of those items; `prior_share` the prior's share of their errors; `prior_is_decoy` "
+        "the share of the other items answered with the number's colour, which is also their decoy. "
+        "`avg_at_k/original/consistent`: the in-distribution items, whose number names their answer.\n\n"
+        + tables.markdown_table(
+            tables.comparison_table(
+                study_stats.summary_rows(_arm_scores(study), [*errors.SPLIT_METRICS, CONSISTENT], GRPO), GRPO
+            )
+        ),
+        f"## Each arm against GRPO on `{drift.PRIMARY}`\n"
         "Paired over seeds: the difference with its 95% CI and p, TOST equivalence at "
         f"+-{drift.EQUIVALENCE_MARGIN:g}, the MDE at 80% power, and the share of the held-out errors that followed "
         "the prior against the image (the paper's perception-error category; it reports 30.5% fewer perception "
         "errors for PAPO).\n\n" + _records_markdown(verdicts),
+    ]
+
+
+def _arm_scores(study: Study) -> dict[str, dict[int, dict]]:
+    return {arm: by_seed for arm, by_seed in study.scores().items() if arm not in (PAPO_G_COLLAPSE, SEARCH, SWEEP)}
+
+
+def _control_sections(study: Study) -> list[str]:
+    """The matched controls: their searches on the search seed, and the strongest PAPO-G arm against each."""
+    if not study.controls:
+        return [
+            "## Matched controls\nNone ran (`study_control_betas`, `study_control_learning_rates` empty): nothing "
+            "on this page separates perception from any regulariser that holds GRPO back."
+        ]
+    gammas = {arm: next(iter(runs.values())).gamma for arm, runs in study.by_arm().items()}
+    rows, verdict = control_tables(study.scores(), gammas)
+    searches = [row for match in study.controls for row in match.rows()]
+    return [
+        f"## Is the gain perception, or any regulariser? The matched controls\n**{verdict}**\n\n"
+        "Each control is GRPO held back by one knob, its value searched on the search seed so that its "
+        f"end-of-training accuracy reward (last {controls.END_REWARD_WINDOW} rollout batches) matches the strongest "
+        "PAPO-G arm's there (matched on reward, not reference KL: the drift is what the reward buys; "
+        "`papo_nb/workbook/study/controls.py`). The search:\n\n"
+        + _records_markdown(searches)
+        + "\n\nThe strongest PAPO-G arm minus each control and GRPO, paired over seeds:\n\n"
+        + _records_markdown(rows),
     ]
 
 
@@ -201,6 +263,9 @@ def write_summary(folder: Path, params: WorkbookParams, study: Study, scores: di
     }
     if study.start_scores:
         summary["counteract"] = counteract_verdict(study)
+    if study.controls:
+        gammas = {arm: next(iter(runs.values())).gamma for arm, runs in study.by_arm().items()}
+        summary["controls"] = control_tables(scores, gammas)[1]
     (folder / SUMMARY).write_text(json.dumps(summary, indent=2) + "\n")
 
 
@@ -270,9 +335,9 @@ def summary_markdown(root: str | Path, link_prefix: str = "") -> str:
     return "\n".join(lines) + "\n"
 
 
-def replace_block(text: str, block: str) -> str:
-    """``text`` with the lines between the ``README_MARKERS`` replaced by ``block``."""
-    start, end = README_MARKERS
+def replace_block(text: str, block: str, markers: tuple[str, str] | None = None) -> str:
+    """``text`` with the lines between ``markers`` (``README_MARKERS``) replaced by ``block``."""
+    start, end = markers or README_MARKERS
     if start not in text or end not in text:
         raise ValueError(f"README has no {start} ... {end} block to write the study summary into")
     head, rest = text.split(start, 1)
@@ -280,6 +345,12 @@ def replace_block(text: str, block: str) -> str:
 
 
 README_MARKERS = ("<!-- study-summary:start -->", "<!-- study-summary:end -->")
+# The pages kept for the record but out of the summary (issue 41): the 2025 sweep design, run from a warm start that
+# no longer exists and whose weights were not kept ("not pinned"), so no number on them is comparable with a pinned
+# page's. docs/study.md's archive section carries their table between these markers.
+ARCHIVE = "archive"
+ARCHIVE_MARKERS = ("<!-- study-archive:start -->", "<!-- study-archive:end -->")
+ARCHIVE_TARGET = ("docs/study.md", "study/archive/")
 
 
 # the pages that carry the summary table between README_MARKERS, and how each links to docs/study/
@@ -294,10 +365,15 @@ def main(root: str | Path = "docs/study", targets=SUMMARY_TARGETS) -> None:
         dose.plot_dose_response(json.loads(rows.read_text())).savefig(rows.with_suffix(".png"), dpi=80)
     for runs in sorted(root.glob(f"*/{RUNS}")):
         write_contrasts(runs.parent)
+    for runs in sorted((root / ARCHIVE).glob(f"*/{RUNS}")):
+        write_contrasts(runs.parent)
     (root / SUMMARY_PAGE).write_text(summary_markdown(root))
     for target, prefix in targets:
         path = Path(target)
         path.write_text(replace_block(path.read_text(), summary_markdown(root, link_prefix=prefix)))
+    if (root / ARCHIVE).is_dir() and Path(ARCHIVE_TARGET[0]).exists():
+        path, archive = Path(ARCHIVE_TARGET[0]), summary_markdown(root / ARCHIVE, link_prefix=ARCHIVE_TARGET[1])
+        path.write_text(replace_block(path.read_text(), archive, ARCHIVE_MARKERS))
     print(f"wrote {root / SUMMARY_PAGE} and the study table of {', '.join(str(t) for t, _ in targets)}")
 
 

@@ -8,7 +8,7 @@ from statistics import mean
 from papo_nb.testbed.perception import CHANCE_VISION, testbed_name
 from papo_nb.testbed.shapes import COLOURS, MAX_SHAPES
 from papo_nb.workbook.config.params import WorkbookParams
-from papo_nb.workbook.study.arms import Study, eval_dataset
+from papo_nb.workbook.study.arms import Study, eval_dataset, held_out_splits
 from papo_nb.workbook.study.stats import at_chance
 
 HEADLINE = "avg_at_k/original/vision"  # the number each arm is read by: avg@k on vision-dependent held-out items
@@ -19,13 +19,12 @@ SHAPES_CHANCE = (1 / len(COLOURS) + 1 / MAX_SHAPES + 1 / 2) / 3
 def study_chance(params: WorkbookParams) -> tuple[float, int]:
     """(a guesser's accuracy on the vision-dependent held-out items, how many there are). A dataset whose chance is
     not known here gets 0: only a policy that answers nothing right counts as at chance on it."""
-    held_out = eval_dataset(params)
-    split = held_out["vision_dependent"] if "vision_dependent" in held_out.column_names else [True] * len(held_out)
+    vision_items = len(held_out_splits(eval_dataset(params)).get("vision", []))
     if testbed_name(params.dataset) is not None:
         chance = CHANCE_VISION
     else:
         chance = SHAPES_CHANCE if params.dataset == "synthetic" else 0.0
-    return chance, sum(bool(v) for v in split)
+    return chance, vision_items
 
 
 def headline_rows(study: Study, chance: float, vision_items: int) -> list[dict]:
