@@ -16,7 +16,7 @@ from tiny_trainers import tiny_trainer, unit_params
 from trl import GRPOTrainer
 from trl.trainer.utils import shuffle_sequence_dict
 
-from papo_nb.papo import PAPOGConfig, PAPOGTrainer, packed_rows, prefix_sharing
+from papo_nb.papo import PAPOGConfig, PAPOGTrainer, grouped_attention, prefix_sharing
 from papo_nb.papo.prompt_identity import group_samples
 from papo_nb.testbed.models import build_tiny_vlm, load_vlm, vision_special_token_ids
 from papo_nb.workbook.training.builder import lora_config
@@ -221,8 +221,9 @@ def test_negative_controls_fail_by_far(setup, control):
     arguments = in_dtype(setup["arguments"], torch.float64)
     batch = _packed_one(model, arguments)
     inputs, segments = batch.model_inputs, batch.segments
-    if control == "completion_leak":  # one segment for all completions of a row: each sees those before it
-        changed = {"attention_mask": packed_rows.attention_allowed(segments.clamp(max=1))[:, None]}
+    if control == "completion_leak":  # one segment for all completions of a group: each sees those before it
+        leaking = grouped_attention.build_layout(batch.token_groups, segments[0].clamp(max=1))
+        changed = {"attention_mask": {"full_attention": leaking}}
     else:  # every completion token one position later
         changed = {"position_ids": inputs["position_ids"] + (segments > 0).long()[None]}
     mutated = dataclasses.replace(batch, model_inputs={**inputs, **changed})
@@ -261,6 +262,63 @@ def test_the_trainer_hook_packs_and_falls_back_with_its_reason(setup, caplog, mo
     assert "plain forward per completion, because a completion mask with a gap" in caplog.text
 
 
+@pytest.mark.model
+def test_a_per_sub_config_eager_text_model_runs_its_own_attention(setup, caplog):
+    """The top level says sdpa, the text model runs eager: the grouped path reads the text config and runs eager's
+    own function with its additive masks (a boolean mask added by eager lets completions see each other)."""
+    model = copy.deepcopy(setup["model"])
+    model.set_attn_implementation({"text_config": "eager", "vision_config": "sdpa"})
+    assert model.config._attn_implementation == "sdpa"
+    assert grouped_attention.text_config(model)._attn_implementation == "eager"
+    assert prefix_sharing.unsupported_reason(model, 1) is None
+    arguments, trainer = setup["arguments"], setup["trainer"]
+    with torch.no_grad(), caplog.at_level("INFO", logger="papo_nb.papo.prefix_sharing"):
+        reference = plain(trainer, model, arguments)
+        sharing = prefix_sharing.PrefixSharing(trainer.args, model, 1, {"train": collections.defaultdict(list)})
+        ours = sharing.compute(model, arguments, temperature=TEMPERATURE, entropy_grad=False, training=True)
+    errors = [max_error(a, b, completion_mask(arguments)) for a, b in zip(ours[:2], reference)]
+    print(f"{setup['family']} eager text, sdpa vision: logps {errors[0]:.2e} entropies {errors[1]:.2e}")
+    assert max(errors) <= TOLERANCE[torch.float32][0]
+    assert "grouped attention through 'eager'" in caplog.text
+    assert grouped_attention.text_config(model)._attn_implementation == "eager", "restored after the forward"
+
+
+@pytest.mark.model
+def test_a_call_without_mm_token_type_ids_runs_the_plain_forward_and_its_refusal(setup, caplog):
+    """Qwen2-VL's plain forward refuses images without modality types; Qwen2.5-VL's runs them without multimodal
+    positions. The packed path never fills the types in: the call is the parent's, refusal or numbers alike."""
+    trainer, model = setup["trainer"], setup["model"]
+    arguments = {**setup["arguments"], "mm_token_type_ids": None}
+    metrics = trainer._metrics["train"]
+    metrics[prefix_sharing.METRIC].clear()
+    with torch.no_grad(), caplog.at_level("WARNING", logger="papo_nb.papo.prefix_sharing"):
+        if setup["family"] == "qwen2_vl":
+            with pytest.raises(ValueError, match="`mm_token_type_ids` is missing"):
+                trainer._get_per_token_logps_and_entropies(model, **arguments)
+        else:
+            ours = trainer._get_per_token_logps_and_entropies(model, **arguments)
+            assert torch.equal(ours[0], plain(trainer, model, arguments)[0])
+    assert metrics[prefix_sharing.METRIC] == [0.0]
+    assert "because image_grid_thw without mm_token_type_ids" in caplog.text
+
+
+@pytest.mark.model
+def test_luspo_with_a_kl_runs_the_plain_forward_and_names_why(tiny_vlm_path, tmp_path):
+    """TRL 1.9.1's luspo averages ``per_token_loss + beta * kl`` over every completion column, past each end
+    included; the packed path leaves those at 0, so with ``beta != 0`` every call runs TRL's own forward."""
+    model, _ = load_vlm(str(tiny_vlm_path))
+    common = dict(output_dir=str(tmp_path), use_cpu=True, bf16=False, prefix_sharing=True, loss_type="luspo",
+                  importance_sampling_level="sequence")  # fmt: skip
+    metrics = {"train": collections.defaultdict(list)}
+    with_kl = prefix_sharing.PrefixSharing(PAPOGConfig(**common, beta=0.04), model, 1, metrics)
+    assert (
+        with_kl.reason == "loss_type='luspo' with beta=0.04 (its aggregation reads the KL after each completion's end)"
+    )
+    assert with_kl.compute(model, {}, temperature=1.0, entropy_grad=False, training=True) is None
+    assert metrics["train"][prefix_sharing.METRIC] == [0.0] and not with_kl.shuffles_whole_groups
+    assert prefix_sharing.PrefixSharing(PAPOGConfig(**common, beta=0.0), model, 1, metrics).reason is None
+
+
 def test_unsupported_models_and_runs_fall_back_with_their_reason(tmp_path):
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
@@ -281,8 +339,10 @@ def test_unsupported_processes_and_attention_are_named(tiny_vlm_path, tmp_path):
     model, _ = load_vlm(str(tiny_vlm_path))
     assert prefix_sharing.unsupported_reason(model, 1) is None
     assert "2 processes" in prefix_sharing.unsupported_reason(model, 2)
-    model.config._attn_implementation = "flash_attention_2"
-    assert "'flash_attention_2' is not one of ('sdpa', 'eager')" in prefix_sharing.unsupported_reason(model, 1)
+    model.model.language_model.config._attn_implementation = "flash_attention_2"
+    assert model.config._attn_implementation == "sdpa", "the top level still says sdpa"
+    reason = prefix_sharing.unsupported_reason(model, 1)
+    assert "text_config._attn_implementation='flash_attention_2'" in reason and "('sdpa', 'eager')" in reason
 
 
 def test_batch_sizes_without_whole_groups_are_refused(tmp_path):
