@@ -16,7 +16,7 @@ from tiny_trainers import tiny_trainer, unit_params
 from trl import GRPOTrainer
 from trl.trainer.utils import shuffle_sequence_dict
 
-from papo_nb.papo import PAPOGConfig, PAPOGTrainer, grouped_attention, prefix_sharing
+from papo_nb.papo import PAPOGConfig, PAPOGTrainer, attention_cost, grouped_attention, prefix_sharing
 from papo_nb.papo.prompt_identity import group_samples
 from papo_nb.testbed.models import build_tiny_vlm, load_vlm, vision_special_token_ids
 from papo_nb.workbook.training.builder import lora_config
@@ -31,8 +31,10 @@ PROMPTS = [
     ("What shape is this?", [(112, 112)]),
     ("Count the red shapes in both pictures, then answer with one word only.", [(112, 112), (112, 56)]),
     ("Say hello.", []),  # a text-only row in an image batch
+    ("What shape is this?", [(112, 112)]),  # prompt 0's text with another image: another group
 ]
 COMPLETIONS = [(0, 1), (0, MAX_COMPLETION), (0, 3), (1, MAX_COMPLETION), (1, 2), (1, 4), (1, 1), (2, 2), (2, 6)]
+COMPLETIONS += [(3, 3), (3, MAX_COMPLETION)]
 
 
 def prompt_parts(processor, text, sizes, seed):
@@ -53,7 +55,8 @@ def prompt_parts(processor, text, sizes, seed):
 
 def call_arguments(processor, prompts, completions, order, seed=0):
     """The parent's log-prob arguments for rows ``[prompt; completion]`` in ``order``, built as TRL builds them:
-    prompts left-padded, completions right-padded (mask 0 after their length), each row its prompt's images."""
+    prompts left-padded, completions right-padded (mask 0 after their length, junk tokens there, as a sampler leaves
+    after the end of a sequence), each row its prompt's images."""
     generator = torch.Generator().manual_seed(seed)
     banned = set(vision_special_token_ids(processor))
     vocab = [t for t in range(len(processor.tokenizer)) if t not in banned]
@@ -67,7 +70,8 @@ def call_arguments(processor, prompts, completions, order, seed=0):
     ids, mask, types = [], [], []
     for prompt, tokens in rows:
         left, right = n_prompt - len(prompt["ids"]), MAX_COMPLETION - len(tokens)
-        ids.append(torch.cat([torch.full((left,), pad), prompt["ids"], tokens, torch.full((right,), pad)]))
+        junk = torch.tensor(vocab)[torch.randint(len(vocab), (right,), generator=generator)]
+        ids.append(torch.cat([torch.full((left,), pad), prompt["ids"], tokens, junk]))
         mask.append(torch.cat([torch.zeros(left), torch.ones(len(prompt["ids"]) + len(tokens)), torch.zeros(right)]))
         types.append(torch.cat([torch.zeros(left, dtype=torch.long), prompt["types"], torch.zeros(MAX_COMPLETION)]))
     with_images = [p for p, _ in rows if p["n_images"]]
@@ -143,7 +147,7 @@ def test_the_batch_covers_every_case(setup):
                             "prompt_mask": arguments["attention_mask"][:, :-MAX_COMPLETION],
                             "pixel_values": arguments["pixel_values"], "image_grid_thw": arguments["image_grid_thw"],
                             "num_images": arguments["num_images"]})  # fmt: skip
-    assert sorted(map(len, groups)) == [2, 3, 4] and any(g != sorted(g) or g[-1] - g[0] >= len(g) for g in groups)
+    assert sorted(map(len, groups)) == [2, 2, 3, 4] and any(g != sorted(g) or g[-1] - g[0] >= len(g) for g in groups)
 
 
 @pytest.mark.model
@@ -251,7 +255,7 @@ def test_the_trainer_hook_packs_and_falls_back_with_its_reason(setup, caplog, mo
         ours = trainer._get_per_token_logps_and_entropies(model, **arguments)
         reference = plain(trainer, model, arguments)
     assert max_error(ours[0], reference[0], completion_mask(arguments)) <= TOLERANCE[torch.float32][0]
-    assert metrics[prefix_sharing.METRIC] == [1.0] and metrics[prefix_sharing.SHARE_METRIC][-1] == 3.0
+    assert metrics[prefix_sharing.METRIC] == [1.0] and metrics[prefix_sharing.SHARE_METRIC][-1] == 11 / 4
     gap = {**arguments, "attention_mask": arguments["attention_mask"].clone()}
     row = int(completion_mask(arguments).sum(1).argmax())
     gap["attention_mask"][row, -MAX_COMPLETION + 1] = 0  # a completion mask with a hole: not TRL's, not packed
@@ -317,6 +321,63 @@ def test_luspo_with_a_kl_runs_the_plain_forward_and_names_why(tiny_vlm_path, tmp
     assert with_kl.compute(model, {}, temperature=1.0, entropy_grad=False, training=True) is None
     assert metrics["train"][prefix_sharing.METRIC] == [0.0] and not with_kl.shuffles_whole_groups
     assert prefix_sharing.PrefixSharing(PAPOGConfig(**common, beta=0.0), model, 1, metrics).reason is None
+
+
+# Qwen2.5-VL-3B's text model (config.json of Qwen/Qwen2.5-VL-3B-Instruct): hidden 2048, MLP 11008, 16 heads, 2 KV
+# heads of 128, 36 layers.
+QWEN25_VL_3B = attention_cost.TextWidths(
+    hidden=2048, intermediate=11008, heads=16, kv_heads=2, head_dim=128, layers=36
+)
+
+
+def test_the_attention_cost_model_gives_the_issues_figures_and_grouped_never_costs_more():
+    """The dense W x W layout cost 0.32 / 0.73 / 1.15 / 1.79 of the plain forward at P 1100, G 8, R 256 to 4096
+    and 1.09 at P 300, R 1024 (issue 42); grouped attention stays below 1 at every shape."""
+    issue = {(1100, 256): 0.32, (1100, 1024): 0.73, (1100, 2048): 1.15, (1100, 4096): 1.79, (300, 1024): 1.09}
+    for (prompt, completion), dense in issue.items():
+        cost = attention_cost.per_group(QWEN25_VL_3B, prompt, completion, 8)
+        assert cost["dense_packed"] / cost["plain"] == pytest.approx(dense, abs=0.005)
+        assert cost["grouped"] < min(cost["plain"], cost["dense_packed"])
+    for prompt in (1, 16, 300, 4096):
+        for completion in (1, 16, 1024, 8192):
+            for group in (1, 2, 5, 8, 64):
+                cost = attention_cost.per_group(QWEN25_VL_3B, prompt, completion, group)
+                assert cost["grouped"] <= cost["plain"], (prompt, completion, group)
+
+
+@pytest.mark.model
+def test_the_cost_guard_counts_the_calls_pairs_and_runs_plain_where_sharing_would_cost_more(
+    setup, caplog, monkeypatch
+):
+    trainer, model, arguments = setup["trainer"], setup["model"], setup["arguments"]
+    (batch,) = prefix_sharing.packed_batches(model, arguments)
+    n_prompt = arguments["input_ids"].shape[1] - MAX_COMPLETION
+    lengths = completion_mask(arguments).sum(1).tolist()
+    groups = group_samples({"prompt_ids": arguments["input_ids"][:, :n_prompt],
+                            "prompt_mask": arguments["attention_mask"][:, :n_prompt],
+                            "pixel_values": arguments["pixel_values"], "image_grid_thw": arguments["image_grid_thw"],
+                            "num_images": arguments["num_images"]})  # fmt: skip
+    longest_prompt = int(arguments["attention_mask"][:, :n_prompt].sum(1).max())
+    longest, completions = max(lengths) - 1, sum(length > 1 for length in lengths)
+    assert batch.layout.pairs == len(groups) * longest_prompt**2 + completions * longest * (longest_prompt + longest)
+    widths = attention_cost.TextWidths.of(grouped_attention.text_config(model))
+    rows, width = arguments["input_ids"].shape
+    tokens = batch.segments.shape[1]
+    expected = widths.flops(tokens, batch.layout.pairs) / widths.flops(rows * width, rows * width**2)
+    assert prefix_sharing.predicted_cost_ratio(model, arguments, [batch]) == pytest.approx(expected) and expected < 1
+    metrics = trainer._metrics["train"]
+    for key in (prefix_sharing.METRIC, prefix_sharing.COST_METRIC):
+        metrics[key].clear()
+    with torch.no_grad():
+        trainer._get_per_token_logps_and_entropies(model, **arguments)
+    assert metrics[prefix_sharing.METRIC] == [1.0] and metrics[prefix_sharing.COST_METRIC] == [pytest.approx(expected)]
+    # A layout costing more than the plain rows (the dense W x W one did at long completions) must run plain.
+    monkeypatch.setattr(prefix_sharing, "shared_flops", lambda w, b: 2 * attention_cost.plain(w, rows, width))
+    with torch.no_grad(), caplog.at_level("WARNING", logger="papo_nb.papo.prefix_sharing"):
+        guarded = trainer._get_per_token_logps_and_entropies(model, **arguments)
+        assert torch.equal(guarded[0], plain(trainer, model, arguments)[0])
+    assert metrics[prefix_sharing.METRIC] == [1.0, 0.0] and metrics[prefix_sharing.COST_METRIC][-1] == 2.0
+    assert "because the FLOP model predicts the packed forward would cost more than the plain one" in caplog.text
 
 
 def test_unsupported_models_and_runs_fall_back_with_their_reason(tmp_path):

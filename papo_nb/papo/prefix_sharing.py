@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from transformers.utils import logging
 
+from . import attention_cost
 from .contract import PARENT_SHUFFLE_FUNCTION
 from .grouped_attention import grouped_attention
 from .grouped_attention import text_config as grouped_text_config
@@ -40,6 +41,7 @@ logger = logging.get_logger(__name__)
 
 METRIC = "papo/prefix_shared"  # per log-prob call: 1 packed, 0 plain
 SHARE_METRIC = "papo/prefix_share"  # completions per packed prompt
+COST_METRIC = "papo/prefix_cost_ratio"  # per call: predicted packed / plain forward FLOPs (above 1: plain runs)
 BLOCK_KEY = "papo_prefix_block"  # per row: its block of G rows of one prompt, for the whole-group shuffle
 LOGIT_ROWS = 256  # vocabulary-sized rows per log-softmax call
 # Keywords of layouts other than Qwen-VL's flattened patch rows: a call that carries one runs the plain path.
@@ -104,20 +106,35 @@ def packed_batches(model, arguments: dict[str, Any]) -> Iterator[PackedBatch]:
         )  # fmt: skip
 
 
+def shared_flops(widths: attention_cost.TextWidths, batch: PackedBatch) -> float:
+    """The text model's forward FLOPs over one packed batch (its grouped attention's pairs included)."""
+    return attention_cost.grouped(widths, batch.segments.shape[1], batch.layout.pairs)
+
+
+def predicted_cost_ratio(model, arguments: dict[str, Any], batches: list[PackedBatch]) -> float:
+    """The FLOP model's shared / plain forward cost of a log-prob call (``attention_cost``): never above 1 with
+    grouped attention, the guard's check that it stays so."""
+    widths = attention_cost.TextWidths.of(grouped_text_config(core_model(model)))
+    rows, width = arguments["input_ids"].shape
+    return sum(shared_flops(widths, batch) for batch in batches) / attention_cost.plain(widths, rows, width)
+
+
 def packed_logps_and_entropies(
     model,
     arguments: dict[str, Any],
     *,
     temperature: float,
     entropy_grad: bool,
+    batches: list[PackedBatch] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, None, float]:
     """``(logps, entropies or None, None, completions per packed prompt)`` of a log-prob call (``arguments``: the
     parent's parameters by name, ``call_reason`` None), each ``(B, logits_to_keep)`` in the call's row order;
-    entropies keep their graph when ``entropy_grad``, as the parent's do under its entropy gate."""
+    entropies keep their graph when ``entropy_grad``, as the parent's do under its entropy gate; ``batches``: the
+    call's ``packed_batches`` where already built."""
     n_rows, compute_entropy = len(arguments["input_ids"]), bool(arguments.get("compute_entropy"))
     logps = entropies = None
     packed_groups = 0
-    for batch in packed_batches(model, arguments):
+    for batch in packed_batches(model, arguments) if batches is None else batches:
         chunk_logps, chunk_entropies = logps_of_packed(
             model, batch, temperature=temperature, compute_entropy=compute_entropy, entropy_grad=entropy_grad
         )
@@ -185,8 +202,15 @@ class PrefixSharing:
             self.note(False, reason)
             self.metrics[mode][METRIC].append(0.0)
             return None
+        batches = list(packed_batches(model, arguments))
+        ratio = predicted_cost_ratio(model, arguments, batches)
+        self.metrics[mode][COST_METRIC].append(ratio)
+        if ratio > 1.0:
+            self.note(False, "the FLOP model predicts the packed forward would cost more than the plain one")
+            self.metrics[mode][METRIC].append(0.0)
+            return None
         logps, entropies, aux, share = packed_logps_and_entropies(
-            model, arguments, temperature=temperature, entropy_grad=entropy_grad
+            model, arguments, temperature=temperature, entropy_grad=entropy_grad, batches=batches
         )
         self.metrics[mode][METRIC].append(1.0)
         self.metrics[mode][SHARE_METRIC].append(share)
