@@ -12,7 +12,9 @@ from tiny_trainers import tiny_trainer, unit_params
 from transformers import TrainerCallback
 from trl import GRPOTrainer
 
-from papo_nb.papo import PAPOGTrainer, attention_cost, rollout_branch, shared_prefix
+from papo_nb.papo import PAPOGTrainer
+from papo_nb.papo.forward import attention_cost, rollout_branch
+from papo_nb.papo.forward import prefill as shared_prefix
 from papo_nb.papo.step_guard import NonFiniteGradientError
 from papo_nb.testbed.models import load_vlm
 from papo_nb.workbook.rollouts import clone_batch, rollout_batch

@@ -16,7 +16,9 @@ from tiny_trainers import tiny_trainer, unit_params
 from trl import GRPOTrainer
 from trl.trainer.utils import shuffle_sequence_dict
 
-from papo_nb.papo import PAPOGConfig, PAPOGTrainer, attention_cost, grouped_attention, prefix_sharing
+from papo_nb.papo import PAPOGConfig, PAPOGTrainer
+from papo_nb.papo.forward import attention_cost, grouped_attention, prefix_sharing
+from papo_nb.papo.forward.plan import forward_plan
 from papo_nb.papo.prompt_identity import group_samples
 from papo_nb.testbed.models import build_tiny_vlm, load_vlm, vision_special_token_ids
 from papo_nb.workbook.training.builder import lora_config
@@ -259,7 +261,7 @@ def test_the_trainer_hook_packs_and_falls_back_with_its_reason(setup, caplog, mo
     gap = {**arguments, "attention_mask": arguments["attention_mask"].clone()}
     row = int(completion_mask(arguments).sum(1).argmax())
     gap["attention_mask"][row, -MAX_COMPLETION + 1] = 0  # a completion mask with a hole: not TRL's, not packed
-    with caplog.at_level("WARNING", logger="papo_nb.papo.prefix_sharing"), torch.no_grad():
+    with caplog.at_level("WARNING", logger="papo_nb.papo.forward.prefix_sharing"), torch.no_grad():
         fallback = trainer._get_per_token_logps_and_entropies(model, **gap)
     assert torch.equal(fallback[0], plain(trainer, model, gap)[0]), "the fallback is the parent's method itself"
     assert metrics[prefix_sharing.METRIC] == [1.0, 0.0]
@@ -276,7 +278,7 @@ def test_a_per_sub_config_eager_text_model_runs_its_own_attention(setup, caplog)
     assert grouped_attention.text_config(model)._attn_implementation == "eager"
     assert prefix_sharing.unsupported_reason(model, 1) is None
     arguments, trainer = setup["arguments"], setup["trainer"]
-    with torch.no_grad(), caplog.at_level("INFO", logger="papo_nb.papo.prefix_sharing"):
+    with torch.no_grad(), caplog.at_level("INFO", logger="papo_nb.papo.forward.prefix_sharing"):
         reference = plain(trainer, model, arguments)
         sharing = prefix_sharing.PrefixSharing(trainer.args, model, 1, {"train": collections.defaultdict(list)})
         ours = sharing.compute(model, arguments, temperature=TEMPERATURE, entropy_grad=False, training=True)
@@ -295,7 +297,7 @@ def test_a_call_without_mm_token_type_ids_runs_the_plain_forward_and_its_refusal
     arguments = {**setup["arguments"], "mm_token_type_ids": None}
     metrics = trainer._metrics["train"]
     metrics[prefix_sharing.METRIC].clear()
-    with torch.no_grad(), caplog.at_level("WARNING", logger="papo_nb.papo.prefix_sharing"):
+    with torch.no_grad(), caplog.at_level("WARNING", logger="papo_nb.papo.forward.prefix_sharing"):
         if setup["family"] == "qwen2_vl":
             with pytest.raises(ValueError, match="`mm_token_type_ids` is missing"):
                 trainer._get_per_token_logps_and_entropies(model, **arguments)
@@ -373,11 +375,29 @@ def test_the_cost_guard_counts_the_calls_pairs_and_runs_plain_where_sharing_woul
     assert metrics[prefix_sharing.METRIC] == [1.0] and metrics[prefix_sharing.COST_METRIC] == [pytest.approx(expected)]
     # A layout costing more than the plain rows (the dense W x W one did at long completions) must run plain.
     monkeypatch.setattr(prefix_sharing, "shared_flops", lambda w, b: 2 * attention_cost.plain(w, rows, width))
-    with torch.no_grad(), caplog.at_level("WARNING", logger="papo_nb.papo.prefix_sharing"):
+    with torch.no_grad(), caplog.at_level("WARNING", logger="papo_nb.papo.forward.prefix_sharing"):
         guarded = trainer._get_per_token_logps_and_entropies(model, **arguments)
         assert torch.equal(guarded[0], plain(trainer, model, arguments)[0])
     assert metrics[prefix_sharing.METRIC] == [1.0, 0.0] and metrics[prefix_sharing.COST_METRIC][-1] == 2.0
     assert "because the FLOP model predicts the packed forward would cost more than the plain one" in caplog.text
+
+
+@pytest.mark.model
+def test_the_forward_plan_names_each_forward_from_the_trainers_choices(setup, tmp_path):
+    trainer = setup["trainer"]
+    plan = trainer.forward_plan
+    assert plan.log_prob_forward == "packed per prompt group" and plan.masked_branch == "once per generation round"
+    assert (
+        plan.masked_forward == "prefill per prompt, no grad" and plan.masked_forward_reason == "masked_forward='auto'"
+    )
+    assert plan.describe().endswith("log-prob forwards packed per prompt group (prefix_sharing=True, supported here)")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        plan.log_prob_forward = "plain per completion"
+    luspo = PAPOGConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, prefix_sharing=True, loss_type="luspo",
+                        importance_sampling_level="sequence", beta=0.04)  # fmt: skip
+    sharing = prefix_sharing.PrefixSharing(luspo, setup["model"], 1, {"train": collections.defaultdict(list)})
+    plain_plan = forward_plan(luspo, trainer.masked_branch, sharing)
+    assert plain_plan.log_prob_forward == "plain per completion" and "luspo" in plain_plan.log_prob_reason
 
 
 def test_unsupported_models_and_runs_fall_back_with_their_reason(tmp_path):

@@ -127,7 +127,7 @@ class PAPOGConfig(GRPOConfig):
             `masked_branch="update"`.
         masked_forward (`str`, defaults to `"auto"`):
             How the no-grad masked branch runs. `"shared_prefix"`: the vision tower and the prompt's key/values once
-            per prompt (and masked image), its completions run against that cache (`shared_prefix.py`; Qwen2-VL and
+            per prompt (and masked image), its completions run against that cache (`forward/prefill.py`; Qwen2-VL and
             Qwen2.5-VL, `masked_branch_grad=False`); `"full"`: one full forward per completion, as the parent
             computes log-probs; `"auto"`: the shared prefix where it applies (no grad, masks per prompt, a supported
             model, a prompt with two completions in the batch), else the full forward. The metric

@@ -26,16 +26,14 @@ from typing import Any
 import torch
 from transformers.utils import logging
 
+from ..contract import PARENT_SHUFFLE_FUNCTION
+from ..prompt_identity import group_samples
 from . import attention_cost
-from .contract import PARENT_SHUFFLE_FUNCTION
+from .common import core_model, model_unsupported_reason, whole_group_chunks
 from .grouped_attention import grouped_attention
 from .grouped_attention import text_config as grouped_text_config
 from .grouped_attention import unsupported_reason as grouped_unsupported_reason
 from .packed_rows import PackedBatch, completion_lengths, forward_positions, pack
-from .prompt_identity import group_samples
-from .rollout_branch import chunks as whole_group_chunks
-from .shared_prefix import core_model
-from .shared_prefix import unsupported_reason as model_unsupported_reason
 
 logger = logging.get_logger(__name__)
 
@@ -99,7 +97,8 @@ def packed_batches(model, arguments: dict[str, Any]) -> Iterator[PackedBatch]:
     groups = group_samples({**prompts, "pixel_values": pixel_values, "image_grid_thw": grid, "num_images": num_images})
     positions = forward_positions(core_model(model), input_ids, attention_mask, mm_types, grid)
     lengths = completion_lengths(attention_mask, n_completion)
-    for chunk in whole_group_chunks(groups, len(input_ids), arguments.get("batch_size") or len(input_ids), 1):
+    limit = max(arguments.get("batch_size") or len(input_ids), max(map(len, groups)))
+    for chunk in whole_group_chunks(groups, limit):
         yield pack(
             input_ids, attention_mask, positions, n_completion, lengths, chunk,
             mm_token_type_ids=mm_types, pixel_values=pixel_values, image_grid_thw=grid, num_images=num_images,
