@@ -14,12 +14,16 @@ from pathlib import Path
 
 import pytest
 
+from papo_nb import papo
+
 ROOT = Path(__file__).resolve().parents[1]
 FIDELITY = ROOT / "docs" / "FIDELITY.md"
 ADAPTER = ROOT / "papo_nb" / "papo"
 # Its modules and subpackages (``probe.projection.power_shortfall`` resolves under papo_nb.papo too).
-ADAPTER_MODULES = frozenset(p.stem for p in ADAPTER.glob("*.py") if p.stem != "__init__") | frozenset(
-    p.parent.name for p in ADAPTER.glob("*/__init__.py")
+ADAPTER_MODULES = (
+    frozenset(p.stem for p in ADAPTER.glob("*.py") if p.stem != "__init__")
+    | frozenset(p.parent.name for p in ADAPTER.glob("*/__init__.py"))
+    | frozenset(papo.MOVED_MODULES)  # the old paths of the forward's modules, aliases of papo_nb.papo.forward's
 )
 PACKAGE_MODULES = frozenset(p.stem for p in (ROOT / "papo_nb").rglob("*.py") if p.stem != "__init__")
 FILE_SUFFIXES = ("py", "sh", "yaml", "md", "json", "png", "ipynb", "safetensors")

@@ -12,7 +12,9 @@ from tiny_trainers import tiny_trainer, unit_params
 from transformers import TrainerCallback
 from trl import GRPOTrainer
 
-from papo_nb.papo import PAPOGTrainer, rollout_branch, shared_prefix
+from papo_nb.papo import PAPOGTrainer
+from papo_nb.papo.forward import attention_cost, rollout_branch
+from papo_nb.papo.forward import prefill as shared_prefix
 from papo_nb.papo.step_guard import NonFiniteGradientError
 from papo_nb.testbed.models import load_vlm
 from papo_nb.workbook.rollouts import clone_batch, rollout_batch
@@ -349,8 +351,11 @@ def test_in_loop_benchmark_reports_every_variant_and_ratio(tmp_path):
         layout["flop_bound"] == pytest.approx(in_loop.flop_bound(layout["P"], layout["R"], 5), rel=1e-12)
         and 1.0 < layout["flop_bound"] < 2.0
     )
+    widths = attention_cost.TextWidths(hidden=512, intermediate=1536, heads=8, kv_heads=4, head_dim=64, layers=8)
     for name in in_loop.VARIANTS:  # each variant's FLOP model ratio; prefix sharing below GRPO's step
         expected = in_loop.flop_ratio(name, layout["P"], layout["R"], 5, 3)
-        assert layout[name]["flop_ratio"] == pytest.approx(expected, rel=1e-12), name
+        assert layout[name]["flop_ratio_tokens"] == pytest.approx(expected, rel=1e-12), name
+        with_attention = in_loop.flop_ratio(name, layout["P"], layout["R"], 5, 3, widths)  # the wide model's widths
+        assert layout[name]["flop_ratio"] == pytest.approx(with_attention, rel=1e-12), name
     assert layout["grpo_shared"]["flop_ratio"] < layout["papo_shared"]["flop_ratio"] < 1.0
-    assert "papo_shared/grpo_no_sampling_cpu_s" in layout
+    assert "papo_shared/grpo_no_sampling_cpu_s" in layout and "papo_shared/papo_rollout_no_sampling_cpu_s" in layout

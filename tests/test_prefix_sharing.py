@@ -16,7 +16,9 @@ from tiny_trainers import tiny_trainer, unit_params
 from trl import GRPOTrainer
 from trl.trainer.utils import shuffle_sequence_dict
 
-from papo_nb.papo import PAPOGConfig, PAPOGTrainer, packed_rows, prefix_sharing
+from papo_nb.papo import PAPOGConfig, PAPOGTrainer
+from papo_nb.papo.forward import attention_cost, grouped_attention, prefix_sharing
+from papo_nb.papo.forward.plan import forward_plan
 from papo_nb.papo.prompt_identity import group_samples
 from papo_nb.testbed.models import build_tiny_vlm, load_vlm, vision_special_token_ids
 from papo_nb.workbook.training.builder import lora_config
@@ -31,8 +33,10 @@ PROMPTS = [
     ("What shape is this?", [(112, 112)]),
     ("Count the red shapes in both pictures, then answer with one word only.", [(112, 112), (112, 56)]),
     ("Say hello.", []),  # a text-only row in an image batch
+    ("What shape is this?", [(112, 112)]),  # prompt 0's text with another image: another group
 ]
 COMPLETIONS = [(0, 1), (0, MAX_COMPLETION), (0, 3), (1, MAX_COMPLETION), (1, 2), (1, 4), (1, 1), (2, 2), (2, 6)]
+COMPLETIONS += [(3, 3), (3, MAX_COMPLETION)]
 
 
 def prompt_parts(processor, text, sizes, seed):
@@ -53,7 +57,8 @@ def prompt_parts(processor, text, sizes, seed):
 
 def call_arguments(processor, prompts, completions, order, seed=0):
     """The parent's log-prob arguments for rows ``[prompt; completion]`` in ``order``, built as TRL builds them:
-    prompts left-padded, completions right-padded (mask 0 after their length), each row its prompt's images."""
+    prompts left-padded, completions right-padded (mask 0 after their length, junk tokens there, as a sampler leaves
+    after the end of a sequence), each row its prompt's images."""
     generator = torch.Generator().manual_seed(seed)
     banned = set(vision_special_token_ids(processor))
     vocab = [t for t in range(len(processor.tokenizer)) if t not in banned]
@@ -67,7 +72,8 @@ def call_arguments(processor, prompts, completions, order, seed=0):
     ids, mask, types = [], [], []
     for prompt, tokens in rows:
         left, right = n_prompt - len(prompt["ids"]), MAX_COMPLETION - len(tokens)
-        ids.append(torch.cat([torch.full((left,), pad), prompt["ids"], tokens, torch.full((right,), pad)]))
+        junk = torch.tensor(vocab)[torch.randint(len(vocab), (right,), generator=generator)]
+        ids.append(torch.cat([torch.full((left,), pad), prompt["ids"], tokens, junk]))
         mask.append(torch.cat([torch.zeros(left), torch.ones(len(prompt["ids"]) + len(tokens)), torch.zeros(right)]))
         types.append(torch.cat([torch.zeros(left, dtype=torch.long), prompt["types"], torch.zeros(MAX_COMPLETION)]))
     with_images = [p for p, _ in rows if p["n_images"]]
@@ -143,7 +149,7 @@ def test_the_batch_covers_every_case(setup):
                             "prompt_mask": arguments["attention_mask"][:, :-MAX_COMPLETION],
                             "pixel_values": arguments["pixel_values"], "image_grid_thw": arguments["image_grid_thw"],
                             "num_images": arguments["num_images"]})  # fmt: skip
-    assert sorted(map(len, groups)) == [2, 3, 4] and any(g != sorted(g) or g[-1] - g[0] >= len(g) for g in groups)
+    assert sorted(map(len, groups)) == [2, 2, 3, 4] and any(g != sorted(g) or g[-1] - g[0] >= len(g) for g in groups)
 
 
 @pytest.mark.model
@@ -221,8 +227,9 @@ def test_negative_controls_fail_by_far(setup, control):
     arguments = in_dtype(setup["arguments"], torch.float64)
     batch = _packed_one(model, arguments)
     inputs, segments = batch.model_inputs, batch.segments
-    if control == "completion_leak":  # one segment for all completions of a row: each sees those before it
-        changed = {"attention_mask": packed_rows.attention_allowed(segments.clamp(max=1))[:, None]}
+    if control == "completion_leak":  # one segment for all completions of a group: each sees those before it
+        leaking = grouped_attention.build_layout(batch.token_groups, segments[0].clamp(max=1))
+        changed = {"attention_mask": {"full_attention": leaking}}
     else:  # every completion token one position later
         changed = {"position_ids": inputs["position_ids"] + (segments > 0).long()[None]}
     mutated = dataclasses.replace(batch, model_inputs={**inputs, **changed})
@@ -250,15 +257,147 @@ def test_the_trainer_hook_packs_and_falls_back_with_its_reason(setup, caplog, mo
         ours = trainer._get_per_token_logps_and_entropies(model, **arguments)
         reference = plain(trainer, model, arguments)
     assert max_error(ours[0], reference[0], completion_mask(arguments)) <= TOLERANCE[torch.float32][0]
-    assert metrics[prefix_sharing.METRIC] == [1.0] and metrics[prefix_sharing.SHARE_METRIC][-1] == 3.0
+    assert metrics[prefix_sharing.METRIC] == [1.0] and metrics[prefix_sharing.SHARE_METRIC][-1] == 11 / 4
     gap = {**arguments, "attention_mask": arguments["attention_mask"].clone()}
     row = int(completion_mask(arguments).sum(1).argmax())
     gap["attention_mask"][row, -MAX_COMPLETION + 1] = 0  # a completion mask with a hole: not TRL's, not packed
-    with caplog.at_level("WARNING", logger="papo_nb.papo.prefix_sharing"), torch.no_grad():
+    with caplog.at_level("WARNING", logger="papo_nb.papo.forward.prefix_sharing"), torch.no_grad():
         fallback = trainer._get_per_token_logps_and_entropies(model, **gap)
     assert torch.equal(fallback[0], plain(trainer, model, gap)[0]), "the fallback is the parent's method itself"
     assert metrics[prefix_sharing.METRIC] == [1.0, 0.0]
     assert "plain forward per completion, because a completion mask with a gap" in caplog.text
+
+
+@pytest.mark.model
+def test_a_per_sub_config_eager_text_model_runs_its_own_attention(setup, caplog):
+    """The top level says sdpa, the text model runs eager: the grouped path reads the text config and runs eager's
+    own function with its additive masks (a boolean mask added by eager lets completions see each other)."""
+    model = copy.deepcopy(setup["model"])
+    model.set_attn_implementation({"text_config": "eager", "vision_config": "sdpa"})
+    assert model.config._attn_implementation == "sdpa"
+    assert grouped_attention.text_config(model)._attn_implementation == "eager"
+    assert prefix_sharing.unsupported_reason(model, 1) is None
+    arguments, trainer = setup["arguments"], setup["trainer"]
+    with torch.no_grad(), caplog.at_level("INFO", logger="papo_nb.papo.forward.prefix_sharing"):
+        reference = plain(trainer, model, arguments)
+        sharing = prefix_sharing.PrefixSharing(trainer.args, model, 1, {"train": collections.defaultdict(list)})
+        ours = sharing.compute(model, arguments, temperature=TEMPERATURE, entropy_grad=False, training=True)
+    errors = [max_error(a, b, completion_mask(arguments)) for a, b in zip(ours[:2], reference)]
+    print(f"{setup['family']} eager text, sdpa vision: logps {errors[0]:.2e} entropies {errors[1]:.2e}")
+    assert max(errors) <= TOLERANCE[torch.float32][0]
+    assert "grouped attention through 'eager'" in caplog.text
+    assert grouped_attention.text_config(model)._attn_implementation == "eager", "restored after the forward"
+
+
+@pytest.mark.model
+def test_a_call_without_mm_token_type_ids_runs_the_plain_forward_and_its_refusal(setup, caplog):
+    """Qwen2-VL's plain forward refuses images without modality types; Qwen2.5-VL's runs them without multimodal
+    positions. The packed path never fills the types in: the call is the parent's, refusal or numbers alike."""
+    trainer, model = setup["trainer"], setup["model"]
+    arguments = {**setup["arguments"], "mm_token_type_ids": None}
+    metrics = trainer._metrics["train"]
+    metrics[prefix_sharing.METRIC].clear()
+    with torch.no_grad(), caplog.at_level("WARNING", logger="papo_nb.papo.forward.prefix_sharing"):
+        if setup["family"] == "qwen2_vl":
+            with pytest.raises(ValueError, match="`mm_token_type_ids` is missing"):
+                trainer._get_per_token_logps_and_entropies(model, **arguments)
+        else:
+            ours = trainer._get_per_token_logps_and_entropies(model, **arguments)
+            assert torch.equal(ours[0], plain(trainer, model, arguments)[0])
+    assert metrics[prefix_sharing.METRIC] == [0.0]
+    assert "because image_grid_thw without mm_token_type_ids" in caplog.text
+
+
+@pytest.mark.model
+def test_luspo_with_a_kl_runs_the_plain_forward_and_names_why(tiny_vlm_path, tmp_path):
+    """TRL 1.9.1's luspo averages ``per_token_loss + beta * kl`` over every completion column, past each end
+    included; the packed path leaves those at 0, so with ``beta != 0`` every call runs TRL's own forward."""
+    model, _ = load_vlm(str(tiny_vlm_path))
+    common = dict(output_dir=str(tmp_path), use_cpu=True, bf16=False, prefix_sharing=True, loss_type="luspo",
+                  importance_sampling_level="sequence")  # fmt: skip
+    metrics = {"train": collections.defaultdict(list)}
+    with_kl = prefix_sharing.PrefixSharing(PAPOGConfig(**common, beta=0.04), model, 1, metrics)
+    assert (
+        with_kl.reason == "loss_type='luspo' with beta=0.04 (its aggregation reads the KL after each completion's end)"
+    )
+    assert with_kl.compute(model, {}, temperature=1.0, entropy_grad=False, training=True) is None
+    assert metrics["train"][prefix_sharing.METRIC] == [0.0] and not with_kl.shuffles_whole_groups
+    assert prefix_sharing.PrefixSharing(PAPOGConfig(**common, beta=0.0), model, 1, metrics).reason is None
+
+
+# Qwen2.5-VL-3B's text model (config.json of Qwen/Qwen2.5-VL-3B-Instruct): hidden 2048, MLP 11008, 16 heads, 2 KV
+# heads of 128, 36 layers.
+QWEN25_VL_3B = attention_cost.TextWidths(
+    hidden=2048, intermediate=11008, heads=16, kv_heads=2, head_dim=128, layers=36
+)
+
+
+def test_the_attention_cost_model_gives_the_issues_figures_and_grouped_never_costs_more():
+    """The dense W x W layout cost 0.32 / 0.73 / 1.15 / 1.79 of the plain forward at P 1100, G 8, R 256 to 4096
+    and 1.09 at P 300, R 1024 (issue 42); grouped attention stays below 1 at every shape."""
+    issue = {(1100, 256): 0.32, (1100, 1024): 0.73, (1100, 2048): 1.15, (1100, 4096): 1.79, (300, 1024): 1.09}
+    for (prompt, completion), dense in issue.items():
+        cost = attention_cost.per_group(QWEN25_VL_3B, prompt, completion, 8)
+        assert cost["dense_packed"] / cost["plain"] == pytest.approx(dense, abs=0.005)
+        assert cost["grouped"] < min(cost["plain"], cost["dense_packed"])
+    for prompt in (1, 16, 300, 4096):
+        for completion in (1, 16, 1024, 8192):
+            for group in (1, 2, 5, 8, 64):
+                cost = attention_cost.per_group(QWEN25_VL_3B, prompt, completion, group)
+                assert cost["grouped"] <= cost["plain"], (prompt, completion, group)
+
+
+@pytest.mark.model
+def test_the_cost_guard_counts_the_calls_pairs_and_runs_plain_where_sharing_would_cost_more(
+    setup, caplog, monkeypatch
+):
+    trainer, model, arguments = setup["trainer"], setup["model"], setup["arguments"]
+    (batch,) = prefix_sharing.packed_batches(model, arguments)
+    n_prompt = arguments["input_ids"].shape[1] - MAX_COMPLETION
+    lengths = completion_mask(arguments).sum(1).tolist()
+    groups = group_samples({"prompt_ids": arguments["input_ids"][:, :n_prompt],
+                            "prompt_mask": arguments["attention_mask"][:, :n_prompt],
+                            "pixel_values": arguments["pixel_values"], "image_grid_thw": arguments["image_grid_thw"],
+                            "num_images": arguments["num_images"]})  # fmt: skip
+    longest_prompt = int(arguments["attention_mask"][:, :n_prompt].sum(1).max())
+    longest, completions = max(lengths) - 1, sum(length > 1 for length in lengths)
+    assert batch.layout.pairs == len(groups) * longest_prompt**2 + completions * longest * (longest_prompt + longest)
+    widths = attention_cost.TextWidths.of(grouped_attention.text_config(model))
+    rows, width = arguments["input_ids"].shape
+    tokens = batch.segments.shape[1]
+    expected = widths.flops(tokens, batch.layout.pairs) / widths.flops(rows * width, rows * width**2)
+    assert prefix_sharing.predicted_cost_ratio(model, arguments, [batch]) == pytest.approx(expected) and expected < 1
+    metrics = trainer._metrics["train"]
+    for key in (prefix_sharing.METRIC, prefix_sharing.COST_METRIC):
+        metrics[key].clear()
+    with torch.no_grad():
+        trainer._get_per_token_logps_and_entropies(model, **arguments)
+    assert metrics[prefix_sharing.METRIC] == [1.0] and metrics[prefix_sharing.COST_METRIC] == [pytest.approx(expected)]
+    # A layout costing more than the plain rows (the dense W x W one did at long completions) must run plain.
+    monkeypatch.setattr(prefix_sharing, "shared_flops", lambda w, b: 2 * attention_cost.plain(w, rows, width))
+    with torch.no_grad(), caplog.at_level("WARNING", logger="papo_nb.papo.forward.prefix_sharing"):
+        guarded = trainer._get_per_token_logps_and_entropies(model, **arguments)
+        assert torch.equal(guarded[0], plain(trainer, model, arguments)[0])
+    assert metrics[prefix_sharing.METRIC] == [1.0, 0.0] and metrics[prefix_sharing.COST_METRIC][-1] == 2.0
+    assert "because the FLOP model predicts the packed forward would cost more than the plain one" in caplog.text
+
+
+@pytest.mark.model
+def test_the_forward_plan_names_each_forward_from_the_trainers_choices(setup, tmp_path):
+    trainer = setup["trainer"]
+    plan = trainer.forward_plan
+    assert plan.log_prob_forward == "packed per prompt group" and plan.masked_branch == "once per generation round"
+    assert (
+        plan.masked_forward == "prefill per prompt, no grad" and plan.masked_forward_reason == "masked_forward='auto'"
+    )
+    assert plan.describe().endswith("log-prob forwards packed per prompt group (prefix_sharing=True, supported here)")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        plan.log_prob_forward = "plain per completion"
+    luspo = PAPOGConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, prefix_sharing=True, loss_type="luspo",
+                        importance_sampling_level="sequence", beta=0.04)  # fmt: skip
+    sharing = prefix_sharing.PrefixSharing(luspo, setup["model"], 1, {"train": collections.defaultdict(list)})
+    plain_plan = forward_plan(luspo, trainer.masked_branch, sharing)
+    assert plain_plan.log_prob_forward == "plain per completion" and "luspo" in plain_plan.log_prob_reason
 
 
 def test_unsupported_models_and_runs_fall_back_with_their_reason(tmp_path):
@@ -281,8 +420,10 @@ def test_unsupported_processes_and_attention_are_named(tiny_vlm_path, tmp_path):
     model, _ = load_vlm(str(tiny_vlm_path))
     assert prefix_sharing.unsupported_reason(model, 1) is None
     assert "2 processes" in prefix_sharing.unsupported_reason(model, 2)
-    model.config._attn_implementation = "flash_attention_2"
-    assert "'flash_attention_2' is not one of ('sdpa', 'eager')" in prefix_sharing.unsupported_reason(model, 1)
+    model.model.language_model.config._attn_implementation = "flash_attention_2"
+    assert model.config._attn_implementation == "sdpa", "the top level still says sdpa"
+    reason = prefix_sharing.unsupported_reason(model, 1)
+    assert "text_config._attn_implementation='flash_attention_2'" in reason and "('sdpa', 'eager')" in reason
 
 
 def test_batch_sizes_without_whole_groups_are_refused(tmp_path):

@@ -9,8 +9,9 @@ from peft import get_peft_model
 from tiny_trainers import tiny_trainer, unit_params
 from trl import GRPOTrainer
 
-from papo_nb.papo import PAPOGConfig, layouts, shared_prefix
-from papo_nb.papo.logp_inputs import logp_call_arguments
+from papo_nb.papo import PAPOGConfig, layouts
+from papo_nb.papo.forward import prefill as shared_prefix
+from papo_nb.papo.forward.logp_inputs import logp_call_arguments
 from papo_nb.testbed.models import build_tiny_vlm, load_vlm
 from papo_nb.workbook.rollouts import rollout_batch
 from papo_nb.workbook.training.builder import lora_config
@@ -227,7 +228,7 @@ def test_auto_falls_back_with_its_reason_in_the_metrics(setup, caplog):
     for overrides, metric, reason, inputs in cases:
         trainer = make(setup, **overrides)
         trainer.current_gradient_accumulation_steps = 1
-        with caplog.at_level("INFO", logger="papo_nb.papo.masked_branch"):
+        with caplog.at_level("INFO", logger="papo_nb.papo.forward.masked_branch"):
             caplog.clear()
             trainer.papo_loss_parts(setup["model"], inputs)
         assert trainer._metrics["train"][shared_prefix.METRIC] == [metric], overrides

@@ -42,6 +42,9 @@ from typing import Any
 import torch
 
 from papo_nb.bench import harness
+from papo_nb.papo.forward import attention_cost
+from papo_nb.papo.forward.common import core_model
+from papo_nb.papo.forward.grouped_attention import text_config
 
 VARIANTS = ("grpo", "papo_rollout", "papo_update", "grpo_shared", "papo_shared")
 FLOP_K = 3.0  # a training step's forward + backward, in forwards
@@ -148,7 +151,7 @@ def build(
 def one_run(trainer, clock: GenerateClock, device: str, steps: int) -> dict[str, Any]:
     """One ``train()`` of ``steps`` optimizer steps; per-step numbers from its wall and process CPU time, the
     generate clock and the trainer's masked-branch clock (``*_cpu_s``: CPU seconds, robust to a shared machine)."""
-    from papo_nb.papo import shared_prefix
+    from papo_nb.papo.forward import prefill as shared_prefix
 
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     branch = getattr(getattr(trainer, "masked_branch", None), "clock", None)
@@ -199,12 +202,18 @@ def flop_bound(P: float, R: float, G: int, k: float = FLOP_K) -> float:
     return 1.0 + (P + G * R) / (k * G * (P + R))
 
 
-def flop_ratio(variant: str, P: float, R: float, G: int, steps_per_round: int) -> float:
+def flop_ratio(variant: str, P: float, R: float, G: int, steps_per_round: int, widths=None) -> float:
     """The FLOP model's ratio of ``variant`` to TRL's GRPO step without sampling: forward 1, backward 2, plus the
     old-log-prob forward at several steps per round (one device batch per step: TRL computes it then); the masked
-    branch one shared forward; prefix sharing ``P + G*R`` tokens per prompt in every forward, not ``G*(P + R)``."""
+    branch one shared forward; prefix sharing one grouped forward per prompt in every forward, not G plain rows.
+    A shared forward costs ``rho`` plain ones: ``(P + G*R) / (G * (P + R))`` counting tokens, or with ``widths``
+    (``attention_cost.TextWidths``) the text model's FLOPs, attention pairs included (``attention_cost.per_group``)."""
     forwards = FLOP_K + (1.0 if steps_per_round > 1 else 0.0)
-    rho = (P + G * R) / (G * (P + R))
+    if widths is None:
+        rho = (P + G * R) / (G * (P + R))
+    else:
+        cost = attention_cost.per_group(widths, round(P), round(R), G)
+        rho = cost["grouped"] / cost["plain"]
     return {
         "grpo": 1.0,
         "papo_rollout": 1.0 + rho / forwards,
@@ -286,16 +295,21 @@ def measure_layout(layout: Layout, args, work: Path) -> dict[str, Any]:
         **shape,
     )
     out["flop_bound"] = flop_bound(shape["P"], shape["R"], layout.group_size)
+    widths = attention_cost.TextWidths.of(text_config(core_model(model)))
     for name in args.variants:
         out[name] = median_run(runs[name])
         out[name]["peak_mib"] = peaks.get(name)
-        out[name]["flop_ratio"] = flop_ratio(name, shape["P"], shape["R"], layout.group_size, steps)
+        out[name]["flop_ratio"] = flop_ratio(name, shape["P"], shape["R"], layout.group_size, steps, widths)
+        out[name]["flop_ratio_tokens"] = flop_ratio(name, shape["P"], shape["R"], layout.group_size, steps)
     stored = args.prompts * layout.group_size * layout.steps_per_round * shape["R"] * 4
     out["stored_branch_kib_per_round"] = stored / 1024  # rows x completion tokens fp32, what the rollout path keeps
-    for name in (n for n in args.variants if n != "grpo"):
+    pairs = [(name, "grpo") for name in args.variants if name != "grpo"]
+    if {"papo_shared", "papo_rollout"} <= set(args.variants):
+        pairs.append(("papo_shared", "papo_rollout"))  # shared against plain PAPO-G, round by round
+    for name, base in pairs:
         for key in ("total_s", "no_sampling_s", "total_cpu_s", "no_sampling_cpu_s"):
-            per_round = [a[key] / b[key] for a, b in zip(runs[name], runs["grpo"], strict=True)]
-            out[f"{name}/grpo_{key}"] = dict(
+            per_round = [a[key] / b[key] for a, b in zip(runs[name], runs[base], strict=True)]
+            out[f"{name}/{base}_{key}"] = dict(
                 median=statistics.median(per_round), min=min(per_round), max=max(per_round)
             )
     return out
@@ -310,8 +324,9 @@ def markdown(results: dict[str, Any]) -> str:
         f"optimizer steps per train(); times are {results['clock']} seconds per optimizer step)",
         "",
         "| layout | P | R | variant | total s/step | no-sampling s/step | masked s/step | completions/prefill |"
-        " peak MiB | ratio total | ratio no-sampling [min, max] | FLOP bound + 0.05 | FLOP model |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        " peak MiB | ratio total | ratio no-sampling [min, max] | FLOP bound + 0.05 | FLOP model (tokens) |"
+        " FLOP model (attention) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for layout in results["layouts"]:
         for name in (n for n in VARIANTS if n in layout):
@@ -327,7 +342,7 @@ def markdown(results: dict[str, Any]) -> str:
                 f"| {layout['layout']} | {layout['P']:.0f} | {layout['R']:.0f} | {name} | {v[f'total{c}_s']:.3f} | "
                 f"{v[f'no_sampling{c}_s']:.3f} | {v[f'masked{c}_s']:.3f} | {share} | {peak} | {ratio_total} | "
                 f"{ratio_ns} | "
-                f"{layout['flop_bound'] + FLOP_SLACK:.3f} | {v['flop_ratio']:.3f} |"
+                f"{layout['flop_bound'] + FLOP_SLACK:.3f} | {v['flop_ratio_tokens']:.3f} | {v['flop_ratio']:.3f} |"
             )
     return "\n".join(lines) + "\n"
 
@@ -345,7 +360,25 @@ def verdicts(results: dict[str, Any]) -> list[str]:
             lines.append(line)
         if "papo_shared" in layout:
             lines.append(shared_verdict(layout, c))
+        if f"papo_shared/papo_rollout_no_sampling{c}_s" in layout:
+            lines.append(shared_against_plain_verdict(layout, c))
     return lines
+
+
+def shared_against_plain_verdict(layout: dict[str, Any], c: str) -> str:
+    """PAPO-G with prefix sharing against plain PAPO-G (issue 42: never slower, within 15% of its FLOP model; peak
+    memory at most plain PAPO-G's)."""
+    ratio = layout[f"papo_shared/papo_rollout_no_sampling{c}_s"]
+    model = layout["papo_shared"]["flop_ratio"] / layout["papo_rollout"]["flop_ratio"]
+    peaks = layout["papo_shared"]["peak_mib"], layout["papo_rollout"]["peak_mib"]
+    peak = "not measured" if None in peaks else f"{peaks[0]:.0f} vs {peaks[1]:.0f} MiB"
+    met = ratio["max"] <= 1.0 and ratio["median"] <= 1.15 * model and (None in peaks or peaks[0] <= peaks[1])
+    return (
+        f"{layout['layout']} P {layout['P']:.0f} R {layout['R']:.0f}: PAPO-G shared/plain PAPO-G without sampling "
+        f"{ratio['median']:.3f} [{ratio['min']:.3f}, {ratio['max']:.3f}] (FLOP model with attention {model:.3f}), "
+        f"peak {peak}; never slower, within 15% of the model, peak <= plain: "
+        f"{'met' if met else 'NOT met'}"
+    )
 
 
 def shared_verdict(layout: dict[str, Any], c: str) -> str:

@@ -7,11 +7,14 @@ The core, read first:
 - ``terms.py``: the per-token maths (bounded k3 KL, the parent's reductions).
 - ``layouts.py``: every image layout TRL passes to the forward, detected, and the real patches of a batch;
   ``masking.py``: the units drawn and blacked out; ``prompt_identity.py``: which rows are one prompt.
-- ``masked_branch.py`` (with ``rollout_branch.py``): the masked forward, once per round or per loss call, skipped
-  when the perception term is off for the whole run.
+- ``forward/``: how each forward runs. ``masked_branch.py`` (with ``rollout_branch.py``): the masked forward, once
+  per round or per loss call, skipped when the perception term is off for the whole run; ``prefill.py``: the no-grad
+  masked branch with each prompt prefilled once; ``prefix_sharing.py`` (with ``packed_rows.py``,
+  ``grouped_attention.py``, ``attention_cost.py``): every log-prob forward with each prompt group packed once;
+  ``logp_inputs.py``: the parent's log-prob call arguments; ``common.py``: what both prefix paths need.
 
-Set apart: ``shared_prefix.py`` (the masked branch with each prompt prefilled once), ``contract.py`` (the TRL
-private API the trainer checks at construction), ``recipes.py`` (the official recipes as presets).
+Set apart: ``contract.py`` (the TRL private API the trainer checks at construction), ``recipes.py`` (the official
+recipes as presets).
 
 Beside the core, never imported by it: ``probe/``, the gamma-zero probe (its verdicts, measurements, projection test,
 roundoff, FSDP2 reductions and the spec's tolerances). The trainer reaches it through one observer hook
@@ -21,7 +24,23 @@ The folder imports only the standard library, torch, transformers, trl and peft,
 so it lifts into another project by copying it.
 """
 
+import sys
+
+from .forward import logp_inputs, masked_branch, packed_rows, prefill, prefix_sharing, rollout_branch
 from .papo_config import PAPOGConfig
 from .papo_trainer import PAPOGTrainer
+
+# The module paths before the forward moved into ``forward/`` (issue 42), kept as aliases of the same modules.
+shared_prefix = prefill
+MOVED_MODULES = {
+    "logp_inputs": logp_inputs,
+    "masked_branch": masked_branch,
+    "packed_rows": packed_rows,
+    "prefix_sharing": prefix_sharing,
+    "rollout_branch": rollout_branch,
+    "shared_prefix": prefill,
+}
+for _old, _module in MOVED_MODULES.items():
+    sys.modules[f"{__name__}.{_old}"] = _module
 
 __all__ = ["PAPOGConfig", "PAPOGTrainer"]

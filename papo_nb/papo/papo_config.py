@@ -127,7 +127,7 @@ class PAPOGConfig(GRPOConfig):
             `masked_branch="update"`.
         masked_forward (`str`, defaults to `"auto"`):
             How the no-grad masked branch runs. `"shared_prefix"`: the vision tower and the prompt's key/values once
-            per prompt (and masked image), its completions run against that cache (`shared_prefix.py`; Qwen2-VL and
+            per prompt (and masked image), its completions run against that cache (`forward/prefill.py`; Qwen2-VL and
             Qwen2.5-VL, `masked_branch_grad=False`); `"full"`: one full forward per completion, as the parent
             computes log-probs; `"auto"`: the shared prefix where it applies (no grad, masks per prompt, a supported
             model, a prompt with two completions in the batch), else the full forward. The metric
@@ -137,12 +137,14 @@ class PAPOGConfig(GRPOConfig):
         > Parameters that control every forward
 
         prefix_sharing (`bool`, defaults to `False`):
-            Run each prompt group as one packed row `[prompt; c1 ... cg]` in every forward TRL routes through
+            Pack each prompt group once `[prompt; c1 ... cg]` in every forward TRL routes through
             `_get_per_token_logps_and_entropies` (the gradient forward and backward, old and reference log-probs,
-            the masked branch's full forward): the prompt and its images once per group, a 4-D mask that keeps the
-            completions apart, Qwen-VL positions restarting after the prompt (`prefix_sharing.py`); the round is
+            the masked branch's full forward): the prompt and its images once per group, grouped attention (each
+            prompt's self-attention once, each completion over its prompt and itself; `grouped_attention.py`),
+            Qwen-VL positions restarting after the prompt (`prefix_sharing.py`); the round is
             shuffled by whole groups, so `per_device_train_batch_size` must be a multiple of `num_generations`.
-            Qwen2-VL and Qwen2.5-VL with SDPA or eager attention on one process; elsewhere the plain forward runs,
+            Qwen2-VL and Qwen2.5-VL whose text model runs SDPA or eager attention, on one process, without
+            gradient checkpointing, not luspo with beta != 0; elsewhere the plain forward runs,
             with a log line saying why (`papo/prefix_shared` per call). Off: TRL's forward and shuffle, bit for bit.
 
         > Parameters that control the entropy terms

@@ -22,14 +22,16 @@ import inspect
 from typing import Any
 
 import torch
+from transformers.utils import logging
 from trl import GRPOTrainer
 
-from . import prefix_sharing
 from .citation import PAPO_PAPER
 from .contract import ENTROPY_GRAD_GATE, validate_grad_norm_hook, validate_trl_parent_contract
+from .forward import prefix_sharing
+from .forward.masked_branch import MaskedBranch
+from .forward.plan import forward_plan
 from .loss_observer import training_observer
 from .mask_state import MaskState, generation_round
-from .masked_branch import MaskedBranch
 from .papo_config import PAPOGConfig
 from .perception_metrics import ROLLOUT_ROW_KEY, PerceptionRecord, log_perception_metrics
 from .schedule import discount_at, gamma_at
@@ -115,6 +117,8 @@ class PAPOGTrainer(GRPOTrainer):
         processes = self.accelerator.num_processes
         self.prefix_sharing = prefix_sharing.PrefixSharing(self.args, self.model, processes, self._metrics)
         self.masked_branch = MaskedBranch(self.args, self.model, self.accelerator, self._metrics, self.temperature)
+        self.forward_plan = forward_plan(self.args, self.masked_branch, self.prefix_sharing)
+        logging.get_logger(__name__).info("PAPO-G forward plan: %s", self.forward_plan.describe())
         self.perception_record = PerceptionRecord(keep=self.args.generation_batch_size)
         self.step_guard = NonFiniteStepGuard(self.args.max_consecutive_nonfinite_grad_steps)
         self.probe = training_observer(self.args)  # the in-training probe when the config asks for it, else None

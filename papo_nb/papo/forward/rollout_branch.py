@@ -30,8 +30,9 @@ from typing import Any
 
 import torch
 
-from . import shared_prefix
-from .layouts import sample_row_ranges
+from ..layouts import sample_row_ranges
+from . import prefill
+from .common import whole_group_chunks
 from .logp_inputs import logp_call_arguments
 
 MASKED_LOGPS_KEY = "papo_masked_logps"
@@ -55,14 +56,7 @@ def chunks(groups: list[list[int]], n_rows: int, rows_per_device: int, processes
     ``rows_per_device`` rows (at least one prompt) on one process; fixed row ranges (a prompt cut at a boundary is
     prefilled in both) under several."""
     if processes == 1:
-        limit = max(rows_per_device, max(len(g) for g in groups))
-        out, current = [], []
-        for group in groups:
-            if current and sum(map(len, current)) + len(group) > limit:
-                out.append(current)
-                current = []
-            current.append(group)
-        return out + ([current] if current else [])
+        return whole_group_chunks(groups, max(rows_per_device, max(len(g) for g in groups)))
     group_of = {row: g for g, rows in enumerate(groups) for row in rows}
     out = []
     for start in range(0, n_rows, rows_per_device):
@@ -77,7 +71,7 @@ def _group_pixels(sub: dict[str, Any], local_groups: list[list[int]], mask_pixel
     """Each group's masked pixel rows, the masks drawn on the group's first row only (one draw per prompt)."""
     if sub.get("pixel_values") is None:
         return None
-    firsts = shared_prefix.select_rows(sub, [g[0] for g in local_groups])
+    firsts = prefill.select_rows(sub, [g[0] for g in local_groups])
     masked = mask_pixels(firsts)
     ranges = sample_row_ranges(firsts["image_grid_thw"], firsts["num_images"])
     return [masked[a:b] for a, b in ranges]
@@ -89,15 +83,15 @@ def shared_round(
     """The shared-prefix form: per chunk, each distinct prompt masked once and prefilled once. Returns
     ``(logps, entropies, completions, prefills)``."""
     n = len(batch["prompt_ids"])
-    groups = shared_prefix.prompt_groups(batch, batch.get("pixel_values"))
+    groups = prefill.prompt_groups(batch, batch.get("pixel_values"))
     logps = entropies = None
     prefills = 0
     for chunk in chunks(groups, n, rows, processes):
         chunk_rows = [row for group in chunk for row in group]
-        sub = shared_prefix.select_rows(batch, chunk_rows)
+        sub = prefill.select_rows(batch, chunk_rows)
         position = {row: k for k, row in enumerate(chunk_rows)}
         local_groups = [[position[row] for row in group] for group in chunk]
-        chunk_logps, chunk_entropies = shared_prefix.shared_prefix_logps(
+        chunk_logps, chunk_entropies = prefill.shared_prefix_logps(
             model,
             sub,
             None,

@@ -29,12 +29,11 @@ from typing import Any
 import torch
 from transformers import DynamicCache
 
-from .layouts import sample_row_ranges
-from .prompt_identity import group_samples
+from ..layouts import sample_row_ranges
+from ..prompt_identity import group_samples
+from .common import core_model, rope_positions, whole_group_chunks
+from .common import model_unsupported_reason as unsupported_reason
 
-# model_type of the language-vision models whose forward, cache and get_rope_index this path was checked against
-# (tiny Qwen2-VL and Qwen2.5-VL models, fp32 and bf16, against the full forward).
-SUPPORTED_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl")
 METRIC = "papo/masked_forward_shared"  # 1 when the shared-prefix path ran for the batch, 0 for the full forward
 SHARE_METRIC = "papo/masked_forward_share"  # completions per prefilled prompt (shared path only)
 
@@ -45,29 +44,6 @@ class Plan:
 
     shared: bool
     reason: str
-
-
-def core_model(model):
-    """The Hugging Face ``...ForConditionalGeneration`` under DDP/accelerate (``.module``) and PEFT wrappers."""
-    while hasattr(model, "module"):
-        model = model.module
-    if hasattr(model, "get_base_model"):
-        model = model.get_base_model()
-    return model
-
-
-def unsupported_reason(model) -> str | None:
-    """Why this model cannot take the shared path, or None."""
-    hf_model = core_model(model)
-    model_type = getattr(hf_model.config, "model_type", None)
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        return f"model_type {model_type!r} is not one of {SUPPORTED_MODEL_TYPES}"
-    if not hasattr(getattr(hf_model, "model", None), "get_rope_index"):
-        return f"{type(hf_model).__name__}.model has no get_rope_index"
-    text_config = hf_model.config.get_text_config()
-    if getattr(text_config, "use_sliding_window", False):
-        return "the language model uses sliding-window attention (its cache would be cropped)"
-    return None
 
 
 def plan(args, model) -> Plan:
@@ -115,32 +91,9 @@ def select_rows(inputs: dict[str, Any], rows: list[int]) -> dict[str, Any]:
     return out
 
 
-def _chunks(groups: list[list[int]], max_rows: int) -> list[list[int]]:
-    """Consecutive whole groups, at most ``max_rows`` rows per chunk (a larger group is a chunk of its own)."""
-    chunks, current = [], []
-    for group in groups:
-        if current and len(current) + len(group) > max_rows:
-            chunks.append(current)
-            current = []
-        current = current + group
-    return chunks + ([current] if current else [])
-
-
 def _cache_keyword(hf_model) -> str:
     """``cache`` from transformers 5.x's rename, ``past_key_values`` before it."""
     return "cache" if "cache" in inspect.signature(hf_model.forward).parameters else "past_key_values"
-
-
-def rope_positions(hf_model, input_ids, attention_mask, mm_token_type_ids, image_grid_thw) -> torch.Tensor:
-    """``(3, B, L)`` positions of the whole sequences, as the full forward computes them."""
-    if mm_token_type_ids is None:
-        mm_token_type_ids = torch.zeros_like(input_ids)
-    rope_index = hf_model.model.get_rope_index
-    kwargs = dict(image_grid_thw=image_grid_thw, attention_mask=attention_mask)
-    if "mm_token_type_ids" in inspect.signature(rope_index).parameters:
-        kwargs["mm_token_type_ids"] = mm_token_type_ids
-    positions, _ = rope_index(input_ids, **kwargs)
-    return positions
 
 
 @torch.no_grad()
@@ -240,7 +193,7 @@ def _completions(
         group_of[rows] = g
     logps = torch.empty(completion_ids.shape, dtype=first_logits.dtype, device=first_logits.device)
     entropies = torch.empty_like(logps) if compute_entropy else None
-    for rows in _chunks(groups, max_rows):
+    for rows in (sum(chunk, []) for chunk in whole_group_chunks(groups, max_rows)):
         index = torch.tensor(rows, device=completion_ids.device)
         source = group_of[rows].to(first_logits.device)
         logits = first_logits.index_select(0, source)

@@ -26,21 +26,22 @@ from typing import Any
 import torch
 from transformers.utils import logging
 
-from .contract import PARENT_SHUFFLE_FUNCTION
+from ..contract import PARENT_SHUFFLE_FUNCTION
+from ..prompt_identity import group_samples
+from . import attention_cost
+from .common import core_model, model_unsupported_reason, whole_group_chunks
+from .grouped_attention import grouped_attention
+from .grouped_attention import text_config as grouped_text_config
+from .grouped_attention import unsupported_reason as grouped_unsupported_reason
 from .packed_rows import PackedBatch, completion_lengths, forward_positions, pack
-from .prompt_identity import group_samples
-from .rollout_branch import chunks as whole_group_chunks
-from .shared_prefix import core_model
-from .shared_prefix import unsupported_reason as model_unsupported_reason
 
 logger = logging.get_logger(__name__)
 
 METRIC = "papo/prefix_shared"  # per log-prob call: 1 packed, 0 plain
-SHARE_METRIC = "papo/prefix_share"  # completions per packed row
+SHARE_METRIC = "papo/prefix_share"  # completions per packed prompt
+COST_METRIC = "papo/prefix_cost_ratio"  # per call: predicted packed / plain forward FLOPs (above 1: plain runs)
 BLOCK_KEY = "papo_prefix_block"  # per row: its block of G rows of one prompt, for the whole-group shuffle
 LOGIT_ROWS = 256  # vocabulary-sized rows per log-softmax call
-# The attention implementations that take a 4-D mask as it is: boolean for SDPA, additive for eager.
-MASKED_ATTENTION = ("sdpa", "eager")
 # Keywords of layouts other than Qwen-VL's flattened patch rows: a call that carries one runs the plain path.
 OTHER_LAYOUT_KEYWORDS = (
     "pixel_attention_mask",
@@ -52,16 +53,17 @@ OTHER_LAYOUT_KEYWORDS = (
 )
 
 
-def unsupported_reason(model, processes: int) -> str | None:
-    """Why this model (in a run of ``processes``) cannot take the packed path, or None."""
-    reason = model_unsupported_reason(model)
+def unsupported_reason(model, processes: int, args=None) -> str | None:
+    """Why this model (in a run of ``processes``, with ``args`` when given) cannot take the packed path, or None."""
+    reason = model_unsupported_reason(model) or grouped_unsupported_reason(core_model(model))
     if reason is not None:
         return reason
-    attention = getattr(core_model(model).config, "_attn_implementation", None)
-    if attention not in MASKED_ATTENTION:
-        return f"attention implementation {attention!r} is not one of {MASKED_ATTENTION} (a dense 4-D mask)"
     if processes > 1:
         return f"{processes} processes: the packed path is checked on one process only"
+    if args is not None and args.loss_type == "luspo" and args.beta != 0.0:
+        # TRL 1.9.1's luspo aggregation averages the KL over every completion column, those after the end of a
+        # completion included; the packed path does not compute those positions.
+        return f"loss_type='luspo' with beta={args.beta} (its aggregation reads the KL after each completion's end)"
     return None
 
 
@@ -74,6 +76,9 @@ def call_reason(arguments: dict[str, Any]) -> str | None:
         return f"the batch carries {other}: not Qwen-VL's patch-row layout"
     if arguments.get("pixel_values") is not None and arguments.get("image_grid_thw") is None:
         return "pixel_values without image_grid_thw"
+    if arguments.get("image_grid_thw") is not None and arguments.get("mm_token_type_ids") is None:
+        # The plain forward decides: Qwen2-VL refuses it, Qwen2.5-VL runs without multimodal rotary positions.
+        return "image_grid_thw without mm_token_type_ids (the plain forward's own refusal or positions apply)"
     if completion_lengths(arguments["attention_mask"], arguments["logits_to_keep"]) is None:
         return "a completion mask with a gap, or a prompt that does not end in a real token"
     return None
@@ -92,12 +97,25 @@ def packed_batches(model, arguments: dict[str, Any]) -> Iterator[PackedBatch]:
     groups = group_samples({**prompts, "pixel_values": pixel_values, "image_grid_thw": grid, "num_images": num_images})
     positions = forward_positions(core_model(model), input_ids, attention_mask, mm_types, grid)
     lengths = completion_lengths(attention_mask, n_completion)
-    pad = int(input_ids[0, n_prompt - 1])  # a real text token; a pad attends to itself only, its output is unused
-    for chunk in whole_group_chunks(groups, len(input_ids), arguments.get("batch_size") or len(input_ids), 1):
+    limit = max(arguments.get("batch_size") or len(input_ids), max(map(len, groups)))
+    for chunk in whole_group_chunks(groups, limit):
         yield pack(
-            input_ids, attention_mask, positions, n_completion, lengths, chunk, pad_token_id=pad,
+            input_ids, attention_mask, positions, n_completion, lengths, chunk,
             mm_token_type_ids=mm_types, pixel_values=pixel_values, image_grid_thw=grid, num_images=num_images,
         )  # fmt: skip
+
+
+def shared_flops(widths: attention_cost.TextWidths, batch: PackedBatch) -> float:
+    """The text model's forward FLOPs over one packed batch (its grouped attention's pairs included)."""
+    return attention_cost.grouped(widths, batch.segments.shape[1], batch.layout.pairs)
+
+
+def predicted_cost_ratio(model, arguments: dict[str, Any], batches: list[PackedBatch]) -> float:
+    """The FLOP model's shared / plain forward cost of a log-prob call (``attention_cost``): never above 1 with
+    grouped attention, the guard's check that it stays so."""
+    widths = attention_cost.TextWidths.of(grouped_text_config(core_model(model)))
+    rows, width = arguments["input_ids"].shape
+    return sum(shared_flops(widths, batch) for batch in batches) / attention_cost.plain(widths, rows, width)
 
 
 def packed_logps_and_entropies(
@@ -106,14 +124,16 @@ def packed_logps_and_entropies(
     *,
     temperature: float,
     entropy_grad: bool,
+    batches: list[PackedBatch] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, None, float]:
-    """``(logps, entropies or None, None, completions per packed row)`` of a log-prob call (``arguments``: the
+    """``(logps, entropies or None, None, completions per packed prompt)`` of a log-prob call (``arguments``: the
     parent's parameters by name, ``call_reason`` None), each ``(B, logits_to_keep)`` in the call's row order;
-    entropies keep their graph when ``entropy_grad``, as the parent's do under its entropy gate."""
+    entropies keep their graph when ``entropy_grad``, as the parent's do under its entropy gate; ``batches``: the
+    call's ``packed_batches`` where already built."""
     n_rows, compute_entropy = len(arguments["input_ids"]), bool(arguments.get("compute_entropy"))
     logps = entropies = None
-    packed_rows = 0
-    for batch in packed_batches(model, arguments):
+    packed_groups = 0
+    for batch in packed_batches(model, arguments) if batches is None else batches:
         chunk_logps, chunk_entropies = logps_of_packed(
             model, batch, temperature=temperature, compute_entropy=compute_entropy, entropy_grad=entropy_grad
         )
@@ -123,19 +143,16 @@ def packed_logps_and_entropies(
         logps = logps.index_put((batch.rows, batch.columns), chunk_logps)
         if compute_entropy:
             entropies = entropies.index_put((batch.rows, batch.columns), chunk_entropies)
-        packed_rows += len(batch.model_inputs["input_ids"])
-    return logps, entropies, None, n_rows / packed_rows
+        packed_groups += len(batch.layout.prompt_index)
+    return logps, entropies, None, n_rows / packed_groups
 
 
 def logps_of_packed(model, batch: PackedBatch, *, temperature: float, compute_entropy: bool, entropy_grad: bool):
     """``(logps, entropies or None)`` of the needed logits of one packed batch, one value per ``batch.rows``."""
     from trl.trainer.utils import entropy_from_logits, selective_log_softmax
 
-    model_inputs = dict(batch.model_inputs)
-    model_inputs["attention_mask"] = _mask_for(core_model(model), model_inputs["attention_mask"])
-    logits = model(**model_inputs, use_cache=False).logits
-    picked = logits.reshape(-1, logits.shape[-1]).index_select(0, batch.logit_index)
-    del logits  # the kept window; only the needed rows go on
+    with grouped_attention(core_model(model), batch.layout):
+        picked = model(**batch.model_inputs, use_cache=False).logits[0]  # the needed positions only
     picked.div_(temperature)  # in place, as the parent divides its logits
     # LOGIT_ROWS rows at a time: the log-softmax temporaries stay as small as the parent's per-sequence loop keeps them
     logps = torch.cat(
@@ -151,14 +168,6 @@ def logps_of_packed(model, batch: PackedBatch, *, temperature: float, compute_en
     return logps, entropies
 
 
-def _mask_for(hf_model, allowed: torch.Tensor) -> torch.Tensor:
-    """The boolean mask SDPA takes, or eager's additive one in the model's dtype."""
-    if hf_model.config._attn_implementation == "sdpa":
-        return allowed
-    dtype = hf_model.dtype
-    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(~allowed, torch.finfo(dtype).min)
-
-
 def bound_arguments(parent_method, trainer, args, kwargs) -> dict[str, Any]:
     """The parent log-prob method's parameters by name for one call (defaults filled in), ``self`` dropped."""
     bound = inspect.signature(parent_method).bind(trainer, *args, **kwargs)
@@ -172,7 +181,7 @@ class PrefixSharing:
 
     def __init__(self, args, model, processes: int, metrics: dict):
         self.enabled = bool(args.prefix_sharing)
-        self.reason = unsupported_reason(model, processes) if self.enabled else "prefix_sharing=False"
+        self.reason = unsupported_reason(model, processes, args) if self.enabled else "prefix_sharing=False"
         self.metrics = metrics
         self.logged: set[tuple[bool, str]] = set()
         if self.enabled and self.reason is not None:
@@ -192,12 +201,20 @@ class PrefixSharing:
             self.note(False, reason)
             self.metrics[mode][METRIC].append(0.0)
             return None
+        batches = list(packed_batches(model, arguments))
+        ratio = predicted_cost_ratio(model, arguments, batches)
+        self.metrics[mode][COST_METRIC].append(ratio)
+        if ratio > 1.0:
+            self.note(False, "the FLOP model predicts the packed forward would cost more than the plain one")
+            self.metrics[mode][METRIC].append(0.0)
+            return None
         logps, entropies, aux, share = packed_logps_and_entropies(
-            model, arguments, temperature=temperature, entropy_grad=entropy_grad
+            model, arguments, temperature=temperature, entropy_grad=entropy_grad, batches=batches
         )
         self.metrics[mode][METRIC].append(1.0)
         self.metrics[mode][SHARE_METRIC].append(share)
-        self.note(True, "each prompt group one packed row, its images once")
+        inner = grouped_text_config(core_model(model))._attn_implementation
+        self.note(True, f"each prompt group packed once, its images once; grouped attention through {inner!r}")
         return logps, entropies, aux
 
     def note(self, shared: bool, reason: str) -> None:
@@ -205,7 +222,7 @@ class PrefixSharing:
             return
         self.logged.add((shared, reason))
         if shared:
-            logger.info("PAPO-G prefix sharing: %s (SDPA/eager with a boolean 4-D mask)", reason)
+            logger.info("PAPO-G prefix sharing: %s", reason)
         else:
             logger.warning("PAPO-G prefix sharing: plain forward per completion, because %s", reason)
 

@@ -25,11 +25,11 @@ from typing import Any
 import torch
 from transformers.utils import logging
 
-from . import rollout_branch, shared_prefix
-from .fsdp import partitioning
+from ..fsdp import partitioning
+from ..schedule import perception_off_for_the_run
+from . import prefill, rollout_branch
 from .logp_inputs import logp_call_arguments
 from .rollout_branch import MASKED_ENTROPIES_KEY, MASKED_LOGPS_KEY, OWNER_KEY, ROW_CHECK_KEY, row_checks
-from .schedule import perception_off_for_the_run
 
 logger = logging.get_logger(__name__)
 
@@ -62,7 +62,7 @@ class MaskedBranch:
         self.args, self.model, self.accelerator = args, model, accelerator
         self.metrics, self.temperature = metrics, temperature
         # Which form the no-grad branch takes; raises if asked for the shared prefix where it cannot run.
-        self.plan = shared_prefix.plan(args, model)
+        self.plan = prefill.plan(args, model)
         self.owner = secrets.randbits(62)  # names this trainer's stored branches
         self.clock = BranchClock()
         self.reasons_logged: set[tuple[bool, str]] = set()
@@ -187,7 +187,7 @@ class MaskedBranch:
         compute_entropy = self.args.entropy_estimator == "full"
         entropy_grad = compute_entropy and self.args.masked_branch_grad and self.args.masked_entropy_weight > 0
         # Under no-grad, one prefill per prompt and its completions against the cached prefix (same numbers, see
-        # shared_prefix.py); None where it does not apply (the reason is logged and in the metrics).
+        # prefill.py); None where it does not apply (the reason is logged and in the metrics).
         shared = self._shared_prefix(model, inputs, vlm_kwargs.get("pixel_values"), compute_entropy)
         if shared is not None:
             return shared
@@ -205,7 +205,7 @@ class MaskedBranch:
         """``(logps, entropies)`` through the shared prefix where it applies (recorded in the metrics), else None."""
         groups = None
         if self.plan.shared and inputs.get("prompt_ids") is not None:
-            groups = shared_prefix.prompt_groups(inputs, pixel_values)
+            groups = prefill.prompt_groups(inputs, pixel_values)
         shared, reason = self._choose(inputs, groups)
         if not shared:
             self.record(False, reason, None)
@@ -213,7 +213,7 @@ class MaskedBranch:
         # Under FSDP/ZeRO-3 a forward is a collective: every rank runs one prefill and one completion forward here,
         # whatever its groups (chunks of whole groups would make the count depend on the batch).
         max_rows = len(inputs["prompt_ids"]) if self.accelerator.num_processes > 1 else None
-        result = shared_prefix.shared_prefix_logps(
+        result = prefill.shared_prefix_logps(
             model,
             inputs,
             pixel_values,
@@ -246,9 +246,9 @@ class MaskedBranch:
     def record(self, shared: bool, reason: str, share: float | None) -> None:
         """The metric per batch, and one log line per distinct reason."""
         mode = "train" if self.model.training else "eval"
-        self.metrics[mode][shared_prefix.METRIC].append(float(shared))
+        self.metrics[mode][prefill.METRIC].append(float(shared))
         if share is not None:
-            self.metrics[mode][shared_prefix.SHARE_METRIC].append(share)
+            self.metrics[mode][prefill.SHARE_METRIC].append(share)
         if (shared, reason) not in self.reasons_logged:
             self.reasons_logged.add((shared, reason))
             if shared:

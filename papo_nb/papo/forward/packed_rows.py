@@ -1,19 +1,21 @@
-"""A batch's prompt groups as packed rows ``[prompt; c1 ... cg]``, and their log-probs back in the batch's row order.
+"""A batch's prompt groups as one flat packed row ``[p1; c11 ... c1g; p2; ...]``, and their log-probs back in the
+batch's row order.
 
 TRL 1.9.1 runs every completion as its own row ``[prompt; completion]``
 (https://github.com/huggingface/trl/blob/v1.9.1/trl/trainer/grpo_trainer.py#L1435-L1545), so each group's prompt and
 image pass through the model once per completion. Here a group (the rows of one prompt with byte-equal images,
-``prompt_identity.group_samples``) is one row: the prompt's real tokens once, then each completion's real tokens but
-its last (whose logit predicts nothing TRL keeps). A boolean 4-D mask lets the prompt attend causally to itself and
-each completion to the whole prompt and causally to itself, never to another completion. Positions are those of
+``prompt_identity.group_samples``) is packed once: the prompt's real tokens, then each completion's real tokens but
+its last (whose logit predicts nothing TRL keeps), the groups of a chunk one after another in one row of batch 1
+(no padding). The text model's attention runs grouped (``grouped_attention.py``): each prompt causal over itself,
+each completion over its prompt and causally over itself, never another completion or group. Positions are those of
 the plain forward (``forward_positions``), taken from the unpacked row: each completion restarts where the prompt
 ends. The logit of the prompt's last token predicts every completion's first token; completion ``j``'s token ``t``
-is predicted at its own token ``t - 1``. Rows are left-padded to a common length (a pad attends to itself only, so
-no attention row is empty), which keeps TRL's integer ``logits_to_keep`` for the window that holds every needed
-position.
+is predicted at its own token ``t - 1``; ``logits_to_keep`` is the list of those positions, so the vocabulary head
+runs on needed positions only.
 
 Tokens the completion mask drops (after the end of a completion) are not packed: their log-probs and entropies are
-0, where TRL's plain forward leaves values that every loss and metric masks out.
+0, where TRL's plain forward leaves values that the losses mask out (``prefix_sharing.py`` runs the plain path for
+the one aggregation that reads them, ``luspo`` with ``beta != 0``).
 """
 
 from __future__ import annotations
@@ -23,23 +25,29 @@ from typing import Any
 
 import torch
 
-from .layouts import sample_row_ranges
-from .shared_prefix import rope_positions
+from ..layouts import sample_row_ranges
+from .common import rope_positions
+from .grouped_attention import GroupedLayout, build_layout
 
 
 @dataclass
 class PackedBatch:
-    """One forward's packed rows: ``model_inputs`` for the model (``logits_to_keep`` included), each token's
-    ``segments`` id (-1 padding, 0 prompt, k the k-th completion of its row), and, per needed logit, its flat index in
-    the kept ``(rows, logits_to_keep)`` window (``logit_index``), the batch row and completion column it belongs to
-    (``rows``, ``columns``) and the token it predicts (``targets``)."""
+    """One forward's flat packed row: ``model_inputs`` for the model (the ``GroupedLayout`` as its attention mask,
+    ``logits_to_keep`` the needed positions), each token's ``segments`` id (``(1, W)``: 0 prompt, k the k-th
+    completion of its group) and group (``token_groups``, ``(W,)``), and per needed logit, in ``logits_to_keep``'s
+    order, the batch row and completion column it belongs to (``rows``, ``columns``) and the token it predicts
+    (``targets``)."""
 
     model_inputs: dict[str, Any]
     segments: torch.Tensor
-    logit_index: torch.Tensor
+    token_groups: torch.Tensor
     rows: torch.Tensor
     columns: torch.Tensor
     targets: torch.Tensor
+
+    @property
+    def layout(self) -> GroupedLayout:
+        return self.model_inputs["attention_mask"]["full_attention"]
 
 
 def forward_positions(hf_model, input_ids, attention_mask, mm_token_type_ids, image_grid_thw) -> torch.Tensor:
@@ -101,16 +109,6 @@ def _group_row(input_ids, attention_mask, positions, mm_types, n_prompt: int, gr
     )
 
 
-def attention_allowed(segments: torch.Tensor) -> torch.Tensor:
-    """``(R, W, W)`` bool from ``(R, W)`` segment ids (-1: padding, 0: prompt, k: completion k): causal, the prompt
-    seen by all, a completion seen only by itself; a pad sees itself only (no empty attention row)."""
-    width = segments.shape[1]
-    causal = torch.ones(width, width, dtype=torch.bool, device=segments.device).tril()
-    query, key = segments[:, :, None], segments[:, None, :]
-    sees = causal & (query >= 0) & (key >= 0) & ((key == 0) | (key == query))
-    return sees | torch.eye(width, dtype=torch.bool, device=segments.device)
-
-
 def _group_images(pixel_values, image_grid_thw, num_images, firsts: list[int]) -> dict[str, torch.Tensor]:
     """Each group's images once (its first row's pixel rows and grids), in group order."""
     ranges = sample_row_ranges(image_grid_thw, num_images)
@@ -129,51 +127,36 @@ def pack(
     lengths: torch.Tensor,
     groups: list[list[int]],
     *,
-    pad_token_id: int,
     mm_token_type_ids: torch.Tensor | None = None,
     pixel_values: torch.Tensor | None = None,
     image_grid_thw: torch.Tensor | None = None,
     num_images: list[int] | None = None,
 ) -> PackedBatch:
-    """The packed rows of ``groups``: rows of ``input_ids`` = ``[prompt; completion]`` whose last ``n_completion``
-    columns are the completion (``lengths`` real tokens each, ``completion_lengths``); each group's images once (its
-    first row's); ``positions`` from ``forward_positions``."""
+    """The flat packed row of ``groups``: rows of ``input_ids`` = ``[prompt; completion]`` whose last
+    ``n_completion`` columns are the completion (``lengths`` real tokens each, ``completion_lengths``); each group's
+    images once (its first row's); ``positions`` from ``forward_positions``."""
     n_prompt = input_ids.shape[1] - n_completion
     built = [
         _group_row(input_ids, attention_mask, positions, mm_token_type_ids, n_prompt, group, lengths.tolist())
         for group in groups
     ]
-    width = max(len(row.tokens) for row in built)
-    # The kept window starts at the earliest needed logit of any row (rows are left-padded to ``width``).
-    earliest = min([width - len(row.tokens) + row.picks[0][0] for row in built if row.picks], default=width - 1)
-    keep = width - earliest
+    offsets = torch.tensor([0, *[len(row.tokens) for row in built]]).cumsum(0).tolist()
+    picks = [(offsets[g] + p, r, c) for g, row in enumerate(built) for p, r, c in row.picks]
     device = input_ids.device
-    ids = torch.full((len(built), width), pad_token_id, dtype=input_ids.dtype, device=device)
-    position_ids = torch.zeros((3, len(built), width), dtype=positions.dtype, device=device)
-    types = torch.zeros((len(built), width), dtype=input_ids.dtype, device=device)
-    segments = torch.full((len(built), width), -1, dtype=torch.long, device=device)
-    logit_index, rows, columns = [], [], []
-    for g, row in enumerate(built):
-        offset = width - len(row.tokens)
-        ids[g, offset:], position_ids[:, g, offset:], segments[g, offset:] = row.tokens, row.positions, row.segments
-        if row.types is not None:
-            types[g, offset:] = row.types
-        for position, batch_row, column in row.picks:
-            logit_index.append(g * keep + offset + position - (width - keep))
-            rows.append(batch_row)
-            columns.append(column)
+    segments = torch.cat([row.segments for row in built])
+    token_groups = torch.cat([torch.full_like(row.segments, g) for g, row in enumerate(built)])
+    logit_positions, rows_t, columns_t = (
+        torch.tensor([pick[i] for pick in picks], dtype=torch.long, device=device) for i in range(3)
+    )
     model_inputs = dict(
-        input_ids=ids,
-        attention_mask=attention_allowed(segments)[:, None],
-        position_ids=position_ids,
-        logits_to_keep=keep,
+        input_ids=torch.cat([row.tokens for row in built])[None],
+        attention_mask={"full_attention": build_layout(token_groups, segments)},
+        position_ids=torch.cat([row.positions for row in built], dim=1)[:, None],
+        logits_to_keep=logit_positions,
     )
     if mm_token_type_ids is not None:
-        model_inputs["mm_token_type_ids"] = types.to(mm_token_type_ids.dtype)
+        model_inputs["mm_token_type_ids"] = torch.cat([row.types for row in built])[None]
     if pixel_values is not None and image_grid_thw is not None:
         model_inputs.update(_group_images(pixel_values, image_grid_thw, num_images, [g[0] for g in groups]))
-    rows_t, columns_t = (torch.tensor(v, dtype=torch.long, device=device) for v in (rows, columns))
     targets = input_ids[rows_t, n_prompt + columns_t]
-    return PackedBatch(
-        model_inputs, segments, torch.tensor(logit_index, dtype=torch.long, device=device), rows_t, columns_t, targets
-    )
+    return PackedBatch(model_inputs, segments[None], token_groups, rows_t, columns_t, targets)

@@ -1,0 +1,62 @@
+"""What both "prompt once per group" paths need: the model families they were checked against, the Hugging Face
+model under its wrappers, the plain forward's rotary positions, and the one chunker of whole groups.
+
+The two paths: ``prefill.py`` (the no-grad masked branch: each prompt prefilled once, its key/value cache copied to
+its completions) and ``prefix_sharing.py`` (every log-prob forward: each group packed once, grouped attention).
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+
+# model_type of the language-vision models whose forward, cache and get_rope_index both paths were checked against
+# (tiny Qwen2-VL and Qwen2.5-VL models, fp32 and bf16, against the full forward).
+SUPPORTED_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl")
+
+
+def core_model(model):
+    """The Hugging Face ``...ForConditionalGeneration`` under DDP/accelerate (``.module``) and PEFT wrappers."""
+    while hasattr(model, "module"):
+        model = model.module
+    if hasattr(model, "get_base_model"):
+        model = model.get_base_model()
+    return model
+
+
+def model_unsupported_reason(model) -> str | None:
+    """Why this model cannot take either prefix path (its family, positions or window), or None."""
+    hf_model = core_model(model)
+    model_type = getattr(hf_model.config, "model_type", None)
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        return f"model_type {model_type!r} is not one of {SUPPORTED_MODEL_TYPES}"
+    if not hasattr(getattr(hf_model, "model", None), "get_rope_index"):
+        return f"{type(hf_model).__name__}.model has no get_rope_index"
+    text_config = hf_model.config.get_text_config()
+    if getattr(text_config, "use_sliding_window", False):
+        return "the language model uses sliding-window attention (its cache would be cropped)"
+    return None
+
+
+def rope_positions(hf_model, input_ids, attention_mask, mm_token_type_ids, image_grid_thw) -> torch.Tensor:
+    """``(3, B, L)`` positions of the whole sequences, as the full forward computes them."""
+    if mm_token_type_ids is None:
+        mm_token_type_ids = torch.zeros_like(input_ids)
+    rope_index = hf_model.model.get_rope_index
+    kwargs = dict(image_grid_thw=image_grid_thw, attention_mask=attention_mask)
+    if "mm_token_type_ids" in inspect.signature(rope_index).parameters:
+        kwargs["mm_token_type_ids"] = mm_token_type_ids
+    positions, _ = rope_index(input_ids, **kwargs)
+    return positions
+
+
+def whole_group_chunks(groups: list[list[int]], max_rows: int) -> list[list[list[int]]]:
+    """Consecutive whole groups, at most ``max_rows`` rows per chunk (a larger group is a chunk of its own)."""
+    chunks, current = [], []
+    for group in groups:
+        if current and sum(map(len, current)) + len(group) > max_rows:
+            chunks.append(current)
+            current = []
+        current.append(group)
+    return chunks + ([current] if current else [])
