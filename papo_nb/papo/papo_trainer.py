@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from trl import GRPOTrainer
 
-from . import prefix_sharing
+from . import prefix_sharing, trl_seams
 from .citation import PAPO_PAPER
 from .contract import ENTROPY_GRAD_GATE, validate_grad_norm_hook, validate_trl_parent_contract
 from .loss_observer import training_observer
@@ -194,9 +194,7 @@ class PAPOGTrainer(GRPOTrainer):
     def _logps_and_entropies(self, *args, **kwargs):
         """The parent's log-prob method, or with ``prefix_sharing`` the same numbers from packed rows."""
         if self.prefix_sharing.enabled:
-            arguments = prefix_sharing.bound_arguments(
-                GRPOTrainer._get_per_token_logps_and_entropies, self, args, kwargs
-            )
+            arguments = prefix_sharing.bound_arguments(trl_seams.signature_method(GRPOTrainer), self, args, kwargs)
             packed = self.prefix_sharing.compute(
                 arguments.pop("model"),
                 arguments,

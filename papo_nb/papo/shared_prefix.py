@@ -29,6 +29,7 @@ from typing import Any
 import torch
 from transformers import DynamicCache
 
+from . import trl_seams
 from .layouts import sample_row_ranges
 from .prompt_identity import group_samples
 
@@ -57,7 +58,10 @@ def core_model(model):
 
 
 def unsupported_reason(model) -> str | None:
-    """Why this model cannot take the shared path, or None."""
+    """Why this model (on the installed TRL) cannot take the shared path, or None."""
+    release_reason = trl_seams.packed_path_reason()  # 1.14's and 1.15+'s log-probs are not logits / temperature
+    if release_reason is not None:
+        return release_reason
     hf_model = core_model(model)
     model_type = getattr(hf_model.config, "model_type", None)
     if model_type not in SUPPORTED_MODEL_TYPES:
