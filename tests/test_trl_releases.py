@@ -2,6 +2,7 @@
 real wheels of the releases where something changed (fetched with pip download, cached)."""
 
 import shutil
+from pathlib import Path
 
 import pytest
 
@@ -70,3 +71,15 @@ def test_an_unfetchable_release_is_listed_not_fatal(version, tmp_path):
     assert [r.status for r in rows] == ["drift", "unavailable"]
     assert any("compute_aux_loss" in v for v in rows[0].violations)
     assert version in rows[1].violations[0] and rows[1].action == "not fetched: no wheel to read"
+
+
+def test_the_readme_support_table_is_the_one_the_command_writes():
+    """README's table is ``python -m papo_nb.workbook.verification.trl_releases --readme`` on the recorded releases."""
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    assert releases.README_START in readme and releases.README_END in readme
+    assert releases.with_support_table(readme, releases.support_table()) == readme
+
+
+def test_a_readme_without_the_table_markers_is_refused_by_name():
+    with pytest.raises(ValueError, match="README has no '<!-- TRL support table"):
+        releases.with_support_table("# a README\n", "| table |")

@@ -1,4 +1,4 @@
-"""PAPO-G (Perception-Aware Policy Optimization, arXiv 2507.06448) on TRL 1.9.1's ``GRPOTrainer``, for VLMs.
+"""PAPO-G (Perception-Aware Policy Optimization, arXiv 2507.06448) on TRL's ``GRPOTrainer`` (1.9.1-1.16.0), for VLMs.
 
 The core, read first:
 
@@ -11,7 +11,9 @@ The core, read first:
   when the perception term is off for the whole run.
 
 Set apart: ``shared_prefix.py`` (the masked branch with each prompt prefilled once), ``contract.py`` (the TRL
-private API the trainer checks at construction), ``recipes.py`` (the official recipes as presets).
+private API the trainer checks at construction, and the releases it supports), ``trl_seams.py`` (the per-release seam:
+the three forms of TRL's log-prob method, 1.9.1's logits, 1.14's variadic method, 1.15+'s fused LM head),
+``recipes.py`` (the official recipes as presets).
 
 Beside the core, never imported by it: ``probe/``, the gamma-zero probe (its verdicts, measurements, projection test,
 roundoff, FSDP2 reductions and the spec's tolerances). The trainer reaches it through one observer hook

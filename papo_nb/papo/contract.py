@@ -20,6 +20,12 @@ with ``logits_to_keep`` the completion width, that the method divides the logits
 ``_prepare_inputs`` shuffles the round with the module's ``shuffle_sequence_dict`` (looked up by name, so it can be
 swapped for the call) before cutting it into ``steps_per_generation`` device batches.
 
+Releases: the contract accepts a TRL release by its facts, never by its number; the log-prob method's facts are
+those of its form (``trl_seams.py``: the logits form 1.9.1-1.13.0, 1.14's variadic method, 1.15+'s fused LM head).
+``SUPPORTED_TRL`` is the range the adapter tier runs on; a release whose facts break is refused at trainer construction
+with the release, each broken fact and the newest supported release; one outside the range whose facts hold is logged
+as untested.
+
 The pinned upstream SHA-256 is that of the file inside the ``trl==0.29.1`` wheel on PyPI
 (https://github.com/huggingface/trl/blob/v0.29.1/trl/experimental/papo/papo_trainer.py).
 """

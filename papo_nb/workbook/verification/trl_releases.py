@@ -117,7 +117,7 @@ def what_changed(facts: dict[str, str], before: dict[str, str] | None) -> str:
 def action_for(version: str, problems: list[str], form: str) -> str:
     newest = SUPPORTED_TRL[1]
     if version == PAPO_UPSTREAM_TRL_VERSION and problems:
-        return "the upstream PAPO source (hashed in section 2), not a parent the adapter runs on"
+        return "the upstream PAPO source (its file's SHA-256 is pinned), not a parent the adapter runs on"
     if problems:
         return f"the adapter refuses this release at construction: install trl=={newest}"
     if not supported_release(version):
@@ -154,3 +154,43 @@ def drift_markdown(rows: list[DriftRow]) -> str:
         detail = row.changed if row.status == "ok" else "; ".join(row.violations)
         lines.append(f"| {row.trl_version} | {row.status} | {row.form} | {detail} | {row.action} |")
     return "\n".join(lines)
+
+
+# README's support table sits between these lines; ``python -m papo_nb.workbook.verification.trl_releases --readme``
+# rewrites it from the recorded releases' wheels (the recorded list: a release published later changes the drift
+# table of notebook 01 and ``papo-nb env --drift``, never a committed file); tests/test_trl_releases.py pins it.
+README_START = "<!-- TRL support table: python -m papo_nb.workbook.verification.trl_releases --readme -->"
+README_END = "<!-- end of the TRL support table -->"
+
+
+def support_table(cache_dir: str | Path | None = None) -> str:
+    """The drift table of 0.29.1 and the recorded releases, as markdown."""
+    return drift_markdown(contract_drift_table([PAPO_UPSTREAM_TRL_VERSION, *RECORDED_RELEASES], cache_dir))
+
+
+def with_support_table(readme: str, table: str) -> str:
+    """``readme`` with the text between ``README_START`` and ``README_END`` replaced by ``table``."""
+    start, end = readme.find(README_START), readme.find(README_END)
+    if start < 0 or end < start:
+        raise ValueError(f"README has no {README_START!r} ... {README_END!r} block to write the support table into")
+    return readme[: start + len(README_START)] + "\n" + table + "\n" + readme[end:]
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m papo_nb.workbook.verification.trl_releases")
+    parser.add_argument(
+        "--readme", nargs="?", const="README.md", required=True, help="the README whose support table is rewritten"
+    )
+    args = parser.parse_args(argv)
+    readme = Path(args.readme)
+    if not readme.is_file():
+        parser.error(f"--readme {args.readme!r}: no such file; allowed: the path of a README with the table markers")
+    readme.write_text(with_support_table(readme.read_text(), support_table()))
+    print(f"wrote the TRL support table into {readme}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
