@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from papo_nb import __version__
-from papo_nb.infra.environment import environment_report
+from papo_nb.infra.environment import drift_report, environment_report
 
 
 def _format_value(value: object) -> str:
@@ -41,14 +41,24 @@ def _cmd_env(subparsers: Subparsers) -> None:
         "mlflow and whether CUDA is available (with the device name if so).",
     )
     p.add_argument("--json", action="store_true", help="print a JSON object instead")
+    p.add_argument(
+        "--drift",
+        action="store_true",
+        help="also check the TRL contract on 0.29.1 and every release from 1.9.1 to the newest on the package index "
+        "(wheels fetched with pip download --no-deps, cached); a drifted release exits 0, it is reported",
+    )
 
     def handler(args: argparse.Namespace) -> int:
         report = environment_report()
+        drift = drift_report() if args.drift else None
         if args.json:
-            print(json.dumps(report, indent=2))
-        else:
-            for key, value in report.items():
-                print(f"{key}: {_format_value(value)}")
+            print(json.dumps(report if drift is None else {**report, "trl_drift": drift}, indent=2))
+            return 0
+        for key, value in report.items():
+            print(f"{key}: {_format_value(value)}")
+        if drift is not None:
+            print(f"TRL drift table (releases from: {drift['releases_from']})")
+            print(drift["markdown"])
         return 0
 
     p.set_defaults(handler=handler)

@@ -13,7 +13,9 @@ set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 export PIP_NO_INPUT=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 
-VENV=.venv
+# VENV and CONSTRAINTS select another virtualenv and TRL (.ci/run: .venv-trl-newest with constraints-trl-newest.txt).
+VENV="${VENV:-.venv}"
+CONSTRAINTS="${CONSTRAINTS:-constraints.txt}"
 STAMP="$VENV/.papo_nb-installed"
 
 setup() {
@@ -23,15 +25,15 @@ setup() {
         "${PYTHON:-python3}" -m venv "$VENV"
         "$VENV/bin/python" -m pip install --upgrade pip
     fi
-    # Reinstall only when pyproject.toml changed since the last successful install.
+    # Reinstall only when pyproject.toml or the constraints changed since the last successful install.
     local want
-    want="$(sha256sum pyproject.toml | cut -d' ' -f1)"
+    want="$(cat pyproject.toml "$CONSTRAINTS" | sha256sum | cut -d' ' -f1)"
     if [[ -f "$STAMP" && "$(cat "$STAMP")" == "$want" ]]; then
         echo "==> $VENV is up to date with pyproject.toml"
     else
-        echo "==> pip install -e '.[test]'"
+        echo "==> pip install -e '.[test]' -c $CONSTRAINTS"
         rm -f "$STAMP"
-        "$VENV/bin/python" -m pip install -e '.[test]'
+        "$VENV/bin/python" -m pip install -e '.[test]' -c "$CONSTRAINTS"
         echo "$want" >"$STAMP"
     fi
     echo "==> install wall time: $((SECONDS - start)) s"

@@ -142,3 +142,13 @@ def test_work_accounting_shows_one_extra_forward(quick_report):
     # masked branch prefills each prompt once for its 4 completions (shared prefix, issue 14) instead of 4 times.
     assert -work["extra_forward"]["gflop"] < work["papo_extra_gflop"] < -1e-3 * work["papo_step"]["gflop"]
     assert work["papo_grad_extra_gflop_over_floor"] > 0  # the masked branch's backward
+
+
+def test_trl_memory_refuses_a_single_release_by_name(capsys):
+    """``python -m papo_nb.bench.trl_memory`` compares releases: one virtualenv is refused before any work."""
+    from papo_nb.bench.trl_memory import main
+
+    with pytest.raises(SystemExit) as info:
+        main(["--python", sys.executable])
+    assert info.value.code == 2
+    assert "--python given 1 time(s): give one virtualenv Python per release, at least 2" in capsys.readouterr().err

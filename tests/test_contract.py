@@ -1,6 +1,9 @@
 """The pinned constants, the live and static TRL contract checks, and upstream source verification."""
 
-import shutil
+import functools
+import os
+import subprocess
+import sys
 import zipfile
 from pathlib import Path
 
@@ -8,7 +11,7 @@ import pytest
 import trl
 from trl import GRPOTrainer
 
-from papo_nb.papo import contract
+from papo_nb.papo import contract, trl_seams
 from papo_nb.papo.probe import contract as probe_contract
 from papo_nb.workbook.verification import provenance
 
@@ -23,8 +26,14 @@ def test_constants_match_the_spec():
 
 
 def test_live_contract_holds_on_installed_trl():
-    assert trl.__version__ == "1.9.1"
+    assert contract.supported_release(trl.__version__), trl.__version__
     contract.validate_trl_parent_contract(GRPOTrainer)
+
+
+def test_the_supported_range_is_read_from_version_strings():
+    assert contract.SUPPORTED_TRL == ("1.9.1", "1.16.0")
+    versions = ("1.8.0", "1.9.1", "1.14.2", "1.16.0", "1.16.0.dev0", "1.17.0")
+    assert [contract.supported_release(v) for v in versions] == [False, True, True, True, True, False]
 
 
 def test_live_contract_names_a_drifted_signature():
@@ -36,8 +45,10 @@ def test_live_contract_names_a_drifted_signature():
             return self._entropy_bonus_enabled
 
     with pytest.raises(contract.ContractError) as info:
-        contract.validate_trl_parent_contract(Drifted)
+        contract.validate_trl_parent_contract(Drifted, "1.17.0")
     message = str(info.value)
+    assert message.startswith("TRL 1.17.0 is not supported by the PAPO-G adapter")
+    assert "Newest supported release: trl==1.16.0" in message
     assert "('self', 'model', 'inputs', 'extra')" in message
     for name in ("pixel_values", "image_grid_thw", "compute_aux_loss", "mm_token_type_ids"):
         assert f"has no parameter {name!r}" in message
@@ -45,6 +56,13 @@ def test_live_contract_names_a_drifted_signature():
 
 def _installed_grpo_source() -> str:
     return (Path(trl.__file__).parent / "trainer" / "grpo_trainer.py").read_text()
+
+
+@functools.cache
+def _release_source(version: str = "1.9.1") -> str:
+    """``grpo_trainer.py`` of a TRL release, read from its wheel (pip download, cached): the mutation tests below edit
+    1.9.1's text whichever TRL is installed."""
+    return provenance.read_wheel_member(provenance.fetch_trl_wheel(version), contract.PARENT_GRPO_FILE).decode()
 
 
 def test_static_check_reproduces_live_check_on_installed_release():
@@ -56,7 +74,7 @@ def test_static_check_reproduces_live_check_on_installed_release():
 
 
 def test_static_check_rejects_drifted_source():
-    source = _installed_grpo_source()
+    source = _release_source()
     drifted = source.replace("        image_position_ids=None,\n    ) -> tuple", "    ) -> tuple", 1)
     assert drifted != source
     assert contract.static_contract_violations(drifted) == [
@@ -100,14 +118,6 @@ def test_source_verification_reports_tampered_wheel(upstream_wheel, tmp_path):
     assert not missing.match and missing.actual_sha256 is None and missing.error
 
 
-def test_drift_table_marks_unfetchable_releases(upstream_wheel, tmp_path):
-    shutil.copy(upstream_wheel, tmp_path)
-    rows = provenance.contract_drift_table(["0.29.1", "0.0.0.dev999"], cache_dir=tmp_path)
-    assert [r.status for r in rows] == ["drift", "unavailable"]
-    assert any("compute_aux_loss" in v for v in rows[0].violations)
-    assert "0.0.0.dev999" in rows[1].violations[0]
-
-
 @pytest.mark.parametrize(
     ("status", "passed", "warned"),
     [("passed", True, False), ("underpowered", True, True), ("pending", False, False), ("failed", False, False)],
@@ -125,7 +135,7 @@ def test_verdict_warns_on_an_underpowered_probe_and_fails_an_unfinished_one(stat
 def test_static_check_names_a_drifted_generation_round():
     """What the rollout-time masked branch relies on: the method's signature, the keys it reads from the returned
     batch, and _prepare_inputs buffering that batch."""
-    source = _installed_grpo_source()
+    source = _release_source()
     renamed = source.replace(
         "def _generate_and_score_completions(\n        self, inputs:",
         "def _generate_and_score_completions(\n        self, batch:",
@@ -185,7 +195,7 @@ ROUND_DRIFT = (
 def test_static_check_pins_the_round_cadence_the_masks_share(original, mutated, expected):
     """``mask_state.generation_round`` is ``_step // (steps_per_generation * num_iterations)``: TRL's own cadence,
     pinned as it is written, and the buffer that serves a round's device batches; each mutation of them is named."""
-    source = _installed_grpo_source()
+    source = _release_source()
     drifted = source.replace(original, mutated, 1)
     assert drifted != source, original
     assert contract.static_contract_violations(drifted) == [expected]
@@ -245,11 +255,6 @@ def test_the_trainer_forwards_exactly_the_parents_parameters():
             "prompt_completion_ids = torch.cat([completion_ids, prompt_ids], dim=1)",
             "_generate_and_score_completions",
         ),
-        (  # the temperature applied another way: the packed log-probs would not be the parent's
-            "logits.div_(self.temperature)",
-            "logits = logits / self.temperature",
-            "_get_per_token_logps_and_entropies",
-        ),
         (  # the round shuffled by another function: the whole-group shuffle would not take its place
             "generation_batch = shuffle_sequence_dict(generation_batch)",
             "generation_batch = shuffle_rows(generation_batch)",
@@ -258,9 +263,102 @@ def test_the_trainer_forwards_exactly_the_parents_parameters():
     ],
 )
 def test_static_check_pins_what_prefix_sharing_relies_on(original, mutated, method):
-    source = _installed_grpo_source()
+    source = _release_source()
     drifted = source.replace(original, mutated, 1)
     assert drifted != source, original
     problems = contract.static_contract_violations(drifted)
     assert len(problems) == 1 and problems[0].startswith(f"GRPOTrainer.{method} no longer runs `"), problems
     assert "(prefix sharing relies on it)" in problems[0]
+
+
+# ---- the per-release seam (trl_seams.py), on the real wheels of the releases where the form changed ----
+@pytest.mark.parametrize(
+    ("version", "form"),
+    [("1.9.1", trl_seams.LOGITS), ("1.10.0", trl_seams.LOGITS), ("1.14.2", trl_seams.VARIADIC),
+     ("1.16.0", trl_seams.FUSED)],
+)  # fmt: skip
+def test_each_release_form_is_told_apart_by_what_its_method_does(version, form):
+    source = _release_source(version)
+    assert trl_seams.seam_of(contract.source_methods(source)) is form
+    assert contract.static_contract_violations(source) == []
+    assert form.packed_paths is (form is trl_seams.LOGITS)
+
+
+def test_the_installed_form_decides_whether_the_adapters_logits_paths_run():
+    reason = trl_seams.packed_path_reason(GRPOTrainer)
+    form = trl_seams.live_seam(GRPOTrainer)
+    assert (reason is None) is (form is trl_seams.LOGITS)
+    if reason is not None:
+        assert trl.__version__ in reason and repr(form.name) in reason
+    assert trl_seams.signature_method(GRPOTrainer).__name__ == form.signature_method
+
+
+@pytest.mark.parametrize(
+    ("version", "original", "mutated", "expected"),
+    [
+        (  # 1.10's out-of-place division is accepted; a temperature applied otherwise is named
+            "1.10.0",
+            "logits = logits / self.temperature",
+            "logits = logits * self.temperature",
+            "GRPOTrainer._get_per_token_logps_and_entropies no longer divides its logits by self.temperature as "
+            "`logits.div_(self.temperature)` or `logits = logits / self.temperature` (prefix sharing relies on it)",
+        ),
+        (  # 1.14: the delegate must still give entropies their gradient when the adapter asks for it
+            "1.14.2",
+            "entropy_requires_grad=self._entropy_bonus_enabled",
+            "entropy_requires_grad=False",
+            "GRPOTrainer._full_logits_logps no longer reads self._entropy_bonus_enabled",
+        ),
+        (  # 1.14: the delegate that names the arguments is gone
+            "1.14.2",
+            "def _full_logits_logps(",
+            "def _full_logits(",
+            "GRPOTrainer has no method _full_logits_logps for _get_per_token_logps_and_entropies(*args, **kwargs) "
+            "to reach",
+        ),
+        (  # 1.15+: a fused head patched without entropies
+            "1.16.0",
+            'outputs=("log_probs", "entropy"),',
+            'outputs=("log_probs",),',
+            "GRPOTrainer.__init__ no longer patches the policy with add_fused_lm_head(..., outputs=('log_probs', "
+            "'entropy')): the masked branch's entropies would not exist",
+        ),
+        (  # 1.15+: entropies no longer read from the fused head's output
+            "1.16.0",
+            "all_entropies.append(outputs.entropy[:, -logits_to_keep:])",
+            "all_entropies.append(outputs.log_probs[:, -logits_to_keep:])",
+            "GRPOTrainer._get_per_token_logps_and_entropies no longer reads outputs.entropy from the fused head",
+        ),
+        (  # 1.15+: prefix sharing falls back there, so its round shuffle is no fact of that form
+            "1.16.0",
+            "generation_batch = shuffle_sequence_dict(generation_batch)",
+            "generation_batch = shuffle_rows(generation_batch)",
+            None,
+        ),
+    ],
+)
+def test_each_forms_facts_are_pinned_and_named(version, original, mutated, expected):
+    source = _release_source(version)
+    drifted = source.replace(original, mutated, 1)
+    assert drifted != source, original
+    assert contract.static_contract_violations(drifted) == ([expected] if expected else [])
+
+
+@pytest.mark.slow
+def test_a_rejected_release_fails_at_trainer_construction_naming_release_fact_and_newest(tmp_path):
+    """TRL 1.7.1 (its wheel unpacked in front of the installed TRL, in a fresh interpreter): constructing the trainer
+    stops before any model loads, with the release, the broken fact and the newest supported release."""
+    with zipfile.ZipFile(provenance.fetch_trl_wheel("1.7.1")) as wheel:
+        wheel.extractall(tmp_path / "site")  # its dist-info too: trl.__version__ is read from the metadata
+    script = (
+        "from papo_nb.papo import PAPOGConfig, PAPOGTrainer\n"
+        f"args = PAPOGConfig(output_dir={str(tmp_path / 'out')!r}, bf16=False, use_cpu=True)\n"
+        "PAPOGTrainer(model='tiny:qwen2_vl', args=args)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(tmp_path / "site"), "OMP_NUM_THREADS": "1"}
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
+    assert result.returncode == 1
+    assert "ContractError: TRL 1.7.1 is not supported by the PAPO-G adapter" in result.stderr, result.stderr[-2000:]
+    last = result.stderr[result.stderr.index("ContractError: TRL 1.7.1") :]
+    assert "GRPOTrainer._get_per_token_logps_and_entropies no longer reads self._entropy_bonus_enabled" in last
+    assert "Newest supported release: trl==1.16.0" in last

@@ -40,3 +40,17 @@ def environment_report() -> dict[str, str | bool]:
     if device is not None:
         report["cuda_device"] = device
     return report
+
+
+def drift_report() -> dict:
+    """The TRL drift table (notebook 01's section 4) for ``papo-nb env --drift``: where the release list came from,
+    the rows and the same as markdown."""
+    from papo_nb.workbook.verification import trl_releases
+
+    releases = trl_releases.drift_releases()
+    rows = trl_releases.contract_drift_table(releases.versions)
+    return {
+        "releases_from": releases.source,
+        "rows": [row.to_dict() for row in rows],
+        "markdown": trl_releases.drift_markdown(rows),
+    }

@@ -1,4 +1,4 @@
-"""PAPO-G (Perception-Aware Policy Optimization, arXiv 2507.06448) on TRL 1.9.1's ``GRPOTrainer``, for VLMs.
+"""PAPO-G (Perception-Aware Policy Optimization, arXiv 2507.06448) on TRL's ``GRPOTrainer`` (1.9.1-1.16.0), for VLMs.
 
 The core, read first:
 
@@ -13,8 +13,9 @@ The core, read first:
   ``grouped_attention.py``, ``attention_cost.py``): every log-prob forward with each prompt group packed once;
   ``logp_inputs.py``: the parent's log-prob call arguments; ``common.py``: what both prefix paths need.
 
-Set apart: ``contract.py`` (the TRL private API the trainer checks at construction), ``recipes.py`` (the official
-recipes as presets).
+Set apart: ``contract.py`` (the TRL private API the trainer checks at construction, and the releases it
+supports), ``trl_seams.py`` (the per-release seam: the three forms of TRL's log-prob method, 1.9.1's logits, 1.14's
+variadic method, 1.15+'s fused LM head), ``recipes.py`` (the official recipes as presets).
 
 Beside the core, never imported by it: ``probe/``, the gamma-zero probe (its verdicts, measurements, projection test,
 roundoff, FSDP2 reductions and the spec's tolerances). The trainer reaches it through one observer hook

@@ -20,6 +20,12 @@ with ``logits_to_keep`` the completion width, that the method divides the logits
 ``_prepare_inputs`` shuffles the round with the module's ``shuffle_sequence_dict`` (looked up by name, so it can be
 swapped for the call) before cutting it into ``steps_per_generation`` device batches.
 
+Releases: the contract accepts a TRL release by its facts, never by its number; the log-prob method's facts are
+those of its form (``trl_seams.py``: the logits form 1.9.1-1.13.0, 1.14's variadic method, 1.15+'s fused LM head).
+``SUPPORTED_TRL`` is the range the adapter tier runs on; a release whose facts break is refused at trainer construction
+with the release, each broken fact and the newest supported release; one outside the range whose facts hold is logged
+as untested.
+
 The pinned upstream SHA-256 is that of the file inside the ``trl==0.29.1`` wheel on PyPI
 (https://github.com/huggingface/trl/blob/v0.29.1/trl/experimental/papo/papo_trainer.py).
 """
@@ -28,9 +34,14 @@ from __future__ import annotations
 
 import ast
 import inspect
-import textwrap
-from collections.abc import Iterable
+import re
 from typing import Any
+
+from transformers.utils import logging
+
+from . import trl_seams
+
+logger = logging.get_logger(__name__)
 
 PAPO_ADAPTER_VERSION = "trl_0.29.1_papo_g_on_trl_1.9.1_v1"
 PAPO_UPSTREAM_TRL_VERSION = "0.29.1"
@@ -91,10 +102,11 @@ STEP_COUNT = "self._step += 1"
 # The Trainer method whose result decides whether the optimizer steps (transformers 5.x Trainer._run_epoch).
 GRAD_NORM_METHOD = "_get_grad_norm"
 GRAD_NORM_PARAMETERS = ("self", "model", "grad_norm")
-# The adapter flips this attribute around the parent's entropy computation to get entropies with
-# gradient (TRL computes them under no_grad otherwise); the log-prob method must still read it.
-ENTROPY_GRAD_GATE = "_entropy_bonus_enabled"
-# What prefix sharing relies on, as TRL writes it: the callers' rows and kept logits, the temperature, the shuffle.
+# The adapter flips this attribute around the parent's entropy computation to get entropies with gradient (TRL
+# computes them under no_grad otherwise on the logits forms; trl_seams.py pins where it is read, per form).
+ENTROPY_GRAD_GATE = trl_seams.ENTROPY_GRAD_GATE
+# What prefix sharing relies on, as TRL writes it: the callers' rows and kept logits, the shuffle (and the temperature,
+# trl_seams.LOGITS_TEMPERATURE).
 PACKED_CALLERS = {
     LOSS_METHOD: (
         "input_ids = torch.cat([prompt_ids, completion_ids], dim=1)",
@@ -105,7 +117,6 @@ PACKED_CALLERS = {
         "logits_to_keep = completion_ids.size(1)",
     ),
 }
-LOGP_TEMPERATURE = "logits.div_(self.temperature)"
 PARENT_SHUFFLE_FUNCTION = "shuffle_sequence_dict"
 ROUND_SHUFFLE = (
     "generation_batch = shuffle_sequence_dict(generation_batch)",
@@ -113,31 +124,42 @@ ROUND_SHUFFLE = (
 )
 
 
+# The TRL releases the adapter tier runs on (1.9.1 in .venv, the newest in CI's second virtualenv; .ci/run): the
+# contract accepts a release by its facts, and a rejected one is told this range.
+SUPPORTED_TRL = ("1.9.1", "1.16.0")
+# The parent methods the contract reads: the loss, the log-prob method and its 1.14 delegate, the generation round,
+# its buffer and cadence, and __init__ (where 1.15+ patches the fused head).
+PARSED_METHODS = (
+    LOSS_METHOD,
+    LOGP_METHOD,
+    trl_seams.FULL_LOGITS_METHOD,
+    ROLLOUT_METHOD,
+    PREPARE_METHOD,
+    TRAINING_STEP_METHOD,
+    trl_seams.INIT_METHOD,
+)
+
+
 class ContractError(RuntimeError):
     """TRL's private API no longer matches what the adapter was audited against."""
 
 
-def contract_violations(
-    loss_parameters: tuple[str, ...],
-    logp_parameters: Iterable[str],
-    logp_reads_gate: bool,
-    rollout: ast.FunctionDef | None = None,
-    prepare: ast.FunctionDef | None = None,
-    training_step: ast.FunctionDef | None = None,
-) -> list[str]:
-    """The contract's rules, shared by the live (inspect) and static (ast) checks; ``rollout``, ``prepare`` and
-    ``training_step`` are the parsed ``_generate_and_score_completions``, ``_prepare_inputs`` and ``training_step``."""
-    problems = rollout_violations(rollout, prepare) + cadence_violations(prepare, training_step)
+def contract_violations(loss_parameters: tuple[str, ...], methods: dict[str, ast.FunctionDef | None]) -> list[str]:
+    """The contract's rules, shared by the live (inspect) and static (ast) checks; ``methods``: the parent's parsed
+    methods by name (``PARSED_METHODS``). The log-prob method's facts are its form's (``trl_seams.py``)."""
+    prepare, training_step = methods.get(PREPARE_METHOD), methods.get(TRAINING_STEP_METHOD)
+    problems = rollout_violations(methods.get(ROLLOUT_METHOD), prepare) + cadence_violations(prepare, training_step)
     if tuple(loss_parameters) != LOSS_PARAMETERS:
         problems.append(
             f"{PARENT_CLASS}.{LOSS_METHOD} signature changed: {tuple(loss_parameters)} != {LOSS_PARAMETERS}"
         )
-    missing = sorted((LOGP_REQUIRED_PARAMETERS | set(VLM_FORWARD_KEYWORDS)) - set(logp_parameters))
-    for name in missing:
-        problems.append(f"{PARENT_CLASS}.{LOGP_METHOD} has no parameter {name!r}")
-    if not logp_reads_gate:
-        problems.append(f"{PARENT_CLASS}.{LOGP_METHOD} no longer reads self.{ENTROPY_GRAD_GATE}")
-    return problems
+    seam = trl_seams.seam_of(methods)
+    named_by = methods.get(seam.signature_method)
+    if named_by is not None:
+        missing = sorted((LOGP_REQUIRED_PARAMETERS | set(VLM_FORWARD_KEYWORDS)) - set(_arg_names(named_by)))
+        for name in missing:
+            problems.append(f"{PARENT_CLASS}.{seam.signature_method} has no parameter {name!r}")
+    return problems + trl_seams.seam_violations(seam, methods, PARENT_CLASS)
 
 
 def returned_keys(function: ast.FunctionDef) -> set[str]:
@@ -223,14 +245,12 @@ def cadence_violations(prepare: ast.FunctionDef | None, training_step: ast.Funct
 
 
 def prefix_sharing_violations(methods: dict[str, ast.FunctionDef | None]) -> list[str]:
-    """What prefix sharing relies on (``PACKED_CALLERS``, ``LOGP_TEMPERATURE``, ``ROUND_SHUFFLE``) in the parsed
-    methods by name; a missing method is another rule's to name."""
+    """What prefix sharing relies on (``PACKED_CALLERS``, ``ROUND_SHUFFLE``; the temperature is the log-prob form's
+    fact) in the parsed methods by name, on a form where it runs; a missing method is another rule's to name."""
+    if not trl_seams.seam_of(methods).packed_paths:
+        return []  # prefix sharing falls back to the parent's method there (trl_seams.packed_path_reason)
     problems = []
-    for name, statements in [
-        *PACKED_CALLERS.items(),
-        (LOGP_METHOD, (LOGP_TEMPERATURE,)),
-        (PREPARE_METHOD, ROUND_SHUFFLE),
-    ]:
+    for name, statements in [*PACKED_CALLERS.items(), (PREPARE_METHOD, ROUND_SHUFFLE)]:
         method = methods.get(name)
         if method is None:
             continue
@@ -247,36 +267,17 @@ def _assigns_attribute(node: ast.AST, attribute: str) -> bool:
     )
 
 
-def _reads_attribute(node: ast.AST, attribute: str) -> bool:
-    return any(isinstance(n, ast.Attribute) and n.attr == attribute for n in ast.walk(node))
+def _violations_of(methods: dict[str, ast.FunctionDef | None]) -> list[str]:
+    missing = [f"{PARENT_CLASS} has no method {m}" for m in (LOSS_METHOD, LOGP_METHOD) if methods.get(m) is None]
+    if missing:
+        return missing
+    loss_parameters = tuple(_arg_names(methods[LOSS_METHOD]))
+    return contract_violations(loss_parameters, methods) + prefix_sharing_violations(methods)
 
 
 def live_contract_violations(grpo_trainer_class: Any) -> list[str]:
-    loss_method = getattr(grpo_trainer_class, LOSS_METHOD, None)
-    logp_method = getattr(grpo_trainer_class, LOGP_METHOD, None)
-    if loss_method is None or logp_method is None:
-        missing = [m for m, f in ((LOSS_METHOD, loss_method), (LOGP_METHOD, logp_method)) if f is None]
-        return [f"{grpo_trainer_class.__name__} has no method {m}" for m in missing]
-    methods = {
-        name: _parsed_method(grpo_trainer_class, name)
-        for name in (LOSS_METHOD, LOGP_METHOD, ROLLOUT_METHOD, PREPARE_METHOD, TRAINING_STEP_METHOD)
-    }
-    return contract_violations(
-        tuple(inspect.signature(loss_method).parameters),
-        inspect.signature(logp_method).parameters,
-        _reads_attribute(methods[LOGP_METHOD], ENTROPY_GRAD_GATE),
-        methods[ROLLOUT_METHOD],
-        methods[PREPARE_METHOD],
-        methods[TRAINING_STEP_METHOD],
-    ) + prefix_sharing_violations(methods)
-
-
-def _parsed_method(cls: Any, name: str) -> ast.FunctionDef | None:
-    method = getattr(cls, name, None)
-    if method is None:
-        return None
-    method = inspect.unwrap(method)  # TRL wraps _prepare_inputs in its profiling decorator
-    return ast.parse(textwrap.dedent(inspect.getsource(method))).body[0]
+    """The contract on the installed (or given) class, its methods read with ``inspect``."""
+    return _violations_of({name: trl_seams.parsed_method(grpo_trainer_class, name) for name in PARSED_METHODS})
 
 
 def validate_grad_norm_hook(trainer_class: Any) -> None:
@@ -301,11 +302,38 @@ def validate_grad_norm_hook(trainer_class: Any) -> None:
         raise ContractError("transformers Trainer contract broken:\n- " + "\n- ".join(problems))
 
 
-def validate_trl_parent_contract(grpo_trainer_class: Any) -> None:
-    """Raise ContractError naming every drifted parameter or signature of the parent's private API."""
+def supported_release(version: str) -> bool:
+    """Whether ``version`` lies in the range the adapter tier has been run on (``SUPPORTED_TRL``); a pre-release or
+    local build counts as its release."""
+    return release_key(SUPPORTED_TRL[0]) <= release_key(version) <= release_key(SUPPORTED_TRL[1])
+
+
+def release_key(version: str) -> tuple[int, ...]:
+    """``"1.14.2"`` as ``(1, 14, 2)``: the leading numeric parts of a version string."""
+    return tuple(int(part) for part in re.match(r"\d+(?:\.\d+)*", version).group().split("."))
+
+
+def validate_trl_parent_contract(grpo_trainer_class: Any, trl_version: str | None = None) -> None:
+    """Raise ContractError naming the TRL release, every broken fact of the parent's private API and the newest
+    supported release; a release outside ``SUPPORTED_TRL`` whose facts all hold is logged as untested."""
+    if trl_version is None:
+        import trl
+
+        trl_version = trl.__version__
     problems = live_contract_violations(grpo_trainer_class)
     if problems:
-        raise ContractError("TRL private-API contract broken:\n- " + "\n- ".join(problems))
+        raise ContractError(
+            f"TRL {trl_version} is not supported by the PAPO-G adapter: its private API no longer holds what the "
+            f"adapter relies on:\n- " + "\n- ".join(problems) + f"\nNewest supported release: trl=={SUPPORTED_TRL[1]} "
+            f"(supported: {SUPPORTED_TRL[0]} to {SUPPORTED_TRL[1]}; pip install 'trl=={SUPPORTED_TRL[1]}')"
+        )
+    if not supported_release(trl_version):
+        logger.warning(
+            "TRL %s is outside the releases the PAPO-G adapter was tested on (%s to %s): its contract holds, but run "
+            "the gamma-zero probe (require_gpu_contract_probe=True) before trusting a run",
+            trl_version,
+            *SUPPORTED_TRL,
+        )
 
 
 def _arg_names(function: ast.FunctionDef) -> list[str]:
@@ -313,22 +341,16 @@ def _arg_names(function: ast.FunctionDef) -> list[str]:
     return [a.arg for a in args.posonlyargs + args.args + args.kwonlyargs]
 
 
-def static_contract_violations(grpo_trainer_source: str) -> list[str]:
-    """Apply the contract to the text of ``grpo_trainer.py`` without importing it."""
+def source_methods(grpo_trainer_source: str) -> dict[str, ast.FunctionDef] | None:
+    """The parent class's parsed methods by name in the text of ``grpo_trainer.py``, or None without the class."""
     tree = ast.parse(grpo_trainer_source)
     classes = [n for n in ast.walk(tree) if isinstance(n, ast.ClassDef) and n.name == PARENT_CLASS]
     if not classes:
-        return [f"no class {PARENT_CLASS} in the source"]
-    methods = {n.name: n for n in classes[0].body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
-    missing = [f"{PARENT_CLASS} has no method {m}" for m in (LOSS_METHOD, LOGP_METHOD) if m not in methods]
-    if missing:
-        return missing
-    logp = methods[LOGP_METHOD]
-    return contract_violations(
-        tuple(_arg_names(methods[LOSS_METHOD])),
-        _arg_names(logp),
-        _reads_attribute(logp, ENTROPY_GRAD_GATE),
-        methods.get(ROLLOUT_METHOD),
-        methods.get(PREPARE_METHOD),
-        methods.get(TRAINING_STEP_METHOD),
-    ) + prefix_sharing_violations(methods)
+        return None
+    return {n.name: n for n in classes[0].body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
+
+
+def static_contract_violations(grpo_trainer_source: str) -> list[str]:
+    """Apply the contract to the text of ``grpo_trainer.py`` without importing it."""
+    methods = source_methods(grpo_trainer_source)
+    return [f"no class {PARENT_CLASS} in the source"] if methods is None else _violations_of(methods)

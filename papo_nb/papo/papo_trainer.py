@@ -25,6 +25,7 @@ import torch
 from transformers.utils import logging
 from trl import GRPOTrainer
 
+from . import trl_seams
 from .citation import PAPO_PAPER
 from .contract import ENTROPY_GRAD_GATE, validate_grad_norm_hook, validate_trl_parent_contract
 from .forward import prefix_sharing
@@ -198,9 +199,7 @@ class PAPOGTrainer(GRPOTrainer):
     def _logps_and_entropies(self, *args, **kwargs):
         """The parent's log-prob method, or with ``prefix_sharing`` the same numbers from packed rows."""
         if self.prefix_sharing.enabled:
-            arguments = prefix_sharing.bound_arguments(
-                GRPOTrainer._get_per_token_logps_and_entropies, self, args, kwargs
-            )
+            arguments = prefix_sharing.bound_arguments(trl_seams.signature_method(GRPOTrainer), self, args, kwargs)
             packed = self.prefix_sharing.compute(
                 arguments.pop("model"),
                 arguments,

@@ -11,6 +11,8 @@ import inspect
 
 import torch
 
+from .. import trl_seams
+
 # model_type of the language-vision models whose forward, cache and get_rope_index both paths were checked against
 # (tiny Qwen2-VL and Qwen2.5-VL models, fp32 and bf16, against the full forward).
 SUPPORTED_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl")
@@ -26,7 +28,11 @@ def core_model(model):
 
 
 def model_unsupported_reason(model) -> str | None:
-    """Why this model cannot take either prefix path (its family, positions or window), or None."""
+    """Why this model (on the installed TRL) cannot take either prefix path (its family, positions or window), or
+    None."""
+    release_reason = trl_seams.packed_path_reason()  # 1.14's and 1.15+'s log-probs are not logits / temperature
+    if release_reason is not None:
+        return release_reason
     hf_model = core_model(model)
     model_type = getattr(hf_model.config, "model_type", None)
     if model_type not in SUPPORTED_MODEL_TYPES:

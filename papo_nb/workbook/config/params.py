@@ -100,7 +100,8 @@ class WorkbookParams(PAPOParams):
 
     # --- 01 contract verification ---
     trl_releases: list[str] = Field(
-        default_factory=lambda: ["0.29.1", "1.7.1", "1.8.0", "1.9.1"], description="TRL releases for the drift table"
+        default_factory=list,
+        description="TRL releases for the drift table; empty: 0.29.1 and 1.9.1 to the newest on the index",
     )
     upstream_wheel: str = Field("", description="path to a trl-0.29.1 wheel; empty fetches it with pip")
 

@@ -136,6 +136,13 @@ def mask_views(trainer, image: Image.Image, selection: torch.Tensor | None) -> d
     }
 
 
+def prompt_text(processing_class, prompt) -> str:
+    """A logged prompt as text: as it is, or a conversation through the chat template (as TRL 1.9.1 logged it)."""
+    if isinstance(prompt, str):
+        return prompt
+    return processing_class.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+
+
 def item_keys(prompts: list[str], images: list) -> list[tuple[str, str]]:
     """Each row's item: its prompt text and its image's digest together."""
     return [(prompt, image_digest(images[i][0]) if images[i] else "") for i, prompt in enumerate(prompts)]
@@ -165,7 +172,9 @@ def completions_table(trainer, step: int) -> pd.DataFrame:
     """The latest rollouts TRL keeps (``trainer._logs``) for the first ``REVIEW_PROMPTS`` items, each row with its
     own image, mask, rewards, advantage and perception terms (this process's rows only, as the trainer keeps)."""
     logs = trainer._logs
-    prompts, completions = list(logs["prompt"]), list(logs["completion"])
+    # TRL up to 1.13 keeps each prompt's text; later releases keep the prompt itself (a conversation): its text then
+    prompts = [prompt_text(trainer.processing_class, prompt) for prompt in logs["prompt"]]
+    completions = list(logs["completion"])
     images = list(logs["images"]) if len(logs["images"]) == len(prompts) else [None] * len(prompts)
     rewards = {name: list(values) for name, values in logs["rewards"].items()}
     extra = {name: list(values) for name, values in logs["extra"].items() if len(values) == len(prompts)}

@@ -1,5 +1,5 @@
-"""Provenance for notebook 01: the pinned upstream file hashed inside the real ``trl==0.29.1`` wheel, the
-contract's drift across TRL releases (read statically from their wheels), and the one-line verdict."""
+"""Provenance for notebook 01: the pinned upstream file hashed inside the real ``trl==0.29.1`` wheel, the wheels the
+drift table reads (``trl_releases.py``), and the one-line verdict."""
 
 from __future__ import annotations
 
@@ -8,8 +8,7 @@ import os
 import subprocess
 import sys
 import zipfile
-from collections.abc import Iterable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -18,8 +17,6 @@ from papo_nb.papo.contract import (
     PAPO_UPSTREAM_SOURCE_SHA256,
     PAPO_UPSTREAM_SOURCE_URL,
     PAPO_UPSTREAM_TRL_VERSION,
-    PARENT_GRPO_FILE,
-    static_contract_violations,
 )
 from papo_nb.papo.probe import ProbeEvidence
 
@@ -108,31 +105,11 @@ def verify_upstream_source(wheel: str | Path | None = None, cache_dir: str | Pat
     )
 
 
-@dataclass
-class DriftRow:
-    trl_version: str
-    status: str  # "ok", "drift" or "unavailable"
-    violations: list[str] = field(default_factory=list)
-
-
-def contract_drift_table(versions: Iterable[str], cache_dir: str | Path | None = None) -> list[DriftRow]:
-    """The static contract check for each TRL release; unreachable releases are listed, not fatal."""
-    rows = []
-    for version in versions:
-        try:
-            source = read_wheel_member(fetch_trl_wheel(version, cache_dir), PARENT_GRPO_FILE).decode()
-        except (WheelUnavailable, FileNotFoundError, zipfile.BadZipFile) as exc:
-            rows.append(DriftRow(version, "unavailable", [str(exc)]))
-            continue
-        problems = static_contract_violations(source)
-        rows.append(DriftRow(version, "drift" if problems else "ok", problems))
-    return rows
-
-
 def contract_verdict(
-    source: SourceVerification, live_violations: list[str], drift: list[DriftRow], probe: ProbeEvidence
+    source: SourceVerification, live_violations: list[str], drift: list, probe: ProbeEvidence
 ) -> dict:
-    """PASS needs the pinned SHA to match, the live contract to hold and the probe to pass.
+    """PASS needs the pinned SHA to match, the live contract to hold and the probe to pass (``drift``: the rows of
+    ``trl_releases.contract_drift_table``).
 
     Drift in *other* releases is reported, not failed on: it tells you which upgrades would break the adapter.
     """
