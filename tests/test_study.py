@@ -564,25 +564,25 @@ def test_drift_is_the_end_minus_the_warm_start_and_the_claim_says_which_arm_coun
 @pytest.mark.model
 @pytest.mark.slow
 def test_a_fresh_shortcut_warm_start_meets_its_card():
-    """Issue 41: one warm start rebuilt fresh (shapes_shortcut, seed 0) meets its goal (the builder raises when it
-    misses), and on the kernel path the shipped weights were built on its card is the shipped card, exact; on
-    another path a build differs a little (docs/study.md's table: held-out vision 0.40-0.44 across paths), so within
-    0.06 (issue 41's run on AVX2: 0.401 against 0.4375, 24 minutes on 2 loaded cores, 860 steps)."""
+    """Issue 41: one warm start rebuilt fresh (shapes_shortcut, seed 0, this CPU's kernels) meets its goal and reads
+    its images about as the shipped one does. Not bit for bit: BLAS dispatches on the real CPU whatever
+    ``ATEN_CPU_CAPABILITY`` says, so even a ``default``-path build differs between machines (on an AVX2 EPYC: 1070
+    steps, held-out 0.427, against the shipped 490 steps, 0.4375; issue 41's AVX2 build 0.401; docs/study.md's
+    table: 0.40-0.44 for seed 0 across paths). ``.ci/run`` runs it once, not again on the second path."""
     import tempfile
-
-    import torch
 
     from papo_nb.testbed import policy as testbed_policy
 
     with tempfile.TemporaryDirectory() as cache:
         card = testbed_policy.read_card(testbed_policy.build_testbed("shapes_shortcut", seed=0, cache_dir=cache))
     shipped = testbed_policy.read_card(testbed_policy.pinned_testbed("shapes_shortcut"))
-    built_on = json.loads(testbed_policy.PINNED_MANIFEST.read_text())["shapes_shortcut"]["built_with"]
+    stop = card["validation_checks"][-1]
     assert card["sft_stopped_by_validation"] and card["testbed"] == shipped["testbed"]
-    if torch.backends.cpu.get_cpu_capability().lower() == built_on["ATEN_CPU_CAPABILITY"].lower():
-        assert card["greedy_accuracy"] == shipped["greedy_accuracy"] and card["sft_steps"] == shipped["sft_steps"]
-    else:
-        assert card["greedy_accuracy"] == pytest.approx(shipped["greedy_accuracy"], abs=0.06)
+    assert card["vision_band"][0] <= stop["vision"] <= card["vision_band"][1]
+    assert stop["blind_prior"] >= card["blind_prior_floor"]
+    accuracy = card["greedy_accuracy"]
+    assert accuracy["original/vision"] == pytest.approx(shipped["greedy_accuracy"]["original/vision"], abs=0.06)
+    assert accuracy["original/vision"] > accuracy["masked_1.0/vision"]  # it reads the image
 
 
 @pytest.mark.model
