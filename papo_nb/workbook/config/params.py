@@ -9,6 +9,7 @@ choices and rule), so a field added to the config is a parameter at once and the
 
 from __future__ import annotations
 
+from dataclasses import fields
 from pathlib import Path
 from typing import Any, Literal, get_type_hints
 
@@ -22,9 +23,11 @@ from pydantic import (
     ValidationError,
     create_model,
     field_validator,
+    model_validator,
 )
 
 from papo_nb.papo.papo_config import PAPOGConfig, papo_field_problem, papo_fields
+from papo_nb.papo.vppo.vppo_config import VPPO_FIELD_RULES, VPPO_FIXED, VPPOConfig, vppo_field_problem
 from papo_nb.workbook.config.batch_layout import batch_layout, check_batches
 
 
@@ -55,6 +58,12 @@ def _papo_param_fields() -> dict[str, tuple]:
 
 
 PAPO_PARAM_FIELDS = _papo_param_fields()
+# VPPOConfig's own fields (the token fraction, the advantage band), derived the same way; set only with method 'vppo'.
+VPPO_PARAM_FIELDS = {
+    f.name: (get_type_hints(VPPOConfig)[f.name], Field(f.default, description=f.metadata["help"]))
+    for f in fields(VPPOConfig)
+    if f.name in VPPO_FIELD_RULES
+}
 
 
 class _StrictParams(BaseModel):
@@ -69,12 +78,42 @@ def _papo_rule(cls, value, info):
     return value
 
 
+def _vppo_rule(cls, value, info):
+    """VPPOConfig's own rule for the field (vppo_config.VPPO_FIELD_RULES)."""
+    problem = vppo_field_problem(info.field_name, value)
+    if problem:
+        raise ValueError(problem)
+    return value
+
+
+def _vppo_fixed(self):
+    """With method 'vppo', the PAPO-G fields VPPO cannot take another value of (before any model loads)."""
+    if self.method == "vppo":
+        for name, (value, why) in VPPO_FIXED.items():
+            if getattr(self, name) != value:
+                raise ValueError(
+                    f"parameter {name!r} = {getattr(self, name)!r} with method 'vppo': {why}; allowed: {value!r}"
+                )
+    return self
+
+
 PAPOParams = create_model(
     "PAPOParams",
     __base__=_StrictParams,
-    __doc__="The PAPO-G parameters, derived from PAPOGConfig.",
-    __validators__={"papo_rule": field_validator(*PAPO_PARAM_FIELDS)(_papo_rule)},
+    __doc__="The PAPO-G parameters, derived from PAPOGConfig, and VPPO's, derived from VPPOConfig.",
+    __validators__={
+        "papo_rule": field_validator(*PAPO_PARAM_FIELDS)(_papo_rule),
+        "vppo_rule": field_validator(*VPPO_PARAM_FIELDS)(_vppo_rule),
+        "vppo_fixed": model_validator(mode="after")(_vppo_fixed),
+    },
+    method=(
+        Literal["papo_g", "vppo"],
+        Field(
+            "papo_g", description="'papo_g' (PAPOGTrainer; gamma 0 is GRPO) or 'vppo' (VPPOTrainer, arXiv 2510.09285)"
+        ),
+    ),
     **PAPO_PARAM_FIELDS,
+    **VPPO_PARAM_FIELDS,
 )
 
 
@@ -250,7 +289,9 @@ class WorkbookParams(PAPOParams):
 
 
 def _describe(error: dict[str, Any], source: str) -> str:
-    key = ".".join(str(p) for p in error["loc"]) or "<root>"
+    if not error["loc"]:  # a check across fields (method 'vppo'): its message names the parameter
+        return f"{source}: {error['msg'].removeprefix('Value error, ')}"
+    key = ".".join(str(p) for p in error["loc"])
     value = error.get("input")
     if error["type"] == "extra_forbidden":
         allowed = ", ".join(sorted(WorkbookParams.model_fields))
