@@ -208,3 +208,46 @@ def test_config_and_params_reject_bad_fields_by_name(tmp_path, field, value, all
     with pytest.raises(ParamsError, match=field) as error:
         vppo_params(**{field: value})
     assert allowed.removeprefix("allowed: ") in str(error.value)
+
+
+# ---- papo-nb train ----
+VPPO_SMOKE = [
+    "method=vppo",
+    "perception_loss_weight=0",
+    "mask_ratio=0.5",
+    "original_entropy_weight=0.06",
+    "loss_type=dapo",
+    "max_steps=2",
+    "save_steps=2",
+    "require_gpu_contract_probe=false",
+]
+
+
+@pytest.mark.slow
+def test_papo_nb_train_with_vppo_logs_its_dependency_metrics_to_mlflow(tmp_path, monkeypatch):
+    """``papo-nb train --params params/smoke.yaml -p method=vppo ...`` on the smoke testbed: every VPPO metric lands
+    in MLflow at every step, with the token fraction's kept share and a live dependency."""
+    from pathlib import Path
+
+    from mlflow import MlflowClient
+
+    from papo_nb.cli import main
+    from papo_nb.infra.tracking import EXPERIMENT_NAME
+
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    smoke = Path(__file__).resolve().parents[1] / "params" / "smoke.yaml"
+    overrides = [a for o in VPPO_SMOKE for a in ("-p", o)]
+    assert main(["train", "--params", str(smoke), *overrides, "--output-dir", str(tmp_path / "run")]) == 0
+    client = MlflowClient(uri)
+    (run,) = client.search_runs([client.get_experiment_by_name(EXPERIMENT_NAME).experiment_id])
+    history = {
+        name: [m.value for m in client.get_metric_history(run.info.run_id, f"vppo/{name}")]
+        for name in ("token_dependency", "kept_token_share", "advantage_scale", "advantage_scale_max")
+    }
+    print(f"\npapo-nb train, VPPO on the smoke testbed: {history}")
+    assert all(len(values) == 2 for values in history.values()), history
+    assert all(0.4 <= share <= 0.5 for share in history["kept_token_share"])  # ceil(0.4 n) of n = 8 or 10 tokens
+    assert max(history["token_dependency"]) > 0
+    assert all(scale == pytest.approx(1.0, abs=1e-5) for scale in history["advantage_scale"])
+    assert run.data.params["vppo_token_fraction"] == "0.4" and run.data.params["vppo_advantage_scale_min"] == "0.9"
