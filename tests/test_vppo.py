@@ -187,7 +187,8 @@ def test_a_batch_from_another_trainer_is_refused_by_name(policy, shapes_dataset,
 def test_config_defaults_are_the_official_vppo_run(tmp_path):
     args = VPPOConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none")
     assert (args.vppo_token_fraction, args.vppo_advantage_scale_min) == (0.4, 0.9)
-    assert (args.mask_ratio, args.original_entropy_weight, args.entropy_estimator) == (0.5, 0.06, "sampled")
+    assert (args.mask_ratio, args.mask_sharing) == (0.5, "completion")
+    assert (args.original_entropy_weight, args.entropy_estimator) == (0.06, "sampled")
     assert (args.beta, args.epsilon, args.epsilon_high, args.loss_type) == (0.0, 0.2, 0.28, "dapo")
     assert args.perception_loss_weight == 0.0 and args.masked_branch == "rollout" and args.measure_perception_kl
 
@@ -251,3 +252,54 @@ def test_papo_nb_train_with_vppo_logs_its_dependency_metrics_to_mlflow(tmp_path,
     assert max(history["token_dependency"]) > 0
     assert all(scale == pytest.approx(1.0, abs=1e-5) for scale in history["advantage_scale"])
     assert run.data.params["vppo_token_fraction"] == "0.4" and run.data.params["vppo_advantage_scale_min"] == "0.9"
+
+
+# ---- the official run as a params file ----
+def test_the_vppo_7b_recipe_file_matches_its_preset_and_the_official_batches():
+    from pathlib import Path
+
+    from papo_nb.papo.vppo.recipes import VPPO_7B
+    from papo_nb.testbed.models import build_tiny_processor
+    from papo_nb.workbook.config.params import load_params
+    from papo_nb.workbook.recipe import preflight as pf
+    from papo_nb.workbook.recipe.presets import config_fields, recipe_deviations
+
+    params = load_params(Path(__file__).resolve().parents[1] / "params" / "recipes" / "vppo_7b.yaml")
+    assert params.recipe == "vppo_7b" and params.method == "vppo"
+    assert recipe_deviations(params) == {}  # every exposed preset field is in the file, unchanged
+    assert params.dataset == "chamber111/VPPO_ViRL39K_train" and params.format_prompt == "math_perception"
+    layout = pf.batch_layout(params)
+    assert (layout["prompts_per_generation"], layout["prompts_per_optimizer_step"]) == (384, 128)
+    assert layout["optimizer_steps_per_generation"] == 3 and params.num_generations == 8 and params.num_processes == 8
+    assert pf.check_batches(params, layout) == [] and pf.batch_deviations(params, layout) == []
+    hidden = config_fields(params)
+    assert hidden["epsilon_high"] == 0.28 and hidden["reward_weights"] == [1.0, 0.0] and hidden["delta"] == 3.0
+    args = papo_config(params.model_copy(update={"device": "cpu"}), "unused", build_tiny_processor("qwen2_vl"))
+    assert isinstance(args, VPPOConfig) and args.reward_weights == [1.0, 0.0]
+    assert {k: getattr(args, k) for k in VPPO_7B} == VPPO_7B
+
+
+def test_the_recipe_preflight_passes_vppo_7b_on_eight_80gb_gpus():
+    from pathlib import Path
+
+    from papo_nb.testbed.models import build_tiny_processor
+    from papo_nb.testbed.official_schema import make_official_schema_dataset
+    from papo_nb.workbook.config.params import load_params
+    from papo_nb.workbook.recipe import data as rd
+    from papo_nb.workbook.recipe import preflight as pf
+
+    processor = build_tiny_processor("qwen2_vl")
+    rd.set_processor_pixel_bounds(processor, 3136, 12544)
+    raw = make_official_schema_dataset(6, seed=0)
+    rows = rd.to_trl_rows(raw, "math_perception", 3136, 12544)
+    recipe = Path(__file__).resolve().parents[1] / "params" / "recipes" / "vppo_7b.yaml"
+    params = load_params(recipe, ["min_pixels=3136", "max_pixels=12544", "max_prompt_length=512"])
+    gib = 1024**3
+    report = pf.preflight(
+        params, rows, processor, raw, n_params=8_292_166_656, vocab_size=152_064, gpus=[80 * gib] * 8,
+        total_rows=38_870,
+    )  # fmt: skip
+    assert report.ok, report.problems
+    assert report.estimates["epochs_at_max_steps"] == 2.0  # 606 steps: the official 2 epochs at 3 steps per round
+    one_gpu = pf.preflight(params, rows, processor, raw, n_params=8_292_166_656, vocab_size=152_064, gpus=[80 * gib])
+    assert any("parameter 'num_processes' = 8" in p for p in one_gpu.problems)

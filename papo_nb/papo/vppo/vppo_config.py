@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..papo_config import LOSS_TYPES, PAPOGConfig, _finite
+from ..papo_config import LOSS_TYPES, MASK_SHARING, PAPOGConfig, _finite
 
 # name -> (rule, what is allowed), as papo_config.FIELD_RULES: the workbook derives its params schema from it.
 VPPO_FIELD_RULES = {
@@ -54,7 +54,11 @@ class VPPOConfig(PAPOGConfig):
         perception_loss_weight (`float`, defaults to `0.0`, fixed):
             VPPO never adds the perception KL to the loss; any other value is refused.
         mask_ratio (`float`, defaults to `0.5`):
-            Official `random_patch_blackening(black_prob=0.5)` (`verl/workers/perc_utils.py` L5, L107).
+            Official `random_patch_blackening(black_prob=0.5)` (`verl/workers/perc_utils.py` L5, L107): there each
+            14-px square is blackened with probability 0.5; here exactly `round(0.5 * n)` of the `n` patches.
+        mask_sharing (`str`, defaults to `"completion"`):
+            The official masks are drawn per row of the rollout batch, that is per completion
+            (`verl/workers/fsdp_workers.py` L501-L511, after the prompts are repeated); PAPO-G draws one per prompt.
         original_entropy_weight (`float`, defaults to `0.06`):
             The official entropy penalty (`use_entropy_penalty`, `entropy_penalty_coef` 0.06): `0.06 * mean(-log
             pi(o_t))` over all completion tokens added to the loss (`dp_actor.py` L564-L567), i.e. PAPO-G's eta1
@@ -83,6 +87,10 @@ class VPPOConfig(PAPOGConfig):
         default=0.0, metadata={"help": "gamma: fixed at 0 for VPPO (the KL is a signal, not a loss term)."}
     )
     mask_ratio: float = field(default=0.5, metadata={"help": "Fraction of the image blacked out (official 0.5)."})
+    mask_sharing: str = field(
+        default="completion",
+        metadata={"help": "One mask per 'completion' (official VPPO) or per 'prompt'.", "choices": MASK_SHARING},
+    )
     original_entropy_weight: float = field(
         default=0.06, metadata={"help": "Entropy penalty on original images (official VPPO: 0.06)."}
     )

@@ -99,7 +99,8 @@ def papo_config(
         activation_checkpointing=params.finetuning == "full" and on_gpu,
     )
     if params.dataset_schema == "official":
-        settings["reward_weights"] = list(math_reward.REWARD_WEIGHTS)  # 0.9 accuracy + 0.1 format (math.py:43)
+        # 0.9 accuracy + 0.1 format (math.py:43), unless the recipe weighs them (VPPO: accuracy alone)
+        settings.setdefault("reward_weights", list(math_reward.REWARD_WEIGHTS))
     if params.method == "vppo":  # VPPOConfig: PAPOGConfig plus the token fraction and the advantage band
         settings.update({name: getattr(params, name) for name in VPPO_PARAM_FIELDS})
     settings.update(overrides)
