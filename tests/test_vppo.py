@@ -303,3 +303,26 @@ def test_the_recipe_preflight_passes_vppo_7b_on_eight_80gb_gpus():
     assert report.estimates["epochs_at_max_steps"] == 2.0  # 606 steps: the official 2 epochs at 3 steps per round
     one_gpu = pf.preflight(params, rows, processor, raw, n_params=8_292_166_656, vocab_size=152_064, gpus=[80 * gib])
     assert any("parameter 'num_processes' = 8" in p for p in one_gpu.problems)
+
+
+# ---- the study arm ----
+@pytest.mark.model
+def test_the_study_trains_a_vppo_arm_paired_with_grpo(mlflow_store, tmp_path):
+    """``study_vppo`` adds the VPPO arm to either design; one arm run on the tiny model trains VPPOTrainer (its step
+    logs carry the kept share), is named and coloured as its arm in MLflow, and is scored like every arm."""
+    import mlflow
+    from mlflow import MlflowClient
+
+    from papo_nb.workbook.study import arms
+    from papo_nb.workbook.study.collapse import CollapseRule
+
+    fields = dict(max_steps=1, n_train_prompts=8, n_eval_prompts=4, study_eval_samples=1, study_vppo=True)
+    params = vppo_params(method="papo_g", perception_loss_weight=0.02, **fields)
+    assert arms._vppo_arm(params) == [(arms.VPPO, 0.0)] and arms._vppo_arm(vppo_params(method="papo_g")) == []
+    with mlflow.start_run():
+        run = arms.run_one(params, arms.VPPO, 0, 0.0, arms.eval_dataset(params), tmp_path, CollapseRule())
+    assert run.arm == "vppo" and run.gamma == 0.0
+    assert run.step_logs and all(0 < row["vppo/kept_token_share"] <= 1 for row in run.step_logs)
+    assert "greedy/original/all" in run.scores
+    logged = MlflowClient().get_run(run.run_id).data
+    assert logged.params["arm"] == "vppo" and logged.tags["mlflow.runColor"] == arms.ARM_COLOURS["vppo"]

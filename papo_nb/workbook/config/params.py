@@ -202,6 +202,11 @@ class WorkbookParams(PAPOParams):
     study_eval_samples: int = Field(
         4, ge=1, le=64, description="k of the held-out avg@k at temperature 1.0 (paper: avg@8)"
     )
+    study_vppo: bool = Field(
+        False,
+        description="also train a VPPO arm at every study seed (method 'vppo' at gamma 0 with vppo_token_fraction "
+        "and vppo_advantage_scale_min; everything else as the GRPO arm), paired with GRPO and PAPO-G",
+    )
     study_report_dir: str = Field(
         "", description="folder the study writes its results page into (docs/study/<name>); empty: none"
     )
@@ -224,7 +229,7 @@ class WorkbookParams(PAPOParams):
     recipe: str = Field(
         "",
         description="official recipe whose preset supplies the PAPOGConfig fields not exposed here (papo_g_3b, "
-        "papo_g_7b, papo_g_no_kl_ref, grpo_3b, grpo_7b); empty: none",
+        "papo_g_7b, papo_g_no_kl_ref, grpo_3b, grpo_7b, vppo_7b); empty: none",
     )
     dataset_schema: Literal["shapes", "official"] = Field(
         "shapes",

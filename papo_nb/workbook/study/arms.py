@@ -5,7 +5,8 @@ everything but gamma equal. The sweep design has three: GRPO (gamma = 0), PAPO-G
 (``perception_loss_weight``), and PAPO-G at the smallest gamma of a logged sweep (``study_collapse_gammas``, every
 seed) that the collapse detector flags on most seeds; the sweep with GRPO and the recipe's gamma is the study's
 dose-response (``workbook.study.dose``). The calibrated design searches the collapse gamma on one seed and runs
-PAPO-G at fractions of it (``workbook.study.search``), with the warm start's own scores as step 0.
+PAPO-G at fractions of it (``workbook.study.search``), with the warm start's own scores as step 0. Either design
+adds a VPPO arm (``VPPOTrainer`` at gamma 0, everything else as GRPO) at every seed when ``study_vppo`` is set.
 Every (arm, seed) is an MLflow run nested under the notebook's run, with its per-step training metrics, its
 held-out evaluation and the collapse verdict. Seeds pair the arms: the same seed gives the same training data,
 sampling and masks in every arm, and all runs are scored on one held-out set.
@@ -32,11 +33,13 @@ from papo_nb.workbook.training.builder import load_datasets, load_policy, prepar
 from papo_nb.workbook.training.completions import log_completions
 
 GRPO, PAPO_G, PAPO_G_COLLAPSE = "grpo", "papo_g", "papo_g_collapse"
+VPPO = "vppo"  # with study_vppo: VPPOTrainer at gamma 0 (token filtering and advantage shaping), else as GRPO
 SWEEP, SEARCH = "sweep", "search"
 # One colour per arm in the figures and in MLflow (the ``mlflow.runColor`` tag): matplotlib's tab:blue, tab:green,
 # tab:red and tab:gray, and for the calibrated design's fraction arms tab:purple, tab:brown and tab:pink.
 ARM_COLOURS = {
     GRPO: "#1f77b4", PAPO_G: "#2ca02c", PAPO_G_COLLAPSE: "#d62728", SWEEP: "#7f7f7f", SEARCH: "#7f7f7f",
+    VPPO: "#bcbd22",  # tab:olive
     **dict(zip(map(fraction_arm, FRACTION_NAMES), ("#9467bd", "#8c564b", "#e377c2"))),
 }  # fmt: skip
 OTHER_ARM_COLOUR = "#17becf"  # tab:cyan: a fraction arm without a name of its own
@@ -50,6 +53,8 @@ STEP_METRICS = (
     "masked_entropy",
     "clip_ratio/high_mean",
     "perception_gamma",
+    "vppo/kept_token_share",
+    "vppo/advantage_scale_max",
 )
 
 
@@ -154,6 +159,8 @@ def run_one(
     MLflow run nested under the active run. With ``control`` (GRPO's held-out scores on this seed) the collapse
     verdict also weighs the held-out evidence (``collapse.heldout_verdict``)."""
     run_params = params.model_copy(update={"seed": seed, "perception_loss_weight": gamma})
+    if arm == VPPO:
+        run_params = run_params.model_copy(update={"method": "vppo"})
     start = time.perf_counter()
     parent = mlflow.active_run()
     # nested=True alone files the child in the default experiment; it belongs beside its parent
@@ -254,7 +261,7 @@ def _sweep_study(params: WorkbookParams, train, data, log) -> Study:
     study.collapse_gamma = flagged[0] if flagged else max(by_gamma)
     _record_collapse_gamma(study)
     for seed in seeds:
-        for arm, gamma in ((GRPO, 0.0), (PAPO_G, params.perception_loss_weight)):
+        for arm, gamma in ((GRPO, 0.0), (PAPO_G, params.perception_loss_weight), *_vppo_arm(params)):
             run = train(arm, seed, gamma)
             study.runs.append(run)
             log(f"{arm} seed={seed}: avg_at_k {run.scores['avg_at_k/original/all']:.3f}, {run.seconds:.0f} s")
@@ -279,7 +286,7 @@ def _calibrated_study(params: WorkbookParams, train, data, log) -> Study:
         steps=params.study_search_steps,
     )  # fmt: skip
     _record_collapse_gamma(study)
-    arms = [(PAPO_G, params.perception_loss_weight)]
+    arms = [(PAPO_G, params.perception_loss_weight), *_vppo_arm(params)]
     arms += [(fraction_arm(f), float(f"{f * study.collapse_gamma:.4g}")) for f in params.study_gamma_fractions]
     for seed in seeds:
         if seed not in grpo:
@@ -291,6 +298,11 @@ def _calibrated_study(params: WorkbookParams, train, data, log) -> Study:
             log(f"{arm} gamma={gamma:g} seed={seed}: avg_at_k {run.scores['avg_at_k/original/all']:.3f}")
     study.runs.extend(_as_arm(run, PAPO_G_COLLAPSE) for run in study.sweep if run.gamma == study.collapse_gamma)
     return study
+
+
+def _vppo_arm(params: WorkbookParams) -> list[tuple[str, float]]:
+    """The VPPO arm (gamma 0) where ``study_vppo`` asks for it: everything else as GRPO's, paired over the seeds."""
+    return [(VPPO, 0.0)] if params.study_vppo else []
 
 
 def _start_scores(params: WorkbookParams, data) -> dict[str, float]:
