@@ -16,6 +16,7 @@ from transformers.models.llava_next.modeling_llava_next import image_size_to_num
 from trl import GRPOTrainer
 
 from papo_nb.papo import layouts, masking, prompt_identity
+from papo_nb.papo.vppo.vppo_trainer import DEPENDENCY_KEY
 from papo_nb.testbed import families, models
 from papo_nb.workbook.config import params
 from papo_nb.workbook.rollouts import rollout_batch
@@ -365,6 +366,8 @@ def test_changing_the_pixels_changes_the_text_logits(family, family_cache):
 
 def family_trainer(family, cache, out, trainer_cls=None, **overrides):
     fields = dict(model_name_or_path=f"tiny:{family}", n_train_prompts=8, n_eval_prompts=2, max_steps=2)
+    if overrides.pop("method", "papo_g") == "vppo":
+        fields.update(method="vppo", perception_loss_weight=0.0)
     run_params = unit_params(**fields, require_gpu_contract_probe=overrides.pop("probe", False))
     model, processor = builder.load_policy(run_params, cache_dir=cache)
     train, _ = builder.load_datasets(run_params)
@@ -416,6 +419,31 @@ def test_gamma_zero_is_the_parent_bit_for_bit_and_masks_are_shared_per_prompt(fa
     for key, piece in zip(keys, pieces, strict=True):
         assert torch.equal(first.setdefault(key, piece), piece), "rollouts of one prompt got different masks"
     assert len(first) == 2
+
+
+@pytest.mark.model
+@pytest.mark.slow
+@pytest.mark.parametrize("family", FAMILY_NAMES)
+def test_vppo_filters_tokens_and_at_k_100_band_1_is_the_parent_bit_for_bit(family, family_cache, tmp_path):
+    """VPPO on every layout: the rollout round carries a live per-token dependency, the official k = 40% keeps its
+    share and moves the gradient; with every token kept and the band [1, 1] the loss is GRPOTrainer's own."""
+    vppo, train = family_trainer(family, family_cache, tmp_path / "vppo", method="vppo")
+    batch = rollout_batch(vppo, train, n_prompts=2, seed=0)
+    vppo.current_gradient_accumulation_steps = 1
+    mask = batch["completion_mask"].float()
+    assert (batch[DEPENDENCY_KEY][mask > 0] > 0).any(), f"{family}: the masked image changes no token"
+    params_ = [p for p in vppo.model.parameters() if p.requires_grad]
+    grad = lambda loss: torch.cat(  # noqa: E731
+        [g.reshape(-1) for g in torch.autograd.grad(loss, params_, allow_unused=True, materialize_grads=True)]
+    )
+    official = grad(vppo._compute_loss(vppo.model, batch))
+    assert vppo._metrics["train"]["vppo/kept_token_share"][-1] <= 0.4 + len(mask) / mask.sum().item()
+    vppo.args.vppo_token_fraction, vppo.args.vppo_advantage_scale_min = 1.0, 1.0
+    reduced, parent = vppo._compute_loss(vppo.model, batch), GRPOTrainer._compute_loss(vppo, vppo.model, batch)
+    assert torch.equal(reduced, parent), (reduced.item(), parent.item())
+    parent_grad = grad(parent)
+    assert parent_grad.norm() > 0 and (grad(reduced) - parent_grad).norm() <= 1e-6 * parent_grad.norm()
+    assert (official - parent_grad).norm() > 5e-2 * parent_grad.norm()
 
 
 @pytest.mark.model

@@ -9,6 +9,7 @@ choices and rule), so a field added to the config is a parameter at once and the
 
 from __future__ import annotations
 
+from dataclasses import fields
 from pathlib import Path
 from typing import Any, Literal, get_type_hints
 
@@ -22,9 +23,11 @@ from pydantic import (
     ValidationError,
     create_model,
     field_validator,
+    model_validator,
 )
 
 from papo_nb.papo.papo_config import PAPOGConfig, papo_field_problem, papo_fields
+from papo_nb.papo.vppo.vppo_config import VPPO_FIELD_RULES, VPPO_FIXED, VPPOConfig, vppo_field_problem
 from papo_nb.workbook.config.batch_layout import batch_layout, check_batches
 
 
@@ -55,6 +58,12 @@ def _papo_param_fields() -> dict[str, tuple]:
 
 
 PAPO_PARAM_FIELDS = _papo_param_fields()
+# VPPOConfig's own fields (the token fraction, the advantage band), derived the same way; set only with method 'vppo'.
+VPPO_PARAM_FIELDS = {
+    f.name: (get_type_hints(VPPOConfig)[f.name], Field(f.default, description=f.metadata["help"]))
+    for f in fields(VPPOConfig)
+    if f.name in VPPO_FIELD_RULES
+}
 
 
 class _StrictParams(BaseModel):
@@ -69,12 +78,42 @@ def _papo_rule(cls, value, info):
     return value
 
 
+def _vppo_rule(cls, value, info):
+    """VPPOConfig's own rule for the field (vppo_config.VPPO_FIELD_RULES)."""
+    problem = vppo_field_problem(info.field_name, value)
+    if problem:
+        raise ValueError(problem)
+    return value
+
+
+def _vppo_fixed(self):
+    """With method 'vppo', the PAPO-G fields VPPO cannot take another value of (before any model loads)."""
+    if self.method == "vppo":
+        for name, (value, why) in VPPO_FIXED.items():
+            if getattr(self, name) != value:
+                raise ValueError(
+                    f"parameter {name!r} = {getattr(self, name)!r} with method 'vppo': {why}; allowed: {value!r}"
+                )
+    return self
+
+
 PAPOParams = create_model(
     "PAPOParams",
     __base__=_StrictParams,
-    __doc__="The PAPO-G parameters, derived from PAPOGConfig.",
-    __validators__={"papo_rule": field_validator(*PAPO_PARAM_FIELDS)(_papo_rule)},
+    __doc__="The PAPO-G parameters, derived from PAPOGConfig, and VPPO's, derived from VPPOConfig.",
+    __validators__={
+        "papo_rule": field_validator(*PAPO_PARAM_FIELDS)(_papo_rule),
+        "vppo_rule": field_validator(*VPPO_PARAM_FIELDS)(_vppo_rule),
+        "vppo_fixed": model_validator(mode="after")(_vppo_fixed),
+    },
+    method=(
+        Literal["papo_g", "vppo"],
+        Field(
+            "papo_g", description="'papo_g' (PAPOGTrainer; gamma 0 is GRPO) or 'vppo' (VPPOTrainer, arXiv 2510.09285)"
+        ),
+    ),
     **PAPO_PARAM_FIELDS,
+    **VPPO_PARAM_FIELDS,
 )
 
 
@@ -176,6 +215,11 @@ class WorkbookParams(PAPOParams):
     study_eval_samples: int = Field(
         4, ge=1, le=64, description="k of the held-out avg@k at temperature 1.0 (paper: avg@8)"
     )
+    study_vppo: bool = Field(
+        False,
+        description="also train a VPPO arm at every study seed (method 'vppo' at gamma 0 with vppo_token_fraction "
+        "and vppo_advantage_scale_min; everything else as the GRPO arm), paired with GRPO and PAPO-G",
+    )
     study_report_dir: str = Field(
         "", description="folder the study writes its results page into (docs/study/<name>); empty: none"
     )
@@ -198,7 +242,7 @@ class WorkbookParams(PAPOParams):
     recipe: str = Field(
         "",
         description="official recipe whose preset supplies the PAPOGConfig fields not exposed here (papo_g_3b, "
-        "papo_g_7b, papo_g_no_kl_ref, grpo_3b, grpo_7b); empty: none",
+        "papo_g_7b, papo_g_no_kl_ref, grpo_3b, grpo_7b, vppo_7b); empty: none",
     )
     dataset_schema: Literal["shapes", "official"] = Field(
         "shapes",
@@ -263,7 +307,9 @@ class WorkbookParams(PAPOParams):
 
 
 def _describe(error: dict[str, Any], source: str) -> str:
-    key = ".".join(str(p) for p in error["loc"]) or "<root>"
+    if not error["loc"]:  # a check across fields (method 'vppo'): its message names the parameter
+        return f"{source}: {error['msg'].removeprefix('Value error, ')}"
+    key = ".".join(str(p) for p in error["loc"])
     value = error.get("input")
     if error["type"] == "extra_forbidden":
         allowed = ", ".join(sorted(WorkbookParams.model_fields))

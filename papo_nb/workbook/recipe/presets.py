@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 from papo_nb.papo.recipes import RECIPES, recipe
+from papo_nb.papo.vppo.recipes import VPPO_RECIPES
 
 # GRPO baselines: the PAPO-G preset of the same size with the perception and double-entropy terms off (sh3g:21 uses
 # cfg, which has no perception term). sh7g:21 loads config_grpo_papo.yaml without turning its perception term
@@ -24,13 +25,15 @@ BASELINES = {"grpo_3b": "papo_g_3b", "grpo_7b": "papo_g_7b"}
 # C = 3 (actor:91 clip_ratio_dual, applied for negative advantages, core_algos.py compute_policy_loss), which TRL's
 # `delta` reproduces (it caps the ratio at 3; with advantage > 0 the 1 + epsilon_high clip binds first anyway).
 ACTOR_EXTRAS = {"delta": 3.0}
-RECIPE_NAMES = ("", *RECIPES, *BASELINES)
+RECIPE_NAMES = ("", *RECIPES, *BASELINES, *VPPO_RECIPES)
 
 
 def recipe_fields(name: str) -> dict[str, Any]:
     """PAPOGConfig fields of a named recipe (the preset, the baseline switch, the actor extras)."""
     if name in BASELINES:
         return {**recipe(BASELINES[name]), **GRPO_OFF, **ACTOR_EXTRAS}
+    if name in VPPO_RECIPES:  # huaixuheqing/VPPO-RL runs on the same EasyR1 actor: the same dual clip
+        return {**VPPO_RECIPES[name], **ACTOR_EXTRAS}
     if name not in RECIPES:
         raise ValueError(
             f"parameter 'recipe' = {name!r}: unknown; allowed: {', '.join(repr(n) for n in RECIPE_NAMES)}"

@@ -5,7 +5,8 @@ everything but gamma equal. The sweep design has three: GRPO (gamma = 0), PAPO-G
 (``perception_loss_weight``), and PAPO-G at the smallest gamma of a logged sweep (``study_collapse_gammas``, every
 seed) that the collapse detector flags on most seeds; the sweep with GRPO and the recipe's gamma is the study's
 dose-response (``workbook.study.dose``). The calibrated design searches the collapse gamma on one seed and runs
-PAPO-G at fractions of it (``workbook.study.search``), with the warm start's own scores as step 0.
+PAPO-G at fractions of it (``workbook.study.search``), with the warm start's own scores as step 0. Either design
+adds a VPPO arm (``VPPOTrainer`` at gamma 0, everything else as GRPO) at every seed when ``study_vppo`` is set.
 Every (arm, seed) is an MLflow run nested under the notebook's run, with its per-step training metrics, its
 held-out evaluation and the collapse verdict. Seeds pair the arms: the same seed gives the same training data,
 sampling and masks in every arm, and all runs are scored on one held-out set.
@@ -36,6 +37,7 @@ from papo_nb.workbook.training.builder import EVAL_SEED_OFFSET, load_datasets, l
 from papo_nb.workbook.training.completions import log_completions
 
 GRPO, PAPO_G, PAPO_G_COLLAPSE = "grpo", "papo_g", "papo_g_collapse"
+VPPO = "vppo"  # with study_vppo: VPPOTrainer at gamma 0 (token filtering and advantage shaping), else as GRPO
 SWEEP, SEARCH = "sweep", "search"
 CONTROL_SEARCH = "control_search"  # the matched controls' search runs (and the target's), on the search seed
 CONSISTENT_SEED_OFFSET = 1  # the in-distribution held-out items: a stream of their own
@@ -43,6 +45,7 @@ CONSISTENT_SEED_OFFSET = 1  # the in-distribution held-out items: a stream of th
 # tab:red and tab:gray, and for the calibrated design's fraction arms tab:purple, tab:brown and tab:pink.
 ARM_COLOURS = {
     GRPO: "#1f77b4", PAPO_G: "#2ca02c", PAPO_G_COLLAPSE: "#d62728", SWEEP: "#7f7f7f", SEARCH: "#7f7f7f",
+    VPPO: "#bcbd22",  # tab:olive
     **dict(zip(map(fraction_arm, FRACTION_NAMES), ("#9467bd", "#8c564b", "#e377c2"))),
 }  # fmt: skip
 OTHER_ARM_COLOUR = "#17becf"  # tab:cyan: a fraction arm without a name of its own
@@ -56,6 +59,8 @@ STEP_METRICS = (
     "masked_entropy",
     "clip_ratio/high_mean",
     "perception_gamma",
+    "vppo/kept_token_share",
+    "vppo/advantage_scale_max",
 )
 
 
@@ -200,6 +205,8 @@ def run_one(
     (``collapse.heldout_verdict``)."""
     overrides = overrides or {}
     run_params = params.model_copy(update={"seed": seed, "perception_loss_weight": gamma, **overrides})
+    if arm == VPPO:
+        run_params = run_params.model_copy(update={"method": "vppo"})
     start = time.perf_counter()
     parent = mlflow.active_run()
     # nested=True alone files the child in the default experiment; it belongs beside its parent
@@ -300,7 +307,7 @@ def _sweep_study(params: WorkbookParams, train, data, log) -> Study:
     study.collapse_gamma = flagged[0] if flagged else max(by_gamma)
     _record_collapse_gamma(study)
     for seed in seeds:
-        for arm, gamma in ((GRPO, 0.0), (PAPO_G, params.perception_loss_weight)):
+        for arm, gamma, _ in ((GRPO, 0.0, {}), (PAPO_G, params.perception_loss_weight, {}), *_vppo_arm(params)):
             run = train(arm, seed, gamma)
             study.runs.append(run)
             log(f"{arm} seed={seed}: avg_at_k {run.scores['avg_at_k/original/all']:.3f}, {run.seconds:.0f} s")
@@ -333,6 +340,7 @@ def _calibrated_study(params: WorkbookParams, train, data, log) -> Study:
     arms += [(fraction_arm(f), float(f"{f * study.collapse_gamma:.4g}"), {}) for f in params.study_gamma_fractions]
     study.controls = _match_controls(params, train, search_seed, strongest=arms[-1], log=log)
     arms += [(m.arm, 0.0, {CONTROL_PARAMS[m.arm]: m.value}) for m in study.controls]
+    arms[1:1] = _vppo_arm(params)
     for seed in seeds:
         if seed not in grpo:
             grpo[seed] = train(GRPO, seed, 0.0)
@@ -367,6 +375,11 @@ def _match_controls(params: WorkbookParams, train, seed: int, strongest: tuple, 
         matches.append(match_control(control, list(ladder), target, control_reward))
         log(f"{control}: {knob} {matches[-1].value:g}, end reward {matches[-1].margin:+.3f} from the target")
     return matches
+
+
+def _vppo_arm(params: WorkbookParams) -> list[tuple[str, float, dict]]:
+    """The VPPO arm (gamma 0) where ``study_vppo`` asks for it: everything else as GRPO's, paired over the seeds."""
+    return [(VPPO, 0.0, {})] if params.study_vppo else []
 
 
 def _start_scores(params: WorkbookParams, data) -> dict[str, float]:

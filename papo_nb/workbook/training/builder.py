@@ -11,11 +11,12 @@ from pathlib import Path
 import torch
 
 from papo_nb.papo import PAPOGConfig, PAPOGTrainer
+from papo_nb.papo.vppo import VPPOConfig, VPPOTrainer
 from papo_nb.testbed.models import load_vlm, vision_special_token_ids
 from papo_nb.testbed.perception import task_datasets, testbed_name
 from papo_nb.testbed.rewards import accuracy_reward, format_reward
 from papo_nb.testbed.shapes import load_vlm_dataset, make_shapes_dataset
-from papo_nb.workbook.config.params import PAPO_PARAM_FIELDS, WorkbookParams
+from papo_nb.workbook.config.params import PAPO_PARAM_FIELDS, VPPO_PARAM_FIELDS, WorkbookParams
 from papo_nb.workbook.config.paths import resolve_device, resolve_model_path
 from papo_nb.workbook.recipe import presets as recipe_presets
 from papo_nb.workbook.recipe import reward as math_reward
@@ -64,8 +65,8 @@ def load_datasets(params: WorkbookParams):
 def papo_config(
     params: WorkbookParams, output_dir: str | Path, processor, *, report_to: str = "none", **overrides
 ) -> PAPOGConfig:
-    """A PAPOGConfig carrying every training parameter of the workbook; the PAPO-G fields pass through by name
-    (``PAPO_PARAM_FIELDS`` is derived from PAPOGConfig), so none is lost on the way."""
+    """A PAPOGConfig (a VPPOConfig with ``method='vppo'``) carrying every training parameter of the workbook; the
+    PAPO-G and VPPO fields pass through by name (derived from the configs), so none is lost on the way."""
     on_gpu = resolve_device(params) == "cuda"
     settings = dict(
         output_dir=str(output_dir),
@@ -98,9 +99,12 @@ def papo_config(
         activation_checkpointing=params.finetuning == "full" and on_gpu,
     )
     if params.dataset_schema == "official":
-        settings["reward_weights"] = list(math_reward.REWARD_WEIGHTS)  # 0.9 accuracy + 0.1 format (math.py:43)
+        # 0.9 accuracy + 0.1 format (math.py:43), unless the recipe weighs them (VPPO: accuracy alone)
+        settings.setdefault("reward_weights", list(math_reward.REWARD_WEIGHTS))
+    if params.method == "vppo":  # VPPOConfig: PAPOGConfig plus the token fraction and the advantage band
+        settings.update({name: getattr(params, name) for name in VPPO_PARAM_FIELDS})
     settings.update(overrides)
-    return PAPOGConfig(**settings)
+    return (VPPOConfig if params.method == "vppo" else PAPOGConfig)(**settings)
 
 
 LORA_TARGETS = ("q_proj", "v_proj")
@@ -129,10 +133,9 @@ def lora_config(params: WorkbookParams, model=None):
     )
 
 
-def build_trainer(
-    params: WorkbookParams, args: PAPOGConfig, model, processor, train_dataset, *, trainer_cls=PAPOGTrainer
-):
-    """A PAPO-G trainer; a plain model gets a fresh LoRA adapter (or, ``finetuning='full'``, trains every weight,
+def build_trainer(params: WorkbookParams, args: PAPOGConfig, model, processor, train_dataset, *, trainer_cls=None):
+    """A PAPO-G trainer (``trainer_cls`` None: VPPOTrainer with ``method='vppo'``, else PAPOGTrainer); a plain
+    model gets a fresh LoRA adapter (or, ``finetuning='full'``, trains every weight,
     the vision tower too unless ``freeze_vision_tower``), a PeftModel is trained as it is."""
     from peft import PeftModel
 
@@ -146,6 +149,7 @@ def build_trainer(
     # TRL draws a fresh LoRA adapter from the global RNG before Trainer.__init__ seeds it: seed here, or phase 1 of
     # every workbook starts from a different adapter in every process.
     torch.manual_seed(params.seed)
+    trainer_cls = trainer_cls or (VPPOTrainer if params.method == "vppo" else PAPOGTrainer)
     return trainer_cls(
         model=model,
         processing_class=processor,
