@@ -102,3 +102,15 @@ def test_a_full_device_is_recognised_however_the_writer_reports_it():
     wrapped.__cause__ = raw.value
     assert disk_full_cause(wrapped) == "ENOSPC"
     assert disk_full_cause(ValueError("a shape mismatch")) is None
+
+
+def test_a_line_a_killed_process_left_half_written_is_dropped_and_the_rest_delivered(sqlite_run, tmp_path):
+    uri, client, run_id = sqlite_run
+    spool = TrackingSpool(tmp_path / "run", run_id, uri, start=False)
+    spool.log_metrics({"loss": 0.5}, step=1)
+    with spool.journal_path.open("a") as f:
+        f.write('{"seq": 2, "method": "log_ba')  # SIGKILL in the middle of a write
+    resumed = TrackingSpool(tmp_path / "run", run_id, uri)
+    resumed.log_metrics({"loss": 0.25}, step=2)
+    assert resumed.close(timeout=60) == 0 and resumed.seq == 2
+    assert [(m.step, m.value) for m in client.get_metric_history(run_id, "loss")] == [(1, 0.5), (2, 0.25)]

@@ -282,13 +282,17 @@ def write_cursor(folder: Path, seq: int, offset: int) -> None:
 
 
 def last_seq(journal: Path) -> int:
+    """The last call's number in ``journal``; a line a killed process left half-written is cut off first."""
     if not journal.is_file():
         return 0
-    last = 0
+    last, complete = 0, 0
     with journal.open("rb") as f:
         for line in f:
-            if line.endswith(b"\n"):
-                last = json.loads(line)["seq"]
+            if not line.endswith(b"\n"):
+                break
+            last, complete = json.loads(line)["seq"], complete + len(line)
+    if complete != journal.stat().st_size:
+        os.truncate(journal, complete)
     return last
 
 
