@@ -269,7 +269,7 @@ def test_a_full_disk_during_a_checkpoint_leaves_the_previous_one_to_resume_from(
     out, filler = small_disk / "run", small_disk / "filler"
 
     def run(mode: str) -> Train:
-        command = [sys.executable, "-c", DRIVER, str(SMOKE), *overrides(), str(out), mode]
+        command = [sys.executable, "-c", DRIVER, str(SMOKE), *overrides(2 * SAVE_STEPS), str(out), mode]
         return Train(command, f"sqlite:///{tmp_path}/mlflow.db")
 
     train = run("fresh")
@@ -283,6 +283,6 @@ def test_a_full_disk_during_a_checkpoint_leaves_the_previous_one_to_resume_from(
     filler.unlink()
     resumed = run("resume")
     assert resumed.finish() == 0, resumed.text[-4000:]
-    assert min(resumed.step_times()) == SAVE_STEPS + 1 and resumed.last_step() == MAX_STEPS
+    assert min(resumed.step_times()) == SAVE_STEPS + 1 and resumed.last_step() == 2 * SAVE_STEPS
     evidence = json.loads((out / "resume_evidence.json").read_text())
     assert evidence["checkpoint"] == str(out / f"checkpoint-{SAVE_STEPS}")

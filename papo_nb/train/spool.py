@@ -214,9 +214,10 @@ class TrackingSpool:
         self.closing = True
         with self.wake:
             self.wake.notify()
-        self.worker.join(timeout)
-        self.stopped = True
-        self.worker.join(max(float(FAST_FAILING_HTTP["MLFLOW_HTTP_REQUEST_TIMEOUT"]) + 1, 1))
+        if self.worker.ident is not None:  # started
+            self.worker.join(timeout)
+            self.stopped = True
+            self.worker.join(float(FAST_FAILING_HTTP["MLFLOW_HTTP_REQUEST_TIMEOUT"]) + 1)
         left = self.pending
         if left:
             run_dir = self.dir.parent
