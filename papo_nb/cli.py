@@ -223,7 +223,8 @@ def _cmd_train(subparsers: Subparsers) -> None:
         "accelerate launch; it can also be started by accelerate launch (-m papo_nb.cli train ...). A killed run "
         "continues with --resume from its last complete checkpoint, in the same MLflow run. Exit codes: 0 trained, "
         "1 training failed, 2 bad parameters or a refused run (an existing run without --resume, or a resume whose "
-        "parameters differ).",
+        "parameters differ), 74 a full disk (the last complete checkpoint is the resume point), 75 stopped by SIGTERM "
+        "or SIGUSR1 at a marked checkpoint (continue with --resume); docs/scale-out.md.",
     )
     _add_params_arguments(p)
     p.add_argument(
@@ -257,6 +258,26 @@ def _cmd_train(subparsers: Subparsers) -> None:
     p.set_defaults(handler=handler)
 
 
+def _cmd_sync(subparsers: Subparsers) -> None:
+    p = subparsers.add_parser(
+        "sync",
+        help="deliver a run's spooled MLflow logging (kept while the tracking server was unreachable)",
+        description="Deliver, in order and with their original steps and timestamps, the MLflow calls a run kept in "
+        "RUN_DIR/mlflow_spool because its tracking store did not answer before the run ended. Delivering twice "
+        "logs nothing twice. Exit codes: 0 all delivered, 1 the store stayed unreachable, 2 no spool in RUN_DIR.",
+    )
+    p.add_argument("run_dir", metavar="RUN_DIR", help="the run's --output-dir")
+    p.add_argument("--tracking-uri", default="", help="deliver to this store (default: the one in run_info.json)")
+    p.add_argument("--timeout", type=float, default=300.0, help="seconds to keep retrying an unreachable store")
+
+    def handler(args: argparse.Namespace) -> int:
+        from papo_nb.train.spool import sync_command
+
+        return sync_command(args.run_dir, args.tracking_uri, args.timeout)
+
+    p.set_defaults(handler=handler)
+
+
 def _cmd_bench(subparsers: Subparsers) -> None:
     # Arguments pass through to papo_nb.bench.main (which imports torch), so other subcommands stay fast to start.
     p = subparsers.add_parser(
@@ -273,7 +294,15 @@ def _cmd_bench(subparsers: Subparsers) -> None:
     p.set_defaults(handler=handler, passthrough_allowed=True)
 
 
-SUBCOMMANDS: list[Callable[[Subparsers], None]] = [_cmd_env, _cmd_run, _cmd_ui, _cmd_lab, _cmd_train, _cmd_bench]
+SUBCOMMANDS: list[Callable[[Subparsers], None]] = [
+    _cmd_env,
+    _cmd_run,
+    _cmd_ui,
+    _cmd_lab,
+    _cmd_train,
+    _cmd_sync,
+    _cmd_bench,
+]
 
 
 # --------------------------------------------------------------------------------------------

@@ -246,17 +246,21 @@ def _metric_leaves(evidence: dict, prefix: str) -> dict[str, float]:
     return metrics
 
 
-def log_evidence(name: str, evidence: dict, prefix: str | None = None, step: int | None = None) -> dict[str, float]:
+def log_evidence(
+    name: str, evidence: dict, prefix: str | None = None, step: int | None = None, tracker: Any = None
+) -> dict[str, float]:
     """Log ``evidence`` to the active run as ``evidence/<name>.json`` and its numeric leaves as metrics.
 
     Metric names are ``<prefix>/<key>[/<subkey>...]`` (prefix defaults to ``name``). NaN/inf values are
-    kept, as strings, only in the JSON. Returns the metrics logged.
+    kept, as strings, only in the JSON. ``tracker`` stands in for the ``mlflow`` module (a run's spool,
+    ``papo_nb.train.spooled_tracking.SpooledFluent``). Returns the metrics logged.
     """
+    tracker = tracker or mlflow
     plain = json_safe(evidence)
-    mlflow.log_dict(plain, f"evidence/{name}.json")
+    tracker.log_dict(plain, f"evidence/{name}.json")
     metrics = _metric_leaves(plain, _metric_safe(prefix or name))
     if metrics:
-        mlflow.log_metrics(metrics, step=step)
+        tracker.log_metrics(metrics, step=step)
     return metrics
 
 

@@ -59,22 +59,23 @@ def write_start_files(plan: RunPlan, params: WorkbookParams, run_id: str, attemp
     return run_info
 
 
-def log_start(params: WorkbookParams, start: dict, attempt: dict, attempts: int, first: bool) -> None:
-    """The start record, parameters and standard tags into the active MLflow run; a re-attached run gets the
-    attempt (``train/attempt-N.json``) instead."""
+def log_start(params: WorkbookParams, start: dict, attempt: dict, attempts: int, first: bool, tracker=None) -> None:
+    """The start record, parameters and standard tags into the active MLflow run (through ``tracker``, the ``mlflow``
+    module or a run's spool); a re-attached run gets the attempt (``train/attempt-N.json``) instead."""
     import mlflow
     import trl
 
     from papo_nb.infra.tracking import log_evidence
     from papo_nb.papo.contract import PAPO_ADAPTER_VERSION
 
+    tracker = tracker or mlflow
     if not first:
-        mlflow.log_dict(attempt, f"train/attempt-{attempts}.json")
-        mlflow.set_tag("papo_nb.attempts", str(attempts))
+        tracker.log_dict(attempt, f"train/attempt-{attempts}.json")
+        tracker.set_tag("papo_nb.attempts", str(attempts))
         return
-    log_evidence("start", start, prefix="start")
-    mlflow.log_dict(params.model_dump(mode="json"), "train/params.json")
-    mlflow.set_tags(
+    log_evidence("start", start, prefix="start", tracker=tracker)
+    tracker.log_dict(params.model_dump(mode="json"), "train/params.json")
+    tracker.set_tags(
         {
             "papo_nb.adapter_version": PAPO_ADAPTER_VERSION,
             "papo_nb.trl_version": trl.__version__,
@@ -89,15 +90,15 @@ def write_summary(output_dir: Path, summary: dict) -> None:
     write_json(output_dir / SUMMARY_FILE, summary)
 
 
-def log_probe(trainer, probe: dict | None, same_on_all_ranks: bool) -> None:
+def log_probe(trainer, probe: dict | None, same_on_all_ranks: bool, tracker=None) -> None:
     """The probe's final evidence (``evidence/probe.json``, ``figures/probe.png``, headline ``probe_final/*`` metrics)
-    and its status tags."""
+    and its status tags, through ``tracker`` (the ``mlflow`` module by default)."""
     if probe is None:
         return
     from papo_nb.workbook.results.probe_record import log_probe_evidence
 
-    log_probe_evidence({**probe, "same_on_all_ranks": same_on_all_ranks}, prefix="probe_final")
-    tag_probe_status(trainer)
+    log_probe_evidence({**probe, "same_on_all_ranks": same_on_all_ranks}, prefix="probe_final", tracker=tracker)
+    tag_probe_status(trainer, tracker)
 
 
 def training_phase(params: WorkbookParams) -> str:
@@ -124,7 +125,7 @@ def start_record(params: WorkbookParams, trainer, restored: RestoredAdapter | No
     }
 
 
-def tag_probe_status(trainer) -> str | None:
+def tag_probe_status(trainer, tracker=None) -> str | None:
     """Tag the active MLflow run ``papo_nb.probe_status`` with the in-training probe's status ("passed",
     "underpowered", "pending", ...) and, when underpowered, ``papo_nb.probe_warning`` with its message, so the
     warning shows next to the run; returns the status (None without a probe or evidence)."""
@@ -133,8 +134,9 @@ def tag_probe_status(trainer) -> str | None:
         return None
     import mlflow
 
+    tracker = tracker or mlflow
     if mlflow.active_run() is not None:
-        mlflow.set_tag(PROBE_STATUS_TAG, evidence.status)
+        tracker.set_tag(PROBE_STATUS_TAG, evidence.status)
         if evidence.status == "underpowered":
-            mlflow.set_tag(PROBE_WARNING_TAG, evidence.message[:MLFLOW_TAG_LIMIT])
+            tracker.set_tag(PROBE_WARNING_TAG, evidence.message[:MLFLOW_TAG_LIMIT])
     return evidence.status

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from papo_nb.train.disk_full import DISK_FULL_EXIT, DiskFull, disk_full_cause, set_aside_partial
 from papo_nb.train.distributed import (
     launch_distributed,
     process_rank,
@@ -27,6 +28,8 @@ from papo_nb.train.distributed import (
     under_launcher,
 )
 from papo_nb.train.plan import RunPlan, plan_run
+from papo_nb.train.preemption import PREEMPTED_EXIT, Preempted, PreemptionCallback
+from papo_nb.train.probe_state import ProbeStateCallback, restore_probe
 from papo_nb.train.records import (
     log_probe,
     log_start,
@@ -38,6 +41,8 @@ from papo_nb.train.records import (
 from papo_nb.train.request import RunRequest
 from papo_nb.train.resume import resume_callback
 from papo_nb.train.run_folder import PROGRESS_PREFIX, LaunchError, LaunchFailed
+from papo_nb.train.spool import TrackingSpool
+from papo_nb.train.spooled_tracking import SpooledFluent, close_spool, open_spool, route_through_spool
 from papo_nb.workbook.config.params import ParamsError, WorkbookParams, load_params, preflight_problems
 from papo_nb.workbook.training.builder import prepare_training
 from papo_nb.workbook.training.checkpoints import CHECKPOINT_PREFIX, describe_reference, latest_checkpoint
@@ -159,30 +164,52 @@ def train_here(request: RunRequest, report_to: str) -> TrainOutcome:
     # Everything above only read the folder, on every rank, so every rank decided alike. Below, rank 0 writes; the
     # other ranks wait for it at a barrier (the process group exists once the trainer is built).
     use_mlflow = report_to == "mlflow" and is_main
-    status, owns_run = "FAILED", False
+    status, owns_run, spool, guard = "FAILED", False, None, None
     with params_logged_once(use_mlflow and plan.reattached):
         try:
             trainer, eval_dataset, start = run_trainer(request, plan, report_to, is_main)
             trainer.accelerator.wait_for_everyone()
             run_id = request.mlflow_run_id or plan.run_info.get("mlflow_run_id", "")
             if is_main:
-                run_id, owns_run = record_start(plan, params, start, run_id, request.tracking_uri, use_mlflow)
+                run_id, owns_run, spool = record_start(plan, params, start, run_id, request.tracking_uri, use_mlflow)
+                guard = route_through_spool(trainer, spool) if spool is not None else None
             trainer.accelerator.wait_for_everyone()
-            trainer.train(resume_from_checkpoint=str(plan.checkpoint) if plan.checkpoint else None)
-            outcome = record_end(params, plan, trainer, start, run_id, use_mlflow, is_main)
+            train_to_the_end(trainer, plan, is_main)
+            tracker = SpooledFluent(spool) if spool is not None else None
+            outcome = record_end(params, plan, trainer, start, run_id, use_mlflow, is_main, tracker)
             outcome.eval_dataset = eval_dataset
             status = "FINISHED"
             if params.num_processes > 1:
                 trainer.accelerator.end_training()  # destroys the process group: a clean exit for every rank
             return outcome
-        except KeyboardInterrupt:
+        except (KeyboardInterrupt, Preempted):
             status = "KILLED"
             raise
         finally:
-            if owns_run:
+            if spool is not None:
+                close_spool(spool, status, guard, end_run=owns_run)
+            elif owns_run:
                 import mlflow
 
                 mlflow.end_run(status=status)
+
+
+def train_to_the_end(trainer, plan: RunPlan, is_main: bool) -> None:
+    """``trainer.train`` from the plan's checkpoint. Raises Preempted when a preemption signal stopped it at a marked
+    checkpoint, DiskFull when a write failed for lack of space (partial checkpoints set aside)."""
+    preemption = PreemptionCallback(trainer.accelerator)
+    trainer.add_callback(preemption)
+    try:
+        trainer.train(resume_from_checkpoint=str(plan.checkpoint) if plan.checkpoint else None)
+    except Exception as exc:
+        cause = disk_full_cause(exc)
+        if cause is None:
+            raise
+        raise set_aside_partial(plan.output_dir, cause) if is_main else DiskFull(cause) from exc
+    trainer.accelerator.wait_for_everyone()
+    preempted = preemption.mark(plan.output_dir, is_main)
+    if preempted is not None:
+        raise preempted
 
 
 def run_trainer(request: RunRequest, plan: RunPlan, report_to: str, is_main: bool):
@@ -193,6 +220,10 @@ def run_trainer(request: RunRequest, plan: RunPlan, report_to: str, is_main: boo
     refuse_unsupported(trainer)
     start = start_record(request.params, trainer, restored, describe_reference(trainer))
     trainer.add_callback(progress_callback())
+    if getattr(trainer, "probe", None) is not None:
+        trainer.add_callback(ProbeStateCallback(trainer.probe))
+        if plan.checkpoint is not None:
+            restore_probe(trainer.probe, plan.checkpoint)
     if plan.checkpoint is not None:
         trainer.add_callback(resume_callback(trainer, plan.checkpoint, is_main, request.output_dir))
     return trainer, eval_dataset, start
@@ -217,10 +248,10 @@ def finished_outcome(plan: RunPlan) -> TrainOutcome:
 
 def record_start(
     plan: RunPlan, params: WorkbookParams, start: dict, run_id: str, tracking_uri: str | None, use_mlflow: bool
-) -> tuple[str, bool]:
-    """Rank 0, before the first step: attach the MLflow run, write the folder's start files, log the start.
-    Returns (MLflow run id, whether this call started the run)."""
-    owns_run, store = False, ""
+) -> tuple[str, bool, TrackingSpool | None]:
+    """Rank 0, before the first step: attach the MLflow run, write the folder's start files, open the run's tracking
+    spool and log the start into it. Returns (MLflow run id, whether this call started the run, the spool)."""
+    owns_run, store, spool = False, "", None
     if use_mlflow:
         import mlflow
 
@@ -229,15 +260,24 @@ def record_start(
     attempt = plan.attempt(params)
     run_info = write_start_files(plan, params, run_id, attempt, store)
     if use_mlflow:
-        log_start(params, start, attempt, len(run_info["attempts"]), first=not plan.reattached)
-    return run_id, owns_run
+        spool = open_spool(plan.output_dir, run_id)
+        tracker = SpooledFluent(spool)
+        log_start(params, start, attempt, len(run_info["attempts"]), first=not plan.reattached, tracker=tracker)
+    return run_id, owns_run, spool
 
 
 def record_end(
-    params: WorkbookParams, plan: RunPlan, trainer, start: dict, run_id: str, use_mlflow: bool, is_main: bool
+    params: WorkbookParams,
+    plan: RunPlan,
+    trainer,
+    start: dict,
+    run_id: str,
+    use_mlflow: bool,
+    is_main: bool,
+    tracker=None,
 ) -> TrainOutcome:
     """After the last step: the probe's evidence (checked identical on every rank), the summary and, on rank 0 with
-    MLflow, the probe's evidence and status tags."""
+    MLflow, the probe's evidence and status tags (through ``tracker``, the run's spool)."""
     probe = trainer.probe.evidence.to_dict() if trainer.probe is not None and trainer.probe.evidence else None
     probe_same, metrics_same = same_on_all_ranks(trainer, probe)
     last = latest_checkpoint(plan.output_dir)
@@ -270,7 +310,7 @@ def record_end(
         }
         write_summary(plan.output_dir, summary)
         if use_mlflow:
-            log_probe(trainer, probe, probe_same)
+            log_probe(trainer, probe, probe_same, tracker)
     if not probe_same:
         raise RuntimeError("the gamma-zero probe's evidence differs between ranks: its reductions are broken")
     return outcome
@@ -299,9 +339,11 @@ def train_command(
     resume: bool = False,
     force_resume: bool = False,
     mlflow_run_id: str = "",
+    report_to: str = "mlflow",
 ) -> int:
-    """The body of ``papo-nb train``. Exit codes: 0 trained, 1 training failed, 2 bad parameters or a refused run
-    (a launched job that fails exits with its own code)."""
+    """The body of ``papo-nb train``. Exit codes: 0 trained, 1 training failed, 2 bad parameters or a refused run,
+    74 a full disk (DiskFull), 75 stopped by SIGTERM or SIGUSR1 at a marked checkpoint (Preempted); a launched job
+    that fails exits with its own code."""
     try:
         params = load_params(params_file, overrides)
     except ParamsError as exc:
@@ -313,7 +355,12 @@ def train_command(
         return 2
     try:
         outcome = run_training(
-            params, output_dir, resume=resume, force_resume=force_resume, mlflow_run_id=mlflow_run_id
+            params,
+            output_dir,
+            resume=resume,
+            force_resume=force_resume,
+            mlflow_run_id=mlflow_run_id,
+            report_to=report_to,
         )
     except LaunchError as exc:
         print(f"papo-nb train: error: {exc}", file=sys.stderr)
@@ -321,6 +368,12 @@ def train_command(
     except LaunchFailed as exc:
         print(f"{PROGRESS_PREFIX} {exc}", file=sys.stderr)
         return exc.returncode
+    except Preempted as exc:
+        print(f"{PROGRESS_PREFIX} {exc}", file=sys.stderr, flush=True)
+        return PREEMPTED_EXIT
+    except DiskFull as exc:
+        print(f"papo-nb train: error: {exc}", file=sys.stderr, flush=True)
+        return DISK_FULL_EXIT
     if process_rank() == 0:
         print(
             f"{PROGRESS_PREFIX} done at step {outcome.global_step}; last checkpoint {outcome.last_checkpoint}; "

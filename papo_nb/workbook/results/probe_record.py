@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import warnings
 
 import mlflow
 from matplotlib.figure import Figure
@@ -64,15 +65,20 @@ def plot_probe(evidence: dict) -> Figure | None:
     return fig
 
 
-def log_probe_evidence(evidence: dict, prefix: str) -> dict[str, float]:
+def log_probe_evidence(evidence: dict, prefix: str, tracker=None) -> dict[str, float]:
     """Log the probe's evidence to the active run: the whole of it as ``evidence/probe.json``, its figure as
-    ``figures/probe.png`` and ``probe_headlines`` as metrics (returned)."""
+    ``figures/probe.png`` and ``probe_headlines`` as metrics (returned), through ``tracker`` (the ``mlflow`` module by
+    default; a training run's spool, which journals the JSON and the metrics but draws no figure)."""
+    tracker = tracker or mlflow
     plain = json.loads(json.dumps(evidence, default=str))  # tensors or dtypes, if any, as text
-    mlflow.log_dict(plain, "evidence/probe.json")
+    tracker.log_dict(plain, "evidence/probe.json")
     figure = plot_probe(plain)
     if figure is not None:
-        mlflow.log_figure(figure, "figures/probe.png")
+        try:
+            tracker.log_figure(figure, "figures/probe.png")
+        except Exception as exc:  # noqa: BLE001 - a figure drawn from the JSON must not end a run that logged the JSON
+            warnings.warn(f"figures/probe.png not logged ({exc}); evidence/probe.json has its numbers", stacklevel=2)
     metrics = probe_headlines(plain, prefix)
     if metrics:
-        mlflow.log_metrics(metrics)
+        tracker.log_metrics(metrics)
     return metrics
