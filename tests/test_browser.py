@@ -188,8 +188,9 @@ def test_mlflow_ui_shows_the_workbook_its_notebook_runs_the_calibration_plot_and
         page.get_by_role("link", name=parent.info.run_name, exact=True).click()
         page.wait_for_url(re.compile(rf"/runs/{parent.info.run_id}"))
         expect(page.get_by_text("Child runs", exact=True)).to_be_visible()
+        child_runs = page.get_by_test_id("key-value-Child runs")  # the results page above links them too
         for name in runs:
-            expect(page.get_by_role("link", name=name, exact=True)).to_be_visible()
+            expect(child_runs.get_by_role("link", name=name, exact=True)).to_be_visible()
         shoot(page, "mlflow_3_workbook_run")
 
         # 4. The study's comparison figure (04, on a page of its own) and the calibration plot (02) are shown as

@@ -318,7 +318,7 @@ def test_the_study_trains_a_vppo_arm_paired_with_grpo(mlflow_store, tmp_path):
 
     fields = dict(max_steps=1, n_train_prompts=8, n_eval_prompts=4, study_eval_samples=1, study_vppo=True)
     params = vppo_params(method="papo_g", perception_loss_weight=0.02, **fields)
-    assert arms._vppo_arm(params) == [(arms.VPPO, 0.0)] and arms._vppo_arm(vppo_params(method="papo_g")) == []
+    assert arms._vppo_arm(params) == [(arms.VPPO, 0.0, {})] and arms._vppo_arm(vppo_params(method="papo_g")) == []
     with mlflow.start_run():
         run = arms.run_one(params, arms.VPPO, 0, 0.0, arms.eval_dataset(params), tmp_path, CollapseRule())
     assert run.arm == "vppo" and run.gamma == 0.0
