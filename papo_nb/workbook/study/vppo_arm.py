@@ -1,5 +1,6 @@
-"""The VPPO arm on a calibrated study page (issue 46): does VPPO (token filtering and advantage shaping on the
-perception KL, ``papo_nb.papo.vppo``) keep the policy on the image where GRPO drifts off it, beside PAPO-G?
+"""The VPPO arm on a calibrated study page (issue 46): does VPPO, the second masked-branch method (token filtering
+and advantage shaping on the perception KL, ``papo_nb.papo.vppo``), keep the policy on the image where GRPO drifts
+off it, beside PAPO-G?
 
 Nothing here computes a statistic of its own: the drift and the verdict are ``drift``'s, the per-arm tables
 ``stats.summary_rows`` with ``tables.comparison_table`` (the page's other tables), the training reward
@@ -15,7 +16,7 @@ from statistics import mean
 from papo_nb.workbook.study import drift, errors, tables
 from papo_nb.workbook.study import stats as study_stats
 from papo_nb.workbook.study.arms import GRPO, PAPO_G, PAPO_G_COLLAPSE, SEARCH, SWEEP, VPPO, Study
-from papo_nb.workbook.study.controls import END_REWARD_WINDOW, REWARD_KEY, end_reward
+from papo_nb.workbook.study.controls import END_REWARD_WINDOW, end_reward
 
 GAP = "avg_at_k/gap/vision"
 # held-out accuracy, the reliance gap and the error split: the current split's names and the older pages' (the
@@ -40,7 +41,7 @@ def training_scores(study: Study) -> dict[str, dict[int, dict]]:
         arm: {
             seed: {
                 TRAIN_ACCURACY: end_reward(run.step_logs),
-                TRAIN_REWARD: end_reward([{REWARD_KEY: row["reward"]} for row in run.step_logs if "reward" in row]),
+                TRAIN_REWARD: end_reward(run.step_logs, key="reward"),
             }
             for seed, run in runs.items()
         }
