@@ -189,17 +189,21 @@ def calibrated_sections(study: Study) -> list[str]:
         "(`other`), each a share of those items; `prior_share` the prior's share of their errors; `prior_is_decoy` "
         "the share of the other items answered with the number's colour, which is also their decoy. "
         "`avg_at_k/original/consistent`: the in-distribution items, whose number names their answer.\n\n"
-        + tables.markdown_table(
-            tables.comparison_table(
-                study_stats.summary_rows(_arm_scores(study), [*errors.SPLIT_METRICS, CONSISTENT], GRPO), GRPO
-            )
-        ),
+        + _split_markdown(_arm_scores(study)),
         f"## Each arm against GRPO on `{drift.PRIMARY}`\n"
         "Paired over seeds: the difference with its 95% CI and p, TOST equivalence at "
         f"+-{drift.EQUIVALENCE_MARGIN:g}, the MDE at 80% power, and the share of the held-out errors that followed "
         "the prior against the image (the paper's perception-error category; it reports 30.5% fewer perception "
         "errors for PAPO).\n\n" + _records_markdown(verdicts),
     ]
+
+
+def _split_markdown(scores: dict[str, dict[int, dict]]) -> str:
+    """The error split's table, or one line where no run recorded it (runs scored before the split existed)."""
+    metrics = [*errors.SPLIT_METRICS, CONSISTENT]
+    if not any(m in s for by_seed in scores.values() for s in by_seed.values() for m in metrics):
+        return "Not recorded: these runs were scored before the split (and the in-distribution items) existed."
+    return tables.markdown_table(tables.comparison_table(study_stats.summary_rows(scores, metrics, GRPO), GRPO))
 
 
 def _arm_scores(study: Study) -> dict[str, dict[int, dict]]:
