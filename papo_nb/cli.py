@@ -64,13 +64,6 @@ def _cmd_env(subparsers: Subparsers) -> None:
     p.set_defaults(handler=handler)
 
 
-def default_notebooks() -> list[Path]:
-    """The project's workbook notebooks, ``notebooks/NN_*.ipynb``, in order."""
-    from papo_nb.infra.tracking import project_dir
-
-    return sorted((project_dir() / "notebooks").glob("[0-9][0-9]_*.ipynb"))
-
-
 def _add_params_arguments(p: argparse.ArgumentParser) -> None:
     """``--params FILE`` and repeatable ``-p KEY=VALUE``: how ``run`` and ``train`` take the workbook parameters."""
     p.add_argument("--params", metavar="FILE", help="YAML params file (default: built-in defaults)")
@@ -98,7 +91,7 @@ def _cmd_run(subparsers: Subparsers) -> None:
     p.add_argument("--log-output", action="store_true", help="stream the notebooks' cell output to the terminal")
 
     def handler(args: argparse.Namespace) -> int:
-        from papo_nb.infra.notebooks import WorkbookError, run_workbook
+        from papo_nb.infra.notebooks import WorkbookError, default_notebooks, run_workbook
 
         if args.log_output:  # papermill streams cell output through its logger
             logging.basicConfig(level=logging.INFO, format="%(message)s")
@@ -117,6 +110,12 @@ def _cmd_run(subparsers: Subparsers) -> None:
         except WorkbookError as exc:
             print(f"papo-nb run: error: {exc}", file=sys.stderr)
             return 2
+        if result.unread_params:
+            print(
+                f"papo-nb run: note: no workbook notebook declares {', '.join(result.unread_params)} from the "
+                "params file (papo-nb train reads them); the notebooks ran without them",
+                file=sys.stderr,
+            )
         print(f"run folder: {result.run_dir}")
         print(f"workbook run: {result.parent_run_id}  (store {result.tracking_uri})")
         for nb in result.notebooks:

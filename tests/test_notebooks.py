@@ -1,8 +1,10 @@
 """Every workbook notebook, executed through papermill with the smoke parameters; assertions read MLflow back."""
 
+import ast
 import json
 import re
 from pathlib import Path
+from types import SimpleNamespace
 
 import nbformat
 import pytest
@@ -12,6 +14,7 @@ from papo_nb.infra.notebooks import WorkbookError, run_workbook
 from papo_nb.infra.smoke_paths import SMOKE_PARAMS, headlines_on_path, spread_table
 from papo_nb.papo.contract import PAPO_ADAPTER_VERSION
 from papo_nb.testbed.shapes import make_shapes_dataset
+from papo_nb.workbook.config import evidence_names
 from papo_nb.workbook.config.metric_keys import HELDOUT_ACCURACY
 from papo_nb.workbook.config.params import load_params
 
@@ -44,6 +47,49 @@ def test_notebooks_are_thin_and_committed_clean():
                 f"{path.name}: undocumented parameter line {line!r}"
             )
         assert not any(c.get("outputs") or c.get("execution_count") for c in book.cells if c.cell_type == "code"), path
+
+
+def code_strings(path: Path) -> list[str]:
+    """The string literals of a notebook's code cells (IPython magics set aside)."""
+    strings = []
+    for cell in nbformat.read(path, as_version=4).cells:
+        if cell.cell_type == "code":
+            source = "\n".join(line for line in cell.source.splitlines() if not line.lstrip().startswith(("%", "!")))
+            tree = ast.parse(source)
+            strings += [n.value for n in ast.walk(tree) if isinstance(n, ast.Constant) and isinstance(n.value, str)]
+    return strings
+
+
+def test_notebooks_take_evidence_names_and_the_phase2_policy_from_papo_nb():
+    """Issue 45 item 9: an ``evidence/...`` artifact name a notebook logs comes from ``evidence_names`` (the results
+    page and the tests read the same constant), and notebook 02 leaves its phase-2 fallback run to papo_nb."""
+    for path in NOTEBOOKS:
+        literal = [s for s in code_strings(path) if s.startswith("evidence/")]
+        assert not literal, f"{path.name} names {literal}: add them to papo_nb/workbook/config/evidence_names.py"
+    calibration = "\n".join(
+        c.source for c in nbformat.read(ROOT / "notebooks" / "02_probe_calibration.ipynb", as_version=4).cells
+    )
+    assert "short_run_checkpoint(" in calibration and "run_training(" not in calibration
+
+
+def test_the_phase2_fallback_is_a_short_untracked_run_without_the_gpu_probe(tmp_path, monkeypatch):
+    from papo_nb.train import runner
+
+    calls = []
+
+    def fake_run_training(params, output_dir, **kwargs):
+        calls.append((params, output_dir, kwargs))
+        return SimpleNamespace(last_checkpoint=Path(output_dir) / "checkpoint-3")
+
+    monkeypatch.setattr(runner, "run_training", fake_run_training)
+    params = load_params(SMOKE)
+    assert runner.short_run_checkpoint(params, 3, tmp_path / "p2") == str(tmp_path / "p2" / "checkpoint-3")
+    ((short, output_dir, kwargs),) = calls
+    assert (short.max_steps, short.save_steps, short.require_gpu_contract_probe) == (3, 3, False)
+    assert output_dir == tmp_path / "p2" and kwargs == {"report_to": "none"}
+    assert short.model_copy(update={"max_steps": params.max_steps, "save_steps": params.save_steps}) == (
+        params.model_copy(update={"require_gpu_contract_probe": False})
+    )  # nothing else changed
 
 
 @pytest.mark.notebook
@@ -111,7 +157,7 @@ def test_contract_notebook_logged_a_passing_probe_and_verdict(workbook):
     assert metrics["probe/grad_diff_norm"] <= metrics["probe/tolerance"] < metrics["probe/perception_grad_norm"]
     assert metrics["verdict/passed"] == 1.0 and run.data.tags["papo_nb.verdict"].startswith("PASS")
     assert artifact_json(client, run.info.run_id, "evidence/upstream_source.json")["match"] is True
-    drift = artifact_json(client, run.info.run_id, "evidence/drift_table.json")
+    drift = artifact_json(client, run.info.run_id, evidence_names.DRIFT_TABLE)
     rows = {row[0]: row[1] for row in drift["data"]}  # mlflow.log_table: {"columns": [...], "data": [[...]]}
     assert rows["1.9.1"] == "ok" and rows["0.29.1"] == "drift"
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import platform
 import re
+import subprocess
 import tomllib
 from pathlib import Path
 
@@ -288,3 +289,21 @@ def test_python_check_detects_disagreement(conda, requires, ok):
     assert (problems == []) is ok, problems
     if not ok:
         assert requires in problems[0]
+
+
+CONFLICT_MARKER = re.compile(r"^(<{7}|>{7}) ", re.MULTILINE)
+
+
+def conflict_markers(text: str) -> list[int]:
+    """The line numbers of a merge's conflict markers (``<<<<<<< ours`` / ``>>>>>>> theirs``) left in ``text``."""
+    return [text.count("\n", 0, m.start()) + 1 for m in CONFLICT_MARKER.finditer(text)]
+
+
+def test_no_tracked_file_keeps_a_merge_conflict():
+    """A merge once left both sides of a README section between conflict markers, and every test still passed."""
+    assert conflict_markers("a\n<<<<<<< HEAD\nb\n=======\nc\n>>>>>>> branch\n") == [2, 6]
+    tracked = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
+    texts = [p for p in tracked if p.endswith((".md", ".py", ".ipynb", ".yaml", ".yml", ".toml", ".sh", ".txt"))]
+    assert len(texts) > 100
+    found = {p: lines for p in texts if (lines := conflict_markers((ROOT / p).read_text(encoding="utf-8")))}
+    assert not found, f"merge conflict markers left in (file: lines): {found}"

@@ -200,8 +200,15 @@ def test_a_leak_confined_to_a_one_percent_block_of_the_wide_model_fails(cached_w
     (cached,) = [c for c in cached_wide if c.precision == precision]
     assert len(cached.gradients.blocks.names) == 16
     noise = PassNoise(cached, REGIMES[precision], torch.Generator().manual_seed(34))
-    clean = [evaluate(cached, noise) for _ in range(4)]
-    assert not any(e["failed"] for e in clean) and all(e["powered"] and e["blocks_powered"] for e in clean)
+    clean = [evaluate(cached, noise) for _ in range(8)]
+    assert not any(e["failed"] for e in clean), "a clean evaluation alarmed"
+    # Power is drawn per evaluation (its floor comes from its own roundoff samples), not fixed by the batch: in bf16
+    # the weakest block's injected leak measures a median 32 of its floors on an AVX2 CPU's avx2 path and 23.5 on its
+    # default path against the margin of 20 (docs/probe_power.md), so some clean evaluations fall short and are
+    # deferred, never passed. With this generator: 8 of 8 powered on avx2, 6 of 8 on default. At least half must be.
+    powered = sum(e["powered"] and e["blocks_powered"] for e in clean)
+    print(f"\n{precision}: {powered} of {len(clean)} clean evaluations powered")
+    assert powered >= len(clean) / 2
     for term in ("perception_kl", "original_entropy"):
         shares = block_shares(cached, term)
         block = min((b for b, s in shares.items() if s >= BLOCK_SHARE), key=shares.get)  # the smallest >= 1%

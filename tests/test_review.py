@@ -14,7 +14,9 @@ from mlflow import MlflowClient
 from PIL import Image
 
 from papo_nb.infra import tracking
+from papo_nb.testbed import raw_masks
 from papo_nb.workbook.config.params import load_params
+from papo_nb.workbook.evaluation import eval_review
 from papo_nb.workbook.training import completions, review
 from papo_nb.workbook.training.builder import prepare_training
 
@@ -36,6 +38,55 @@ def test_dataset_inputs_name_source_digest_schema_and_context(mlflow_store, shap
     # The digest follows the content: other rows, another digest.
     other = review.dataset_input(shapes_dataset.select(range(3)), "x", source)
     assert logged.dataset.digest and other.digest != logged.dataset.digest
+
+
+def test_the_heldout_table_draws_its_masks_as_the_training_table_does_and_marks_a_missed_shape(
+    mlflow_store, monkeypatch
+):
+    """Issue 45 item 4: a held-out table row shows the pixels the masked condition received (the scored mask, same
+    seed) beside the training table's overlay, and says when the mask missed every pixel the image shows."""
+    ratio, seed, square = 0.5, 7, eval_review.RAW_MASK_SQUARE
+    masks = [raw_masks.square_mask(56, 56, ratio, seed=raw_masks.image_mask_seed(seed, row)) for row in (0, 1)]
+    images = []
+    for mask, covered in zip(masks, (False, True), strict=True):  # a red shape in a square the mask skips / takes
+        r, c = next((r, c) for r in range(4) for c in range(4) if mask[r * square, c * square] == covered)
+        pixels = np.zeros((56, 56, 3), dtype=np.uint8)
+        pixels[r * square + 2 : r * square + 12, c * square + 2 : c * square + 12] = (255, 0, 0)
+        images.append(Image.fromarray(pixels))
+    shown = []
+
+    def fake_generate(model, processor, prompts, images, max_new_tokens):
+        shown.append(images)
+        return ["red"] * len(prompts)
+
+    monkeypatch.setattr(eval_review, "generate_answers", fake_generate)
+    run, _ = tracking.attach_run(mlflow_store, "", run_name="heldout", tags={})  # artifacts beside the store
+    with run:
+        cost = eval_review.log_heldout_completions(
+            None, None, "heldout", ["colour?", "colour?"], images, ["red", "blue"],
+            grade=lambda completions, answers: [c == a for c, a in zip(completions, answers, strict=True)],
+            max_new_tokens=4, mask_ratio=ratio, seed=seed,
+        )  # fmt: skip
+    client = MlflowClient(mlflow_store)
+    folder = Path(client.download_artifacts(run.info.run_id, ""))
+    table = json.loads((folder / "completions" / "heldout_heldout.json").read_text())
+    rows = [dict(zip(table["columns"], row, strict=True)) for row in table["data"]]
+    assert set(completions.MASK_VIEW_COLUMNS) <= set(table["columns"]) and cost["images"] == 6
+
+    def picture(row, column):
+        return np.array(Image.open(folder / row[column]["filepath"]).convert("RGB"))
+
+    assert [row["mask_missed_content"] for row in rows] == [True, False]
+    assert [row["mask_content_share"] for row in rows] == [0.0, 1.0]
+    assert [row["correct_masked"] for row in rows] == [1.0, 0.0]
+    for row, image, mask, received in zip(rows, images, masks, shown[1], strict=True):
+        # the pixels the model received: the scored mask's image, black where the mask is
+        blacked = np.array(image) * ~mask[..., None]
+        assert np.array_equal(picture(row, "model_input"), np.array(received))
+        assert np.array_equal(picture(row, "model_input"), blacked)
+        overlay = picture(row, "masked_image")  # grey, outlined magenta, exactly where the mask is
+        marked = (overlay == completions.MASK_GREY).all(-1) | (overlay == completions.MASK_OUTLINE).all(-1)
+        assert np.array_equal(marked, mask) and np.array_equal(overlay[~mask], np.array(image)[~mask])
 
 
 def test_the_callbacks_mlflow_info_lines_are_dropped_at_their_logger_and_only_they(caplog):

@@ -16,8 +16,18 @@ import pytest
 import yaml
 from mlflow import MlflowClient
 
-from papo_nb.infra.notebooks import FAILED, FINISHED, NOT_RUN, WorkbookError, run_workbook
+from papo_nb.infra.notebooks import (
+    FAILED,
+    FINISHED,
+    NOT_RUN,
+    WorkbookError,
+    check_notebooks,
+    run_workbook,
+    undeclared_overrides,
+    unread_parameters,
+)
 from papo_nb.infra.tracking import EXPERIMENT_NAME, ensure_experiment
+from papo_nb.workbook.config.params import load_params
 
 pytestmark = pytest.mark.notebook
 
@@ -196,6 +206,41 @@ def test_bad_notebooks_fail_before_any_run(tmp_path, store):
             assert fragment in str(info.value)
     assert not (tmp_path / "mlflow.db").exists()  # nothing touched the store at all
     assert not (tmp_path / "runs").exists()
+
+
+def test_an_override_no_notebook_declares_is_refused_before_any_run(tmp_path, store):
+    """papermill hands a notebook only what its parameters cell declares: ``-p max_steps=3`` on a notebook without
+    ``max_steps`` would be dropped without a word, so the runner refuses it, naming the parameter, its value, the
+    notebook and what it accepts."""
+    b = notebook_b(tmp_path)
+    with pytest.raises(WorkbookError) as info:
+        run_workbook([b], None, ["seed=1", "max_steps=3"], run_root=tmp_path / "runs", tracking_uri=store)
+    message = str(info.value)
+    assert "'max_steps' = 3" in message and "-p max_steps=3" in message and "'b_second.ipynb'" in message
+    assert "accepts seed)" in message and "'seed'" not in message  # the runtime values are not offered
+    assert not (tmp_path / "runs").exists() and not (tmp_path / "mlflow.db").exists()
+    # declared by one of the notebooks to run, it reaches that one
+    assert undeclared_overrides(["max_steps=3"], check_notebooks([notebook_a(tmp_path), b])) == []
+
+
+def test_params_file_values_no_workbook_notebook_reads_are_noted(tmp_path):
+    """A params file shared with ``papo-nb train`` may set what no notebook declares: noted, not refused."""
+    params_file = tmp_path / "p.yaml"
+    params_file.write_text("seed: 3\ndataset_schema: official\nmax_steps: 7\n")
+    declared = check_notebooks([notebook_b(tmp_path)])
+    params = load_params(params_file, ["mask_ratio=0.5"])
+    assert undeclared_overrides([], declared) == []
+    # max_steps reaches notebook 03 of the workbook; dataset_schema only papo-nb train
+    assert unread_parameters(params, ["mask_ratio=0.5"], declared) == ["dataset_schema='official'"]
+
+
+def test_cli_override_no_notebook_declares_exits_2_without_runs(tmp_path, store):
+    b = notebook_b(tmp_path)
+    proc = run_cli("run", str(b), "-p", "max_steps=3", "--run-root", "runs", uri=store, cwd=tmp_path)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 2, out + err
+    assert "'max_steps' = 3" in err and "'b_second.ipynb' accepts seed" in err
+    assert out == "" and all_runs(store) == [] and not (tmp_path / "runs").exists()
 
 
 def test_cli_bad_override_exits_2_without_runs(tmp_path, store):

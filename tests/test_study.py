@@ -12,6 +12,7 @@ from mlflow import MlflowClient
 from scipy import stats
 
 from papo_nb.testbed.policy import read_card
+from papo_nb.workbook.config import evidence_names as evidence
 from papo_nb.workbook.config.metric_keys import HELDOUT_ACCURACY
 from papo_nb.workbook.study.arms import ARM_COLOURS
 from papo_nb.workbook.study.claims import claims_table
@@ -394,7 +395,7 @@ def test_reduced_study_logs_nested_runs_figures_and_tables(reduced_study, testbe
         assert client.get_metric_history(child.info.run_id, "entropy")
         assert client.get_metric_history(child.info.run_id, "clip_ratio/high_mean")
         assert "completions.json" in {a.path for a in client.list_artifacts(child.info.run_id)}
-        collapse = json.loads(Path(client.download_artifacts(child.info.run_id, "evidence/collapse.json")).read_text())
+        collapse = json.loads(Path(client.download_artifacts(child.info.run_id, evidence.ARM_COLLAPSE)).read_text())
         assert set(collapse) >= {"collapsed", "step", "mode", "symptoms"}
     gammas = {r.data.tags["papo_nb.study_arm"]: float(r.data.params["gamma"]) for r in children}
     assert {r.data.params["finetuning"] for r in children} == {"lora"}
@@ -407,17 +408,13 @@ def test_reduced_study_logs_nested_runs_figures_and_tables(reduced_study, testbe
         a.path for folder in ("figures", "evidence") for a in client.list_artifacts(notebook_run.info.run_id, folder)
     }
     assert {"figures/study_curves.png", "figures/study_accuracy.png", "figures/study_dose_response.png"} <= artifacts
-    assert {"evidence/study_table.json", "evidence/paper_claims.json", "evidence/collapse_sweep.json"} <= artifacts
-    assert {"evidence/dose_response.json", "evidence/dose_response.md", "evidence/study_power.json"} <= artifacts
-    assert "evidence/dose_contrasts.json" in artifacts and "evidence/results.md" in artifacts
-    dose = json.loads(
-        Path(client.download_artifacts(notebook_run.info.run_id, "evidence/dose_response.json")).read_text()
-    )
+    assert {evidence.STUDY_TABLE, evidence.PAPER_CLAIMS, evidence.COLLAPSE_SWEEP} <= artifacts
+    assert {evidence.DOSE_RESPONSE, evidence.DOSE_RESPONSE_MD, evidence.STUDY_POWER} <= artifacts
+    assert evidence.DOSE_CONTRASTS in artifacts and "evidence/results.md" in artifacts
+    dose = json.loads(Path(client.download_artifacts(notebook_run.info.run_id, evidence.DOSE_RESPONSE)).read_text())
     gamma_column = dose["columns"].index("gamma")
     assert [row[gamma_column] for row in dose["data"]] == [0.0, 0.02, 20.0]  # GRPO, the recipe's, the sweep
-    claims = json.loads(
-        Path(client.download_artifacts(notebook_run.info.run_id, "evidence/paper_claims.json")).read_text()
-    )
+    claims = json.loads(Path(client.download_artifacts(notebook_run.info.run_id, evidence.PAPER_CLAIMS)).read_text())
     assert len(claims["data"]) == 5
 
 

@@ -26,6 +26,7 @@ from papo_nb.infra.tracking import (  # isort: skip
     absolute_tracking_uri,
     default_tracking_uri,
     ensure_experiment,
+    project_dir,
     tracking_client,
 )
 import papermill
@@ -35,7 +36,13 @@ from mlflow.entities import Param
 from papermill.exceptions import PapermillExecutionError
 
 from papo_nb.infra.notebook_start import LocalKernelManager
-from papo_nb.workbook.config.params import ParamsError, WorkbookParams, load_params, preflight_problems
+from papo_nb.workbook.config.params import (
+    ParamsError,
+    WorkbookParams,
+    load_params,
+    parse_override,
+    preflight_problems,
+)
 from papo_nb.workbook.results.page import publish_notebook_page, publish_workbook_page
 from papo_nb.workbook.results.readable import write_html_copy
 
@@ -70,6 +77,7 @@ class WorkbookResult:
     parent_run_id: str
     tracking_uri: str
     notebooks: list[NotebookResult] = field(default_factory=list)
+    unread_params: list[str] = field(default_factory=list)  # params-file values no workbook notebook declares
 
     @property
     def ok(self) -> bool:
@@ -134,13 +142,56 @@ def _describe_failure(exc: BaseException) -> str:
 # --------------------------------------------------------------------------------------------
 
 
-def checked_params(params_file: str | Path | None, overrides: list[str]) -> WorkbookParams:
-    """The workbook parameters, validated and preflighted; WorkbookError says what is wrong."""
+def default_notebooks() -> list[Path]:
+    """The project's workbook notebooks, ``notebooks/NN_*.ipynb``, in order."""
+    return sorted((project_dir() / "notebooks").glob("[0-9][0-9]_*.ipynb"))
+
+
+def _accepts(declared: dict[Path, set[str]]) -> str:
+    return "; ".join(
+        f"{path.name!r} accepts {', '.join(sorted(names - set(RUNTIME_PARAMETERS))) or 'none'}"
+        for path, names in declared.items()
+    )
+
+
+def undeclared_overrides(overrides: list[str], declared: dict[Path, set[str]]) -> list[str]:
+    """One line per ``-p key=value`` that no notebook to run (``declared``) declares in its parameters cell: papermill
+    hands a notebook only what that cell declares and drops the rest without a word."""
+    problems = []
+    for item in overrides:
+        key, value = parse_override(item)
+        if not any(key in names for names in declared.values()):
+            where = "the notebook" if len(declared) == 1 else "any notebook"
+            problems.append(
+                f"parameter {key!r} = {value!r} (-p {item}) is not declared in the parameters cell of {where} to "
+                f"run, so it would have no effect ({_accepts(declared)})"
+            )
+    return problems
+
+
+def unread_parameters(params: WorkbookParams, overrides: list[str], declared: dict[Path, set[str]]) -> list[str]:
+    """The params file's values, changed from their defaults, that neither the notebooks to run nor the project's
+    workbook (``notebooks/NN_*.ipynb``) declares: fine for a file shared with ``papo-nb train`` (the recipes'
+    ``dataset_schema``), so the runner notes them rather than refusing them."""
+    overridden = {parse_override(item)[0] for item in overrides}
+    values, defaults = params.model_dump(mode="json"), WorkbookParams().model_dump(mode="json")
+    changed = [key for key in values if key not in overridden and values[key] != defaults[key]]
+    if not changed:
+        return []
+    readers = set().union(*declared.values(), *(papermill.inspect_notebook(path) for path in default_notebooks()))
+    return [f"{key}={values[key]!r}" for key in changed if key not in readers]
+
+
+def checked_params(
+    params_file: str | Path | None, overrides: list[str], declared: dict[Path, set[str]]
+) -> WorkbookParams:
+    """The workbook parameters, validated, each ``-p`` override declared by a notebook to run (``declared``, from
+    ``check_notebooks``), and preflighted; WorkbookError says what is wrong."""
     try:
         params = load_params(params_file, list(overrides))
     except ParamsError as exc:
         raise WorkbookError(str(exc)) from None
-    problems = preflight_problems(params)
+    problems = undeclared_overrides(list(overrides), declared) or preflight_problems(params)
     if problems:
         raise WorkbookError("\n".join(problems))
     return params
@@ -170,8 +221,9 @@ def run_workbook(
     Raises WorkbookError (nothing created) on bad parameters or notebooks. A failing notebook does not
     raise: the result has ``ok == False`` and ``failure_message`` naming the notebook and cell.
     """
-    params = checked_params(params_file, overrides)
     declared = check_notebooks(notebooks)
+    params = checked_params(params_file, overrides, declared)
+    unread = unread_parameters(params, list(overrides), declared)
 
     tracking_uri = absolute_tracking_uri(tracking_uri or default_tracking_uri())
     stamp = time.strftime("%Y%m%d-%H%M%S")
@@ -192,10 +244,11 @@ def run_workbook(
             "papo_nb.overrides": " ".join(overrides),
             "papo_nb.notebooks": " ".join(path.stem for path in declared),
             "papo_nb.run_dir": str(run_dir),
+            **({"papo_nb.unread_params": " ".join(unread)} if unread else {}),
         },
     )
     parent_id = parent.info.run_id
-    result = WorkbookResult(run_dir, parent_id, tracking_uri, [NotebookResult(path) for path in declared])
+    result = WorkbookResult(run_dir, parent_id, tracking_uri, [NotebookResult(path) for path in declared], unread)
     parent_status = FAILED
     pages: list = []  # each notebook run's record and headline numbers, for the workbook run's own page
     try:

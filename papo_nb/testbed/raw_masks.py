@@ -13,17 +13,38 @@ import torch
 from PIL import Image
 
 
-def mask_pil_squares(image: Image.Image, ratio: float, *, square: int = 14, seed: int | None = None) -> Image.Image:
-    """The official PAPO mask: each ``square``x``square`` block of the raw image is blacked out
-    independently with probability ``ratio``, before any processor runs. Returns a new image."""
+def square_mask(height: int, width: int, ratio: float, *, square: int = 14, seed: int | None = None) -> np.ndarray:
+    """The official PAPO mask of a ``height`` x ``width`` raw image, a bool per pixel (True: blacked out): each
+    ``square``x``square`` block is masked independently with probability ``ratio``."""
     if not 0.0 <= ratio <= 1.0:
         raise ValueError(f"mask ratio must be in [0, 1], got {ratio!r}")
-    pixels = np.array(image.convert("RGB"))
-    height, width = pixels.shape[:2]
     grid_h, grid_w = -(-height // square), -(-width // square)
     blocks = np.random.default_rng(seed).random((grid_h, grid_w)) < ratio
-    keep = ~np.kron(blocks, np.ones((square, square), dtype=bool))[:height, :width]
+    return np.kron(blocks, np.ones((square, square), dtype=bool))[:height, :width]
+
+
+def mask_pil_squares(image: Image.Image, ratio: float, *, square: int = 14, seed: int | None = None) -> Image.Image:
+    """The official PAPO mask (``square_mask``) applied to the raw image before any processor runs: a new image."""
+    pixels = np.array(image.convert("RGB"))
+    keep = ~square_mask(*pixels.shape[:2], ratio, square=square, seed=seed)
     return Image.fromarray(pixels * keep[..., None].astype(pixels.dtype))
+
+
+def image_mask_seed(seed: int, row: int, image: int | None = None) -> int:
+    """The seed of an evaluation mask: ``seed + row`` for a row's single image, ``seed + 1000 * row + image`` for
+    image ``image`` of a row's list, so every image keeps one fixed mask."""
+    return seed + row if image is None else seed + 1000 * row + image
+
+
+def mask_images(images: list, mask_ratio: float, seed: int) -> list:
+    """Each row's image (or list of images) masked the official way (14-px squares), one fixed mask per image
+    (``image_mask_seed``)."""
+    return [
+        [mask_pil_squares(im, mask_ratio, seed=image_mask_seed(seed, i, j)) for j, im in enumerate(img)]
+        if isinstance(img, list)
+        else mask_pil_squares(img, mask_ratio, seed=image_mask_seed(seed, i))
+        for i, img in enumerate(images)
+    ]
 
 
 def reprocess_masked_images(

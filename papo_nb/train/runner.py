@@ -381,3 +381,11 @@ def train_command(
             flush=True,
         )
     return 0
+
+
+def short_run_checkpoint(params: WorkbookParams, steps: int, output_dir: str | Path) -> str:
+    """The last checkpoint of a short run of ``steps`` steps trained here into ``output_dir``: a trained policy to
+    start from (probe calibration's phase 2, when no checkpoint is given), untracked and without the GPU contract
+    probe, since the run only makes the policy."""
+    short = params.model_copy(update={"max_steps": steps, "save_steps": steps, "require_gpu_contract_probe": False})
+    return str(run_training(short, output_dir, report_to="none").last_checkpoint)

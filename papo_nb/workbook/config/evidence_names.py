@@ -5,6 +5,9 @@ page and the tests that read them back. ``tracking.log_evidence(name, ...)`` nam
 
 from __future__ import annotations
 
+# 01: contract verification (the probe's record, PROBE, is logged by 03 and by the training runs too)
+DRIFT_TABLE = "evidence/drift_table.json"
+PROBE = "evidence/probe.json"
 # 02: probe calibration
 CALIBRATION_POINTS_TABLE = "evidence/calibration_points_table.json"
 CALIBRATION_PHASE_TABLE = "evidence/calibration_phase_table.json"
@@ -23,3 +26,4 @@ STUDY_COLLAPSE = "evidence/study_collapse.json"
 PAPER_CLAIMS = "evidence/paper_claims.json"
 PAPER_CLAIMS_MD = "evidence/paper_claims.md"
 DRIFT_AND_ARM_VERDICTS_MD = "evidence/drift_and_arm_verdicts.md"
+ARM_COLLAPSE = "evidence/collapse.json"  # each arm run's collapse verdict

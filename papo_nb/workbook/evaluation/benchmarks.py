@@ -27,9 +27,9 @@ import torch
 from PIL import Image
 
 from papo_nb.testbed.generation import generate_answers
+from papo_nb.testbed.raw_masks import mask_images
 from papo_nb.workbook.config.metric_keys import HELDOUT_ACCURACY
 from papo_nb.workbook.evaluation import eval_review
-from papo_nb.workbook.evaluation.heldout import mask_images
 from papo_nb.workbook.recipe.data import EVAL_DATASET, RecipeDataError, load_official_dataset
 from papo_nb.workbook.recipe.reward import math_accuracy_reward
 
@@ -109,7 +109,7 @@ def score_items(
     model, processor, prompts: list, answers: list[str], images: list, *, grade, samples: int, max_new_tokens: int,
     mask_ratio: float, seed: int, batch_size: int = 8,
 ) -> dict[str, list[float]]:  # fmt: skip
-    """Per item, on original and on masked images (``evaluation.mask_images``): greedy accuracy and the mean accuracy
+    """Per item, on original and on masked images (``raw_masks.mask_images``): greedy accuracy and the mean accuracy
     of ``samples`` completions at temperature 1.0, top_p 1.0 (avg@k). Keys ``<greedy|avg_at_k>/<original|masked>``.
     ``grade(completions, answers)`` scores a list (a TRL accuracy reward). The sampling noise is reseeded from
     ``seed`` for each condition, so both see the same draws."""
@@ -155,8 +155,8 @@ def evaluate_benchmark(
     shown = rows.select(range(min(eval_review.REVIEW_ROWS, len(rows))))  # their masks are the scored ones (seeds)
     images = [list(i) for i in shown["images"]]
     eval_review.log_heldout_completions(
-        model, processor, eval_review.benchmark_name(rows), list(shown["prompt"]), images,
-        mask_images(images, mask_ratio, seed), answers, grade=math_accuracy_reward, max_new_tokens=max_new_tokens,
+        model, processor, eval_review.benchmark_name(rows), list(shown["prompt"]), images, answers,
+        grade=math_accuracy_reward, max_new_tokens=max_new_tokens, mask_ratio=mask_ratio, seed=seed,
     )  # fmt: skip
     scores: dict[str, float] = {"items": len(answers), "samples": samples}
     for kind in ("avg_at_k", "greedy"):

@@ -13,8 +13,9 @@ import torch
 from mlflow import MlflowClient
 
 from papo_nb.testbed.generation import generate_answers
+from papo_nb.testbed.raw_masks import image_mask_seed, mask_images, square_mask
 from papo_nb.workbook.training import review
-from papo_nb.workbook.training.completions import thumbnail
+from papo_nb.workbook.training.completions import MASK_VIEW_COLUMNS, mask_rendering, thumbnail
 
 REVIEW_ROWS = 4  # held-out items per completions table, each greedy on its original and its masked image(s)
 
@@ -46,32 +47,52 @@ def _first_image(images):
     return (images[0] if images else None) if isinstance(images, list) else images
 
 
+RAW_MASK_SQUARE = 14  # the official raw-image mask's square (``raw_masks.square_mask``): the overlay's patch
+
+
+def heldout_mask_views(image, mask_ratio: float, seed: int, row: int, listed: bool) -> dict:
+    """Row ``row``'s (first) image as the masked condition showed it, with the training table's rendering
+    (``completions.mask_rendering``): the pixels the model received, the legend-coloured overlay, the share of the
+    image's content the mask covered and whether it missed all of it. Its mask is the scored one (same seed)."""
+    seed = image_mask_seed(seed, row, 0 if listed else None)
+    per_pixel = square_mask(image.height, image.width, mask_ratio, square=RAW_MASK_SQUARE, seed=seed)
+    return mask_rendering(image, per_pixel, RAW_MASK_SQUARE)
+
+
 @torch.no_grad()
 def log_heldout_completions(
-    model, processor, name: str, prompts: list, originals: list, masked: list, answers: list[str], *, grade,
-    max_new_tokens: int,
+    model, processor, name: str, prompts: list, originals: list, answers: list[str], *, grade, max_new_tokens: int,
+    mask_ratio: float, seed: int,
 ) -> dict | None:  # fmt: skip
-    """``completions/heldout_<name>.json``: the first ``REVIEW_ROWS`` items, each with its (first) original and
-    masked image, the greedy completion on each and its grade. The completions are generated again for these rows
-    (same greedy decoding, smaller batch). Returns the cost (rows, images, pixels, seconds) or None without a run."""
+    """``completions/heldout_<name>.json``: the first ``REVIEW_ROWS`` items, each with its (first) original image,
+    its masked image drawn as the training table draws it (``MASK_VIEW_COLUMNS``), the greedy completion on the
+    original and on the masked images (``raw_masks.mask_images`` with ``mask_ratio`` and ``seed``, the masks the
+    scores used) and its grade. The completions are generated again for these rows (same greedy decoding, smaller
+    batch). Returns the cost (rows, images, pixels, seconds) or None without a run."""
     run = mlflow.active_run()
     if run is None:
         return None
     start = time.perf_counter()
     n = min(REVIEW_ROWS, len(prompts))
-    table = {"benchmark": [name] * n, "prompt": [], "image": [], "masked_image": [], "answer": list(answers[:n])}
-    table["prompt"] = [prompt_text(prompt)[:2000] for prompt in prompts[:n]]
-    for condition, shown in (("original", originals[:n]), ("masked", masked[:n])):
+    originals = list(originals[:n])
+    table = {"benchmark": [name] * n, "prompt": [prompt_text(prompt)[:2000] for prompt in prompts[:n]]}
+    table["image"] = [thumbnail(_first_image(images)) for images in originals]
+    views = [
+        heldout_mask_views(_first_image(images), mask_ratio, seed, i, isinstance(images, list))
+        for i, images in enumerate(originals)
+    ]
+    table.update({column: [view[column] for view in views] for column in MASK_VIEW_COLUMNS})
+    table["answer"] = list(answers[:n])
+    for condition, shown in (("original", originals), ("masked", mask_images(originals, mask_ratio, seed))):
         completions = generate_answers(model, processor, prompts[:n], shown, max_new_tokens=max_new_tokens)
         table[f"completion_{condition}"] = completions
         table[f"correct_{condition}"] = [float(g) for g in grade(completions, list(answers[:n]))]
-    table["image"] = [thumbnail(_first_image(images)) for images in originals[:n]]
-    table["masked_image"] = [thumbnail(_first_image(images)) for images in masked[:n]]
-    pixels = sum(p.width * p.height for p in table["image"] + table["masked_image"])
+    pictures = table["image"] + table["model_input"] + table["masked_image"]
     MlflowClient(mlflow.get_tracking_uri()).log_table(
         run.info.run_id, data=pd.DataFrame(table), artifact_file=f"completions/heldout_{name}.json"
     )
-    return {"rows": n, "images": 2 * n, "pixels": pixels, "seconds": time.perf_counter() - start}
+    pixels = sum(p.width * p.height for p in pictures)
+    return {"rows": n, "images": len(pictures), "pixels": pixels, "seconds": time.perf_counter() - start}
 
 
 def use_evaluated_model(params, checkpoint: Path | None, described: str) -> str | None:

@@ -2,25 +2,11 @@
 
 from __future__ import annotations
 
-import torch
-
 from papo_nb.testbed.generation import generate_answers
-from papo_nb.testbed.raw_masks import mask_pil_squares
+from papo_nb.testbed.raw_masks import mask_images
 from papo_nb.testbed.rewards import accuracy_reward
 from papo_nb.workbook.evaluation.eval_review import log_heldout_completions
 from papo_nb.workbook.recipe.reward import math_accuracy_reward
-
-
-@torch.no_grad()
-def mask_images(images: list, mask_ratio: float, seed: int) -> list:
-    """Each row's image (or list of images) masked the official way (14-px squares), one fixed mask per image:
-    row ``i``'s single image from ``seed + i``, image ``j`` of a list from ``seed + 1000 * i + j``."""
-    return [
-        [mask_pil_squares(im, mask_ratio, seed=seed + 1000 * i + j) for j, im in enumerate(img)]
-        if isinstance(img, list)
-        else mask_pil_squares(img, mask_ratio, seed=seed + i)
-        for i, img in enumerate(images)
-    ]
 
 
 def evaluate_image_reliance(
@@ -40,8 +26,8 @@ def evaluate_image_reliance(
         prompts, answers = list(dataset["prompt"]), list(dataset["answer"])
         originals = [list(images) for images in dataset["images"]] if official else list(dataset["image"])
         masked = mask_images(originals, mask_ratio, seed)
-        log_heldout_completions(model, processor, "heldout", prompts, originals, masked, answers, grade=grade,
-                                max_new_tokens=max_new_tokens)  # fmt: skip
+        log_heldout_completions(model, processor, "heldout", prompts, originals, answers, grade=grade,
+                                max_new_tokens=max_new_tokens, mask_ratio=mask_ratio, seed=seed)  # fmt: skip
         rewards = {}
         for name, images in (("original", originals), ("masked", masked)):
             completions = generate_answers(model, processor, prompts, images, max_new_tokens=max_new_tokens)

@@ -12,6 +12,8 @@ import warnings
 import mlflow
 from matplotlib.figure import Figure
 
+from papo_nb.workbook.config.evidence_names import PROBE
+
 # The probe numbers a run's metrics keep (as ``<prefix>/<name>``): the verdict, its power, the norm rule's numbers and
 # each test's statistic.
 PROBE_HEADLINES = (
@@ -71,7 +73,7 @@ def log_probe_evidence(evidence: dict, prefix: str, tracker=None) -> dict[str, f
     default; a training run's spool, which journals the JSON and the metrics but draws no figure)."""
     tracker = tracker or mlflow
     plain = json.loads(json.dumps(evidence, default=str))  # tensors or dtypes, if any, as text
-    tracker.log_dict(plain, "evidence/probe.json")
+    tracker.log_dict(plain, PROBE)
     figure = plot_probe(plain)
     if figure is not None:
         try:

@@ -25,6 +25,7 @@ from mlflow import MlflowClient
 
 from papo_nb.testbed.perception import TESTBED_RECIPES, held_out_items, prior_answer, testbed_name
 from papo_nb.testbed.rewards import accuracy_reward, normalise_answer
+from papo_nb.workbook.config.evidence_names import ARM_COLLAPSE
 from papo_nb.workbook.config.metric_keys import HELDOUT_ACCURACY
 from papo_nb.workbook.config.params import WorkbookParams
 from papo_nb.workbook.evaluation.benchmarks import score_items
@@ -243,7 +244,7 @@ def run_one(
         collapse = detect_collapse(step_logs, rule)
         if control is not None or arm == GRPO:
             collapse = heldout_verdict(collapse, scores, control, rule)
-        mlflow.log_dict(collapse, "evidence/collapse.json")
+        mlflow.log_dict(collapse, ARM_COLLAPSE)
         mlflow.log_metrics({"collapse/flagged": float(collapse["collapsed"]), "collapse/step": collapse["step"] or -1})
         seconds = time.perf_counter() - start
         mlflow.log_metric("study/run_seconds", seconds)

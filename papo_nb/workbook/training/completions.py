@@ -11,7 +11,7 @@ branch received (masked patches black), and ``masked_image``, the same selection
 which shows on a black background too; ``mask_content_share`` is the share of the image's content pixels the mask
 covered and ``mask_missed_content`` marks a row whose mask covered none of them (its perception KL is then about 0 by
 construction, not a dead branch). They are drawn for the Qwen-VL patch-row layout and for whole-image layouts; other
-layouts log the image without them.
+layouts log the image without them. The held-out tables draw their raw-image masks with the same ``mask_rendering``.
 
 A VPPO run's rows also carry what VPPO did to each completion (``VPPOTrainer.rollout_review``): its mean token
 dependency (the per-token KL its filter ranks by), the share of its tokens that kept their policy gradient, and the
@@ -129,13 +129,20 @@ def mask_views(trainer, image: Image.Image, selection: torch.Tensor | None) -> d
     patch = trainer.masks.patch_size() if trainer.args.mask_type != "random" else per_pixel.shape[0]
     if trainer.args.mask_type == "merge_unit":
         patch *= getattr(trainer.processing_class.image_processor, "merge_size", 1)
-    received = np.array(resized)
+    return mask_rendering(resized, per_pixel, patch)
+
+
+def mask_rendering(image: Image.Image, per_pixel: np.ndarray, patch: int) -> dict[str, Any]:
+    """The ``MASK_VIEW_COLUMNS`` of one masked image, in the training table and the held-out tables alike: ``image``
+    as the model received it (``per_pixel`` True: black), its overlay (grey, each masked ``patch`` outlined) and the
+    share of its content the mask covered."""
+    received = np.array(image.convert("RGB"))
     received[per_pixel] = 0
-    content = content_pixels(resized)
+    content = content_pixels(image)
     share = float((content & per_pixel).sum() / content.sum()) if content.any() else float("nan")
     return {
         "model_input": thumbnail(Image.fromarray(received)),
-        "masked_image": thumbnail(draw_mask(resized, per_pixel, patch)),
+        "masked_image": thumbnail(draw_mask(image.convert("RGB"), per_pixel, patch)),
         "mask_content_share": share,
         "mask_missed_content": bool(content.any() and share == 0.0),
     }
