@@ -3,6 +3,7 @@ that hash and card must be the shipped testbed's, so a change that moves the shi
 are regenerated (commands in docs/study.md). Pages written before the weights were shipped say so on the page."""
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -130,6 +131,7 @@ def test_the_vppo_page_is_recomputed_from_its_own_files_and_its_finding_is_pinne
     page = (VPPO_PAGE / "results.md").read_text()
     sections = [*publish.calibrated_sections(study), *vppo_arm.vppo_sections(study)]
     assert len(sections) > 6 and all(section in page for section in sections)
+    assert not re.search(r"\bnan\b", page), "a number with nothing to compute it from prints as words, not nan"
     claim = vppo_arm.vppo_verdict(study.start_scores, study.scores())
     assert json.loads((VPPO_PAGE / publish.SUMMARY).read_text())["vppo"] == claim["short"]
     assert f"**{claim['verdict']}.**" in page

@@ -54,8 +54,10 @@ def card_markdown(card: dict) -> str:
 
 
 def _cell(value) -> str:
+    """A float to 4 significant digits; NaN (nothing to compute it from: no items, or a key the runs did not log)
+    reads as words, never as a number."""
     if isinstance(value, float):
-        return "nan" if math.isnan(value) else f"{value:.4g}"
+        return "not recorded" if math.isnan(value) else f"{value:.4g}"
     return str(value)
 
 
