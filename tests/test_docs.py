@@ -107,3 +107,21 @@ def test_a_missing_symbol_and_a_line_citation_are_caught():
         "papo_nb.testbed.raw_masks",
     ]
     assert [m.group(1) for m in LINE_CITATION.finditer("(`papo_nb/papo/terms.py`:17-27, `dp`:329)")] == ["terms"]
+
+
+# Issue 46: the workbook's one word for the family PAPO-G and VPPO belong to, and the words it replaces.
+FAMILY = "masked-branch method"
+NOT_FAMILY = re.compile(r"perception[- ]aware methods?|perception methods?|PAPO[- ]family|PAPO-like methods?", re.I)
+FAMILY_PAGES = ("README.md", "docs/masked_branch.md", "docs/FIDELITY.md", "docs/study.md", "docs/recipe.md")
+
+
+def test_the_family_of_methods_has_one_name_used_everywhere():
+    from papo_nb.workbook.config.params import WorkbookParams
+
+    assert f"*{FAMILY}s*" in (ROOT / "README.md").read_text()  # defined where VPPO is introduced
+    assert FAMILY in WorkbookParams.model_fields["method"].description
+    for page in FAMILY_PAGES[:4]:
+        assert FAMILY in (ROOT / page).read_text(), page
+    texts = [ROOT / p for p in FAMILY_PAGES] + sorted((ROOT / "papo_nb").rglob("*.py"))
+    stray = [f"{path.relative_to(ROOT)}: {m[0]}" for path in texts for m in NOT_FAMILY.finditer(path.read_text())]
+    assert not stray, stray

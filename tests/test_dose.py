@@ -98,15 +98,16 @@ def test_a_kl_logged_as_zero_at_every_step_is_not_measured_not_zero():
     assert dose_markdown(list(rows.values())).splitlines()[2].count("not measured") == 1
 
 
-def test_a_matched_control_at_gamma_0_is_kept_apart_from_the_dose_response():
-    """Issue 41: a matched control is GRPO held back another way, at gamma 0; it must not replace GRPO in the dose
-    rows or the contrasts, and its runs are still recorded on the page."""
+@pytest.mark.parametrize("arm", ["grpo_lr", "vppo"])
+def test_a_gamma_0_arm_other_than_grpo_is_kept_apart_from_the_dose_response(arm):
+    """Issue 41: a matched control is GRPO held back another way, at gamma 0; issue 46: VPPO trains at gamma 0 too.
+    Neither may replace GRPO in the dose rows or the contrasts, and their runs are still recorded on the page."""
     from papo_nb.workbook.study.dose import dose_contrasts, run_records
 
     study = _study()
-    study.runs += [_run("grpo_lr", s, 0.0, 0.9, 0.3, 0.1) for s in (0, 1)]
+    study.runs += [_run(arm, s, 0.0, 0.9, 0.3, 0.1) for s in (0, 1)]
     assert runs_by_gamma(study)[0.0][0].arm == GRPO
     records = run_records(study)
-    assert sum(r["arm"] == "grpo_lr" for r in records) == 2
+    assert sum(r["arm"] == arm for r in records) == 2
     assert {row["gamma"]: row for row in dose_rows(study)}[0.0]["avg_at_k/original/vision"] == pytest.approx(0.55)
     assert dose_contrasts(records) == dose_contrasts(run_records(_study()))

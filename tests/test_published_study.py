@@ -3,6 +3,7 @@ that hash and card must be the shipped testbed's, so a change that moves the shi
 are regenerated (commands in docs/study.md). Pages written before the weights were shipped say so on the page."""
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -115,3 +116,38 @@ def test_the_controls_page_compares_papo_g_with_every_matched_control_from_its_o
         logs = json.loads((page / "step_logs.json").read_text())
         assert all(perception_kl_measured(record["steps"]) == (record["gamma"] > 0) for record in logs), page
         assert "not measured" in (page / "results.md").read_text().split("## Dose-response")[1].split("##")[0]
+
+
+VPPO_PAGE = ROOT / "docs" / "study" / "shortcut_vppo_lora"
+
+
+def test_the_vppo_page_is_recomputed_from_its_own_files_and_its_finding_is_pinned():
+    """Issue 46: the VPPO page (``shortcut_lora``'s runs with a VPPO arm on the same seeds and warm start) is the
+    generator's output on its committed files (``rebuild``): every calibrated section, the VPPO sections and the
+    summary's verdict are recomputed here from runs.json, step_logs.json and start_scores.json alone."""
+    from papo_nb.workbook.study import dose, publish, rebuild, vppo_arm
+
+    study = rebuild.page_study(VPPO_PAGE)
+    page = (VPPO_PAGE / "results.md").read_text()
+    sections = [*publish.calibrated_sections(study), *vppo_arm.vppo_sections(study)]
+    assert len(sections) > 6 and all(section in page for section in sections)
+    assert not re.search(r"\bnan\b", page), "a number with nothing to compute it from prints as words, not nan"
+    claim = vppo_arm.vppo_verdict(study.start_scores, study.scores())
+    assert json.loads((VPPO_PAGE / publish.SUMMARY).read_text())["vppo"] == claim["short"]
+    assert f"**{claim['verdict']}.**" in page
+    # what the page found, pinned: VPPO did not drift less than GRPO (+0.005 of avg@8 on prior-breaking items,
+    # p = 0.30, MDE 0.017 over 5 seed pairs), and is equivalent to it within +-0.02 (TOST p = 0.017)
+    assert claim["verdict"].startswith("VPPO does not drift less than GRPO here"), claim
+    assert claim["diff"] == pytest.approx(0.00547, abs=5e-5) and claim["p_value"] == pytest.approx(0.301, abs=1e-3)
+    assert claim["mde"] == pytest.approx(0.0173, abs=1e-4) and claim["tost_p"] == pytest.approx(0.0172, abs=1e-4)
+    # VPPO is an arm of its own, never the dose-response's gamma 0 (GRPO); its runs logged VPPO's own metrics
+    assert {run.arm for run in dose.runs_by_gamma(study)[0.0].values()} == {"grpo"}
+    vppo = study.by_arm()["vppo"]
+    assert sorted(vppo) == [0, 1, 2, 3, 4]
+    assert all(run.step_logs[-1]["vppo/kept_token_share"] > 0 for run in vppo.values())
+    # every other run is the published shortcut_lora page's, score for score
+    records = json.loads((VPPO_PAGE / "runs.json").read_text())
+    ours = {(r["gamma"], r["seed"]): r["scores"] for r in records if r["arm"] != "vppo"}
+    theirs = json.loads((ROOT / "docs" / "study" / "shortcut_lora" / "runs.json").read_text())
+    assert ours == {(r["gamma"], r["seed"]): r["scores"] for r in theirs}
+    assert "python -m papo_nb.workbook.study.rebuild docs/study/shortcut_vppo_lora" in page

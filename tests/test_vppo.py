@@ -11,6 +11,7 @@ from trl import GRPOTrainer
 from papo_nb.papo.rollout_branch import MASKED_LOGPS_KEY
 from papo_nb.papo.vppo import VPPOConfig, VPPOTrainer, shaping
 from papo_nb.papo.vppo.vppo_trainer import DEPENDENCY_KEY, SCORE_RANGE_KEY
+from papo_nb.papo.vppo.vppo_trainer import REVIEW_COLUMNS as VPPO_COLUMNS
 from papo_nb.testbed.models import load_vlm
 from papo_nb.workbook.config.params import ParamsError, validate_params
 from papo_nb.workbook.rollouts import rollout_batch
@@ -181,6 +182,31 @@ def test_a_batch_from_another_trainer_is_refused_by_name(policy, shapes_dataset,
     foreign = {k: v for k, v in batch.items() if k != DEPENDENCY_KEY}
     with pytest.raises(RuntimeError, match=DEPENDENCY_KEY):
         trainer._compute_loss(policy[0], foreign)
+
+
+@pytest.mark.model
+def test_the_completions_table_shows_each_completions_dependency_and_kept_share_and_scale(
+    policy, shapes_dataset, tmp_path
+):
+    """Issue 46: a VPPO run's completions table carries, per row, what VPPO did to that completion: its mean token
+    dependency, the share of its tokens that kept their gradient (ceil(0.4 n) of n) and its advantage scale, the
+    same numbers the loss used (found by the row's position in the generation batch, through TRL's logs)."""
+    from papo_nb.workbook.training import completions
+
+    trainer = make_trainer(policy, shapes_dataset, tmp_path, **OFFICIAL)
+    batch = rollout_batch(trainer, shapes_dataset, n_prompts=2, seed=0)
+    trainer._compute_loss(policy[0], batch)
+    table = completions.completions_table(trainer, step=1)
+    assert set(VPPO_COLUMNS) <= set(table.columns) and len(table) == len(batch["prompt_ids"])
+    mask = batch["completion_mask"].float()
+    scores = shaping.sensitivity_scores(batch[DEPENDENCY_KEY], mask)
+    scale = shaping.advantage_scale(scores, batch[SCORE_RANGE_KEY][0], mask.any(dim=1), 0.9).scale
+    for _, row in table.iterrows():
+        i, n = int(row["row"]), int(mask[int(row["row"])].sum())
+        assert row["vppo_token_dependency"] == pytest.approx(scores[i].item(), rel=1e-5)
+        assert row["vppo_kept_token_share"] == pytest.approx(math.ceil(0.4 * n) / n)
+        assert row["vppo_advantage_scale"] == pytest.approx(scale[i].item(), rel=1e-5)
+    assert table["vppo_advantage_scale"].mean() == pytest.approx(1.0, abs=1e-5)  # the band centres it on 1
 
 
 # ---- configuration ----

@@ -2,6 +2,7 @@
 
     OMP_NUM_THREADS=1 .venv/bin/python docs/measurements/vppo_shortcut.py train 0,1,2 OUT   # one process per seed set
     .venv/bin/python docs/measurements/vppo_shortcut.py report OUT [OUT ...]
+    .venv/bin/python docs/measurements/vppo_shortcut.py page OUT [OUT ...]   # docs/study/shortcut_vppo_lora
 
 ``train`` scores the warm start and trains, seed by seed, the GRPO and VPPO arms of ``params/study_shortcut.yaml``
 (``papo_nb.workbook.study.arms.run_one``, LoRA, 60 steps; VPPO at gamma 0 with everything else as GRPO), writing
@@ -9,6 +10,9 @@
 ``docs/study/shortcut_lora`` page (same warm start, seeds and settings; it refuses to pair when this run's GRPO differs
 from the page's on a seed), and prints the drift from the warm start and each arm against GRPO with the study's own
 statistics (``papo_nb.workbook.study.drift``: paired t, 95% CI, TOST, MDE, the prior-following share of errors).
+``page`` writes the study page ``docs/study/shortcut_vppo_lora``: the published page's runs with the VPPO runs added
+(their per-step logs read from ``OUT/mlflow.db``, their collapse verdicts recomputed as ``arms.run_one`` does), then
+the page itself through ``papo_nb.workbook.study.rebuild``, which regenerates it from those files alone.
 """
 
 from __future__ import annotations
@@ -84,9 +88,75 @@ def report(outs: list[Path]) -> None:
               f"| {row['verdict']}")  # fmt: skip
 
 
+VPPO_PAGE = ROOT / "docs" / "study" / "shortcut_vppo_lora"
+COPIED = ("start_scores.json", "testbed_card.json")
+
+
+def _vppo_runs(out: Path) -> dict[int, tuple[list[dict], float, float]]:
+    """seed -> (per-step logs, the flagged collapse metric, run seconds) of each finished VPPO run in OUT/mlflow.db."""
+    import sqlite3
+
+    from papo_nb.workbook.study.arms import STEP_METRICS
+
+    db = sqlite3.connect(out / "mlflow.db")
+    runs = db.execute("select run_uuid, name from runs where name like 'vppo-gamma0-seed%' and status = 'FINISHED'")
+    found = {}
+    for run_id, name in runs.fetchall():
+        rows: dict[int, dict] = {}
+        for key, value, step in db.execute("select key, value, step from metrics where run_uuid = ?", (run_id,)):
+            if key in STEP_METRICS:
+                rows.setdefault(step, {"step": float(step)})[key] = value
+        last = dict(db.execute("select key, value from latest_metrics where run_uuid = ?", (run_id,)).fetchall())
+        found[int(name.rsplit("seed", 1)[1])] = (
+            [rows[s] for s in sorted(rows)],
+            last["collapse/flagged"],
+            last["study/run_seconds"],
+        )
+    return found
+
+
+def page(outs: list[Path]) -> None:
+    from papo_nb.workbook.study import rebuild
+    from papo_nb.workbook.study.collapse import CollapseRule, detect_collapse, heldout_verdict
+
+    _, results = paired_results(outs)  # refuses unless this run's GRPO is the page's on every seed
+    runs = {seed: run for out in outs for seed, run in _vppo_runs(out).items()}
+    VPPO_PAGE.mkdir(parents=True, exist_ok=True)
+    records, logs = json.loads((PAGE / "runs.json").read_text()), json.loads((PAGE / "step_logs.json").read_text())
+    rule, runtime = CollapseRule(), (PAGE / "results.md").read_text().split(" trained runs in ")[1]
+    seconds = float(runtime.split(" s")[0])  # the page's wall; the VPPO runs' own seconds are added below
+    for seed, scores in sorted(results["vppo"].items()):
+        steps, flagged, run_seconds = runs[seed]
+        collapse = heldout_verdict(detect_collapse(steps, rule), scores, results["grpo"][seed], rule)
+        if float(collapse["collapsed"]) != flagged:
+            raise SystemExit(f"seed {seed}: the collapse verdict recomputed here is not the run's")
+        keep = ("collapsed", "step", "mode", "symptoms", "detected_by")
+        records.append({"arm": "vppo", "gamma": 0.0, "seed": seed, "scores": scores,
+                        "collapse": {k: collapse.get(k) for k in keep}})  # fmt: skip
+        logs.append({"arm": "vppo", "gamma": 0.0, "seed": seed, "steps": steps})
+        seconds += run_seconds
+    (VPPO_PAGE / "runs.json").write_text(json.dumps(records, indent=1) + "\n")
+    (VPPO_PAGE / "step_logs.json").write_text(json.dumps(logs, separators=(",", ":")) + "\n")
+    for name in COPIED:
+        (VPPO_PAGE / name).write_text((PAGE / name).read_text())
+    summary = json.loads((PAGE / "summary.json").read_text())
+    meta = {
+        "params": "params/study_shortcut.yaml", "overrides": ["study_vppo=true"],
+        "collapse_gamma": summary["collapse_gamma"], "collapse_found": summary["collapse_found"],
+        "seconds": round(seconds),
+        "origin": "the runs of docs/study/shortcut_lora (notebook 04, issue 41) and its VPPO arm, trained on the same "
+        "seeds and warm start by docs/measurements/vppo_shortcut.py (issue 46), whose GRPO runs scored exactly "
+        "the page's GRPO on every seed. Runtime: the page's wall plus the VPPO runs' own seconds.",
+    }  # fmt: skip
+    (VPPO_PAGE / rebuild.REBUILD).write_text(json.dumps(meta, indent=1) + "\n")
+    print(f"wrote {rebuild.rewrite_page(VPPO_PAGE.relative_to(ROOT))}")
+
+
 if __name__ == "__main__":
     command, *rest = sys.argv[1:]
     if command == "train":
         train([int(s) for s in rest[0].split(",")], Path(rest[1]))
+    elif command == "page":
+        page([Path(p) for p in rest])
     else:
         report([Path(p) for p in rest])

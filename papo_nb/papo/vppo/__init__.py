@@ -1,4 +1,5 @@
-"""VPPO (arXiv 2510.09285) beside PAPO-G: the same masked branch, used to filter tokens and scale advantages.
+"""VPPO (arXiv 2510.09285), the second masked-branch method beside PAPO-G: the same masked branch, used to filter
+tokens and scale advantages.
 
 - ``vppo_config.py``: ``VPPOConfig``, PAPOGConfig plus the token fraction and the advantage band, official defaults.
 - ``vppo_trainer.py``: ``VPPOTrainer``, PAPO-G's trainer at gamma 0 whose GRPO loss reads shaped advantages.

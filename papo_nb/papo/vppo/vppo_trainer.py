@@ -17,6 +17,7 @@ import torch
 
 from ..logp_inputs import logp_call_arguments
 from ..papo_trainer import PAPOGTrainer
+from ..perception_metrics import ROLLOUT_ROW_KEY
 from ..rollout_branch import MASKED_LOGPS_KEY
 from . import shaping
 from .vppo_config import VPPOConfig
@@ -24,6 +25,8 @@ from .vppo_config import VPPOConfig
 # Batch entries the round carries through TRL's shuffle and split (one row per completion), like the masked branch.
 DEPENDENCY_KEY = "vppo_token_dependency"  # (B, T) fp32, 0 outside the completion
 SCORE_RANGE_KEY = "vppo_score_range"  # (B, 2): the round's [min, max] sensitivity score, repeated per row
+# What ``rollout_review`` keeps per completion, the completions table's VPPO columns, in this order.
+REVIEW_COLUMNS = ("vppo_token_dependency", "vppo_kept_token_share", "vppo_advantage_scale")
 
 VPPO_PAPER = {
     "title": "Spotlight on Token Perception for Multimodal Reinforcement Learning",
@@ -65,10 +68,14 @@ class VPPOTrainer(PAPOGTrainer):
         if not isinstance(args, VPPOConfig):  # a PAPOGConfig would train PAPO-G's loss without a word
             raise TypeError(f"VPPOTrainer needs args=VPPOConfig(...), got {type(args).__name__}")
         super().__init__(model, reward_funcs, args, **kwargs)
+        # by a completion's row in this rank's latest generation batch (ROLLOUT_ROW_KEY), as the parent's
+        # perception_record.rollout: its mean token dependency, kept-token share and advantage scale (REVIEW_COLUMNS)
+        self.rollout_review: dict[int, tuple[float, float, float]] = {}
 
     # ---- hooks ----
     def _generate_and_score_completions(self, inputs):
         batch = super()._generate_and_score_completions(inputs)
+        self.rollout_review = {}
         batch.update(self.vppo_entries(batch))
         return batch
 
@@ -121,7 +128,19 @@ class VPPOTrainer(PAPOGTrainer):
         filtered = (mask > 0) & ~kept
         advantages = shaping.shaped_advantages(inputs["advantages"], scale.scale, filtered)
         self.log_vppo_metrics(dependency, mask, kept, scale)
+        self.review_rows(inputs, dependency, mask, kept, scale.scale)
         return {**inputs, "advantages": advantages}
+
+    def review_rows(self, inputs, dependency, mask, kept, scale) -> None:
+        """``rollout_review`` for the call's completions: each one's mean token dependency, the share of its tokens
+        that keep their gradient, and its advantage scale."""
+        valid = (mask > 0).float()
+        count = valid.sum(dim=1).clamp(min=1.0)
+        means = (dependency * valid).sum(dim=1) / count
+        shares = (kept.float() * valid).sum(dim=1) / count
+        values = zip(means.tolist(), shares.tolist(), scale.float().tolist(), strict=True)
+        for row, row_values in zip(inputs.get(ROLLOUT_ROW_KEY, torch.empty(0)).tolist(), values, strict=False):
+            self.rollout_review[row] = row_values
 
     def log_vppo_metrics(self, dependency, mask, kept, scale: shaping.AdvantageScale) -> None:
         """Token means over all ranks (one all-reduce): the dependency, of kept and filtered tokens, the kept share;

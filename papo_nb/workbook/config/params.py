@@ -109,7 +109,9 @@ PAPOParams = create_model(
     method=(
         Literal["papo_g", "vppo"],
         Field(
-            "papo_g", description="'papo_g' (PAPOGTrainer; gamma 0 is GRPO) or 'vppo' (VPPOTrainer, arXiv 2510.09285)"
+            "papo_g",
+            description="the masked-branch method: 'papo_g' (PAPOGTrainer; gamma 0 is GRPO) or 'vppo' (VPPOTrainer, "
+            "arXiv 2510.09285)",
         ),
     ),
     **PAPO_PARAM_FIELDS,

@@ -26,9 +26,10 @@ CONTROL_PARAMS = {GRPO_BETA: "beta", GRPO_LR: "learning_rate"}  # each control a
 CONTROL_ARMS = tuple(CONTROL_PARAMS)
 
 
-def end_reward(step_logs: list[dict], window: int = END_REWARD_WINDOW) -> float:
-    """The mean accuracy reward of the last ``window`` logged rollout batches (NaN when none was logged)."""
-    values = [row[REWARD_KEY] for row in step_logs if math.isfinite(row.get(REWARD_KEY, math.nan))]
+def end_reward(step_logs: list[dict], window: int = END_REWARD_WINDOW, key: str = REWARD_KEY) -> float:
+    """The mean accuracy reward (``key``: another logged reward) of the last ``window`` logged rollout batches (NaN
+    when none was logged)."""
+    values = [row[key] for row in step_logs if math.isfinite(row.get(key, math.nan))]
     return mean(values[-window:]) if values else math.nan
 
 

@@ -13,7 +13,7 @@ from statistics import mean
 
 from matplotlib.figure import Figure
 
-from papo_nb.workbook.study.arms import Study, StudyRun, perception_kl_measured
+from papo_nb.workbook.study.arms import VPPO, Study, StudyRun, perception_kl_measured
 from papo_nb.workbook.study.controls import CONTROL_ARMS
 from papo_nb.workbook.study.power import effect_verdict, power_row
 from papo_nb.workbook.study.stats import mean_ci, paired_test
@@ -21,6 +21,9 @@ from papo_nb.workbook.study.stats import mean_ci, paired_test
 END_WINDOW = 3  # logged steps averaged for "at the end of training"
 SCORES = tuple(f"avg_at_k/{kind}/{split}" for split in ("vision", "text") for kind in ("original", "masked", "gap"))
 END_METRICS = ("perception_kl", "entropy", "masked_entropy")
+# gamma-0 arms that are not the dose's gamma 0 (GRPO): the matched controls (GRPO held back another way) and VPPO
+# (another use of the perception KL); they are arms of their own on the page, never a point of the dose-response
+OFF_DOSE_ARMS = (*CONTROL_ARMS, VPPO)
 
 
 def _end_value(run: StudyRun, key: str) -> float:
@@ -36,7 +39,7 @@ def runs_by_gamma(study: Study) -> dict[float, dict[int, StudyRun]]:
     trained as: a sweep or search run counted as the collapse arm stays a sweep or search run)."""
     grouped: dict[float, dict[int, StudyRun]] = {}
     for run in [*study.runs, *study.sweep]:
-        if run.arm not in CONTROL_ARMS:  # GRPO held back another way: gamma 0, but not the dose's gamma 0
+        if run.arm not in OFF_DOSE_ARMS:
             grouped.setdefault(run.gamma, {})[run.seed] = run
     return dict(sorted(grouped.items()))
 
@@ -151,9 +154,9 @@ def run_records(study: Study) -> list[dict]:
 
 
 def _every_run(study: Study) -> list[StudyRun]:
-    """Every trained run once: by gamma (``runs_by_gamma``), then the matched controls' arm runs."""
+    """Every trained run once: by gamma (``runs_by_gamma``), then the off-dose arms' runs (controls, VPPO)."""
     dosed = [run for _, by_seed in runs_by_gamma(study).items() for _, run in sorted(by_seed.items())]
-    return dosed + [run for run in study.runs if run.arm in CONTROL_ARMS]
+    return dosed + [run for run in study.runs if run.arm in OFF_DOSE_ARMS]
 
 
 def _verdict_record(run: StudyRun) -> dict:
@@ -175,7 +178,7 @@ def dose_contrasts(records: list[dict]) -> list[dict]:
     difference, its p-value, the MDE at 80% power and the verdict (``power.effect_verdict``)."""
     scores: dict[float, dict[int, dict]] = {}
     for record in records:
-        if record.get("arm") not in CONTROL_ARMS:
+        if record.get("arm") not in OFF_DOSE_ARMS:
             scores.setdefault(record["gamma"], {})[record["seed"]] = record["scores"]
     control = scores.get(0.0, {})
     rows = []

@@ -29,6 +29,11 @@ SHARE = "greedy/error_split/prior_share/vision"  # the prior's share of the clea
 PRIOR_IS_DECOY = "greedy/error_split/prior_is_decoy/vision"
 CLEAN = "greedy/error_split/clean_items/vision"  # how many prior-breaking items are clean
 SPLIT_METRICS = (PRIOR, DECOY, OTHER, SHARE, PRIOR_IS_DECOY)
+# the split the pages written before this one recorded (docs/study/shortcut_lora), over every prior-breaking item:
+# answered the number's colour against the image, another wrong answer, and the prior's share of the errors
+LEGACY_SPLIT = (
+    "greedy/errors/followed_prior/vision", "greedy/errors/misread/vision", "greedy/errors/prior_share/vision",
+)  # fmt: skip
 
 
 def decoy_colour(image, answer: str) -> str | None:

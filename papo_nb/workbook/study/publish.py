@@ -14,7 +14,7 @@ from pathlib import Path
 from matplotlib.figure import Figure
 
 from papo_nb.workbook.config.params import WorkbookParams
-from papo_nb.workbook.study import controls, dose, drift, errors, power, report, tables
+from papo_nb.workbook.study import controls, dose, drift, errors, power, report, tables, vppo_arm
 from papo_nb.workbook.study import stats as study_stats
 from papo_nb.workbook.study.arms import GRPO, PAPO_G, PAPO_G_COLLAPSE, SEARCH, SWEEP, Study
 from papo_nb.workbook.study.claims import claims_table
@@ -27,6 +27,7 @@ DOSE_ROWS = "dose_response.json"  # the dose-response table, so its figure can b
 RUNS = "runs.json"  # every run's held-out scores, so the paired contrasts can be recomputed by the code on main
 CONTRASTS_PAGE = "contrasts.md"
 START = "start_scores.json"  # the warm start's held-out scores (step 0), which a calibrated page's drift is against
+ORIGIN = "Written by notebook 04 (`papo_nb.workbook.study.publish`); every number below is that run's."
 STEP_LOGS = "step_logs.json"  # every run's per-step training metrics, compact: each collapse label can be rechecked
 GAP = "avg_at_k/gap/vision"
 CONSISTENT = "avg_at_k/original/consistent"  # the in-distribution split (drift.CONSISTENT)
@@ -53,8 +54,10 @@ def card_markdown(card: dict) -> str:
 
 
 def _cell(value) -> str:
+    """A float to 4 significant digits; NaN (nothing to compute it from: no items, or a key the runs did not log)
+    reads as words, never as a number."""
     if isinstance(value, float):
-        return "nan" if math.isnan(value) else f"{value:.4g}"
+        return "not recorded" if math.isnan(value) else f"{value:.4g}"
     return str(value)
 
 
@@ -64,10 +67,12 @@ def _records_markdown(rows: list[dict]) -> str:
 
 
 def write_results_page(
-    folder: str | Path, params: WorkbookParams, study: Study, card: dict, figures: dict[str, Figure], seconds: float
-) -> Path:
+    folder: str | Path, params: WorkbookParams, study: Study, card: dict, figures: dict[str, Figure], seconds: float,
+    origin: str = ORIGIN,
+) -> Path:  # fmt: skip
     """Write ``results.md`` (settings, card, dose-response, power, arms, claims, sweep, runtime), the figures as
-    ``<name>.png`` and the card as ``testbed_card.json`` into ``folder``; returns the page's path."""
+    ``<name>.png`` and the card as ``testbed_card.json`` into ``folder``; returns the page's path. ``origin``: the
+    line under the title that says what wrote the page (``rebuild`` names its own command)."""
     folder = Path(folder)
     dose_rows = write_page_files(folder, study, card, figures)
     scores = study.scores()
@@ -80,7 +85,7 @@ def write_results_page(
     settings = "\n".join(f"- `{name}`: {getattr(params, name)!r}" for name in SETTINGS)
     sections = [
         f"# Method study: {params.model_name_or_path}, {params.finetuning}, seeds {list(params.study_seeds)}",
-        "Written by notebook 04 (`papo_nb.workbook.study.publish`); every number below is that run's.",
+        origin,
         f"## Settings\n{settings}",
         f"## The policy's build card (greedy, {card.get('card_items', 'n/a')} held-out items)\n"
         + (
@@ -117,7 +122,7 @@ def calibrated_tables(start: dict, results: dict[str, dict[int, dict]], gammas: 
     arms = {arm: by_seed for arm, by_seed in results.items() if arm not in (PAPO_G_COLLAPSE, SEARCH, SWEEP)}
     drift_table = drift.drift_rows(start, arms)
     verdicts = drift.arm_verdicts(arms, gammas, GRPO)
-    papo = [row for row in verdicts if row["arm"] not in controls.CONTROL_ARMS]
+    papo = [row for row in verdicts if row["arm"] not in dose.OFF_DOSE_ARMS]  # not a control's, nor VPPO's
     return drift_table, verdicts, drift.counteract_claim(drift_table, papo, GRPO)
 
 
@@ -179,23 +184,28 @@ def calibrated_sections(study: Study) -> list[str]:
         "(`study_search_steps`); `detected_by` says whether the step logs or the held-out score flagged it.\n\n"
         + _sweep_markdown(study),
         *_control_sections(study),
+        *vppo_arm.vppo_sections(study),
         "## The error split, and the in-distribution cost, per arm (mean +/- 95% CI; paired difference against "
         "GRPO)\nGreedy answers to the clean prior-breaking items (the decoy is not the number's colour): answered "
         "the number's colour, which the square does not show (`prior`), the decoy it shows (`decoy`), or another "
         "(`other`), each a share of those items; `prior_share` the prior's share of their errors; `prior_is_decoy` "
         "the share of the other items answered with the number's colour, which is also their decoy. "
         "`avg_at_k/original/consistent`: the in-distribution items, whose number names their answer.\n\n"
-        + tables.markdown_table(
-            tables.comparison_table(
-                study_stats.summary_rows(_arm_scores(study), [*errors.SPLIT_METRICS, CONSISTENT], GRPO), GRPO
-            )
-        ),
+        + _split_markdown(_arm_scores(study)),
         f"## Each arm against GRPO on `{drift.PRIMARY}`\n"
         "Paired over seeds: the difference with its 95% CI and p, TOST equivalence at "
         f"+-{drift.EQUIVALENCE_MARGIN:g}, the MDE at 80% power, and the share of the held-out errors that followed "
         "the prior against the image (the paper's perception-error category; it reports 30.5% fewer perception "
         "errors for PAPO).\n\n" + _records_markdown(verdicts),
     ]
+
+
+def _split_markdown(scores: dict[str, dict[int, dict]]) -> str:
+    """The error split's table, or one line where no run recorded it (runs scored before the split existed)."""
+    metrics = [*errors.SPLIT_METRICS, CONSISTENT]
+    if not any(m in s for by_seed in scores.values() for s in by_seed.values() for m in metrics):
+        return "Not recorded: these runs were scored before the split (and the in-distribution items) existed."
+    return tables.markdown_table(tables.comparison_table(study_stats.summary_rows(scores, metrics, GRPO), GRPO))
 
 
 def _arm_scores(study: Study) -> dict[str, dict[int, dict]]:
@@ -266,6 +276,8 @@ def write_summary(folder: Path, params: WorkbookParams, study: Study, scores: di
     if study.controls:
         gammas = {arm: next(iter(runs.values())).gamma for arm, runs in study.by_arm().items()}
         summary["controls"] = control_tables(scores, gammas)[1]
+    if vppo_arm.VPPO in scores and study.start_scores:
+        summary["vppo"] = vppo_arm.vppo_verdict(study.start_scores, scores)["short"]
     (folder / SUMMARY).write_text(json.dumps(summary, indent=2) + "\n")
 
 
@@ -318,8 +330,9 @@ def summary_markdown(root: str | Path, link_prefix: str = "") -> str:
     root = Path(root)
     lines = [
         "| page | testbed | finetuning | seeds | GRPO vision avg@k | PAPO-G - GRPO, vision avg@k | "
-        "PAPO-G - GRPO, reliance gap | collapse gamma | GRPO's drift off the image, and PAPO-G against it | weights |",
-        "|---|---|---|---|---:|---|---|---:|---|---|",
+        "PAPO-G - GRPO, reliance gap | collapse gamma | GRPO's drift off the image, and PAPO-G against it | "
+        "VPPO against GRPO's drift | weights |",
+        "|---|---|---|---|---:|---|---|---:|---|---|---|",
     ]
     for path in sorted(root.glob(f"*/{SUMMARY}")):
         summary = json.loads(path.read_text())
@@ -330,7 +343,8 @@ def summary_markdown(root: str | Path, link_prefix: str = "") -> str:
             f"{summary['finetuning']} | "
             f"{summary['seeds']} | {summary['grpo']['avg_at_k/original/vision']:.3f} | "
             f"{effects['avg_at_k/original/vision']['verdict']} | {effects['avg_at_k/gap/vision']['verdict']} | "
-            f"{collapse} | {summary.get('counteract', 'not measured (sweep design)')} | {policy_hash(path.parent)} |"
+            f"{collapse} | {summary.get('counteract', 'not measured (sweep design)')} | "
+            f"{summary.get('vppo', 'not run')} | {policy_hash(path.parent)} |"
         )
     return "\n".join(lines) + "\n"
 

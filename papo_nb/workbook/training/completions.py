@@ -12,6 +12,10 @@ which shows on a black background too; ``mask_content_share`` is the share of th
 covered and ``mask_missed_content`` marks a row whose mask covered none of them (its perception KL is then about 0 by
 construction, not a dead branch). They are drawn for the Qwen-VL patch-row layout and for whole-image layouts; other
 layouts log the image without them. The held-out tables draw their raw-image masks with the same ``mask_rendering``.
+
+A VPPO run's rows also carry what VPPO did to each completion (``VPPOTrainer.rollout_review``): its mean token
+dependency (the per-token KL its filter ranks by), the share of its tokens that kept their policy gradient, and the
+scale its advantage was multiplied by (``advantage`` is TRL's, before the scale).
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from mlflow import MlflowClient
 from PIL import Image, ImageDraw
 
 from papo_nb.papo import layouts
+from papo_nb.papo.vppo.vppo_trainer import REVIEW_COLUMNS as VPPO_COLUMNS
 
 REVIEW_PROMPTS = 2  # items per step in the table (each with all its completions, at most the next bound)
 REVIEW_COMPLETIONS_PER_PROMPT = 8
@@ -190,6 +195,7 @@ def completions_table(trainer, step: int) -> pd.DataFrame:
     perception = trainer.perception_record.rollout if papo else {}
     skipped = papo and trainer.masked_branch.skipped
     masks = trainer.masks.rollout_masks if papo else {}
+    vppo = getattr(trainer, "rollout_review", None)  # a VPPOTrainer's per-completion dependency, kept share, scale
     local_rows = len(prompts) // max(trainer.accelerator.num_processes, 1)  # rank 0's rows come first
     items = item_keys(prompts[:local_rows], images[:local_rows])
     table = []
@@ -207,6 +213,8 @@ def completions_table(trainer, step: int) -> pd.DataFrame:
             kl, masked_entropy = None, None
         row.update(advantage=float(advantages[i]), perception_kl=kl)
         row.update(original_entropy=entropy, masked_entropy=masked_entropy)
+        if vppo is not None:
+            row.update(zip(VPPO_COLUMNS, vppo.get(i, (None,) * len(VPPO_COLUMNS)), strict=True))
         table.append(row)
     frame = pd.DataFrame(table)
     views = [column for column in MASK_VIEW_COLUMNS if column in frame]
