@@ -26,8 +26,8 @@ from pydantic import (
     model_validator,
 )
 
-from papo_nb.papo.papo_config import PAPOGConfig, papo_field_problem, papo_fields
-from papo_nb.papo.vppo.vppo_config import VPPO_FIELD_RULES, VPPO_FIXED, VPPOConfig, vppo_field_problem
+from papo_nb.papo.papo_config import FIELD_RULES, PAPOGConfig, field_problem, papo_fields
+from papo_nb.papo.vppo.vppo_config import VPPO_FIELD_RULES, VPPO_FIXED, VPPOConfig
 from papo_nb.workbook.config.batch_layout import batch_layout, check_batches
 
 
@@ -70,20 +70,17 @@ class _StrictParams(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, validate_assignment=True)
 
 
-def _papo_rule(cls, value, info):
-    """PAPOGConfig's own rule for the field (one table: papo_config.FIELD_RULES)."""
-    problem = papo_field_problem(info.field_name, value)
-    if problem:
-        raise ValueError(problem)
-    return value
+def _config_rule(rules: dict):
+    """A field validator applying the config's own rule for the field from ``rules`` (papo_config.FIELD_RULES or
+    vppo_config.VPPO_FIELD_RULES), so the params model and the config refuse the same values."""
 
+    def check(cls, value, info):
+        problem = field_problem(rules, info.field_name, value)
+        if problem:
+            raise ValueError(problem)
+        return value
 
-def _vppo_rule(cls, value, info):
-    """VPPOConfig's own rule for the field (vppo_config.VPPO_FIELD_RULES)."""
-    problem = vppo_field_problem(info.field_name, value)
-    if problem:
-        raise ValueError(problem)
-    return value
+    return check
 
 
 def _vppo_fixed(self):
@@ -102,8 +99,8 @@ PAPOParams = create_model(
     __base__=_StrictParams,
     __doc__="The PAPO-G parameters, derived from PAPOGConfig, and VPPO's, derived from VPPOConfig.",
     __validators__={
-        "papo_rule": field_validator(*PAPO_PARAM_FIELDS)(_papo_rule),
-        "vppo_rule": field_validator(*VPPO_PARAM_FIELDS)(_vppo_rule),
+        "papo_rule": field_validator(*PAPO_PARAM_FIELDS)(_config_rule(FIELD_RULES)),
+        "vppo_rule": field_validator(*VPPO_PARAM_FIELDS)(_config_rule(VPPO_FIELD_RULES)),
         "vppo_fixed": model_validator(mode="after")(_vppo_fixed),
     },
     method=(
