@@ -18,7 +18,7 @@ from trl import GRPOTrainer
 from papo_nb.papo import layouts, masking, prompt_identity
 from papo_nb.papo.vppo.vppo_trainer import DEPENDENCY_KEY
 from papo_nb.testbed import families, models
-from papo_nb.workbook.config import params
+from papo_nb.workbook.config import machine_checks, params
 from papo_nb.workbook.rollouts import rollout_batch
 from papo_nb.workbook.training import builder
 
@@ -122,7 +122,7 @@ def _stats(processor):
 
 
 def test_tiny_family_names_agree_between_params_and_the_testbed():
-    assert params.TINY_FAMILIES == models.TINY_FAMILIES
+    assert machine_checks.TINY_FAMILIES == models.TINY_FAMILIES
     assert set(LAYOUT_OF) == set(FAMILY_NAMES)
 
 
@@ -460,7 +460,7 @@ def test_notebook_01_accepts_the_family(family, family_cache, tmp_path, monkeypa
     if family == "llava_onevision":  # the parent cannot run its reference forward here (test below): no KL term
         fields["beta"] = 0.0
     nb_params = params.notebook_params(fields)
-    assert params.preflight_problems(nb_params) == []
+    assert machine_checks.preflight_problems(nb_params) == []
     trainer, _, _ = prepare_training(nb_params, tmp_path / "probe", save_strategy="no")
     batch = rollout_batch(trainer, trainer.train_dataset, n_prompts=2, seed=0)
     evidence = probe_batch(trainer, batch, raise_on_failure=False)
@@ -481,7 +481,7 @@ def test_the_parent_cannot_run_llava_onevision_with_a_reference_model(family_cac
 
 def test_an_unknown_tiny_family_is_refused_before_building():
     bad = unit_params(model_name_or_path="tiny:llava_nest")
-    problems = params.preflight_problems(bad)
+    problems = machine_checks.preflight_problems(bad)
     assert any("'tiny:llava_nest': unknown tiny family" in p and "tiny:mistral3" in p for p in problems)
     with pytest.raises(ValueError, match="family='llava_nest' is not supported"):
         models.build_tiny_vlm("llava_nest", cache_dir="/nonexistent")

@@ -8,36 +8,30 @@ All runs are ``papo-nb train`` on params/smoke_fast.yaml (16 steps, a checkpoint
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import signal
 import statistics
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
 import pytest
 from mlflow import MlflowClient
+from training_child import DEADLINE, SCRIPT, SMOKE, Train, only_run
 
 from papo_nb.infra.servers import free_port, serve_mlflow_ui
-from papo_nb.infra.tracking import EXPERIMENT_NAME
 from papo_nb.train.disk_full import DISK_FULL_EXIT
 from papo_nb.train.preemption import PREEMPTED_EXIT, PREEMPTION_MARK
-from papo_nb.train.run_folder import PROGRESS_PREFIX, SUMMARY_FILE
+from papo_nb.train.run_folder import SUMMARY_FILE
 from papo_nb.train.spool import FAST_FAILING_HTTP, JOURNAL_FILE, spool_dir
 from papo_nb.train.spooled_tracking import DRAIN_ENV
 
 pytestmark = pytest.mark.slow
 
-ROOT = Path(__file__).resolve().parents[1]
-SMOKE = ROOT / "params" / "smoke_fast.yaml"
-SCRIPT = Path(sys.executable).parent / "papo-nb"
 MAX_STEPS, SAVE_STEPS = 16, 4
 # down longer than the run's MLflow HTTP budget (no retry, a 5 s timeout: FAST_FAILING_HTTP), and for several steps
 OUTAGE_SECONDS, OUTAGE_STEPS = 3 * float(FAST_FAILING_HTTP["MLFLOW_HTTP_REQUEST_TIMEOUT"]), 4
-DEADLINE = 300.0  # seconds any one run, server start or wait may take on a busy 2-core machine
 TIMING_KEYS = ("step_time", "train_runtime", "train_samples_per_second", "train_steps_per_second")
 
 
@@ -45,49 +39,11 @@ def overrides(max_steps: int = MAX_STEPS) -> list[str]:
     return [f"max_steps={max_steps}", f"save_steps={SAVE_STEPS}"]
 
 
-class Train:
-    """A training child process; its output lines, each with the time it arrived."""
-
-    def __init__(self, command: list[str], uri: str, extra_env: dict[str, str] | None = None):
-        env = {**os.environ, "MLFLOW_TRACKING_URI": uri, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-        self.process = subprocess.Popen(
-            command, env={**env, **(extra_env or {})}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-        )
-        self.lines: list[tuple[float, str]] = []
-        self.reader = threading.Thread(target=self._read, daemon=True)
-        self.reader.start()
-
-    def _read(self) -> None:
-        for line in self.process.stdout:
-            self.lines.append((time.monotonic(), line))
-
-    @property
-    def text(self) -> str:
-        return "".join(line for _, line in self.lines)
-
-    def step_times(self) -> dict[int, float]:
-        """When each ``step N/M`` progress line arrived."""
-        marker = f"{PROGRESS_PREFIX} step "
-        return {int(line.split(marker)[1].split("/")[0]): t for t, line in self.lines if marker in line}
-
-    def last_step(self) -> int:
-        return max(self.step_times(), default=0)
-
-    def wait_until(self, condition, what: str) -> None:
-        deadline = time.monotonic() + DEADLINE
-        while not condition():
-            assert self.process.poll() is None, f"the run ended before {what}:\n{self.text[-4000:]}"
-            assert time.monotonic() < deadline, f"no {what} within {DEADLINE:.0f} s:\n{self.text[-4000:]}"
-            time.sleep(0.05)
-
-    def finish(self) -> int:
-        try:
-            self.process.wait(timeout=DEADLINE)
-        finally:
-            if self.process.poll() is None:
-                self.process.kill()
-        self.reader.join(timeout=30)
-        return self.process.returncode
+def server_address(folder: Path) -> tuple[str, int, str]:
+    """The store, the local port and the URI of an ``mlflow server`` kept in ``folder``: stopped, it starts again on
+    the same three, as a tracking server that comes back does."""
+    port = free_port("127.0.0.1")
+    return f"sqlite:///{folder}/server.db", port, f"http://127.0.0.1:{port}"
 
 
 def papo_nb_train(out: Path, uri: str, *extra: str, max_steps: int = MAX_STEPS, env=None) -> Train:
@@ -115,12 +71,6 @@ def assert_every_metric_once(client: MlflowClient, run_id: str, out: Path) -> in
     return sum(map(len, logged.values()))
 
 
-def only_run(client: MlflowClient):
-    experiment = client.get_experiment_by_name(EXPERIMENT_NAME)
-    (run,) = client.search_runs([experiment.experiment_id])
-    return run
-
-
 # --------------------------------------------------------------------------------------------
 # the tracking server goes away
 # --------------------------------------------------------------------------------------------
@@ -131,8 +81,8 @@ def outage_run(tmp_path_factory):
     """A run whose tracking server is stopped after step 3, left down for OUTAGE_SECONDS and OUTAGE_STEPS steps, and
     started again on the same port and store; read back while it is up."""
     folder = tmp_path_factory.mktemp("outage")
-    store, port, out = f"sqlite:///{folder}/server.db", free_port("127.0.0.1"), folder / "run"
-    uri = f"http://127.0.0.1:{port}"
+    store, port, uri = server_address(folder)
+    out = folder / "run"
     with serve_mlflow_ui(port=port, tracking_uri=store, startup_timeout=DEADLINE):
         # the run waits at its end for the server to return (starting it again takes a while on a busy machine)
         train = papo_nb_train(out, uri, env={DRAIN_ENV: str(DEADLINE)})
@@ -189,8 +139,8 @@ def test_an_outage_neither_pauses_training_nor_loses_or_repeats_a_metric(outage_
 
 
 def test_a_server_that_never_returns_ends_the_run_and_sync_delivers_everything_once(tmp_path):
-    store, port, out = f"sqlite:///{tmp_path}/server.db", free_port("127.0.0.1"), tmp_path / "run"
-    uri = f"http://127.0.0.1:{port}"
+    store, port, uri = server_address(tmp_path)
+    out = tmp_path / "run"
     with serve_mlflow_ui(port=port, tracking_uri=store, startup_timeout=DEADLINE):
         train = papo_nb_train(out, uri, max_steps=8, env={DRAIN_ENV: "2"})
         train.wait_until(lambda: train.last_step() >= 2, "step 2")

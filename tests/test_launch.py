@@ -4,14 +4,11 @@ reference policy of a phase-2 run. Real subprocesses, the tiny model, an SQLite 
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
 import signal
 import sqlite3
 import subprocess
-import sys
-import threading
 import time
 from contextlib import closing
 from pathlib import Path
@@ -20,9 +17,10 @@ import pytest
 import torch
 import yaml
 from mlflow import MlflowClient
+from training_child import SCRIPT, SMOKE, Train, child_env, only_run
 
 from papo_nb.cli import main
-from papo_nb.infra.tracking import ARTIFACTS_DIRNAME, DB_FILENAME, EXPERIMENT_NAME, artifacts_dir, sqlite_path
+from papo_nb.infra.tracking import ARTIFACTS_DIRNAME, DB_FILENAME, artifacts_dir, sqlite_path
 from papo_nb.train.integrity import CorruptCheckpointWarning, checkpoint_problems, find_resume_checkpoint
 from papo_nb.train.resume import ResumeMismatch
 from papo_nb.train.run_folder import (
@@ -39,24 +37,10 @@ from papo_nb.workbook.training.checkpoints import checkpoint_step
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[1]
-SMOKE = ROOT / "params" / "smoke_fast.yaml"
-SCRIPT = Path(sys.executable).parent / "papo-nb"
 MAX_STEPS, SAVE_STEPS = 6, 2
 # A larger lr than the smoke run's, so that the trained adapter is far from the base model (phase-2 test).
 RUN = ["-p", f"max_steps={MAX_STEPS}", "-p", f"save_steps={SAVE_STEPS}", "-p", "learning_rate=0.005"]
 STEP_LINE = re.compile(rf"{PROGRESS_PREFIX} step (\d+)/")
-
-
-def env_for(uri: str) -> dict[str, str]:
-    return {**os.environ, "MLFLOW_TRACKING_URI": uri, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-
-
-def only_run(uri: str):
-    client = MlflowClient(uri)
-    experiment = client.get_experiment_by_name(EXPERIMENT_NAME)
-    runs = client.search_runs([experiment.experiment_id])
-    assert len(runs) == 1, [r.info.run_id for r in runs]
-    return client, runs[0]
 
 
 # --------------------------------------------------------------------------------------------
@@ -84,7 +68,7 @@ def test_two_gloo_processes_train_with_the_probe_and_log_one_set_of_metrics(tmp_
             "--output-dir",
             str(out),
         ],
-        env=env_for(uri),
+        env=child_env(uri),
         capture_output=True,
         text=True,
         timeout=600,
@@ -101,7 +85,8 @@ def test_two_gloo_processes_train_with_the_probe_and_log_one_set_of_metrics(tmp_
     # every rank logged the same perception KL, entropies, rewards and probe numbers: reduced, not rank-local
     assert summary["probe_same_on_all_ranks"] and summary["metrics_same_on_all_ranks"]
 
-    client, run = only_run(uri)  # rank 1 made no run of its own
+    client = MlflowClient(uri)
+    run = only_run(client)  # rank 1 made no run of its own
     assert run.info.status == "FINISHED" and run.data.tags["papo_nb.num_processes"] == "2"
     for key in ("reward", "loss", "perception_kl", "masked_entropy", "entropy", "perception_loss"):
         assert sorted(m.step for m in client.get_metric_history(run.info.run_id, key)) == list(range(1, steps + 1)), (
@@ -124,30 +109,20 @@ def killed_and_resumed(tmp_path_factory):
     folder = tmp_path_factory.mktemp("killed")
     uri, out = f"sqlite:///{folder}/mlflow.db", folder / "run"
     command = [str(SCRIPT), "train", "--params", str(SMOKE), *RUN, "--output-dir", str(out)]
-    process = subprocess.Popen(command, env=env_for(uri), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    lines: list[str] = []
-    reader = threading.Thread(target=lambda: lines.extend(process.stdout), daemon=True)
-    reader.start()
-    deadline = time.monotonic() + 300
+    train = Train(command, uri)
 
     def killable() -> bool:  # mid-way: a complete checkpoint, and a step done since it
         checkpoint = find_resume_checkpoint(out, warn=False)[0]
-        steps = [int(m.group(1)) for m in map(STEP_LINE.search, list(lines)) if m]
-        return checkpoint is not None and max(steps) > checkpoint_step(checkpoint)
+        return checkpoint is not None and train.last_step() > checkpoint_step(checkpoint)
 
-    while not killable():
-        assert process.poll() is None, "".join(lines)[-4000:]
-        assert time.monotonic() < deadline, "no checkpoint within 300 s"
-        time.sleep(0.02)
-    process.send_signal(signal.SIGKILL)
-    process.wait()
-    reader.join(timeout=30)
-    assert process.returncode == -signal.SIGKILL
-    steps_done = max(int(m.group(1)) for m in map(STEP_LINE.search, lines) if m)
+    train.wait_until(killable, "checkpoint with a step done since it")
+    train.process.send_signal(signal.SIGKILL)
+    assert train.finish() == -signal.SIGKILL
+    steps_done = train.last_step()
     checkpoint_at_kill, _ = find_resume_checkpoint(out, warn=False)
     info_before = read_run_info(out)
 
-    resumed = subprocess.run(command + ["--resume"], env=env_for(uri), capture_output=True, text=True, timeout=600)
+    resumed = subprocess.run(command + ["--resume"], env=child_env(uri), capture_output=True, text=True, timeout=600)
     assert resumed.returncode == 0, resumed.stdout[-4000:] + resumed.stderr[-4000:]
     return dict(
         uri=uri,
@@ -189,7 +164,8 @@ def test_a_killed_run_resumes_where_its_checkpoint_left_off(killed_and_resumed):
     assert info["mlflow_run_id"] == k["info_before"]["mlflow_run_id"] == summary["mlflow_run_id"]
     assert [a["resumed_from"] for a in info["attempts"]] == [None, str(checkpoint)]
 
-    client, run = only_run(k["uri"])  # the same MLflow run, re-attached
+    client = MlflowClient(k["uri"])
+    run = only_run(client)  # the same MLflow run, re-attached
     assert run.info.run_id == info["mlflow_run_id"] and run.info.status == "FINISHED"
     steps = {m.step for m in client.get_metric_history(run.info.run_id, "reward")}
     assert set(range(resumed_at + 1, MAX_STEPS + 1)) <= steps <= set(range(1, MAX_STEPS + 1))
@@ -263,7 +239,7 @@ def test_resume_past_a_truncated_checkpoint_trains_from_the_previous_one(killed_
     adapter = out / f"checkpoint-{MAX_STEPS}" / "adapter_model.safetensors"
     adapter.write_bytes(adapter.read_bytes()[:100])
     result = subprocess.run(
-        k["command"][:-1] + [str(out), "--resume"], env=env_for(uri), capture_output=True, text=True, timeout=600
+        k["command"][:-1] + [str(out), "--resume"], env=child_env(uri), capture_output=True, text=True, timeout=600
     )
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     assert (

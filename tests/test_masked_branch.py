@@ -333,7 +333,7 @@ def test_in_loop_benchmark_reports_every_variant_and_ratio(tmp_path):
     """The in-loop benchmark end to end on the smallest shapes (well-formedness only: timings are not asserted)."""
     import json
 
-    from papo_nb.bench import in_loop
+    from papo_nb.bench import in_loop, in_loop_measure
 
     out = tmp_path / "in_loop.json"
     argv = ["--layouts", "G5_k3", "--repeats", "1", "--warmup", "0", "--image-px", "56", "--completion", "4"]
@@ -341,21 +341,22 @@ def test_in_loop_benchmark_reports_every_variant_and_ratio(tmp_path):
     assert in_loop.main(argv) == 0
     (layout,) = json.loads(out.read_text())["layouts"]
     assert layout["G"] == 5 and layout["steps_per_round"] == 3 and layout["P"] >= 4 * layout["R"]
-    for name in in_loop.VARIANTS:
+    for name in in_loop_measure.VARIANTS:
         assert layout[name]["no_sampling_cpu_s"] < layout[name]["total_cpu_s"], name
     assert layout["papo_rollout"]["share"] == 5.0 and layout["papo_update"]["share"] < 5.0
     assert layout["grpo"]["masked_cpu_s"] == 0.0 < layout["papo_rollout"]["masked_cpu_s"]
     for key in ("papo_rollout/grpo_no_sampling_cpu_s", "papo_update/grpo_total_s"):
         assert layout[key]["min"] <= layout[key]["median"] <= layout[key]["max"], key
     assert (
-        layout["flop_bound"] == pytest.approx(in_loop.flop_bound(layout["P"], layout["R"], 5), rel=1e-12)
+        layout["flop_bound"] == pytest.approx(in_loop_measure.flop_bound(layout["P"], layout["R"], 5), rel=1e-12)
         and 1.0 < layout["flop_bound"] < 2.0
     )
     widths = attention_cost.TextWidths(hidden=512, intermediate=1536, heads=8, kv_heads=4, head_dim=64, layers=8)
-    for name in in_loop.VARIANTS:  # each variant's FLOP model ratio; prefix sharing below GRPO's step
-        expected = in_loop.flop_ratio(name, layout["P"], layout["R"], 5, 3)
+    for name in in_loop_measure.VARIANTS:  # each variant's FLOP model ratio; prefix sharing below GRPO's step
+        expected = in_loop_measure.flop_ratio(name, layout["P"], layout["R"], 5, 3)
         assert layout[name]["flop_ratio_tokens"] == pytest.approx(expected, rel=1e-12), name
-        with_attention = in_loop.flop_ratio(name, layout["P"], layout["R"], 5, 3, widths)  # the wide model's widths
+        # the wide model's widths
+        with_attention = in_loop_measure.flop_ratio(name, layout["P"], layout["R"], 5, 3, widths)
         assert layout[name]["flop_ratio"] == pytest.approx(with_attention, rel=1e-12), name
     assert layout["grpo_shared"]["flop_ratio"] < layout["papo_shared"]["flop_ratio"] < 1.0
     assert "papo_shared/grpo_no_sampling_cpu_s" in layout and "papo_shared/papo_rollout_no_sampling_cpu_s" in layout

@@ -567,7 +567,7 @@ def test_papo_nb_train_with_sharing_reaches_the_plain_held_out_accuracy(tmp_path
 def test_the_flop_model_of_sharing_is_the_issues():
     """rho = (P + G R) / (G (P + R)): 0.36 at P = 4R, G = 5 and 0.30 at G = 8; with the masked branch and one
     old-log-prob forward (3 steps per round) PAPO-G costs 0.45 and 0.375 of TRL's GRPO step."""
-    from papo_nb.bench.in_loop import flop_ratio
+    from papo_nb.bench.in_loop_measure import flop_ratio
 
     expected = {5: (0.36, 0.45), 8: (0.30, 0.375)}
     for group, (grpo, papo) in expected.items():

@@ -120,7 +120,7 @@ def test_preflight_checks_columns_and_image_tokens(rows_and_processor):
 
 
 def test_runner_preflight_refuses_split_optimizer_steps_before_anything_runs():
-    from papo_nb.workbook.config.params import preflight_problems
+    from papo_nb.workbook.config.machine_checks import preflight_problems
 
     assert preflight_problems(load_params(ROOT / "params" / "recipes" / "tiny_cpu.yaml")) == []
     problems = preflight_problems(

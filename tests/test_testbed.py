@@ -17,7 +17,8 @@ from papo_nb.testbed import perception
 from papo_nb.testbed import policy as testbed_policy
 from papo_nb.testbed.models import COMPLETE_MARKER, build_cached
 from papo_nb.testbed.shapes import COLOURS
-from papo_nb.workbook.config.params import preflight_problems, validate_params
+from papo_nb.workbook.config.machine_checks import preflight_problems
+from papo_nb.workbook.config.params import validate_params
 
 # ---- the task ----
 

@@ -36,12 +36,12 @@ from mlflow.entities import Param
 from papermill.exceptions import PapermillExecutionError
 
 from papo_nb.infra.notebook_start import LocalKernelManager
+from papo_nb.workbook.config.machine_checks import preflight_problems
 from papo_nb.workbook.config.params import (
     ParamsError,
     WorkbookParams,
     load_params,
     parse_override,
-    preflight_problems,
 )
 from papo_nb.workbook.results.page import publish_notebook_page, publish_workbook_page
 from papo_nb.workbook.results.readable import write_html_copy

@@ -1,7 +1,8 @@
 """PAPO-G configuration: every GRPOConfig field plus the perception and double-entropy fields.
 
-Every PAPO field carries its rule (``papo_field_problem``) and, where it has a closed set of values, its choices in
-``field.metadata["choices"]``: the workbook derives its params schema from this dataclass, so nothing is typed twice.
+Every PAPO field carries its rule (``FIELD_RULES``, read by ``field_problem``) and, where it has a closed set of
+values, its choices in ``field.metadata["choices"]``: the workbook derives its params schema from this dataclass, so
+nothing is typed twice.
 """
 
 from __future__ import annotations
@@ -24,45 +25,57 @@ MASKED_BRANCH_TIMINGS = ("rollout", "update")
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo")
 
 
-def _finite(v: Any) -> bool:
+def is_finite_number(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
-def _int(v: Any) -> bool:
+def is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
 # name -> (rule, what is allowed); one table serves PAPOGConfig.__post_init__ and the workbook's params schema.
 FIELD_RULES = {
-    "perception_loss_weight": (lambda v: _finite(v) and v >= 0, "a finite number >= 0"),
-    "perception_loss_weight_final": (lambda v: _finite(v) and v >= 0, "a finite number >= 0"),
+    "perception_loss_weight": (lambda v: is_finite_number(v) and v >= 0, "a finite number >= 0"),
+    "perception_loss_weight_final": (lambda v: is_finite_number(v) and v >= 0, "a finite number >= 0"),
     "perception_loss_schedule": (lambda v: v in GAMMA_SCHEDULES, f"one of {GAMMA_SCHEDULES}"),
-    "perception_annealing_ratio": (lambda v: _finite(v) and 0 < v <= 1, "a number in (0, 1]"),
-    "perception_kl_clamp": (lambda v: v is None or (_finite(v) and v > 0), "None or a finite number > 0"),
+    "perception_annealing_ratio": (lambda v: is_finite_number(v) and 0 < v <= 1, "a number in (0, 1]"),
+    "perception_kl_clamp": (lambda v: v is None or (is_finite_number(v) and v > 0), "None or a finite number > 0"),
     "mask_type": (lambda v: v in MASK_TYPES, f"one of {MASK_TYPES}"),
-    "mask_ratio": (lambda v: _finite(v) and 0.0 < v <= 1.0, "a number in (0, 1]"),
+    "mask_ratio": (lambda v: is_finite_number(v) and 0.0 < v <= 1.0, "a number in (0, 1]"),
     "mask_sharing": (lambda v: v in MASK_SHARING, f"one of {MASK_SHARING}"),
-    "mask_seed": (_int, "an int"),
+    "mask_seed": (is_int, "an int"),
     "entropy_estimator": (lambda v: v in ENTROPY_ESTIMATORS, f"one of {ENTROPY_ESTIMATORS}"),
-    "original_entropy_weight": (lambda v: _finite(v) and v >= 0, "a finite number >= 0"),
-    "masked_entropy_weight": (lambda v: _finite(v) and v >= 0, "a finite number >= 0"),
+    "original_entropy_weight": (lambda v: is_finite_number(v) and v >= 0, "a finite number >= 0"),
+    "masked_entropy_weight": (lambda v: is_finite_number(v) and v >= 0, "a finite number >= 0"),
     "masked_branch_grad": (lambda v: isinstance(v, bool), "a bool"),
     "masked_forward": (lambda v: v in MASKED_FORWARDS, f"one of {MASKED_FORWARDS}"),
     "masked_branch": (lambda v: v in MASKED_BRANCH_TIMINGS, f"one of {MASKED_BRANCH_TIMINGS}"),
     "prefix_sharing": (lambda v: isinstance(v, bool), "a bool"),
-    "max_consecutive_nonfinite_grad_steps": (lambda v: _int(v) and v >= 1, "an int >= 1"),
+    "max_consecutive_nonfinite_grad_steps": (lambda v: is_int(v) and v >= 1, "an int >= 1"),
     "require_gpu_contract_probe": (lambda v: isinstance(v, bool), "a bool"),
     "measure_perception_kl": (lambda v: isinstance(v, bool), "a bool"),
-    "probe_max_degenerate_batches": (lambda v: _int(v) and v >= 1, "an int >= 1"),
-    "beta": (lambda v: _finite(v) and v >= 0, "a finite number >= 0"),
+    "probe_max_degenerate_batches": (lambda v: is_int(v) and v >= 1, "an int >= 1"),
+    "beta": (lambda v: is_finite_number(v) and v >= 0, "a finite number >= 0"),
     "loss_type": (lambda v: v in LOSS_TYPES, f"one of {LOSS_TYPES}"),
 }
 
 
-def papo_field_problem(name: str, value: Any) -> str | None:
-    """What is wrong with ``value`` for PAPO field ``name`` (the allowed values), or None when it is valid."""
-    rule, allowed = FIELD_RULES[name]
+def field_problem(rules: dict, name: str, value: Any) -> str | None:
+    """What is wrong with ``value`` for field ``name`` of a ``name -> (rule, what is allowed)`` table such as
+    FIELD_RULES (the allowed values), or None when it is valid."""
+    rule, allowed = rules[name]
     return None if rule(value) else f"expected {allowed}"
+
+
+def check_field_rules(config: Any, rules: dict, owner: str) -> None:
+    """Raise ValueError naming ``owner``'s field, its value and what is allowed, for the first field of ``rules``
+    that ``config`` breaks. ``owner`` is the class whose table it is, not ``type(config)``: a VPPOConfig breaking a
+    PAPO-G rule is told so under PAPOGConfig's name."""
+    for name in rules:
+        value = getattr(config, name)
+        problem = field_problem(rules, name, value)
+        if problem:
+            raise ValueError(f"{owner}.{name}={value!r} is invalid: {problem}")
 
 
 @dataclass
@@ -269,10 +282,7 @@ class PAPOGConfig(GRPOConfig):
 
     def validate_papo_fields(self) -> None:
         """Raise ValueError naming the field, its value and what is allowed, before any model loads."""
-        for name in FIELD_RULES:
-            problem = papo_field_problem(name, getattr(self, name))
-            if problem:
-                raise ValueError(f"PAPOGConfig.{name}={getattr(self, name)!r} is invalid: {problem}")
+        check_field_rules(self, FIELD_RULES, "PAPOGConfig")
         if self.masked_forward == "shared_prefix" and self.masked_branch_grad:
             raise ValueError(
                 "PAPOGConfig.masked_forward='shared_prefix' is invalid with masked_branch_grad=True: the shared "

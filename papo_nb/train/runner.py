@@ -43,7 +43,8 @@ from papo_nb.train.resume import resume_callback
 from papo_nb.train.run_folder import PROGRESS_PREFIX, LaunchError, LaunchFailed
 from papo_nb.train.spool import TrackingSpool
 from papo_nb.train.spooled_tracking import SpooledFluent, close_spool, open_spool, route_through_spool
-from papo_nb.workbook.config.params import ParamsError, WorkbookParams, load_params, preflight_problems
+from papo_nb.workbook.config.machine_checks import preflight_problems
+from papo_nb.workbook.config.params import ParamsError, WorkbookParams, load_params
 from papo_nb.workbook.training.builder import prepare_training
 from papo_nb.workbook.training.checkpoints import CHECKPOINT_PREFIX, describe_reference, latest_checkpoint
 

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..papo_config import LOSS_TYPES, MASK_SHARING, PAPOGConfig, _finite
+from ..papo_config import LOSS_TYPES, MASK_SHARING, PAPOGConfig, check_field_rules, is_finite_number
 
 # name -> (rule, what is allowed), as papo_config.FIELD_RULES: the workbook derives its params schema from it.
 VPPO_FIELD_RULES = {
-    "vppo_token_fraction": (lambda v: _finite(v) and 0.0 < v <= 1.0, "a number in (0, 1]"),
-    "vppo_advantage_scale_min": (lambda v: _finite(v) and 0.0 <= v <= 1.0, "a number in [0, 1]"),
+    "vppo_token_fraction": (lambda v: is_finite_number(v) and 0.0 < v <= 1.0, "a number in (0, 1]"),
+    "vppo_advantage_scale_min": (lambda v: is_finite_number(v) and 0.0 <= v <= 1.0, "a number in [0, 1]"),
 }
 # PAPO-G fields VPPO cannot take another value of: (value, why).
 VPPO_FIXED = {
@@ -20,12 +20,6 @@ VPPO_FIXED = {
         "VPPO's dependency is the rollout-time policy's (aug_log_probs beside old_log_probs)",
     ),
 }
-
-
-def vppo_field_problem(name: str, value) -> str | None:
-    """What is wrong with ``value`` for VPPO field ``name`` (the allowed values), or None when it is valid."""
-    rule, allowed = VPPO_FIELD_RULES[name]
-    return None if rule(value) else f"expected {allowed}"
 
 
 @dataclass
@@ -111,10 +105,7 @@ class VPPOConfig(PAPOGConfig):
 
     def validate_vppo_fields(self) -> None:
         """Raise ValueError naming the field, its value and what is allowed, before any model loads."""
-        for name in VPPO_FIELD_RULES:
-            problem = vppo_field_problem(name, getattr(self, name))
-            if problem:
-                raise ValueError(f"VPPOConfig.{name}={getattr(self, name)!r} is invalid: {problem}")
+        check_field_rules(self, VPPO_FIELD_RULES, "VPPOConfig")
         for name, (value, why) in VPPO_FIXED.items():
             if getattr(self, name) != value:
                 raise ValueError(f"VPPOConfig.{name}={getattr(self, name)!r} is invalid: {why}; allowed: {value!r}")

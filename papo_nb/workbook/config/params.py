@@ -26,9 +26,8 @@ from pydantic import (
     model_validator,
 )
 
-from papo_nb.papo.papo_config import PAPOGConfig, papo_field_problem, papo_fields
-from papo_nb.papo.vppo.vppo_config import VPPO_FIELD_RULES, VPPO_FIXED, VPPOConfig, vppo_field_problem
-from papo_nb.workbook.config.batch_layout import batch_layout, check_batches
+from papo_nb.papo.papo_config import FIELD_RULES, PAPOGConfig, field_problem, papo_fields
+from papo_nb.papo.vppo.vppo_config import VPPO_FIELD_RULES, VPPO_FIXED, VPPOConfig
 
 
 class ParamsError(ValueError):
@@ -70,20 +69,17 @@ class _StrictParams(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, validate_assignment=True)
 
 
-def _papo_rule(cls, value, info):
-    """PAPOGConfig's own rule for the field (one table: papo_config.FIELD_RULES)."""
-    problem = papo_field_problem(info.field_name, value)
-    if problem:
-        raise ValueError(problem)
-    return value
+def _config_rule(rules: dict):
+    """A field validator applying the config's own rule for the field from ``rules`` (papo_config.FIELD_RULES or
+    vppo_config.VPPO_FIELD_RULES), so the params model and the config refuse the same values."""
 
+    def check(cls, value, info):
+        problem = field_problem(rules, info.field_name, value)
+        if problem:
+            raise ValueError(problem)
+        return value
 
-def _vppo_rule(cls, value, info):
-    """VPPOConfig's own rule for the field (vppo_config.VPPO_FIELD_RULES)."""
-    problem = vppo_field_problem(info.field_name, value)
-    if problem:
-        raise ValueError(problem)
-    return value
+    return check
 
 
 def _vppo_fixed(self):
@@ -102,8 +98,8 @@ PAPOParams = create_model(
     __base__=_StrictParams,
     __doc__="The PAPO-G parameters, derived from PAPOGConfig, and VPPO's, derived from VPPOConfig.",
     __validators__={
-        "papo_rule": field_validator(*PAPO_PARAM_FIELDS)(_papo_rule),
-        "vppo_rule": field_validator(*VPPO_PARAM_FIELDS)(_vppo_rule),
+        "papo_rule": field_validator(*PAPO_PARAM_FIELDS)(_config_rule(FIELD_RULES)),
+        "vppo_rule": field_validator(*VPPO_PARAM_FIELDS)(_config_rule(VPPO_FIELD_RULES)),
         "vppo_fixed": model_validator(mode="after")(_vppo_fixed),
     },
     method=(
@@ -367,108 +363,3 @@ def notebook_params(namespace: dict[str, Any]) -> WorkbookParams:
     return validate_params(
         {k: namespace[k] for k in WorkbookParams.model_fields if k in namespace}, "notebook parameters"
     )
-
-
-# Every `tiny:<family>` name, spelled out so validation need not import the model classes; tests/test_families.py
-# keeps it equal to papo_nb.testbed.models.TINY_FAMILIES.
-TINY_FAMILIES = (
-    "qwen2_vl",
-    "qwen2_5_vl",
-    "qwen3_vl",
-    "idefics3",
-    "idefics3_tiled",
-    "smolvlm",
-    "smolvlm_tiled",
-    "gemma3",
-    "gemma4",
-    "lfm2_vl",
-    "lfm2_vl_tiled",
-    "llava",
-    "mistral3",
-    "llava_next",
-    "llava_onevision",
-)
-
-
-def _looks_local(value: str) -> bool:
-    return value.startswith(("/", "./", "../", "~")) or Path(value).expanduser().exists()
-
-
-def preflight_problems(params: WorkbookParams) -> list[str]:
-    """Checks that need this machine (paths, CUDA), run before any notebook starts; schema checks are separate
-    so that a GPU params file still validates on a laptop."""
-    problems = _model_name_problems(params) + _path_problems(params) + _device_problems(params)
-    if params.per_device_train_batch_size % params.num_generations:
-        problems.append(
-            f"parameter 'per_device_train_batch_size' = {params.per_device_train_batch_size}: must be a multiple "
-            f"of num_generations = {params.num_generations}"
-        )
-    # The batch arithmetic TRL would refuse later (rollout rounds of whole prompt groups and whole optimizer steps);
-    # the heavier recipe checks (memory, columns, pixel bounds) are papo_nb.workbook.recipe.preflight.run.
-    problems += check_batches(params, batch_layout(params))
-    return problems
-
-
-def _model_name_problems(params: WorkbookParams) -> list[str]:
-    """Unknown testbeds (model or dataset) and unknown tiny families."""
-    from papo_nb.testbed.perception import TESTBED_PREFIX, TESTBEDS
-
-    problems = []
-    model = params.model_name_or_path
-    for key in ("model_name_or_path", "dataset"):
-        value = getattr(params, key)
-        if value.startswith(TESTBED_PREFIX) and value[len(TESTBED_PREFIX) :] not in TESTBEDS:
-            problems.append(
-                f"parameter {key!r} = {value!r}: unknown testbed; allowed: "
-                + ", ".join(TESTBED_PREFIX + t for t in TESTBEDS)
-            )
-    if model.startswith("tiny:") and model[len("tiny:") :] not in TINY_FAMILIES:
-        problems.append(
-            f"parameter 'model_name_or_path' = {model!r}: unknown tiny family; allowed: "
-            + ", ".join(f"tiny:{f}" for f in TINY_FAMILIES)
-            + ", a hub id or a local folder"
-        )
-    return problems
-
-
-def _path_problems(params: WorkbookParams) -> list[str]:
-    """Local paths that do not exist (a value that does not look local may be a hub id)."""
-    problems = []
-    for key in (
-        "model_name_or_path",
-        "dataset",
-        "init_adapter",
-        "phase2_checkpoint",
-        "upstream_wheel",
-        "accelerate_config",
-    ):
-        value = getattr(params, key)
-        if (
-            value
-            and value != "synthetic"
-            and not value.startswith("tiny:")
-            and _looks_local(value)
-            and not Path(value).expanduser().exists()
-        ):
-            problems.append(
-                f"parameter {key!r} = {value!r}: no such file or folder; allowed: an existing local path"
-                + (" or a hub id" if key in ("model_name_or_path", "dataset") else "")
-                + ", or ''"
-            )
-    return problems
-
-
-def _device_problems(params: WorkbookParams) -> list[str]:
-    """``device = 'cuda'`` without CUDA, or more processes than CUDA devices."""
-    if params.device != "cuda":
-        return []
-    import torch
-
-    if not torch.cuda.is_available():
-        return ["parameter 'device' = 'cuda': no CUDA device on this machine; allowed here: 'auto' or 'cpu'"]
-    if params.num_processes > torch.cuda.device_count():
-        return [
-            f"parameter 'num_processes' = {params.num_processes}: only {torch.cuda.device_count()} CUDA "
-            f"device(s) on this machine; allowed here: 1..{torch.cuda.device_count()}"
-        ]
-    return []

@@ -1,0 +1,283 @@
+"""The in-loop benchmark's measurement: the variants' trainers on one shared model, their interleaved
+``trainer.train()`` runs, the token shape and the FLOP model a layout is judged against. ``in_loop.py`` (its module
+docstring describes the benchmark) is the command and the report."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from papo_nb.bench import harness
+from papo_nb.papo.forward import attention_cost
+from papo_nb.papo.forward.common import core_model
+from papo_nb.papo.forward.grouped_attention import text_config
+
+VARIANTS = ("grpo", "papo_rollout", "papo_update", "grpo_shared", "papo_shared")
+FLOP_K = 3.0  # a training step's forward + backward, in forwards
+
+
+@dataclass(frozen=True)
+class Layout:
+    group_size: int
+    steps_per_round: int
+
+    @property
+    def name(self) -> str:
+        return f"G{self.group_size}_k{self.steps_per_round}"
+
+
+LAYOUTS = tuple(Layout(g, k) for g in (5, 8) for k in (1, 3))
+
+
+class GenerateClock:
+    """Wall and process CPU seconds spent inside ``model.generate`` (an instance attribute wrapping the method)."""
+
+    def __init__(self, model):
+        self.seconds = self.cpu_seconds = 0.0
+        inner = model.generate
+
+        def timed(*args, **kwargs):
+            wall, cpu = time.perf_counter(), time.process_time()
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                self.seconds += time.perf_counter() - wall
+                self.cpu_seconds += time.process_time() - cpu
+
+        model.generate = timed
+
+
+def build(
+    layout: Layout,
+    *,
+    n_prompts: int,
+    steps: int,
+    image_px: int,
+    completion: int,
+    seed: int,
+    work: Path,
+    cache_dir,
+    device: str,
+    variants: tuple[str, ...] = VARIANTS,
+    bf16: bool = False,
+):
+    """The shared LoRA model, its processor and one trainer per variant of ``variants`` for ``layout``."""
+    from trl import GRPOTrainer
+
+    from papo_nb.papo import PAPOGTrainer
+
+    rows = n_prompts * layout.group_size
+    settings = harness.bench_params(
+        seed,
+        n_prompts,
+        num_generations=layout.group_size,
+        per_device_train_batch_size=rows,
+        max_completion_length=completion,
+        max_steps=steps,
+        learning_rate=1e-5,
+    )
+    setup = harness.tiny_setup(
+        settings,
+        "wide",
+        seed=seed,
+        cache_dir=cache_dir,
+        work_dir=work,
+        n_dataset=max(16, n_prompts * steps * layout.steps_per_round),
+        started=time.perf_counter(),
+    )
+    model, processor = setup.model, setup.processor
+    # the shapes images are 56 px: resized to image_px, so the prompt is mostly image tokens, as in the paper
+    processor.image_processor.size = {"shortest_edge": image_px**2, "longest_edge": image_px**2}
+    model.to(device)
+    common = dict(
+        steps_per_generation=layout.steps_per_round,
+        logging_steps=1,
+        report_to="none",
+        use_cpu=device == "cpu",
+        bf16=bf16,
+    )
+    gamma_zero = dict(perception_loss_weight=0.0, original_entropy_weight=0.0, masked_entropy_weight=0.0)
+    overrides = {
+        "grpo": (GRPOTrainer, {}),
+        "papo_rollout": (PAPOGTrainer, dict(masked_branch="rollout")),
+        "papo_update": (PAPOGTrainer, dict(masked_branch="update")),
+        "grpo_shared": (PAPOGTrainer, dict(prefix_sharing=True, **gamma_zero)),
+        "papo_shared": (PAPOGTrainer, dict(masked_branch="rollout", prefix_sharing=True)),
+    }
+    trainers = {name: setup.trainer(name, overrides[name][0], **overrides[name][1], **common) for name in variants}
+    for trainer in trainers.values():  # full-length completions: the same work whatever the weights
+        trainer.generation_kwargs["min_new_tokens"] = completion
+        trainer.generation_config.min_new_tokens = completion
+    return model, processor, trainers, setup.n_params
+
+
+def one_run(trainer, clock: GenerateClock, device: str, steps: int) -> dict[str, Any]:
+    """One ``train()`` of ``steps`` optimizer steps; per-step numbers from its wall and process CPU time, the
+    generate clock and the trainer's masked-branch clock (``*_cpu_s``: CPU seconds, robust to a shared machine)."""
+    from papo_nb.papo.forward import prefill as shared_prefix
+
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    branch = getattr(getattr(trainer, "masked_branch", None), "clock", None)
+    before = (
+        clock.seconds,
+        clock.cpu_seconds,
+        branch.seconds if branch else 0.0,
+        branch.cpu_seconds if branch else 0.0,
+    )
+    trainer.args.max_steps = steps
+    sync()
+    wall, cpu = time.perf_counter(), time.process_time()
+    trainer.train()
+    sync()
+    wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+    n = trainer.state.global_step
+    shares = [
+        row[shared_prefix.SHARE_METRIC] for row in trainer.state.log_history if shared_prefix.SHARE_METRIC in row
+    ]
+    generate, generate_cpu = clock.seconds - before[0], clock.cpu_seconds - before[1]
+    masked = (branch.seconds - before[2]) if branch else 0.0
+    masked_cpu = (branch.cpu_seconds - before[3]) if branch else 0.0
+    return dict(
+        total_s=wall / n,
+        no_sampling_s=(wall - generate) / n,
+        masked_s=masked / n,
+        generate_s=generate / n,
+        total_cpu_s=cpu / n,
+        no_sampling_cpu_s=(cpu - generate_cpu) / n,
+        masked_cpu_s=masked_cpu / n,
+        share=statistics.fmean(shares) if shares else None,
+        steps=n,
+    )
+
+
+def token_shape(trainer, dataset, n_prompts: int) -> dict[str, float]:
+    """Mean prompt (image tokens included) and completion tokens of one generated round of ``n_prompts`` (a whole
+    round: TRL's chunked log-prob pass indexes past a batch smaller than its chunk)."""
+    from papo_nb.workbook.rollouts import rollout_batch
+
+    batch = rollout_batch(trainer, dataset, n_prompts, seed=0)
+    return dict(
+        P=float(batch["prompt_mask"].sum(1).float().mean()), R=float(batch["completion_mask"].sum(1).float().mean())
+    )
+
+
+def flop_bound(P: float, R: float, G: int, k: float = FLOP_K) -> float:
+    return 1.0 + (P + G * R) / (k * G * (P + R))
+
+
+def flop_ratio(variant: str, P: float, R: float, G: int, steps_per_round: int, widths=None) -> float:
+    """The FLOP model's ratio of ``variant`` to TRL's GRPO step without sampling: forward 1, backward 2, plus the
+    old-log-prob forward at several steps per round (one device batch per step: TRL computes it then); the masked
+    branch one shared forward; prefix sharing one grouped forward per prompt in every forward, not G plain rows.
+    A shared forward costs ``rho`` plain ones: ``(P + G*R) / (G * (P + R))`` counting tokens, or with ``widths``
+    (``attention_cost.TextWidths``) the text model's FLOPs, attention pairs included (``attention_cost.per_group``)."""
+    forwards = FLOP_K + (1.0 if steps_per_round > 1 else 0.0)
+    if widths is None:
+        rho = (P + G * R) / (G * (P + R))
+    else:
+        cost = attention_cost.per_group(widths, round(P), round(R), G)
+        rho = cost["grouped"] / cost["plain"]
+    return {
+        "grpo": 1.0,
+        "papo_rollout": 1.0 + rho / forwards,
+        "papo_update": 1.0 + rho / forwards,
+        "grpo_shared": rho,
+        "papo_shared": rho * (1.0 + 1.0 / forwards),
+    }[variant]
+
+
+def peak_mib(trainer, device: str, steps: int) -> float:
+    """Peak allocation above the start of a ``train()`` of ``steps`` steps (one round: the rollout pass included)."""
+    from papo_nb.bench.memory import allocation_peak, cuda_peak
+
+    trainer.args.max_steps = steps
+    peak = cuda_peak if device == "cuda" else allocation_peak
+    return peak(trainer.train)["peak_bytes"] / 2**20
+
+
+def interleaved_runs(trainers: dict, clock: GenerateClock, layout: Layout, args) -> dict[str, list[dict[str, Any]]]:
+    """``args.repeats`` rounds of one ``train()`` per variant, the order rotated each round, after ``args.warmup``
+    short untimed rounds (first-call costs off the clock)."""
+    names = tuple(trainers)
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in names}
+    for _ in range(args.warmup):
+        for name in names:
+            one_run(trainers[name], clock, args.device, layout.steps_per_round)
+    for round_index in range(args.repeats):
+        order = names[round_index % len(names) :] + names[: round_index % len(names)]
+        for name in order:
+            runs[name].append(one_run(trainers[name], clock, args.device, args.steps))
+    return runs
+
+
+MEDIAN_KEYS = (
+    "total_s",
+    "no_sampling_s",
+    "masked_s",
+    "generate_s",
+    "total_cpu_s",
+    "no_sampling_cpu_s",
+    "masked_cpu_s",
+)
+
+
+def median_run(samples: list[dict[str, Any]]) -> dict[str, Any]:
+    """The median of each timing over a variant's runs, and the mean masked-branch share where one was measured."""
+    row: dict[str, Any] = {key: statistics.median(s[key] for s in samples) for key in MEDIAN_KEYS}
+    shares = [s["share"] for s in samples if s["share"] is not None]
+    row["share"] = statistics.fmean(shares) if shares else None
+    return row
+
+
+def measure_layout(layout: Layout, args, work: Path) -> dict[str, Any]:
+    model, processor, trainers, n_params = build(
+        layout,
+        n_prompts=args.prompts,
+        steps=args.steps,
+        image_px=args.image_px,
+        completion=args.completion,
+        seed=args.seed,
+        work=work,
+        cache_dir=args.cache_dir,
+        device=args.device,
+        variants=args.variants,
+        bf16=args.bf16,
+    )
+    clock = GenerateClock(model)
+    papo = next(trainers[name] for name in args.variants if name != "grpo")
+    shape = token_shape(papo, trainers["grpo"].train_dataset, args.prompts * layout.steps_per_round)
+    runs = interleaved_runs(trainers, clock, layout, args)
+    steps = layout.steps_per_round
+    peaks = {name: peak_mib(trainers[name], args.device, steps) for name in args.variants} if args.memory else {}
+    out: dict[str, Any] = dict(
+        layout=layout.name,
+        G=layout.group_size,
+        steps_per_round=layout.steps_per_round,
+        rows_per_step=args.prompts * layout.group_size,
+        n_params=n_params,
+        **shape,
+    )
+    out["flop_bound"] = flop_bound(shape["P"], shape["R"], layout.group_size)
+    widths = attention_cost.TextWidths.of(text_config(core_model(model)))
+    for name in args.variants:
+        out[name] = median_run(runs[name])
+        out[name]["peak_mib"] = peaks.get(name)
+        out[name]["flop_ratio"] = flop_ratio(name, shape["P"], shape["R"], layout.group_size, steps, widths)
+        out[name]["flop_ratio_tokens"] = flop_ratio(name, shape["P"], shape["R"], layout.group_size, steps)
+    stored = args.prompts * layout.group_size * layout.steps_per_round * shape["R"] * 4
+    out["stored_branch_kib_per_round"] = stored / 1024  # rows x completion tokens fp32, what the rollout path keeps
+    pairs = [(name, "grpo") for name in args.variants if name != "grpo"]
+    if {"papo_shared", "papo_rollout"} <= set(args.variants):
+        pairs.append(("papo_shared", "papo_rollout"))  # shared against plain PAPO-G, round by round
+    for name, base in pairs:
+        for key in ("total_s", "no_sampling_s", "total_cpu_s", "no_sampling_cpu_s"):
+            per_round = [a[key] / b[key] for a, b in zip(runs[name], runs[base], strict=True)]
+            out[f"{name}/{base}_{key}"] = dict(
+                median=statistics.median(per_round), min=min(per_round), max=max(per_round)
+            )
+    return out
