@@ -307,3 +307,12 @@ def test_no_tracked_file_keeps_a_merge_conflict():
     assert len(texts) > 100
     found = {p: lines for p in texts if (lines := conflict_markers((ROOT / p).read_text(encoding="utf-8")))}
     assert not found, f"merge conflict markers left in (file: lines): {found}"
+
+
+def test_every_test_ci_deselects_exists():
+    """pytest ignores a ``--deselect`` that names no test, so a renamed test would run again silently in CI's second
+    stage; each one named in .ci/run must be a test function in its file."""
+    nodes = re.findall(r"--deselect (tests/\S+\.py)::(\w+)", (ROOT / ".ci" / "run").read_text())
+    assert len(nodes) >= 4
+    missing = [f"{path}::{name}" for path, name in nodes if f"\ndef {name}(" not in (ROOT / path).read_text()]
+    assert not missing, f".ci/run deselects tests that do not exist: {missing}"
