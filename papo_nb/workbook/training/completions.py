@@ -136,13 +136,14 @@ def mask_rendering(image: Image.Image, per_pixel: np.ndarray, patch: int) -> dic
     """The ``MASK_VIEW_COLUMNS`` of one masked image, in the training table and the held-out tables alike: ``image``
     as the model received it (``per_pixel`` True: black), its overlay (grey, each masked ``patch`` outlined) and the
     share of its content the mask covered."""
-    received = np.array(image.convert("RGB"))
+    rgb = image.convert("RGB")
+    received = np.array(rgb)
     received[per_pixel] = 0
     content = content_pixels(image)
     share = float((content & per_pixel).sum() / content.sum()) if content.any() else float("nan")
     return {
         "model_input": thumbnail(Image.fromarray(received)),
-        "masked_image": thumbnail(draw_mask(image.convert("RGB"), per_pixel, patch)),
+        "masked_image": thumbnail(draw_mask(rgb, per_pixel, patch)),
         "mask_content_share": share,
         "mask_missed_content": bool(content.any() and share == 0.0),
     }
