@@ -7,6 +7,7 @@
 #
 # PYTHON selects the interpreter that creates .venv (default: python3; must match requires-python).
 # TEST_SEED=N replays a shuffled test order (the seed is printed on every run); TEST_SEED=file keeps the file order.
+# TEST_WORKERS=N runs N pytest-xdist workers (default: one per core; 0: none).
 # Exits with pytest's status, so "no tests ran" (5) fails too.
 set -euo pipefail
 
@@ -60,6 +61,22 @@ else
     echo "==> test order: shuffled, seed $seed (replay: TEST_SEED=$seed bash scripts/test.sh)"
     order=(-p randomly "--randomly-seed=$seed")
 fi
-"$VENV/bin/python" -m pytest "${order[@]}" "$@" || rc=$?
-echo "==> tests wall time: $((SECONDS - start)) s (pytest exit code $rc, test order seed $seed)"
+# One pytest-xdist worker per core (TEST_WORKERS=N sets the count; 0 runs in this process), each test file whole on
+# one worker so its module fixtures are built once. Each worker computes with one thread (unless OMP_NUM_THREADS is
+# set): two-thread workers on two cores would oversubscribe them. The seed fixes each file's test order; which worker
+# runs which file depends on timing, so TEST_WORKERS=0 with the seed replays one failing order exactly.
+workers="${TEST_WORKERS:-auto}"
+if [[ ! "$workers" =~ ^([0-9]+|auto)$ ]]; then
+    echo "TEST_WORKERS='$workers' is invalid: a non-negative integer (0: no workers) or 'auto' (one per core)" >&2
+    exit 2
+fi
+if [[ "$workers" == "0" ]]; then
+    parallel=(-p no:xdist)
+else
+    parallel=(-n "$workers" --dist loadfile)
+    export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" MKL_NUM_THREADS="${MKL_NUM_THREADS:-1}"
+fi
+echo "==> test workers: $workers (TEST_WORKERS), threads per worker: ${OMP_NUM_THREADS:-the torch default}"
+"$VENV/bin/python" -m pytest "${order[@]}" "${parallel[@]}" --durations=25 "$@" || rc=$?
+echo "==> tests wall time: $((SECONDS - start)) s (pytest exit code $rc, test order seed $seed, workers $workers)"
 exit "$rc"
