@@ -203,3 +203,33 @@ def test_a_lazy_import_cycle_is_caught():
         "papo_nb.workbook": ("", True),
     }
     assert import_cycles(import_graph(sources)) == [["papo_nb.workbook.a", "papo_nb.workbook.b", "papo_nb.workbook.c"]]
+
+
+# "Functions near one screen, modules near 400 lines": the ceilings a change must not cross without a split.
+FUNCTION_MAX_LINES = 60
+MODULE_MAX_LINES = 450
+
+
+def long_functions(source: str, limit: int = FUNCTION_MAX_LINES) -> list[tuple[str, int]]:
+    """(name, lines) of every function in ``source`` longer than ``limit`` lines, decorators and docstring included."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            start = min([d.lineno for d in node.decorator_list] + [node.lineno])
+            if node.end_lineno - start + 1 > limit:
+                found.append((node.name, node.end_lineno - start + 1))
+    return found
+
+
+def test_every_function_fits_one_screen_and_every_module_stays_near_400_lines():
+    too_long = [
+        f"{module_name(p)}.{name}: {lines} lines" for p in MODULES for name, lines in long_functions(p.read_text())
+    ]
+    assert too_long == [], f"split these functions (over {FUNCTION_MAX_LINES} lines): {too_long}"
+    big = {module_name(p): n for p in MODULES if (n := len(p.read_text().splitlines())) > MODULE_MAX_LINES}
+    assert big == {}, f"split these modules (over {MODULE_MAX_LINES} lines): {big}"
+
+
+def test_a_long_function_is_caught():
+    body = "".join(f"    x{i} = {i}\n" for i in range(FUNCTION_MAX_LINES))
+    assert long_functions(f"@decorator\ndef f():\n{body}\ndef g():\n    return 1\n") == [("f", FUNCTION_MAX_LINES + 2)]

@@ -1,4 +1,5 @@
-"""docs/FIDELITY.md cites this project's code by symbol, and every symbol it cites exists.
+"""docs/FIDELITY.md cites this project's code by symbol, and every symbol it cites exists; every relative link in the
+markdown pages lands on a file.
 
 A citation is a backticked dotted name whose first part is a module of the adapter (``papo_trainer.PAPOGTrainer``,
 resolved under ``papo_nb.papo``) or ``papo_nb`` itself (``papo_nb.testbed.raw_masks.mask_pil_squares``); it is
@@ -10,20 +11,17 @@ from __future__ import annotations
 import ast
 import importlib
 import re
+import subprocess
 from pathlib import Path
 
 import pytest
-
-from papo_nb import papo
 
 ROOT = Path(__file__).resolve().parents[1]
 FIDELITY = ROOT / "docs" / "FIDELITY.md"
 ADAPTER = ROOT / "papo_nb" / "papo"
 # Its modules and subpackages (``probe.projection.power_shortfall`` resolves under papo_nb.papo too).
-ADAPTER_MODULES = (
-    frozenset(p.stem for p in ADAPTER.glob("*.py") if p.stem != "__init__")
-    | frozenset(p.parent.name for p in ADAPTER.glob("*/__init__.py"))
-    | frozenset(papo.MOVED_MODULES)  # the old paths of the forward's modules, aliases of papo_nb.papo.forward's
+ADAPTER_MODULES = frozenset(p.stem for p in ADAPTER.glob("*.py") if p.stem != "__init__") | frozenset(
+    p.parent.name for p in ADAPTER.glob("*/__init__.py")
 )
 PACKAGE_MODULES = frozenset(p.stem for p in (ROOT / "papo_nb").rglob("*.py") if p.stem != "__init__")
 FILE_SUFFIXES = ("py", "sh", "yaml", "md", "json", "png", "ipynb", "safetensors")
@@ -125,3 +123,23 @@ def test_the_family_of_methods_has_one_name_used_everywhere():
     texts = [ROOT / p for p in FAMILY_PAGES] + sorted((ROOT / "papo_nb").rglob("*.py"))
     stray = [f"{path.relative_to(ROOT)}: {m[0]}" for path in texts for m in NOT_FAMILY.finditer(path.read_text())]
     assert not stray, stray
+
+
+# README keeps the two commands and links the detail into docs/; every such link must land on a file.
+MARKDOWN_LINK = re.compile(r"\]\(([^)\s]+)\)")
+
+
+def broken_links(page: Path) -> list[str]:
+    """The relative link targets in ``page`` (anchors dropped) that name no file or folder beside it."""
+    targets = [t for t in MARKDOWN_LINK.findall(page.read_text()) if not re.match(r"[a-z]+:|#", t)]
+    return [t for t in targets if not (page.parent / t.split("#")[0]).exists()]
+
+
+def test_every_relative_link_in_the_markdown_pages_resolves(tmp_path):
+    listed = ["git", "ls-files", "--cached", "--others", "--exclude-standard", "*.md"]
+    pages = subprocess.run(listed, cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
+    assert {"README.md", "docs/trl_releases.md", "docs/families.md", "docs/vppo.md", "docs/tests.md"} <= set(pages)
+    broken = {page: links for page in pages if (links := broken_links(ROOT / page))}
+    assert not broken, f"links to no file (page: targets): {broken}"
+    (tmp_path / "page.md").write_text("[ok](page.md#top) [web](https://x.org) [gone](docs/none.md) [a](#b)")
+    assert broken_links(tmp_path / "page.md") == ["docs/none.md"]

@@ -73,13 +73,14 @@ def test_an_unfetchable_release_is_listed_not_fatal(version, tmp_path):
     assert version in rows[1].violations[0] and rows[1].action == "not fetched: no wheel to read"
 
 
-def test_the_readme_support_table_is_the_one_the_command_writes():
-    """README's table is ``python -m papo_nb.workbook.verification.trl_releases --readme`` on the recorded releases."""
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    assert releases.README_START in readme and releases.README_END in readme
-    assert releases.with_support_table(readme, releases.support_table()) == readme
+def test_the_published_support_table_is_the_one_the_command_writes():
+    """docs/trl_releases.md's table is ``python -m papo_nb.workbook.verification.trl_releases --page`` on the
+    recorded releases."""
+    page = (Path(__file__).resolve().parents[1] / releases.SUPPORT_PAGE).read_text()
+    assert releases.TABLE_START in page and releases.TABLE_END in page
+    assert releases.with_support_table(page, releases.support_table()) == page
 
 
-def test_a_readme_without_the_table_markers_is_refused_by_name():
-    with pytest.raises(ValueError, match="README has no '<!-- TRL support table"):
-        releases.with_support_table("# a README\n", "| table |")
+def test_a_page_without_the_table_markers_is_refused_by_name():
+    with pytest.raises(ValueError, match="the page has no '<!-- TRL support table"):
+        releases.with_support_table("# a page\n", "| table |")

@@ -156,11 +156,12 @@ def drift_markdown(rows: list[DriftRow]) -> str:
     return "\n".join(lines)
 
 
-# README's support table sits between these lines; ``python -m papo_nb.workbook.verification.trl_releases --readme``
-# rewrites it from the recorded releases' wheels (the recorded list: a release published later changes the drift
-# table of notebook 01 and ``papo-nb env --drift``, never a committed file); tests/test_trl_releases.py pins it.
-README_START = "<!-- TRL support table: python -m papo_nb.workbook.verification.trl_releases --readme -->"
-README_END = "<!-- end of the TRL support table -->"
+# docs/trl_releases.md's support table sits between these lines; ``python -m papo_nb.workbook.verification.trl_releases
+# --page`` rewrites it from the recorded releases' wheels (the recorded list: a release published later changes the
+# drift table of notebook 01 and ``papo-nb env --drift``, never a committed file); tests/test_trl_releases.py pins it.
+SUPPORT_PAGE = "docs/trl_releases.md"
+TABLE_START = "<!-- TRL support table: python -m papo_nb.workbook.verification.trl_releases --page -->"
+TABLE_END = "<!-- end of the TRL support table -->"
 
 
 def support_table(cache_dir: str | Path | None = None) -> str:
@@ -168,12 +169,12 @@ def support_table(cache_dir: str | Path | None = None) -> str:
     return drift_markdown(contract_drift_table([PAPO_UPSTREAM_TRL_VERSION, *RECORDED_RELEASES], cache_dir))
 
 
-def with_support_table(readme: str, table: str) -> str:
-    """``readme`` with the text between ``README_START`` and ``README_END`` replaced by ``table``."""
-    start, end = readme.find(README_START), readme.find(README_END)
+def with_support_table(page: str, table: str) -> str:
+    """``page`` with the text between ``TABLE_START`` and ``TABLE_END`` replaced by ``table``."""
+    start, end = page.find(TABLE_START), page.find(TABLE_END)
     if start < 0 or end < start:
-        raise ValueError(f"README has no {README_START!r} ... {README_END!r} block to write the support table into")
-    return readme[: start + len(README_START)] + "\n" + table + "\n" + readme[end:]
+        raise ValueError(f"the page has no {TABLE_START!r} ... {TABLE_END!r} block to write the support table into")
+    return page[: start + len(TABLE_START)] + "\n" + table + "\n" + page[end:]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -181,14 +182,14 @@ def main(argv: list[str] | None = None) -> int:
 
     parser = argparse.ArgumentParser(prog="python -m papo_nb.workbook.verification.trl_releases")
     parser.add_argument(
-        "--readme", nargs="?", const="README.md", required=True, help="the README whose support table is rewritten"
+        "--page", nargs="?", const=SUPPORT_PAGE, required=True, help="the page whose support table is rewritten"
     )
     args = parser.parse_args(argv)
-    readme = Path(args.readme)
-    if not readme.is_file():
-        parser.error(f"--readme {args.readme!r}: no such file; allowed: the path of a README with the table markers")
-    readme.write_text(with_support_table(readme.read_text(), support_table()))
-    print(f"wrote the TRL support table into {readme}")
+    page = Path(args.page)
+    if not page.is_file():
+        parser.error(f"--page {args.page!r}: no such file; allowed: the path of a page with the table markers")
+    page.write_text(with_support_table(page.read_text(), support_table()))
+    print(f"wrote the TRL support table into {page}")
     return 0
 
 
