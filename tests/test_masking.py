@@ -1,8 +1,12 @@
 """The trainer's masking on Qwen's 2-D pixel_values (``layouts.patch_map``, ``masking.select_units``,
 ``masking.apply_units``): whole patches turn black after normalisation, the input is never written; a prompt's
-identity finds its rollouts.
+identity finds its rollouts. The placebo's options (issue 41): the ``mean`` fill and the units a dataset excludes,
+down to the testbed's placebo batch through the real trainer.
 
 The other layouts, on each family's real processor, are in test_families.py."""
+
+import hashlib
+import random
 
 import numpy as np
 import pytest
@@ -10,8 +14,9 @@ import torch
 from PIL import Image
 from transformers import Qwen2VLImageProcessor
 
-from papo_nb.papo import layouts, masking, prompt_identity
+from papo_nb.papo import PAPOGConfig, layouts, masking, prompt_identity
 from papo_nb.testbed import raw_masks
+from papo_nb.testbed.perception import SQUARE_UNITS, make_item, make_perception_dataset
 
 
 @pytest.fixture(scope="module")
@@ -165,3 +170,120 @@ def test_a_text_only_batch_is_grouped_by_its_tokens():
     assert prompt_identity.group_samples(batch) == [[0, 1], [2]]
     keys = prompt_identity.sample_keys(batch)
     assert keys[0] == keys[1] != keys[2]
+
+
+# ---- the placebo's options (issue 41): the fill, and the units a dataset excludes ----
+# The units select_units drew on the fixture at ratio 0.6, seed 0, before these options existed: bools from the CPU
+# generator, the same on every machine.
+SELECTION_BEFORE_THE_OPTIONS = "d25b3695abf16d101f454d1b2dc9a5cb96119fc64f8343ff00d3432e7eedad93"
+
+
+def _patches(processor, pixel_values, grid):
+    return layouts.patch_map(_batch(pixel_values, grid), patch_size=14, **_stats(processor))
+
+
+def test_the_default_fill_and_draw_are_todays_bit_for_bit(processed):
+    processor, pixel_values, grid = processed
+    patches = _patches(processor, pixel_values, grid)
+    chosen = masking.select_units(patches.units_per_segment, 0.6, torch.Generator().manual_seed(0))
+    assert hashlib.sha256(chosen.numpy().tobytes()).hexdigest() == SELECTION_BEFORE_THE_OPTIONS
+    nothing_excluded = torch.zeros(len(chosen), dtype=torch.bool)
+    again = masking.select_units(patches.units_per_segment, 0.6, torch.Generator().manual_seed(0), nothing_excluded)
+    assert torch.equal(again, chosen), "excluding no unit must draw today's masks"
+    masked = masking.apply_units(patches, pixel_values, chosen)
+    assert torch.equal(masked, masking.apply_units(patches, pixel_values, chosen, "black"))
+    black = layouts.black_pixel_values(processor.image_mean, processor.image_std).repeat_interleave(1176 // 3)
+    assert torch.equal(masked[chosen], black.expand(int(chosen.sum()), -1))
+    assert torch.equal(masked[~chosen], pixel_values[~chosen])
+
+
+def test_the_mean_fill_changes_exactly_the_chosen_patches_to_zero(processed):
+    processor, pixel_values, grid = processed
+    patches = _patches(processor, pixel_values, grid)
+    chosen = masking.select_units(patches.units_per_segment, 0.6, torch.Generator().manual_seed(0))
+    masked = masking.apply_units(patches, pixel_values, chosen, "mean")
+    changed = (masked != pixel_values).any(dim=1)
+    assert torch.equal(changed, chosen), "the mean fill changed other patches than the chosen ones"
+    assert torch.equal(masked[chosen], torch.zeros(int(chosen.sum()), pixel_values.shape[1]))
+    coins = torch.rand(pixel_values.shape, generator=torch.Generator().manual_seed(0)) < 0.6
+    values = masking.apply_values(patches, pixel_values, coins, "mean")
+    assert torch.equal(values != pixel_values, coins) and not values[coins].any()
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_excluded_units_are_never_masked_and_the_count_is_kept(processed, seed):
+    processor, pixel_values, grid = processed
+    patches = _patches(processor, pixel_values, grid)  # two images: 64 and 16 units
+    excluded = torch.zeros(80, dtype=torch.bool)
+    excluded[torch.randperm(64, generator=torch.Generator().manual_seed(seed))[: 30 + 4 * seed]] = True
+    excluded[64:76] = True  # the small image allows 4 units, fewer than round(0.6 * 16) = 10
+    chosen = masking.select_units(patches.units_per_segment, 0.6, torch.Generator().manual_seed(seed), excluded)
+    assert not (chosen & excluded).any()
+    assert int(chosen[:64].sum()) == min(round(0.6 * 64), 34 - 4 * seed)
+    assert int(chosen[64:].sum()) == int((~excluded[64:]).sum()) == 4
+    masked = masking.apply_units(patches, pixel_values, chosen, "mean")
+    assert torch.equal(masked[excluded], pixel_values[excluded])
+
+
+def test_bad_fill_and_exclusions_are_refused(processed):
+    processor, pixel_values, grid = processed
+    patches = _patches(processor, pixel_values, grid)
+    with pytest.raises(ValueError, match=r"mask_fill='grey' is unknown; allowed: \('black', 'mean'\)"):
+        masking.apply_units(patches, pixel_values, torch.zeros(80, dtype=torch.bool), "grey")
+    with pytest.raises(ValueError, match=r"sample 1 excludes units \[16, -1\]; allowed: unit indices 0..15"):
+        masking.excluded_units(16, [3, 16, -1], sample=1)
+    with pytest.raises(ValueError, match=r"excluded units of shape \(79,\) for 80 units"):
+        masking.select_units(patches.units_per_segment, 0.6, None, torch.zeros(79, dtype=torch.bool))
+    with pytest.raises(ValueError, match=r"PAPOGConfig.mask_fill='grey' is invalid.*one of \('black', 'mean'\)"):
+        PAPOGConfig(output_dir="unused", mask_fill="grey")
+    with pytest.raises(ValueError, match=r"PAPOGConfig.mask_excluded_column='' is invalid.*name of a dataset column"):
+        PAPOGConfig(output_dir="unused", mask_excluded_column="")
+    with pytest.raises(ValueError, match=r"mask_excluded_column='square_units' is invalid with mask_type='random'"):
+        PAPOGConfig(output_dir="unused", mask_excluded_column="square_units", mask_type="random")
+
+
+def test_the_testbed_square_units_are_the_processor_rows_that_show_the_square():
+    """The testbed's column is in the processor's own row order (2x2 merge blocks): the rows it names are exactly the
+    rows of the processed image that are not black, for squares in every cell and with decoy paint."""
+    processor = Qwen2VLImageProcessor(min_pixels=56 * 56, max_pixels=56 * 56)
+    black = layouts.black_pixel_values(processor.image_mean, processor.image_std)[:, None]
+    rng, seen = random.Random(0), set()
+    for _ in range(40):
+        item = make_item(rng, "vision", prior_rate=0.0, decoy_share=(0.1, 0.7))
+        rows = processor(images=[item["image"]], return_tensors="pt")["pixel_values"].view(16, 3, -1)
+        shown = [i for i in range(16) if not torch.allclose(rows[i], black.expand_as(rows[i]), atol=1e-6)]
+        assert item[SQUARE_UNITS] == shown and len(shown) == 1
+        seen.update(shown)
+    assert len(seen) >= 12, "the items should put the square in most cells"
+
+
+@pytest.mark.model
+def test_the_placebo_batch_masks_background_only_and_its_kl_is_not_zero(tiny_vlm_path, tmp_path):
+    """The placebo (issue 41) through the real trainer on testbed items: TRL's generation carries the dataset's
+    excluded units into the batch, the masked image keeps every patch that shows the square (all the task's
+    information) and fills round(0.6 * 16) = 10 of the 15 background patches with the mean colour, and the
+    perception KL against it is not zero (the term's form is real). A black fill would change nothing there."""
+    from tiny_trainers import tiny_trainer
+
+    from papo_nb.testbed.models import load_vlm
+    from papo_nb.workbook.rollouts import rollout_batch
+
+    model, processor = load_vlm(str(tiny_vlm_path))
+    data = make_perception_dataset(4, seed=0, prior_rate=0.0, kinds=("vision",))
+    trainer = tiny_trainer(
+        model, processor, data, tmp_path, mask_fill="mean", mask_excluded_column=SQUARE_UNITS, mask_ratio=0.6
+    )
+    batch = rollout_batch(trainer, data, n_prompts=2, seed=0)
+    masked = trainer.masked_pixel_values(batch)
+    rows = batch["pixel_values"].view(-1, 16, batch["pixel_values"].shape[1])  # one 56x56 image (16 rows) each
+    for sample, units in enumerate(batch[masking.EXCLUDED_UNITS_KEY].tolist()):
+        square = [u for u in units if u >= 0]
+        assert square == data[sample // trainer.num_generations][SQUARE_UNITS]
+        changed = (masked.view_as(rows)[sample] != rows[sample]).any(dim=1)
+        assert not changed[square].any(), "the placebo covered the square"
+        assert int(changed.sum()) == 10 and not masked.view_as(rows)[sample][changed].any()
+    _, terms = trainer.papo_loss_parts(trainer.model, batch)
+    assert terms.kl_sum.item() > 0
+    trainer.args.mask_fill = "black"
+    black_over_black = trainer.masked_pixel_values(batch)  # equal up to the processor's float rounding of black
+    assert torch.allclose(black_over_black, batch["pixel_values"], atol=1e-6, rtol=0), "black over black changed"

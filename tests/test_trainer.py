@@ -10,7 +10,7 @@ from tiny_trainers import tiny_trainer, unit_params
 from trl import GRPOConfig, GRPOTrainer
 
 from papo_nb.papo import PAPOGConfig, PAPOGTrainer, layouts, prompt_identity, recipes, trl_seams
-from papo_nb.papo.logp_inputs import logp_call_arguments
+from papo_nb.papo.forward.logp_inputs import logp_call_arguments
 from papo_nb.papo.terms import K3_BOUND, bounded_k3
 from papo_nb.testbed.models import load_vlm
 from papo_nb.workbook.rollouts import clone_batch, rollout_batch
@@ -257,7 +257,7 @@ def test_bounded_kl_keeps_loss_and_gradient_finite_at_extreme_log_ratios(policy,
     masked[real[0], real[1]] = 100.0  # masked branch e^100 times more confident: exp overflows fp32 unbounded
     masked[1, -1] = float("nan")  # whatever sits at a padded position must not reach the sum
     masked[2, 0] = -100.0
-    terms = trainer._perception_terms(inputs, logps, None, (masked, None))
+    terms = trainer._perception_terms(inputs, logps, None, (masked, None), trainer.loss_weights())
     loss = trainer.assemble_loss(torch.zeros(()), terms, 0.02, 0.1, 0.1)
     (grad,) = torch.autograd.grad(loss, logps)
     assert torch.isfinite(loss) and torch.isfinite(grad).all()
@@ -372,9 +372,11 @@ def test_official_annealing_ratio_and_discount(policy, shapes_dataset, batch, tm
     )
     assert trainer.args.perception_annealing_ratio == 0.5  # official default: anneal over the first half
     trainer.state.global_step = 2
-    assert trainer.current_gamma() == pytest.approx(0.3) and trainer.annealing_discount() == pytest.approx(0.6)
+    weights = trainer.loss_weights()
+    assert weights.gamma == pytest.approx(0.3) and weights.discount == pytest.approx(0.6)
+    assert weights.eta1 == weights.eta2 == pytest.approx(0.3 * 0.6)
     trainer.state.global_step = 5
-    assert trainer.current_gamma() == 0.0 and trainer.annealing_discount() == 0.0
+    assert trainer.current_gamma() == 0.0 and trainer.loss_weights().discount == 0.0
     plain = make_trainer(policy, shapes_dataset, tmp_path, trainer_cls=GRPOTrainer, loss_type="bnpo")
     for t in (trainer, plain):
         t.current_gradient_accumulation_steps = 1
@@ -517,8 +519,8 @@ def test_under_deepspeed_a_nonfinite_step_stops_the_run_since_it_cannot_be_skipp
 def test_a_text_only_rank_under_zero3_or_fsdp_is_refused_on_every_rank():
     """ZeRO-3 gathers each module's partitions as its forward starts, so a rank that skips the vision tower leaves
     the others' all-gathers unpaired; the parameters are told apart as DeepSpeed marks them."""
+    from papo_nb.papo.forward.masked_branch import refuse_mixed_images
     from papo_nb.papo.fsdp import partitioning
-    from papo_nb.papo.masked_branch import refuse_mixed_images
 
     plain = torch.nn.Parameter(torch.zeros(2))
     partitioned = torch.nn.Parameter(torch.zeros(0))

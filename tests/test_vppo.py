@@ -8,7 +8,7 @@ import torch
 from peft import get_peft_model
 from trl import GRPOTrainer
 
-from papo_nb.papo.rollout_branch import MASKED_LOGPS_KEY
+from papo_nb.papo.forward.rollout_branch import MASKED_LOGPS_KEY
 from papo_nb.papo.vppo import VPPOConfig, VPPOTrainer, shaping
 from papo_nb.papo.vppo.vppo_trainer import DEPENDENCY_KEY, SCORE_RANGE_KEY
 from papo_nb.papo.vppo.vppo_trainer import REVIEW_COLUMNS as VPPO_COLUMNS

@@ -52,7 +52,7 @@ class GenerateClock:
         model.generate = timed
 
 
-def build(
+def wide_setup(
     layout: Layout,
     *,
     n_prompts: int,
@@ -63,14 +63,8 @@ def build(
     work: Path,
     cache_dir,
     device: str,
-    variants: tuple[str, ...] = VARIANTS,
-    bf16: bool = False,
-):
-    """The shared LoRA model, its processor and one trainer per variant of ``variants`` for ``layout``."""
-    from trl import GRPOTrainer
-
-    from papo_nb.papo import PAPOGTrainer
-
+) -> harness.BenchSetup:
+    """The wide LoRA model and its processor for ``layout``'s batches, on ``device``, its images at ``image_px``."""
     rows = n_prompts * layout.group_size
     settings = harness.bench_params(
         seed,
@@ -90,10 +84,20 @@ def build(
         n_dataset=max(16, n_prompts * steps * layout.steps_per_round),
         started=time.perf_counter(),
     )
-    model, processor = setup.model, setup.processor
     # the shapes images are 56 px: resized to image_px, so the prompt is mostly image tokens, as in the paper
-    processor.image_processor.size = {"shortest_edge": image_px**2, "longest_edge": image_px**2}
-    model.to(device)
+    setup.processor.image_processor.size = {"shortest_edge": image_px**2, "longest_edge": image_px**2}
+    setup.model.to(device)
+    return setup
+
+
+def variant_trainers(
+    setup: harness.BenchSetup, layout: Layout, variants: tuple[str, ...], *, completion: int, device: str, bf16: bool
+) -> dict:
+    """One trainer per name in ``variants`` on ``setup``'s model, each generating ``completion`` tokens exactly."""
+    from trl import GRPOTrainer
+
+    from papo_nb.papo import PAPOGTrainer
+
     common = dict(
         steps_per_generation=layout.steps_per_round,
         logging_steps=1,
@@ -113,7 +117,7 @@ def build(
     for trainer in trainers.values():  # full-length completions: the same work whatever the weights
         trainer.generation_kwargs["min_new_tokens"] = completion
         trainer.generation_config.min_new_tokens = completion
-    return model, processor, trainers, setup.n_params
+    return trainers
 
 
 def one_run(trainer, clock: GenerateClock, device: str, steps: int) -> dict[str, Any]:
@@ -235,7 +239,7 @@ def median_run(samples: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def measure_layout(layout: Layout, args, work: Path) -> dict[str, Any]:
-    model, processor, trainers, n_params = build(
+    setup = wide_setup(
         layout,
         n_prompts=args.prompts,
         steps=args.steps,
@@ -245,9 +249,11 @@ def measure_layout(layout: Layout, args, work: Path) -> dict[str, Any]:
         work=work,
         cache_dir=args.cache_dir,
         device=args.device,
-        variants=args.variants,
-        bf16=args.bf16,
     )
+    trainers = variant_trainers(
+        setup, layout, args.variants, completion=args.completion, device=args.device, bf16=args.bf16
+    )
+    model = setup.model
     clock = GenerateClock(model)
     papo = next(trainers[name] for name in args.variants if name != "grpo")
     shape = token_shape(papo, trainers["grpo"].train_dataset, args.prompts * layout.steps_per_round)
@@ -259,7 +265,7 @@ def measure_layout(layout: Layout, args, work: Path) -> dict[str, Any]:
         G=layout.group_size,
         steps_per_round=layout.steps_per_round,
         rows_per_step=args.prompts * layout.group_size,
-        n_params=n_params,
+        n_params=setup.n_params,
         **shape,
     )
     out["flop_bound"] = flop_bound(shape["P"], shape["R"], layout.group_size)

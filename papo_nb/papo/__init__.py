@@ -25,23 +25,7 @@ The folder imports only the standard library, torch, transformers, trl and peft,
 so it lifts into another project by copying it.
 """
 
-import sys
-
-from .forward import logp_inputs, masked_branch, packed_rows, prefill, prefix_sharing, rollout_branch
 from .papo_config import PAPOGConfig
 from .papo_trainer import PAPOGTrainer
-
-# The module paths before the forward moved into ``forward/`` (issue 42), kept as aliases of the same modules.
-shared_prefix = prefill
-MOVED_MODULES = {
-    "logp_inputs": logp_inputs,
-    "masked_branch": masked_branch,
-    "packed_rows": packed_rows,
-    "prefix_sharing": prefix_sharing,
-    "rollout_branch": rollout_branch,
-    "shared_prefix": prefill,
-}
-for _old, _module in MOVED_MODULES.items():
-    sys.modules[f"{__name__}.{_old}"] = _module
 
 __all__ = ["PAPOGConfig", "PAPOGTrainer"]

@@ -76,37 +76,80 @@ class MaskState:
             merge_size=merge,
         )
 
-    def draw(self, patches: layouts.PatchMap, sample: int, sample_pixels: torch.Tensor) -> torch.Tensor:
-        """A fresh mask for one sample: a bool per patch unit, or (``random``) a coin per pixel value."""
+    def excluded_entries(self, examples: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+        """The batch entry (``masking.EXCLUDED_UNITS_KEY``) of the units each example's ``mask_excluded_column``
+        excludes from masking, one row per example padded with -1 (TRL shuffles and splits it with the batch);
+        nothing without the option. Refuses a missing column, a non-list value, or a non-int or negative index."""
+        column = self.args.mask_excluded_column
+        if column is None:
+            return {}
+        rows = []
+        for i, example in enumerate(examples):
+            value = example.get(column)
+            if not isinstance(value, (list, tuple)) or not all(isinstance(u, int) and u >= 0 for u in value):
+                raise ValueError(
+                    f"mask_excluded_column={column!r}: example {i} holds {value!r}; allowed: a list of unit indices "
+                    f">= 0 (the dataset's column {column!r}, present in every example)"
+                )
+            rows.append(list(value))
+        width = max(map(len, rows), default=0)
+        return {
+            masking.EXCLUDED_UNITS_KEY: torch.tensor([r + [-1] * (width - len(r)) for r in rows]).reshape(-1, width)
+        }
+
+    def _excluded(self, inputs: dict[str, Any], patches: layouts.PatchMap, sample: int) -> torch.Tensor | None:
+        table = inputs.get(masking.EXCLUDED_UNITS_KEY)
+        if table is None:
+            if self.args.mask_excluded_column is not None:
+                raise ValueError(
+                    f"mask_excluded_column={self.args.mask_excluded_column!r} but the batch has no excluded units "
+                    f"({masking.EXCLUDED_UNITS_KEY}); allowed: batches built by PAPOGTrainer's generation"
+                )
+            return None
+        if self.args.mask_type == "random":
+            raise ValueError(
+                "mask_excluded_column excludes patch units; mask_type='random' masks single values; allowed: "
+                "mask_type 'auto' or 'merge_unit'"
+            )
+        indices = [u for u in table[sample].tolist() if u >= 0]
+        return masking.excluded_units(int(patches.sample_segments(sample).sum()), indices, sample=sample)
+
+    def draw(self, patches: layouts.PatchMap, sample: int, sample_pixels: torch.Tensor, excluded=None) -> torch.Tensor:
+        """A fresh mask for one sample: a bool per patch unit (never one of ``excluded``), or (``random``) a coin
+        per pixel value."""
         if self.args.mask_type == "random":
             return torch.rand(sample_pixels.shape, generator=self.generator) < self.args.mask_ratio
-        return masking.select_units(patches.sample_segments(sample), self.args.mask_ratio, self.generator)
+        segments = patches.sample_segments(sample)
+        return masking.select_units(segments, self.args.mask_ratio, self.generator, excluded)
 
     def sample_masks(self, inputs: dict[str, Any], patches: layouts.PatchMap, round_: int | None) -> list:
         """One mask per sample. ``mask_sharing='prompt'``: drawn once per prompt (content key) per generation round
         ``round_`` (None: no round, nothing kept) and reused by every rollout of that prompt, in this device batch or
         a later one of the same round (TRL shuffles rollouts across them); ``'completion'``: a fresh draw each."""
         pixel_values = inputs["pixel_values"]
+        excluded = [self._excluded(inputs, patches, i) for i in range(len(patches.sample_rows))]
         if self.args.mask_sharing != "prompt":
-            return [self.draw(patches, i, pixel_values[a:b]) for i, (a, b) in enumerate(patches.sample_rows)]
+            rows = enumerate(patches.sample_rows)
+            return [self.draw(patches, i, pixel_values[a:b], excluded[i]) for i, (a, b) in rows]
         if round_ is None or round_ != self.cache_round or len(self.cache) > MASK_CACHE_LIMIT:
             self.cache, self.cache_round = {}, round_
         keys = prompt_identity.sample_keys(inputs)
         for i, (start, end) in enumerate(patches.sample_rows):
             if keys[i] not in self.cache:
-                self.cache[keys[i]] = self.draw(patches, i, pixel_values[start:end])
+                self.cache[keys[i]] = self.draw(patches, i, pixel_values[start:end], excluded[i])
         return [self.cache[key] for key in keys]
 
     def masked_pixel_values(self, inputs: dict[str, Any], round_: int | None) -> torch.Tensor:
-        """``pixel_values`` with the masks of ``mask_type`` applied: black after normalisation, only on real patches
-        (padding pixels and padded tiles stay as they are); a new tensor, the input is never written."""
+        """``pixel_values`` with the masks of ``mask_type`` applied, filled with ``mask_fill`` (default black after
+        normalisation), only on real patches (padding pixels and padded tiles stay as they are) and never on a unit
+        the batch's excluded units name; a new tensor, the input is never written."""
         patches = self.patch_map(inputs)
         masks = self.sample_masks(inputs, patches, round_)
         for i, row in enumerate(inputs.get(ROLLOUT_ROW_KEY, torch.empty(0)).tolist()):
             self.rollout_masks[row] = masks[i].cpu()  # for a reviewer: the exact mask this completion trained with
         if self.args.mask_type == "random":
-            return masking.apply_values(patches, inputs["pixel_values"], torch.cat(masks))
-        return masking.apply_units(patches, inputs["pixel_values"], torch.cat(masks))
+            return masking.apply_values(patches, inputs["pixel_values"], torch.cat(masks), self.args.mask_fill)
+        return masking.apply_units(patches, inputs["pixel_values"], torch.cat(masks), self.args.mask_fill)
 
     # ---- checkpoints: the generator is resumed with the RNG states the Trainer saves ----
     def rng_file(self, folder: str) -> str:

@@ -3,6 +3,10 @@
 Every PAPO field carries its rule (``FIELD_RULES``, read by ``field_problem``) and, where it has a closed set of
 values, its choices in ``field.metadata["choices"]``: the workbook derives its params schema from this dataclass, so
 nothing is typed twice.
+
+The four fields that shape the forward (``masked_branch``, ``masked_branch_grad``, ``masked_forward``,
+``prefix_sharing``) are checked together in one place, ``forward/plan.py`` (``forward_fields_problem``), which also
+names the plan a trainer logs once.
 """
 
 from __future__ import annotations
@@ -14,6 +18,8 @@ from typing import Any
 from trl import GRPOConfig
 
 from .contract import PAPO_PROBE_MAX_DEGENERATE_BATCHES
+from .forward.plan import forward_fields_problem
+from .masking import MASK_FILLS
 
 MASK_TYPES = ("auto", "merge_unit", "random")
 MASK_SHARING = ("prompt", "completion")
@@ -44,6 +50,11 @@ FIELD_RULES = {
     "mask_ratio": (lambda v: is_finite_number(v) and 0.0 < v <= 1.0, "a number in (0, 1]"),
     "mask_sharing": (lambda v: v in MASK_SHARING, f"one of {MASK_SHARING}"),
     "mask_seed": (is_int, "an int"),
+    "mask_fill": (lambda v: v in MASK_FILLS, f"one of {MASK_FILLS}"),
+    "mask_excluded_column": (
+        lambda v: v is None or (isinstance(v, str) and v != ""),
+        "None or the name of a dataset column",
+    ),
     "entropy_estimator": (lambda v: v in ENTROPY_ESTIMATORS, f"one of {ENTROPY_ESTIMATORS}"),
     "original_entropy_weight": (lambda v: is_finite_number(v) and v >= 0, "a finite number >= 0"),
     "masked_entropy_weight": (lambda v: is_finite_number(v) and v >= 0, "a finite number >= 0"),
@@ -113,8 +124,8 @@ class PAPOGConfig(GRPOConfig):
             model's own patch size (the processed-tensor equivalent of the official raw-image 14-px squares) on
             whichever image layout the batch carries, detected from its keys and shapes (an unknown layout raises
             with the keys and shapes seen); `"merge_unit"` whole 2x2 merge units (Qwen-VL layouts only);
-            `"random"` single pixel values inside real patches. Masked values are black after normalisation;
-            padding is never masked.
+            `"random"` single pixel values inside real patches. Masked values are black after normalisation (see
+            `mask_fill`); padding is never masked.
         mask_ratio (`float`, defaults to `0.6`):
             Fraction of patches/units (or probability per value for `"random"`) that are blacked out.
             Official `black_prob` 0.6; paper ablation at 3B: 0.6 best; 1.0 raises collapse risk.
@@ -124,6 +135,17 @@ class PAPOGConfig(GRPOConfig):
         mask_seed (`int`, defaults to `0`):
             Seed of the adapter's own `torch.Generator` for masks; each process seeds it with
             `mask_seed + process_index`, so ranks draw different masks. Saved and restored with checkpoints.
+        mask_fill (`str`, defaults to `"black"`):
+            The colour masked patches take. `"black"`: black after normalisation (the official masking's aim);
+            `"mean"`: the image processor's mean colour (0 after normalisation), for images whose background is
+            black, where a black mask over the background changes no pixel. Both are constants, so the masks drawn
+            for a seed are the same under either.
+        mask_excluded_column (`str` or `None`, defaults to `None`):
+            A dataset column listing, per example, the patch units never masked: indices into the example's real
+            patch units (merge units with `mask_type="merge_unit"`) in `masking.select_units`' order (for Qwen-VL,
+            the rows of `pixel_values`). An image then masks `round(mask_ratio * n)` of its `n` units or every unit
+            it allows, whichever is fewer. A placebo mask (issue 41) excludes the patches that carry the task.
+            `None`: any real patch may be masked. Needs a patch `mask_type` (not `"random"`).
 
         > Parameters that control the masked branch
 
@@ -232,6 +254,17 @@ class PAPOGConfig(GRPOConfig):
         metadata={"help": "One mask per 'prompt' (official) or per 'completion'.", "choices": MASK_SHARING},
     )
     mask_seed: int = field(default=0, metadata={"help": "Seed of the masking generator (plus the process index)."})
+    mask_fill: str = field(
+        default="black",
+        metadata={
+            "help": "Masked patches' colour: 'black' (normalised) or the processor's 'mean'.",
+            "choices": MASK_FILLS,
+        },
+    )
+    mask_excluded_column: str | None = field(
+        default=None,
+        metadata={"help": "Dataset column of per-example patch units never masked (None: any real patch)."},
+    )
     entropy_estimator: str = field(
         default="sampled",
         metadata={
@@ -283,17 +316,13 @@ class PAPOGConfig(GRPOConfig):
     def validate_papo_fields(self) -> None:
         """Raise ValueError naming the field, its value and what is allowed, before any model loads."""
         check_field_rules(self, FIELD_RULES, "PAPOGConfig")
-        if self.masked_forward == "shared_prefix" and self.masked_branch_grad:
+        forward_problem = forward_fields_problem(self)  # every combination of the forward fields, in one place
+        if forward_problem is not None:
+            raise ValueError(f"PAPOGConfig.{forward_problem}")
+        if self.mask_excluded_column is not None and self.mask_type == "random":
             raise ValueError(
-                "PAPOGConfig.masked_forward='shared_prefix' is invalid with masked_branch_grad=True: the shared "
-                "prefix is a no-grad path; allowed: masked_forward 'auto' or 'full', or masked_branch_grad=False"
-            )
-        if self.prefix_sharing and self.num_generations and self.per_device_train_batch_size % self.num_generations:
-            raise ValueError(
-                f"PAPOGConfig.prefix_sharing=True is invalid with per_device_train_batch_size="
-                f"{self.per_device_train_batch_size} and num_generations={self.num_generations}: the round is "
-                "shuffled by whole prompt groups, so a device batch must hold whole groups; allowed: "
-                "per_device_train_batch_size a multiple of num_generations, or prefix_sharing=False"
+                f"PAPOGConfig.mask_excluded_column={self.mask_excluded_column!r} is invalid with mask_type='random': "
+                "it excludes patch units, 'random' masks single values; allowed: mask_type 'auto' or 'merge_unit'"
             )
         if self.use_liger_kernel:
             # GRPOTrainer.compute_loss sends a Liger run to compute_liger_loss and never calls _compute_loss
@@ -301,25 +330,6 @@ class PAPOGConfig(GRPOConfig):
             raise ValueError(
                 "PAPOGConfig.use_liger_kernel=True is invalid: GRPOTrainer's Liger loss bypasses _compute_loss, so "
                 "the perception and entropy terms would silently not be trained; allowed: False"
-            )
-        if (
-            self.masked_forward == "shared_prefix"
-            and self.mask_sharing == "completion"
-            and self.masked_branch == "rollout"
-        ):
-            # The rollout pass prefills each prompt once with one mask (its first rollout's): per-completion masks
-            # would silently become one mask per prompt there.
-            raise ValueError(
-                "PAPOGConfig.masked_forward='shared_prefix' is invalid with mask_sharing='completion' and "
-                "masked_branch='rollout': the rollout pass masks and prefills each prompt once, so every completion "
-                "would get its prompt's first mask; allowed: mask_sharing='prompt', masked_forward 'auto' or 'full' "
-                "(a full forward per completion, each with its own mask), or masked_branch='update'"
-            )
-        if self.masked_branch == "rollout" and self.masked_branch_grad:
-            raise ValueError(
-                "PAPOGConfig.masked_branch='rollout' is invalid with masked_branch_grad=True: the rollout-time masked "
-                "branch is computed once per generation round without gradient; allowed: masked_branch='update' "
-                "(the official RECOMPUTE_AUG_LOG_PROBS=True), or masked_branch_grad=False"
             )
 
 

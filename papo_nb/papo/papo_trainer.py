@@ -35,7 +35,7 @@ from .loss_observer import training_observer
 from .mask_state import MaskState, generation_round
 from .papo_config import PAPOGConfig
 from .perception_metrics import ROLLOUT_ROW_KEY, PerceptionRecord, log_perception_metrics
-from .schedule import discount_at, gamma_at
+from .schedule import LossWeights, loss_weights
 from .step_guard import NonFiniteStepGuard
 from .terms import PerceptionTerms, assemble_loss, normalise_like_parent, perception_terms
 
@@ -130,11 +130,12 @@ class PAPOGTrainer(GRPOTrainer):
         ``args.max_steps`` before train(); <= 0 when unknown."""
         return self.state.max_steps if self.state.max_steps > 0 else self.args.max_steps
 
-    def current_gamma(self) -> float:
-        return gamma_at(self.args, self.state.global_step, self.schedule_steps())
+    def loss_weights(self) -> LossWeights:
+        """gamma_t, the discount and the effective entropy weights at this step, computed once per loss call."""
+        return loss_weights(self.args, self.state.global_step, self.schedule_steps())
 
-    def annealing_discount(self) -> float:
-        return discount_at(self.args, self.state.global_step, self.schedule_steps())
+    def current_gamma(self) -> float:
+        return self.loss_weights().gamma
 
     # ---- hooks ----
     def _get_per_token_logps_and_entropies(self, *args, **kwargs):
@@ -149,6 +150,7 @@ class PAPOGTrainer(GRPOTrainer):
         batch = super()._generate_and_score_completions(inputs)
         self.perception_record.rollout, self.masks.rollout_masks = {}, {}
         batch[ROLLOUT_ROW_KEY] = torch.arange(len(batch["prompt_ids"]))  # the row in TRL's logs, after shuffling
+        batch.update(self.masks.excluded_entries(inputs))  # mask_excluded_column: units no mask may cover
         if self.prefix_sharing.shuffles_whole_groups and self.model.training:
             batch[prefix_sharing.BLOCK_KEY] = prefix_sharing.block_ids(batch, self.num_generations)
         if self.args.masked_branch == "rollout" and not self.masked_branch.skipped:
@@ -170,13 +172,12 @@ class PAPOGTrainer(GRPOTrainer):
         return norm
 
     def _compute_loss(self, model, inputs):
-        parent_loss, terms = self.papo_loss_parts(model, inputs)
+        weights = self.loss_weights()
+        parent_loss, terms = self.papo_loss_parts(model, inputs, weights)
         if self.probe is not None and self.probe.pending and self.model.training:
             self.probe.observe(self, model, parent_loss, terms, step=self.state.global_step)
             self._metrics["train"].update({f"probe/{k}": [v] for k, v in self.probe.metrics().items()})
-        discount, args = self.annealing_discount(), self.args
-        eta1, eta2 = args.original_entropy_weight * discount, args.masked_entropy_weight * discount
-        return self.assemble_loss(parent_loss, terms, self.current_gamma(), eta1, eta2)
+        return self.assemble_loss(parent_loss, terms, weights.gamma, weights.eta1, weights.eta2)
 
     def _save_rng_state(self, output_dir):
         super()._save_rng_state(output_dir)
@@ -211,8 +212,11 @@ class PAPOGTrainer(GRPOTrainer):
                 return packed
         return super()._get_per_token_logps_and_entropies(*args, **kwargs)
 
-    def papo_loss_parts(self, model, inputs) -> tuple[torch.Tensor, PerceptionTerms]:
-        """The parent's loss and the adapter's terms for ``inputs`` (which is never modified).
+    def papo_loss_parts(
+        self, model, inputs, weights: LossWeights | None = None
+    ) -> tuple[torch.Tensor, PerceptionTerms]:
+        """The parent's loss and the adapter's terms for ``inputs`` (which is never modified); ``weights`` (this
+        step's, computed now when None) are logged with the terms.
 
         The masked branch (``MaskedBranch.for_loss``: stored with the round, computed now, or skipped) runs *before*
         the parent's forward: under no-grad (the default) its full-vocabulary logits are freed before the parent's
@@ -225,7 +229,8 @@ class PAPOGTrainer(GRPOTrainer):
             ((logps, entropies, _),) = self._captured_parent_logps
         finally:
             self._captured_parent_logps = None
-        return parent_loss, self._perception_terms(inputs, logps, entropies, masked, parent_loss)
+        weights = self.loss_weights() if weights is None else weights
+        return parent_loss, self._perception_terms(inputs, logps, entropies, masked, weights, parent_loss)
 
     def masked_forward(self, model, inputs):
         """The masked branch of ``inputs`` computed now (masking, then the forward), as the loss call runs it."""
@@ -241,8 +246,9 @@ class PAPOGTrainer(GRPOTrainer):
     def mask_generator(self) -> torch.Generator:
         return self.masks.generator
 
-    def _perception_terms(self, inputs, logps, entropies, masked, parent_loss=None) -> PerceptionTerms:
-        """``masked``: the masked branch's ``(logps, entropies)``, or None where it is the original (``terms.py``)."""
+    def _perception_terms(self, inputs, logps, entropies, masked, weights, parent_loss=None) -> PerceptionTerms:
+        """``masked``: the masked branch's ``(logps, entropies)``, or None where it is the original (``terms.py``);
+        ``weights``: the loss call's ``LossWeights``, logged with the terms."""
         training = self.model.training
         normalise = functools.partial(
             normalise_like_parent,
@@ -260,11 +266,10 @@ class PAPOGTrainer(GRPOTrainer):
             normalise=normalise,
         )  # fmt: skip
         self.perception_record.add(inputs, rows)
-        gamma, discount = self.current_gamma(), self.annealing_discount()
-        eta = (args.original_entropy_weight * discount, args.masked_entropy_weight * discount)
         metrics = self._metrics["train" if training else "eval"]
         log_perception_metrics(
-            metrics, self.accelerator, sums, terms.token_count, parent_loss, gamma=gamma, discount=discount, eta=eta,
+            metrics, self.accelerator, sums, terms.token_count, parent_loss, gamma=weights.gamma,
+            discount=weights.discount, eta=(weights.eta1, weights.eta2),
             masked_measured=not self.masked_branch.skipped,
         )  # fmt: skip
         return terms

@@ -46,13 +46,20 @@ def model_unsupported_reason(model) -> str | None:
 
 
 def rope_positions(hf_model, input_ids, attention_mask, mm_token_type_ids, image_grid_thw) -> torch.Tensor:
-    """``(3, B, L)`` positions of the whole sequences, as the full forward computes them."""
-    if mm_token_type_ids is None:
-        mm_token_type_ids = torch.zeros_like(input_ids)
+    """``(3, B, L)`` positions of the whole sequences, as the full forward computes them. A model whose
+    ``get_rope_index`` takes ``mm_token_type_ids`` gets them: with images (``image_grid_thw``) they are refused when
+    missing, as the plain forward refuses them (zeros would place every image token as text); without images every
+    token is text, which zeros say exactly."""
     rope_index = hf_model.model.get_rope_index
     kwargs = dict(image_grid_thw=image_grid_thw, attention_mask=attention_mask)
     if "mm_token_type_ids" in inspect.signature(rope_index).parameters:
-        kwargs["mm_token_type_ids"] = mm_token_type_ids
+        if mm_token_type_ids is None and image_grid_thw is not None:
+            raise ValueError(
+                f"mm_token_type_ids=None with image_grid_thw of {len(image_grid_thw)} images: "
+                f"{type(hf_model.model).__name__}.get_rope_index needs each token's modality to place the images; "
+                "allowed: the processor's mm_token_type_ids (text 0, image 1, video 2) for every token"
+            )
+        kwargs["mm_token_type_ids"] = torch.zeros_like(input_ids) if mm_token_type_ids is None else mm_token_type_ids
     positions, _ = rope_index(input_ids, **kwargs)
     return positions
 

@@ -17,6 +17,7 @@ explicitly; the object never reaches back into the trainer.
 from __future__ import annotations
 
 import contextlib
+import functools
 import secrets
 import time
 from dataclasses import dataclass
@@ -67,10 +68,11 @@ class MaskedBranch:
         self.clock = BranchClock()
         self.reasons_logged: set[tuple[bool, str]] = set()
 
-    @property
+    @functools.cached_property
     def skipped(self) -> bool:
         """True when nothing reads the branch: gamma 0 for the whole run, eta2 0, no in-training probe, and the
-        perception KL not asked for (``measure_perception_kl``)."""
+        perception KL not asked for (``measure_perception_kl``). Decided once from the config (later reads are the
+        cached value, no call)."""
         args = self.args
         return (
             perception_off_for_the_run(args)
@@ -159,7 +161,8 @@ class MaskedBranch:
         with self.clock.timing():
             compute_entropy = self.args.entropy_estimator == "full"
             rows, processes = self.args.per_device_train_batch_size, self.accelerator.num_processes
-            if self.plan.shared and batch.get("image_grid_thw") is not None:
+            layout_reason = prefill_layout_reason(batch)
+            if self.plan.shared and layout_reason is None:
                 logps, entropies, completions, prefills = rollout_branch.shared_round(
                     self.model, batch, mask_pixels, self.temperature, compute_entropy, rows, processes
                 )
@@ -168,7 +171,7 @@ class MaskedBranch:
                 logps, entropies = rollout_branch.full_round(
                     self.model, batch, mask_pixels, logps_of, compute_entropy, rows
                 )
-                self.record(False, self.plan.reason, None)
+                self.record(False, layout_reason if self.plan.shared else self.plan.reason, None)
         entries = {MASKED_LOGPS_KEY: logps, OWNER_KEY: torch.tensor(self.owner), ROW_CHECK_KEY: row_checks(batch)}
         if entropies is not None:
             entries[MASKED_ENTROPIES_KEY] = entropies
@@ -180,17 +183,17 @@ class MaskedBranch:
         when ``masked_branch_grad`` asks for it. ``masked_pixels`` replace the batch's images (None: a text-only
         batch's parity forward, see ``images_on_any_rank``); ``logps_of(want_entropy_grad, model, *args, **kwargs)``
         is the parent's log-prob method (the masked entropy keeps its gradient when the full estimator weighs it)."""
-        positional, vlm_kwargs = logp_call_arguments(inputs)
-        if masked_pixels is not None:
-            vlm_kwargs["pixel_values"] = masked_pixels
         # The sampled estimator needs only log-probs; the full one asks the parent for vocabulary entropies.
         compute_entropy = self.args.entropy_estimator == "full"
         entropy_grad = compute_entropy and self.args.masked_branch_grad and self.args.masked_entropy_weight > 0
         # Under no-grad, one prefill per prompt and its completions against the cached prefix (same numbers, see
         # prefill.py); None where it does not apply (the reason is logged and in the metrics).
-        shared = self._shared_prefix(model, inputs, vlm_kwargs.get("pixel_values"), compute_entropy)
+        pixels = masked_pixels if masked_pixels is not None else inputs.get("pixel_values")
+        shared = self._shared_prefix(model, inputs, pixels, compute_entropy)
         if shared is not None:
             return shared
+        positional, vlm_kwargs = logp_call_arguments(inputs)  # the full forward's arguments, as the parent's
+        vlm_kwargs["pixel_values"] = pixels
         with torch.set_grad_enabled(self.args.masked_branch_grad and torch.is_grad_enabled()):
             logps, entropies, _ = logps_of(
                 entropy_grad,
@@ -231,6 +234,9 @@ class MaskedBranch:
         under FSDP/ZeRO-3, so every rank must run as many."""
         if not self.plan.shared:
             return False, self.plan.reason
+        layout_reason = prefill_layout_reason(inputs)
+        if layout_reason is not None:
+            return False, layout_reason
         if self.args.masked_branch_grad and torch.is_grad_enabled():
             return False, "masked_branch_grad=True with gradients enabled"
         single = self.accelerator.num_processes == 1
@@ -269,6 +275,17 @@ class MaskedBranch:
         ranks = int(self.accelerator.reduce(flag, reduction="sum").item())
         refuse_mixed_images(ranks, processes, partitioning(list(self.model.parameters())))
         return ranks > 0
+
+
+def prefill_layout_reason(inputs: dict[str, Any]) -> str | None:
+    """Why a batch with images cannot be prefilled (its images' layout or positions), or None. Without
+    ``mm_token_type_ids`` the full forward decides, as for every log-prob call: Qwen2-VL refuses the batch, Qwen2.5-VL
+    runs it without multimodal positions; the prefill would otherwise need positions it cannot compute."""
+    if inputs.get("pixel_values") is not None and inputs.get("image_grid_thw") is None:
+        return "pixel_values without image_grid_thw"
+    if inputs.get("image_grid_thw") is not None and inputs.get("mm_token_type_ids") is None:
+        return "image_grid_thw without mm_token_type_ids (the full forward's own refusal or positions apply)"
+    return None
 
 
 def refuse_mixed_images(ranks: int, processes: int, partitioned_by: str | None) -> None:

@@ -115,7 +115,6 @@ def shared_prefix_logps(
     forward (default: the largest group). ``group_pixel_values`` (one tensor per group: its first row's pixel rows)
     replaces ``pixel_values`` where only the groups' images were built (the rollout-time branch masks each
     distinct prompt once); ``groups`` must then be given."""
-    hf_model = core_model(model)
     grid, num_images, mm_types = (
         inputs.get("image_grid_thw"),
         inputs.get("num_images"),
@@ -124,28 +123,30 @@ def shared_prefix_logps(
     if group_pixel_values is not None and groups is None:
         raise ValueError("shared_prefix_logps: group_pixel_values needs the groups it was built for")
     groups = groups if groups is not None else prompt_groups(inputs, pixel_values)
-    firsts = [g[0] for g in groups]
     has_images = pixel_values is not None or group_pixel_values is not None
-
     input_ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
     attention_mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
-    positions = rope_positions(hf_model, input_ids, attention_mask, mm_types, grid if has_images else None)
-    cache_key = _cache_keyword(hf_model)
 
-    if has_images and group_pixel_values is None:
-        ranges = sample_row_ranges(grid, num_images)
+    # The shared helpers first (model, positions, chunks), then the rows' images, then this module's forwards.
+    hf_model = core_model(model)
+    positions = rope_positions(hf_model, input_ids, attention_mask, mm_types, grid if has_images else None)
+    chunks = whole_group_chunks(groups, max_chunk_rows or max(map(len, groups)))
+    ranges = sample_row_ranges(grid, num_images) if has_images and group_pixel_values is None else None
+    firsts = [g[0] for g in groups]
+    if ranges is not None:
         group_pixel_values = [pixel_values[ranges[i][0] : ranges[i][1]] for i in firsts]
+    cache_key = _cache_keyword(hf_model)
     first_logits, prefix_kv = _prefill(model, inputs, positions, firsts, group_pixel_values, cache_key)
     return _completions(
         model,
         inputs,
         positions,
         groups,
+        chunks,
         first_logits,
         prefix_kv,
         temperature=temperature,
         compute_entropy=compute_entropy,
-        max_rows=max_chunk_rows or max(len(g) for g in groups),
         cache_key=cache_key,
     )
 
@@ -180,10 +181,10 @@ def _prefill(model, inputs, positions, firsts, group_pixel_values, cache_key):
 
 
 def _completions(
-    model, inputs, positions, groups, first_logits, prefix_kv, *, temperature, compute_entropy, max_rows, cache_key
+    model, inputs, positions, groups, chunks, first_logits, prefix_kv, *, temperature, compute_entropy, cache_key
 ):
-    """The completions of whole groups, chunk by chunk of at most ``max_rows`` rows, against a copy of their
-    prompts' key/values: ``(logps, entropies or None)``, each ``(B, C)``."""
+    """The completions of whole groups, chunk by chunk (``chunks``: ``whole_group_chunks`` of ``groups``), against
+    a copy of their prompts' key/values: ``(logps, entropies or None)``, each ``(B, C)``."""
     from trl.trainer.utils import entropy_from_logits, selective_log_softmax
 
     completion_ids, n_prompt = inputs["completion_ids"], inputs["prompt_ids"].shape[1]
@@ -193,7 +194,7 @@ def _completions(
         group_of[rows] = g
     logps = torch.empty(completion_ids.shape, dtype=first_logits.dtype, device=first_logits.device)
     entropies = torch.empty_like(logps) if compute_entropy else None
-    for rows in (sum(chunk, []) for chunk in whole_group_chunks(groups, max_rows)):
+    for rows in (sum(chunk, []) for chunk in chunks):
         index = torch.tensor(rows, device=completion_ids.device)
         source = group_of[rows].to(first_logits.device)
         logits = first_logits.index_select(0, source)

@@ -41,6 +41,27 @@ def _autocast_state() -> tuple[bool, str | None]:
     return False, None
 
 
+def _precision(parent_loss: torch.Tensor) -> dict[str, Any]:
+    """What the batch's numbers were computed in: the loss dtype, autocast, and the TRL release."""
+    import trl
+
+    autocast_enabled, autocast_dtype = _autocast_state()
+    return dict(
+        dtype=str(parent_loss.dtype).replace("torch.", ""),
+        autocast_enabled=autocast_enabled,
+        autocast_dtype=autocast_dtype,
+        trl_version=trl.__version__,
+    )
+
+
+def _mean_perception_kl(trainer, terms) -> float:
+    """The batch's perception KL per completion token, its sums reduced over every rank."""
+    totals = trainer.accelerator.reduce(
+        torch.stack([terms.kl_sum, terms.token_count]).detach().float(), reduction="sum"
+    )
+    return (totals[0] / totals[1].clamp(min=1.0)).item()
+
+
 # Roundoff samples per stage. "repeat" (training) first takes 2 repeats of the parent gradient; only a batch that
 # is not powered with them (a Student-t floor from 2 samples needs about 100 floors) takes 6 more, so a GPU run in
 # fp32 (or the CPU, whose repeats are exact) pays what it paid before, and a bf16 GPU run gets a floor with 8 degrees
@@ -169,8 +190,6 @@ def measure_gamma_zero_variants(
 ) -> list[dict[str, Any]]:
     """``measure_gamma_zero`` for several assemblies of the same batch, sharing the parent gradient, the terms'
     gradients and the roundoff sample (one number dict per assembly)."""
-    import trl
-
     _check_probe_request(model, roundoff, inputs)
     stages = ROUNDOFF_STAGES[roundoff]
     gradients, more_samples = probe_gradients(
@@ -183,15 +202,11 @@ def measure_gamma_zero_variants(
     tests = staged_leak_tests(gradients, more_samples, stages, tolerance, reduce_sums)
     sample_norms = norm(gradients.samples)
     sample_norm = math.sqrt(sum(n * n for n in sample_norms) / len(sample_norms))  # root mean square
-    kl_totals = trainer.accelerator.reduce(
-        torch.stack([terms.kl_sum, terms.token_count]).detach().float(), reduction="sum"
-    )
-    autocast_enabled, autocast_dtype = _autocast_state()
     gamma = float(trainer.current_gamma()) if hasattr(trainer, "current_gamma") else 0.0
     batch = dict(
         parent_grad_norm=parent_norm,
         tolerance=tolerance,
-        perception_kl=(kl_totals[0] / kl_totals[1].clamp(min=1.0)).item(),
+        perception_kl=_mean_perception_kl(trainer, terms),
         perception_grad_norm=perception_norm,
         leak_detection_power=perception_norm / tolerance,
         gamma=gamma,
@@ -203,10 +218,7 @@ def measure_gamma_zero_variants(
         detection_threshold=tests.threshold,
         tests=tests.tests,
         false_alarm_rate=FALSE_ALARM_RATE,
-        dtype=str(parent_loss.dtype).replace("torch.", ""),
-        autocast_enabled=autocast_enabled,
-        autocast_dtype=autocast_dtype,
-        trl_version=trl.__version__,
+        **_precision(parent_loss),
     )
     return [
         _assembly_numbers(
