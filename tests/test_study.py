@@ -671,3 +671,50 @@ def test_a_control_is_matched_on_end_reward_and_the_verdict_names_the_closest():
                               primary, gap)  # fmt: skip
     assert "does not beat every matched control" in verdict and "(it does against grpo_lr)" in verdict
     assert control_verdict([], "papo_g_half", primary, gap).startswith("No matched control ran")
+
+
+def test_the_placebo_is_weighed_as_a_control_and_pairs_only_with_the_pages_exact_grpo():
+    """Issue 41: the placebo (PAPO-G's term against a background-only mask) joins the controls the strongest PAPO-G
+    arm must beat, its arms carry their mask options, and its runs pair with a page only where this run's GRPO scored
+    exactly the page's on every seed."""
+    from papo_nb.workbook.config.params import load_params
+    from papo_nb.workbook.study.controls import comparison_rows, control_verdict
+    from papo_nb.workbook.study.dose import OFF_DOSE_ARMS
+    from papo_nb.workbook.study.placebo import MEAN_FILL_PAPO_G, PLACEBO, arm_params, check_pairing, kl_matched_gamma
+
+    primary, gap = "avg_at_k/original/vision", "avg_at_k/gap/vision"
+    spread = (0.0, 0.01, -0.01, 0.005, -0.004)
+    results = {
+        arm: {s: {primary: level + d + 0.002 * s * (arm == "papo_g_half"), gap: level / 4 + d} for s, d in
+              enumerate(spread)}
+        for arm, level in (("grpo", 0.30), ("grpo_beta", 0.40), ("papo_g_half", 0.45), (PLACEBO, 0.44))
+    }  # fmt: skip
+    rows = comparison_rows(results, "papo_g_half", (primary, gap), paired_test)
+    assert {row["against"] for row in rows} == {"grpo", "grpo_beta", PLACEBO}
+    verdict = control_verdict(rows, "papo_g_half", primary, gap)
+    assert "than every control (the placebo included)" not in verdict  # the gap ties the placebo: not beaten
+    assert (
+        "does not beat every control (the placebo included)" in verdict and "The closest control is placebo" in verdict
+    )
+    assert {PLACEBO, MEAN_FILL_PAPO_G} <= set(OFF_DOSE_ARMS), "a placebo arm is never a point of the dose-response"
+
+    params = load_params(ROOT / "params" / "study_controls.yaml", [])
+    placebo = arm_params(params, PLACEBO)
+    assert (placebo.mask_fill, placebo.mask_excluded_column) == ("mean", "square_units")
+    assert (arm_params(params, MEAN_FILL_PAPO_G).mask_excluded_column, params.mask_fill) == (None, "black")
+    with pytest.raises(ValueError, match=r"placebo arm='grpo' is unknown; allowed: \['placebo', 'placebo_kl_matched'"):
+        arm_params(params, "grpo")
+
+    # the matched gamma scales by the ratio of the first 3 logged steps' mean perception KL (later steps are not read)
+    papo_logs = [[{"perception_kl": v} for v in (0.04, 0.06, 0.05, 9.0)], [{"step": 1}, {"perception_kl": 0.05}]]
+    placebo_logs = [[{"perception_kl": v} for v in (0.2, 0.3, 0.25, 0.0)]]
+    assert kl_matched_gamma(1.675, papo_logs, placebo_logs) == pytest.approx(1.675 * 0.05 / 0.25)
+    with pytest.raises(ValueError, match=r"the placebo runs logged no positive perception_kl \(\[0.0\]\)"):
+        kl_matched_gamma(1.675, papo_logs, [[{"perception_kl": 0.0}]])
+
+    page = {0: {primary: 0.4, gap: 0.1}, 1: {primary: 0.5, gap: 0.2}}
+    check_pairing({0: dict(page[0]), 1: dict(page[1])}, page, [0, 1])
+    with pytest.raises(ValueError, match=r"seed 1: this run's GRPO is not the page's \(differs on \['avg_at_k/gap"):
+        check_pairing({0: page[0], 1: {primary: 0.5, gap: 0.2 + 1e-12}}, page, [0, 1])
+    with pytest.raises(ValueError, match="seed 2: GRPO ran here: False, on the page: False; not paired"):
+        check_pairing(page, page, [2])

@@ -6,15 +6,14 @@ family's own special tokens, a ChatML-style template that places the family's im
 processor with small sizes, and a config of a few hundred thousand parameters. ``*_tiled`` variants split images into
 tiles (Idefics3/SmolVLM image splitting, LFM2-VL tiling with a thumbnail), so batches carry padded tiles.
 
-Each family produces the image layout named in ``papo_nb/papo/layouts.py``.
+Each family produces the image layout named in ``papo_nb/papo/layouts.py``. Here each family is its processor and
+config (``FAMILIES``); ``models.write_family_vlm`` initialises and saves one.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 
-import torch
 from transformers import (
     CLIPImageProcessor,
     Gemma3Config,
@@ -398,24 +397,3 @@ FAMILIES = {
     "llava_next": Family(_llava_next, LlavaNextForConditionalGeneration, "crops"),
     "llava_onevision": Family(_llava_onevision, LlavaOnevisionForConditionalGeneration, "crops"),
 }
-
-
-def write_family_vlm(family: str, seed: int, folder: Path) -> None:
-    """Save a tiny ``family`` model (init seeded by ``seed``, global RNG untouched) and its processor to ``folder``."""
-    spec = FAMILIES[family]
-    processor, config = spec.build()
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = spec.model_cls(config)
-        # Gemma3 zero-initialises its image projection (modeling_gemma3.py, _init_weights), so a fresh model's
-        # logits ignore the image: a build that cannot see is broken. Any all-zero matrix gets a small random init.
-        with torch.no_grad():
-            for parameter in model.parameters():
-                if parameter.dim() > 1 and not parameter.any():
-                    parameter.normal_(0.0, 0.02)
-    ids = chatml_token_ids(processor.tokenizer)
-    model.generation_config.eos_token_id = ids["eos_token_id"]
-    model.generation_config.pad_token_id = ids["pad_token_id"]
-    model.generation_config.bos_token_id = ids["bos_token_id"]
-    model.save_pretrained(folder, safe_serialization=True)
-    processor.save_pretrained(folder)

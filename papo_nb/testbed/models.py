@@ -3,6 +3,7 @@
 `build_tiny_vlm` makes a Qwen2-VL / Qwen2.5-VL of a few hundred thousand parameters with a BPE
 tokenizer trained on the shapes task, entirely offline, and caches it on disk. `load_vlm` is the one
 code path for both that folder and a real hub checkpoint, so notebooks switch models by name only.
+`write_family_vlm` saves a tiny model of the other families from its processor and config (``families.py``).
 """
 
 from __future__ import annotations
@@ -233,6 +234,27 @@ def _write_tiny_vlm(family: str, seed: int, folder: Path, size: str = "tiny") ->
     processor.save_pretrained(folder)
 
 
+def write_family_vlm(family: str, seed: int, folder: Path) -> None:
+    """Save a tiny ``family`` model (init seeded by ``seed``, global RNG untouched) and its processor to ``folder``."""
+    spec = families.FAMILIES[family]
+    processor, config = spec.build()
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = spec.model_cls(config)
+        # Gemma3 zero-initialises its image projection (modeling_gemma3.py, _init_weights), so a fresh model's
+        # logits ignore the image: a build that cannot see is broken. Any all-zero matrix gets a small random init.
+        with torch.no_grad():
+            for parameter in model.parameters():
+                if parameter.dim() > 1 and not parameter.any():
+                    parameter.normal_(0.0, 0.02)
+    ids = family_tokens.chatml_token_ids(processor.tokenizer)
+    model.generation_config.eos_token_id = ids["eos_token_id"]
+    model.generation_config.pad_token_id = ids["pad_token_id"]
+    model.generation_config.bos_token_id = ids["bos_token_id"]
+    model.save_pretrained(folder, safe_serialization=True)
+    processor.save_pretrained(folder)
+
+
 def build_tiny_vlm(
     family: str = "qwen2_vl", seed: int = 0, cache_dir: str | Path | None = None, size: str = "tiny"
 ) -> Path:
@@ -254,7 +276,7 @@ def build_tiny_vlm(
         folder = root / f"tiny-{family}-seed{seed}-v{families.BUILDER_VERSION}"
         return build_cached(
             folder,
-            lambda staging: families.write_family_vlm(family, seed, staging),
+            lambda staging: write_family_vlm(family, seed, staging),
             f"family={family} seed={seed} version={families.BUILDER_VERSION}",
         )
     _check_family(family)

@@ -71,8 +71,17 @@ PRIOR_QUESTION = "What colour is square {tag}?"
 PRIOR_COLOURS = {str(tag): colour for tag, colour in enumerate(COLOURS, start=1)}  # "1" -> red, ... "4" -> yellow
 PRIOR_PATTERN = re.compile(re.escape(PRIOR_QUESTION).replace(re.escape("{tag}"), "([0-9]+)"))
 
-# the shapes task's columns plus the vision-dependency flag
-FEATURES = datasets.Features({**shapes.FEATURES, "vision_dependent": datasets.Value("bool")})
+MERGE = 2  # the testbed processor's merge size: its pixel_values rows come in 2x2 blocks of patches
+# the column of the patch units that show the square (``square_units``): a placebo mask excludes them (issue 41)
+SQUARE_UNITS = "square_units"
+# the shapes task's columns plus the vision-dependency flag and the square's patch units
+FEATURES = datasets.Features(
+    {
+        **shapes.FEATURES,
+        "vision_dependent": datasets.Value("bool"),
+        SQUARE_UNITS: datasets.Sequence(datasets.Value("int64")),
+    }
+)
 
 # The warm-start recipe: a continuation curriculum. Trained on one-cell squares from the start, the tiny model sits
 # at chance for hundreds of steps and then jumps to reading, and when it jumps is chaotic in floating point (seed 0:
@@ -232,7 +241,24 @@ def make_item(
         "kind": kind,
         "vision_dependent": kind == "vision",
         "target": boxed_text(answer) if boxed else answer_text(answer),
+        SQUARE_UNITS: square_units(image),
     }
+
+
+def square_units(image: Image.Image) -> list[int]:
+    """The patch units of the testbed's processor (Qwen2-VL: ``pixel_values`` rows, the 14 px patches in 2x2 merge
+    blocks) that hold any pixel that is not black: the square, and any decoy paint, which lies inside it. Every
+    other unit is black background, which carries no task information; ``PAPOGConfig.mask_excluded_column`` names
+    this column for a placebo mask that never covers the square (issue 41). The order is pinned against the real
+    processor by tests/test_masking.py."""
+    raw = bytearray(image.convert("RGB").tobytes())
+    pixels = torch.frombuffer(raw, dtype=torch.uint8).reshape(GRID, CELL, GRID, CELL, 3)
+    shown = pixels.amax(dim=(1, 3, 4)) > 0  # (row, col) of every 14 px cell with a non-black pixel
+    blocks = GRID // MERGE
+    return sorted(
+        ((row // MERGE) * blocks + col // MERGE) * MERGE * MERGE + (row % MERGE) * MERGE + col % MERGE
+        for row, col in shown.nonzero().tolist()
+    )
 
 
 def overpaint(image: Image.Image, square: tuple[int, int, int], colour: str, share: float, rng: random.Random):

@@ -230,26 +230,39 @@ def run_one(
         require_measured_kl(run_params, arm, seed, gamma, step_logs)
         for row in step_logs:  # TRL's own names, as notebook 03's run logs them (metric_keys)
             mlflow.log_metrics({k: v for k, v in row.items() if k != "step"}, step=int(row["step"]))
-        scores = evaluate_policy(
-            trainer.model,
-            trainer.processing_class,
-            data,
-            samples=params.study_eval_samples,
-            mask_ratio=params.mask_ratio,
-            seed=params.seed,
-            max_new_tokens=params.max_completion_length,
-        )
-        mlflow.log_metrics({f"eval/{k}": v for k, v in scores.items()})
-        mlflow.log_metric(HELDOUT_ACCURACY, scores["greedy/original/all"])
-        collapse = detect_collapse(step_logs, rule)
-        if control is not None or arm == GRPO:
-            collapse = heldout_verdict(collapse, scores, control, rule)
-        mlflow.log_dict(collapse, ARM_COLLAPSE)
-        mlflow.log_metrics({"collapse/flagged": float(collapse["collapsed"]), "collapse/step": collapse["step"] or -1})
+        scores = _log_scores(trainer, data, params)
+        collapse = _log_collapse(step_logs, scores, rule, control, heldout=control is not None or arm == GRPO)
         seconds = time.perf_counter() - start
         mlflow.log_metric("study/run_seconds", seconds)
         del trainer
     return StudyRun(arm, seed, gamma, run.info.run_id, step_logs, scores, collapse, seconds)
+
+
+def _log_scores(trainer, data, params: WorkbookParams) -> dict[str, float]:
+    """The trained policy's held-out scores (``evaluate_policy``), logged under ``eval/`` and as the headline."""
+    scores = evaluate_policy(
+        trainer.model,
+        trainer.processing_class,
+        data,
+        samples=params.study_eval_samples,
+        mask_ratio=params.mask_ratio,
+        seed=params.seed,
+        max_new_tokens=params.max_completion_length,
+    )
+    mlflow.log_metrics({f"eval/{k}": v for k, v in scores.items()})
+    mlflow.log_metric(HELDOUT_ACCURACY, scores["greedy/original/all"])
+    return scores
+
+
+def _log_collapse(step_logs: list[dict], scores: dict[str, float], rule: CollapseRule, control, *, heldout: bool):
+    """The run's collapse verdict from its step logs (with ``heldout``, weighed with its held-out ``scores`` against
+    ``control``'s: ``collapse.heldout_verdict``), logged as ``ARM_COLLAPSE`` and two metrics."""
+    collapse = detect_collapse(step_logs, rule)
+    if heldout:
+        collapse = heldout_verdict(collapse, scores, control, rule)
+    mlflow.log_dict(collapse, ARM_COLLAPSE)
+    mlflow.log_metrics({"collapse/flagged": float(collapse["collapsed"]), "collapse/step": collapse["step"] or -1})
+    return collapse
 
 
 def name_arm(client: MlflowClient, run_id: str, arm: str) -> None:

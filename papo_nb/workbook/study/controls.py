@@ -7,6 +7,10 @@ KL weight (``beta``), or a smaller learning rate. Its setting is matched to the 
 on the search seed (no arm's): each value of its ladder is trained once and the one whose end-of-training accuracy
 reward (``END_REWARD_WINDOW`` logged rollout batches) lies closest to that PAPO-G arm's is kept.
 
+A third control, the placebo (``placebo.py``), is PAPO-G's own term against a mask that removes no task information:
+the same regulariser's form, without the perception. It is matched on gamma (the strongest PAPO-G arm's) or on the
+term's starting size (``placebo_kl_matched``), not searched.
+
 Matched on reward, not on reference KL: the drift is what the reward buys, so two arms that earned the same reward
 exploited the shortcut equally; a reference KL measures how far the answers moved from the warm start, which a
 perception term can move by itself (it changes which tokens are likely on masked images, not only on these).
@@ -19,11 +23,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from statistics import mean
 
+from papo_nb.workbook.study.placebo import PLACEBO_CONTROLS
+
 REWARD_KEY = "rewards/accuracy_reward/mean"
 END_REWARD_WINDOW = 10  # logged rollout batches averaged for "the end of training" (the issue's measure)
 GRPO_BETA, GRPO_LR = "grpo_beta", "grpo_lr"
 CONTROL_PARAMS = {GRPO_BETA: "beta", GRPO_LR: "learning_rate"}  # each control arm and the knob it turns
 CONTROL_ARMS = tuple(CONTROL_PARAMS)
+COMPARED_CONTROLS = (*CONTROL_ARMS, *PLACEBO_CONTROLS)  # every control PAPO-G is weighed against, placebos included
 
 
 def end_reward(step_logs: list[dict], window: int = END_REWARD_WINDOW, key: str = REWARD_KEY) -> float:
@@ -80,7 +87,7 @@ def comparison_rows(
     """The treatment (the strongest PAPO-G arm) against each control and GRPO, paired over seeds on each of
     ``metrics``: treatment - control with its 95% CI and p (``paired_test``)."""
     rows = []
-    for control in [arm for arm in ("grpo", *CONTROL_ARMS) if arm in results]:
+    for control in [arm for arm in ("grpo", *COMPARED_CONTROLS) if arm in results]:
         for metric in metrics:
             seeds = sorted(s for s in set(results[treatment]) & set(results[control]) if metric in results[control][s])
             if not seeds:
@@ -92,11 +99,13 @@ def comparison_rows(
     return rows
 
 
-def control_verdict(rows: list[dict], treatment: str, primary: str, gap: str) -> str:
+def control_verdict(rows: list[dict], treatment: str, primary: str, gap: str, where: dict | None = None) -> str:
     """Two sentences: whether ``treatment`` keeps more of ``primary`` (prior-breaking accuracy) and ``gap`` (the
-    reliance gap) than every control, at matched reward, and which control came closest on ``primary``."""
+    reliance gap) than every control (matched on reward, and the placebo where it ran), and which control came
+    closest on ``primary``. ``where`` (``placebo_arm.where_row``: PAPO-G with the placebo's fill against the placebo,
+    only the mask's place differing) must show a gain too before the gain is called perception-specific."""
     by = {(row["against"], row["metric"]): row for row in rows}
-    controls = [arm for arm in CONTROL_ARMS if (arm, primary) in by]
+    controls = [arm for arm in COMPARED_CONTROLS if (arm, primary) in by]
     if not controls:
         return "No matched control ran: nothing here separates perception from regularisation."
     beats = [
@@ -105,13 +114,22 @@ def control_verdict(rows: list[dict], treatment: str, primary: str, gap: str) ->
     ]  # fmt: skip
     closest = min(controls, key=lambda arm: by[arm, primary]["diff"])
     row = by[closest, primary]
+    placebo = any(arm in PLACEBO_CONTROLS for arm in controls)
+    every = "every control (the placebo included)" if placebo else "every matched control"
     first = (
-        f"{treatment} keeps more prior-breaking accuracy and a larger reliance gap than every matched control "
+        f"{treatment} keeps more prior-breaking accuracy and a larger reliance gap than {every} "
         "(paired p < 0.05 on both), so its gain here is perception-specific."
         if len(beats) == len(controls)
-        else f"{treatment} does not beat every matched control on both prior-breaking accuracy and the reliance gap "
+        else f"{treatment} does not beat {every} on both prior-breaking accuracy and the reliance gap "
         f"(it does against {', '.join(beats) or 'none'}), so its gain here is not shown to be perception-specific."
     )
+    if len(beats) == len(controls) and where is not None and not (where["diff"] > 0 and where["p_value"] < 0.05):
+        first = (
+            f"{treatment} keeps more prior-breaking accuracy and a larger reliance gap than {every} (paired p < 0.05 "
+            f"on both), but with the placebo's fill covering the square does no better than the placebo "
+            f"({where['contrast']} = {where['diff']:+.3f}, p = {where['p_value']:.2g}), so its gain here is not shown "
+            "to be perception-specific."
+        )
     second = (
         f"The closest control is {closest}: {treatment} - {closest} = {row['diff']:+.3f} +/- {row['diff_ci95']:.3f} "
         f"(p = {row['p_value']:.2g}, {row['pairs']} seed pairs) on prior-breaking avg@k."

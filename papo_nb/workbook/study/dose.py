@@ -15,15 +15,16 @@ from matplotlib.figure import Figure
 
 from papo_nb.workbook.study.arms import VPPO, Study, StudyRun, perception_kl_measured
 from papo_nb.workbook.study.controls import CONTROL_ARMS
+from papo_nb.workbook.study.placebo import PLACEBO_ARMS
 from papo_nb.workbook.study.power import effect_verdict, power_row
 from papo_nb.workbook.study.stats import mean_ci, paired_test
 
 END_WINDOW = 3  # logged steps averaged for "at the end of training"
 SCORES = tuple(f"avg_at_k/{kind}/{split}" for split in ("vision", "text") for kind in ("original", "masked", "gap"))
 END_METRICS = ("perception_kl", "entropy", "masked_entropy")
-# gamma-0 arms that are not the dose's gamma 0 (GRPO): the matched controls (GRPO held back another way) and VPPO
-# (another use of the perception KL); they are arms of their own on the page, never a point of the dose-response
-OFF_DOSE_ARMS = (*CONTROL_ARMS, VPPO)
+# arms that are not a point of the dose-response: the gamma-0 matched controls (GRPO held back another way), VPPO
+# (another use of the perception KL), and the placebo arms, at a PAPO-G gamma with another mask; arms of their own
+OFF_DOSE_ARMS = (*CONTROL_ARMS, VPPO, *PLACEBO_ARMS)
 
 
 def _end_value(run: StudyRun, key: str) -> float:

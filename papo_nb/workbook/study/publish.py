@@ -8,13 +8,12 @@ Every table comes from the same functions the notebook logs to MLflow (``dose``,
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 
 from matplotlib.figure import Figure
 
 from papo_nb.workbook.config.params import WorkbookParams
-from papo_nb.workbook.study import controls, dose, drift, errors, power, report, tables, vppo_arm
+from papo_nb.workbook.study import controls, dose, drift, errors, placebo_arm, power, report, tables, vppo_arm
 from papo_nb.workbook.study import stats as study_stats
 from papo_nb.workbook.study.arms import GRPO, PAPO_G, PAPO_G_COLLAPSE, SEARCH, SWEEP, Study
 from papo_nb.workbook.study.claims import claims_table
@@ -53,19 +52,6 @@ def card_markdown(card: dict) -> str:
     return "\n".join(lines)
 
 
-def _cell(value) -> str:
-    """A float to 4 significant digits; NaN (nothing to compute it from: no items, or a key the runs did not log)
-    reads as words, never as a number."""
-    if isinstance(value, float):
-        return "not recorded" if math.isnan(value) else f"{value:.4g}"
-    return str(value)
-
-
-def _records_markdown(rows: list[dict]) -> str:
-    """``tables.markdown_table`` with floats to 4 significant digits."""
-    return tables.markdown_table([{key: _cell(value) for key, value in row.items()} for row in rows])
-
-
 def write_results_page(
     folder: str | Path, params: WorkbookParams, study: Study, card: dict, figures: dict[str, Figure], seconds: float,
     origin: str = ORIGIN,
@@ -98,7 +84,7 @@ def write_results_page(
         + f"\n\nEach gamma against GRPO (gamma 0), paired over seeds: [{CONTRASTS_PAGE}]({CONTRASTS_PAGE}).",
         "## Power: PAPO-G at the recipe's gamma against GRPO, paired over seeds\n"
         "MDE: the smallest paired difference detected 80% of the time (two-sided 5%), from this run's seed spread; "
-        "`pairs_for_target`: seed pairs needed for an MDE of 0.02.\n\n" + _records_markdown(power_rows),
+        "`pairs_for_target`: seed pairs needed for an MDE of 0.02.\n\n" + tables.records_markdown(power_rows),
         "## Held-out accuracy per arm (mean +/- 95% CI; paired difference against GRPO)\n"
         "![accuracy](accuracy.png)\n\n" + tables.markdown_table(table),
         f"## The paper's claims beside this run (chance on vision items: {chance:.2f}, {vision_items} items)\n"
@@ -133,8 +119,9 @@ def control_tables(results: dict[str, dict[int, dict]], gammas: dict[str, float]
     if not papo:
         return [], "No PAPO-G arm ran."
     strongest = max(papo, key=lambda arm: gammas[arm])
-    rows = controls.comparison_rows(results, strongest, CONTROL_METRICS, study_stats.paired_test)
-    return rows, controls.control_verdict(rows, strongest, drift.PRIMARY, GAP)
+    rows = controls.comparison_rows(results, strongest, CONTROL_METRICS, study_stats.paired_tests_with_power)
+    where = placebo_arm.where_row(placebo_arm.same_fill_rows(results))
+    return rows, controls.control_verdict(rows, strongest, drift.PRIMARY, GAP, where)
 
 
 def _page_results(folder: Path) -> tuple[dict, dict]:
@@ -177,13 +164,14 @@ def calibrated_sections(study: Study) -> list[str]:
         "## Drift: from the warm start (step 0) to the end of training, per arm\n"
         "Every run and the warm-start policy are scored on the same held-out items; drift is the end score minus "
         "the warm start's, mean over seeds with its 95% CI; p: one-sample t-test that it is 0.\n\n"
-        + _records_markdown(drift_table),
+        + tables.records_markdown(drift_table),
         f"## Collapse-gamma search (one seed): collapse at gamma {study.collapse_gamma:g}"
         + ("" if study.collapse_found else " (none collapsed: the ladder's largest)")
         + "\nThe ladder `study_collapse_gammas` in turn until a run collapses, then geometric bisection below it "
         "(`study_search_steps`); `detected_by` says whether the step logs or the held-out score flagged it.\n\n"
         + _sweep_markdown(study),
         *_control_sections(study),
+        *placebo_arm.placebo_sections(study),
         *vppo_arm.vppo_sections(study),
         "## The error split, and the in-distribution cost, per arm (mean +/- 95% CI; paired difference against "
         "GRPO)\nGreedy answers to the clean prior-breaking items (the decoy is not the number's colour): answered "
@@ -196,7 +184,7 @@ def calibrated_sections(study: Study) -> list[str]:
         "Paired over seeds: the difference with its 95% CI and p, TOST equivalence at "
         f"+-{drift.EQUIVALENCE_MARGIN:g}, the MDE at 80% power, and the share of the held-out errors that followed "
         "the prior against the image (the paper's perception-error category; it reports 30.5% fewer perception "
-        "errors for PAPO).\n\n" + _records_markdown(verdicts),
+        "errors for PAPO).\n\n" + tables.records_markdown(verdicts),
     ]
 
 
@@ -228,14 +216,16 @@ def _control_sections(study: Study) -> list[str]:
         f"end-of-training accuracy reward (last {controls.END_REWARD_WINDOW} rollout batches) matches the strongest "
         "PAPO-G arm's there (matched on reward, not reference KL: the drift is what the reward buys; "
         "`papo_nb/workbook/study/controls.py`). The search:\n\n"
-        + _records_markdown(searches)
+        + tables.records_markdown(searches)
         + "\n\nThe strongest PAPO-G arm minus each control and GRPO, paired over seeds:\n\n"
-        + _records_markdown(rows),
+        + tables.records_markdown(rows),
     ]
 
 
 def _sweep_markdown(study: Study) -> str:
-    return _records_markdown([{k: v for k, v in row.items() if k != "run_id"} for row in report.sweep_rows(study)])
+    return tables.records_markdown(
+        [{k: v for k, v in row.items() if k != "run_id"} for row in report.sweep_rows(study)]
+    )
 
 
 def write_page_files(folder: Path, study: Study, card: dict, figures: dict[str, Figure]) -> list[dict]:
@@ -276,6 +266,8 @@ def write_summary(folder: Path, params: WorkbookParams, study: Study, scores: di
     if study.controls:
         gammas = {arm: next(iter(runs.values())).gamma for arm, runs in study.by_arm().items()}
         summary["controls"] = control_tables(scores, gammas)[1]
+    if placebo := placebo_arm.placebo_short(study):
+        summary["placebo"] = placebo
     if vppo_arm.VPPO in scores and study.start_scores:
         summary["vppo"] = vppo_arm.vppo_verdict(study.start_scores, scores)["short"]
     (folder / SUMMARY).write_text(json.dumps(summary, indent=2) + "\n")
@@ -287,7 +279,7 @@ def write_contrasts(folder: Path) -> None:
     (folder / CONTRASTS_PAGE).write_text(
         "# Dose-response contrasts: each gamma against GRPO (gamma 0), paired over seeds\n\n"
         "*detected (+x, p)*: the paired t-test rejects at 5%; *not detected (x; MDE y)*: it does not, and an effect "
-        "of y or more would have been detected 80% of the time.\n\n" + _records_markdown(rows) + "\n"
+        "of y or more would have been detected 80% of the time.\n\n" + tables.records_markdown(rows) + "\n"
     )
 
 
@@ -331,8 +323,8 @@ def summary_markdown(root: str | Path, link_prefix: str = "") -> str:
     lines = [
         "| page | testbed | finetuning | seeds | GRPO vision avg@k | PAPO-G - GRPO, vision avg@k | "
         "PAPO-G - GRPO, reliance gap | collapse gamma | GRPO's drift off the image, and PAPO-G against it | "
-        "VPPO against GRPO's drift | weights |",
-        "|---|---|---|---|---:|---|---|---:|---|---|---|",
+        "PAPO-G against its placebo | VPPO against GRPO's drift | weights |",
+        "|---|---|---|---|---:|---|---|---:|---|---|---|---|",
     ]
     for path in sorted(root.glob(f"*/{SUMMARY}")):
         summary = json.loads(path.read_text())
@@ -344,7 +336,7 @@ def summary_markdown(root: str | Path, link_prefix: str = "") -> str:
             f"{summary['seeds']} | {summary['grpo']['avg_at_k/original/vision']:.3f} | "
             f"{effects['avg_at_k/original/vision']['verdict']} | {effects['avg_at_k/gap/vision']['verdict']} | "
             f"{collapse} | {summary.get('counteract', 'not measured (sweep design)')} | "
-            f"{summary.get('vppo', 'not run')} | {policy_hash(path.parent)} |"
+            f"{summary.get('placebo', 'not run')} | {summary.get('vppo', 'not run')} | {policy_hash(path.parent)} |"
         )
     return "\n".join(lines) + "\n"
 

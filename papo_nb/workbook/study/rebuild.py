@@ -4,7 +4,8 @@
 
 A page folder to rebuild holds ``runs.json``, ``step_logs.json``, ``start_scores.json``, ``testbed_card.json`` and
 ``rebuild.json``: the params file and overrides the runs were trained with, the collapse gamma the search chose, the
-wall seconds of its runs, and a line saying where its runs came from.
+wall seconds of its runs, a line saying where its runs came from, and (a controls page) each matched control's search
+(``controls``: arm, target and the (value, end reward) pairs tried).
 
     .venv/bin/python -m papo_nb.workbook.study.rebuild docs/study/shortcut_vppo_lora
     .venv/bin/python -m papo_nb.workbook.study.publish   # then the summary tables, from every page's summary.json
@@ -20,22 +21,32 @@ from pathlib import Path
 from papo_nb.workbook.config.params import load_params
 from papo_nb.workbook.study import dose, publish, report
 from papo_nb.workbook.study.arms import PAPO_G_COLLAPSE, SEARCH, SWEEP, Study, StudyRun
+from papo_nb.workbook.study.controls import ControlMatch
 from papo_nb.workbook.study.plots import plot_accuracy, plot_learning_curves
 
 REBUILD = "rebuild.json"
 
 
-def page_study(folder: str | Path) -> Study:
+def read_meta(folder: Path) -> dict:
+    """The page's ``rebuild.json``: params file, overrides, collapse gamma, seconds and origin of its runs."""
+    return json.loads((folder / REBUILD).read_text())
+
+
+def page_study(folder: str | Path, meta: dict | None = None) -> Study:
     """The ``Study`` a page's files describe: its arms' runs, the search's runs (``sweep``), the warm start's scores
-    and the collapse gamma (``rebuild.json``). Run ids and per-run seconds are not kept on a page: empty and 0."""
+    and the collapse gamma (``meta``, the page's ``rebuild.json``, read here when not given). Run ids and per-run
+    seconds are not kept on a page: empty and 0."""
     folder = Path(folder)
-    meta = json.loads((folder / REBUILD).read_text())
+    meta = read_meta(folder) if meta is None else meta
     records = json.loads((folder / publish.STEP_LOGS).read_text())
     logs = {(r["arm"], r["seed"], r["gamma"]): r["steps"] for r in records}
     study = Study(
         collapse_gamma=meta["collapse_gamma"],
         collapse_found=meta["collapse_found"],
         start_scores=json.loads((folder / publish.START).read_text()),
+        controls=[
+            ControlMatch(c["arm"], c["target"], [tuple(t) for t in c["tried"]]) for c in meta.get("controls", [])
+        ],
     )
     for record in json.loads((folder / publish.RUNS).read_text()):
         key = (record["arm"], record["seed"], record["gamma"])
@@ -55,9 +66,9 @@ def page_study(folder: str | Path) -> Study:
 def rewrite_page(folder: str | Path) -> Path:
     """``results.md``, its figures, contrasts and ``summary.json`` written again from the page's own files."""
     folder = Path(folder)
-    meta = json.loads((folder / REBUILD).read_text())
+    meta = read_meta(folder)
     params = load_params(meta["params"], [*meta["overrides"], f"study_report_dir={folder}"])
-    study = page_study(folder)
+    study = page_study(folder, meta)
     chance, _ = report.study_chance(params)
     figures = {
         "dose_response": dose.plot_dose_response(dose.dose_rows(study)),

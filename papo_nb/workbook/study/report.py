@@ -52,7 +52,10 @@ def sweep_rows(study: Study) -> list[dict]:
             "step": r.collapse["step"],
             "mode": r.collapse["mode"],
             "symptoms": ", ".join(r.collapse["symptoms"]),
-            "detected_by": ", ".join(r.collapse.get("detected_by", ["step logs"] if r.collapse["collapsed"] else [])),
+            # a search run's verdict weighs no held-out evidence: its detected_by is None, the step logs' alone
+            "detected_by": ", ".join(
+                r.collapse.get("detected_by") or (["step logs"] if r.collapse["collapsed"] else [])
+            ),
             "avg_at_k (all)": r.scores["avg_at_k/original/all"],
             "run_id": r.run_id,
         }

@@ -53,3 +53,16 @@ def markdown_table(rows: list[dict]) -> str:
     lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     lines += ["| " + " | ".join(str(r.get(c, "")) for c in columns) + " |" for r in rows]
     return "\n".join(lines)
+
+
+def cell(value) -> str:
+    """A float to 4 significant digits; NaN (nothing to compute it from: no items, or a key the runs did not log)
+    reads as words, never as a number."""
+    if isinstance(value, float):
+        return "not recorded" if math.isnan(value) else f"{value:.4g}"
+    return str(value)
+
+
+def records_markdown(rows: list[dict]) -> str:
+    """``markdown_table`` with floats to 4 significant digits."""
+    return markdown_table([{key: cell(value) for key, value in row.items()} for row in rows])
