@@ -8,6 +8,7 @@ import urllib.parse
 
 import pytest
 
+from papo_nb.infra.review_screens import HEADLINE_COLUMNS, add_runs_columns
 from papo_nb.workbook.config.metric_keys import HELDOUT_ACCURACY
 
 # Colours a completions thumbnail is read by: the shapes' fills (testbed.shapes.COLOURS), the mask's grey fill and
@@ -137,15 +138,6 @@ def heldout_accuracy_column(page, url, client, experiment_id, runs, study_runs, 
     shoot(page, "mlflow_11b_heldout_accuracy_column")
 
 
-# The workbook run's headline columns the browser test adds and expects to see without scrolling (issue 45).
-HEADLINE_COLUMNS = (
-    "headline/contract_passed",
-    "headline/probe_passed",
-    "headline/heldout_original",
-    "headline/heldout_masked",
-)
-
-
 def results_page_and_headline_columns(page, url, client, experiment_id, parent_id, shoot) -> None:
     """The workbook run opens on its results page (the Description): verdict, probe status and held-out accuracy
     original and masked, in the first screen; then the runs list with a column for each headline, each cell the
@@ -168,15 +160,7 @@ def results_page_and_headline_columns(page, url, client, experiment_id, parent_i
 
     page.goto(f"{url}/#/experiments/{experiment_id}/runs?workflowType=machine_learning")
     expect(page.locator(f"[role=row][row-id='{parent_id}']").first).to_be_visible()
-    page.get_by_role("button", name="Columns", exact=True).click()
-    for attribute in ("Dataset", "Source", "Models"):  # MLflow's default columns, wide and empty on a workbook run
-        page.get_by_text(attribute, exact=True).last.click()
-    page.keyboard.press("Escape")
-    for name in HEADLINE_COLUMNS:
-        page.get_by_role("button", name="Columns", exact=True).click()
-        page.get_by_placeholder("Search columns").fill(name)
-        page.get_by_text(name, exact=True).last.click()
-        page.keyboard.press("Escape")
+    add_runs_columns(page, HEADLINE_COLUMNS)
     width = page.viewport_size["width"]
     for name in HEADLINE_COLUMNS:
         header = page.locator("[role=columnheader]").filter(has_text=name).first

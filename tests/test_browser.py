@@ -36,8 +36,10 @@ from mlflow_review_checks import (
     results_page_and_headline_columns,
 )
 
+from papo_nb.infra.review_screens import CHROMIUM, MODELS_VIEWPORT, browser_context, choose_model_columns
 from papo_nb.infra.servers import serve_jupyterlab, serve_mlflow_ui, server_base
 from papo_nb.infra.tracking import EXPERIMENT_NAME
+from papo_nb.workbook.config.metric_keys import HELDOUT_ACCURACY
 from papo_nb.workbook.config.params import load_params
 from papo_nb.workbook.study.arms import ARM_COLOURS
 from papo_nb.workbook.training.builder import load_datasets
@@ -46,16 +48,6 @@ pytestmark = pytest.mark.browser
 
 ROOT = Path(__file__).resolve().parents[1]
 ARTIFACTS = ROOT / "test-artifacts" / "browser"
-CHROMIUM = os.environ.get("PAPO_NB_CHROMIUM", "/usr/bin/chromium")
-CHROMIUM_ARGS = [
-    "--headless",
-    "--no-sandbox",
-    "--disable-gpu",
-    "--no-first-run",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-]
 NOTEBOOK_RUN_TIMEOUT_S = 300  # Run All of 01 takes ~15-60 s on CPU; a kernel on a loaded machine may be slow to start
 
 
@@ -88,14 +80,7 @@ def playwright(chromium):
 @pytest.fixture
 def browser(chromium, playwright, tmp_path):
     """A fresh headless chromium profile; pages time out after 60 s unless told otherwise."""
-    context = playwright.chromium.launch_persistent_context(
-        str(tmp_path / "chromium-profile"),
-        executable_path=chromium,
-        args=CHROMIUM_ARGS,
-        headless=True,
-        viewport={"width": 1400, "height": 900},
-    )
-    context.set_default_timeout(60_000)
+    context = browser_context(playwright, tmp_path / "chromium-profile", chromium)
     try:
         yield context
     finally:
@@ -136,15 +121,6 @@ def _expect():
 # --------------------------------------------------------------------------------------------
 
 
-def _hide_mlflow_assistant(context) -> None:
-    """MLflow 3.17 opens its "MLflow Assistant" side panel on first load; it only narrows the pages. If these
-    localStorage keys change in another MLflow version the panel shows, and the checks still hold."""
-    context.add_init_script(
-        "try { localStorage.setItem('mlflow.assistant.fab.autoOpenedOnFirstLoad_v1', 'true');"
-        " localStorage.setItem('mlflow.assistant.panelOpen_v1', 'false'); } catch (e) {}"
-    )
-
-
 def test_mlflow_ui_shows_the_workbook_its_notebook_runs_the_calibration_plot_and_evidence(
     chromium, smoke_workbook, browser, shoot
 ):
@@ -160,7 +136,6 @@ def test_mlflow_ui_shows_the_workbook_its_notebook_runs_the_calibration_plot_and
         "04_method_study",
         "05_evaluation",
     ]
-    _hide_mlflow_assistant(browser)
     page = browser.new_page()
 
     with serve_mlflow_ui(tracking_uri=smoke_workbook.tracking_uri) as landing:
@@ -248,7 +223,6 @@ def test_the_workbook_run_opens_on_its_results_page_and_notebooks_render_as_html
     client = MlflowClient(smoke_workbook.tracking_uri)
     experiment_id = client.get_experiment_by_name(EXPERIMENT_NAME).experiment_id
     runs = {nb.name: nb.run_id for nb in smoke_workbook.notebooks}
-    _hide_mlflow_assistant(browser)
     page = browser.new_page()
     with serve_mlflow_ui(tracking_uri=smoke_workbook.tracking_uri) as landing:
         url = server_base(landing)
@@ -282,7 +256,6 @@ def test_mlflow_ui_shows_what_a_reviewer_of_the_training_run_needs(chromium, smo
     assert {r.data.params["arm"] for r in study_runs} == {"grpo", "papo_g", "papo_g_collapse"}
     assert all(r.data.tags["mlflow.runColor"] == ARM_COLOURS[r.data.params["arm"]] for r in study_runs)
     ml_view = "?workflowType=machine_learning"
-    _hide_mlflow_assistant(browser)
     page = browser.new_page()
 
     with serve_mlflow_ui(tracking_uri=smoke_workbook.tracking_uri) as landing:
@@ -332,6 +305,23 @@ def test_mlflow_ui_shows_what_a_reviewer_of_the_training_run_needs(chromium, smo
         shoot(page, "mlflow_9_logged_model_metrics")
         page.goto(f"{url}/#/experiments/{experiment_id}/models{ml_view}")
         expect(page.get_by_role("link", name=final.name)).to_be_visible()
+        # Issue 45 item 8: the models list names the notebook a checkpoint was logged from, its dataset, and its
+        # held-out accuracy in a metric column (they read "ipykernel_launcher.py" and "-" before).
+        choose_model_columns(page)
+        page.set_viewport_size(MODELS_VIEWPORT)
+        row = page.locator("[role=row]").filter(has_text=final.name).first
+        index = row.get_attribute("row-index")
+        cells = page.locator(f"[role=row][row-index='{index}']")
+        expect(cells.filter(has_text="03_training_run.ipynb").first).to_be_visible()
+        expect(cells.filter(has_text=f"{params.dataset}-train").first).to_be_visible()
+        header = page.locator("[role=columnheader]").filter(has_text=HELDOUT_ACCURACY).first
+        expect(header).to_be_visible()
+        column = header.get_attribute("aria-colindex")
+        cell = page.locator(f"[role=row][row-index='{index}'] [role=gridcell][aria-colindex='{column}']").first
+        expect(cell).to_be_visible()
+        final_accuracy = next(m.value for m in final.metrics if m.key == HELDOUT_ACCURACY)
+        assert float(cell.inner_text()) == pytest.approx(final_accuracy, abs=5e-3)
+        assert "ipykernel_launcher" not in page.inner_text("body")
         shoot(page, "mlflow_10_logged_models")
 
         # 4. One runs-table column holds the held-out accuracy of 03, 05 and every study arm.

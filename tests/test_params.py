@@ -46,6 +46,8 @@ def test_every_papo_field_is_a_parameter_with_the_configs_default_and_help():
         ("perception_kl_clamp", 0.0, "expected None or a finite number > 0"),
         ("perception_annealing_ratio", 0.0, "expected a number in (0, 1]"),
         ("mask_sharing", "batch", "'prompt' or 'completion'"),
+        ("mask_fill", "grey", "'black' or 'mean'"),
+        ("mask_excluded_column", "", "expected None or the name of a dataset column"),
         ("entropy_estimator", "exact", "'sampled' or 'full'"),
         ("loss_type", "ppo", "'grpo'"),
         ("perception_loss_weight_final", -1.0, "expected a finite number >= 0"),
@@ -66,8 +68,8 @@ def _other_value(name, default):
         return next(c for c in choices if c != default)
     if isinstance(default, bool):
         return not default
-    if default is None:
-        return 0.2
+    if default is None:  # an optional number, or an optional name (mask_excluded_column)
+        return "a_column" if str(field.type).startswith("str") else 0.2
     if isinstance(default, int):
         return default + 1
     return round(default + 0.01, 6)

@@ -84,9 +84,15 @@ def test_the_heldout_table_draws_its_masks_as_the_training_table_does_and_marks_
         blacked = np.array(image) * ~mask[..., None]
         assert np.array_equal(picture(row, "model_input"), np.array(received))
         assert np.array_equal(picture(row, "model_input"), blacked)
-        overlay = picture(row, "masked_image")  # grey, outlined magenta, exactly where the mask is
+        drawn = picture(row, "masked_image")
+        overlay = drawn[: mask.shape[0], : mask.shape[1]]  # grey, outlined magenta, exactly where the mask is
         marked = (overlay == completions.MASK_GREY).all(-1) | (overlay == completions.MASK_OUTLINE).all(-1)
         assert np.array_equal(marked, mask) and np.array_equal(overlay[~mask], np.array(image)[~mask])
+        # the legend under it: the swatch, and the missed-content flag in red on the row whose mask missed
+        legend = drawn[mask.shape[0] :]
+        assert legend.shape[1] >= completions.LEGEND_WIDTH and (legend == completions.MASK_OUTLINE).all(-1).any()
+        flagged = (np.abs(legend.astype(int) - completions.MISSED_FLAG).sum(-1) < 60).sum()
+        assert (flagged > 20) == row["mask_missed_content"], (flagged, row["mask_missed_content"])
 
 
 def test_the_callbacks_mlflow_info_lines_are_dropped_at_their_logger_and_only_they(caplog):
@@ -115,14 +121,22 @@ def trained(tiny_vlm_path, tmp_path_factory):
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("MLFLOW_TRACKING_URI", uri)
         patch.setattr(review, "SYSTEM_METRICS_INTERVAL_S", 1.0)  # a few samples within a short CPU run
-        run, _ = tracking.attach_run(uri, "", run_name="reviewed", tags={})
-        trainer, _, _ = prepare_training(params, folder / "out", report_to="mlflow", require_gpu_contract_probe=False)
+        run, _ = tracking.attach_run(uri, "", run_name="reviewed", tags={"papo_nb.notebook": "03_training_run"})
+        trainer, heldout, _ = prepare_training(
+            params, folder / "out", report_to="mlflow", require_gpu_contract_probe=False
+        )
         trainer.train()
-        mlflow.log_metrics({"eval/accuracy_original": 0.25})  # what notebook 03 logs after training
+        # what notebook 03 logs after training, on its held-out set
+        heldout_input = eval_review.heldout_input(params, heldout)
+        tracking.log_evidence("evaluation", {"accuracy_original": 0.25}, prefix="eval", dataset=heldout_input)
         mlflow.end_run()
         mlflow.clear_active_model()
         mlflow.set_tracking_uri(None)
     return MlflowClient(uri), run.info.run_id, trainer, folder / "out"
+
+
+def trainer_logs(trained) -> list[dict]:
+    return trained[2].state.log_history
 
 
 def _table_rows(client, run_id):
@@ -197,11 +211,12 @@ def test_masked_thumbnails_draw_the_steps_own_mask_visibly(trained):
     for row in rows:
         original = np.array(Image.open(folder / row["image"]["filepath"]).convert("RGB"))
         masked = np.array(Image.open(folder / row["masked_image"]["filepath"]).convert("RGB"))
+        masked = masked[: original.shape[0], : original.shape[1]]  # the overlay, above its legend
         assert max(masked.shape[:2]) <= completions.THUMBNAIL_PIXELS
         # Masked patches are grey or outlined: visible whatever the image (the testbed's background is black).
         marked = (np.abs(masked.astype(int) - grey).sum(-1) < 30) | (masked == completions.MASK_OUTLINE).all(-1)
         assert abs(marked.mean() - trainer.args.mask_ratio) < 0.2, f"{marked.mean():.2f} of the thumbnail marked"
-        assert not np.array_equal(masked[: original.shape[0], : original.shape[1]], original)
+        assert not np.array_equal(masked, original)
     # The mask is the one the step trained with: the trainer's selection for that row, drawn again, is the picture,
     # and (masks shared per prompt) rows of one item show one mask while two items show different ones.
     last = [row for row in rows if row["step"] == STEPS]
@@ -216,7 +231,7 @@ def test_masked_thumbnails_draw_the_steps_own_mask_visibly(trained):
         assert np.array_equal(drawn, np.array(Image.open(folder / row["masked_image"]["filepath"]).convert("RGB")))
         # the pixels the model received: black exactly where the overlay is grey (issue 45)
         received = np.array(Image.open(folder / row["model_input"]["filepath"]).convert("RGB"))
-        grey_fill = (drawn == completions.MASK_GREY).all(-1)
+        grey_fill = (drawn[: received.shape[0], : received.shape[1]] == completions.MASK_GREY).all(-1)
         assert grey_fill.any() and (received[grey_fill] == 0).all()
         assert row["mask_content_share"] == pytest.approx(views["mask_content_share"])
         assert row["mask_missed_content"] == (row["mask_content_share"] == 0.0)
@@ -240,9 +255,23 @@ def test_checkpoints_become_logged_models_and_the_last_carries_the_heldout_metri
         assert "Perception-Aware Policy Optimization" in card
         listed = {f.path for f in client.list_logged_model_artifacts(model_id)}
         assert "adapter_model.safetensors" not in listed and "README.md" in listed
-    last = client.get_logged_model(outputs[-1][1])
-    assert {m.key: m.value for m in last.metrics} == {"eval/accuracy_original": 0.25}
-    assert not client.get_logged_model(outputs[0][1]).metrics
+    # Issue 45 item 8: every checkpoint lists its step's training metrics on the training set, the last one also the
+    # held-out score on the held-out set, and says it was logged from notebook 03 (not ipykernel_launcher.py).
+    history = {entry["step"]: entry for entry in trainer_logs(trained) if "reward" in entry}
+    for step, model_id in outputs:
+        model = client.get_logged_model(model_id)
+        assert model.tags["mlflow.source.name"] == "notebooks/03_training_run.ipynb"
+        training = {
+            m.key.removeprefix(review.CHECKPOINT_PREFIX): m.value
+            for m in model.metrics
+            if m.dataset_name == "synthetic-train"
+        }
+        assert set(training) == {k for k in review.CHECKPOINT_METRICS if k in history[step]} >= {"reward", "kl"}
+        assert all(m.step == step for m in model.metrics if m.dataset_name == "synthetic-train")
+        assert all(training[key] == pytest.approx(history[step][key]) for key in training)
+        heldout = {m.key: m.value for m in model.metrics if m.dataset_name == "synthetic-heldout"}
+        assert heldout == ({"eval/accuracy_original": 0.25} if step == STEPS else {})
+        assert {m.dataset_name for m in model.metrics} <= {"synthetic-train", "synthetic-heldout"}
 
 
 @pytest.mark.slow

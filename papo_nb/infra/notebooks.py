@@ -207,6 +207,34 @@ def notebook_values(params: WorkbookParams) -> dict[str, Any]:
     return values
 
 
+def _new_run_dir(run_root: str | Path, values: dict[str, Any]) -> tuple[Path, str]:
+    """A fresh ``<run_root>/<timestamp>-<id>/`` holding the notebooks' parameter values as ``params.yaml``, and its
+    timestamp (the workbook run's name)."""
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    run_dir = (Path(run_root) / f"{stamp}-{secrets.token_hex(3)}").resolve()
+    run_dir.mkdir(parents=True)
+    (run_dir / "params.yaml").write_text(yaml.safe_dump(values, sort_keys=False))
+    return run_dir, stamp
+
+
+def _workbook_tags(
+    params_file: str | Path | None,
+    overrides: list[str],
+    declared: dict[Path, set[str]],
+    run_dir: Path,
+    unread: list[str],
+) -> dict[str, str]:
+    """The workbook run's tags: where its parameters came from, which notebooks it runs and where its folder is."""
+    return {
+        "papo_nb.kind": "workbook",
+        "papo_nb.params_file": str(Path(params_file).resolve()) if params_file else "(defaults)",
+        "papo_nb.overrides": " ".join(overrides),
+        "papo_nb.notebooks": " ".join(path.stem for path in declared),
+        "papo_nb.run_dir": str(run_dir),
+        **({"papo_nb.unread_params": " ".join(unread)} if unread else {}),
+    }
+
+
 def run_workbook(
     notebooks: list[str | Path],
     params_file: str | Path | None,
@@ -226,28 +254,14 @@ def run_workbook(
     unread = unread_parameters(params, list(overrides), declared)
 
     tracking_uri = absolute_tracking_uri(tracking_uri or default_tracking_uri())
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    run_dir = (Path(run_root) / f"{stamp}-{secrets.token_hex(3)}").resolve()
-    run_dir.mkdir(parents=True)
     values = notebook_values(params)
+    run_dir, stamp = _new_run_dir(run_root, values)
     params_yaml = run_dir / "params.yaml"
-    params_yaml.write_text(yaml.safe_dump(values, sort_keys=False))
 
     client = tracking_client(tracking_uri)
     experiment_id = ensure_experiment(tracking_uri, experiment)
-    parent = client.create_run(
-        experiment_id,
-        run_name=f"workbook-{stamp}",
-        tags={
-            "papo_nb.kind": "workbook",
-            "papo_nb.params_file": str(Path(params_file).resolve()) if params_file else "(defaults)",
-            "papo_nb.overrides": " ".join(overrides),
-            "papo_nb.notebooks": " ".join(path.stem for path in declared),
-            "papo_nb.run_dir": str(run_dir),
-            **({"papo_nb.unread_params": " ".join(unread)} if unread else {}),
-        },
-    )
-    parent_id = parent.info.run_id
+    tags = _workbook_tags(params_file, overrides, declared, run_dir, unread)
+    parent_id = client.create_run(experiment_id, run_name=f"workbook-{stamp}", tags=tags).info.run_id
     result = WorkbookResult(run_dir, parent_id, tracking_uri, [NotebookResult(path) for path in declared], unread)
     parent_status = FAILED
     pages: list = []  # each notebook run's record and headline numbers, for the workbook run's own page

@@ -247,20 +247,21 @@ def _metric_leaves(evidence: dict, prefix: str) -> dict[str, float]:
 
 
 def log_evidence(
-    name: str, evidence: dict, prefix: str | None = None, step: int | None = None, tracker: Any = None
+    name: str, evidence: dict, prefix: str | None = None, step: int | None = None, tracker: Any = None, dataset=None
 ) -> dict[str, float]:
     """Log ``evidence`` to the active run as ``evidence/<name>.json`` and its numeric leaves as metrics.
 
     Metric names are ``<prefix>/<key>[/<subkey>...]`` (prefix defaults to ``name``). NaN/inf values are
     kept, as strings, only in the JSON. ``tracker`` stands in for the ``mlflow`` module (a run's spool,
-    ``papo_nb.train.spooled_tracking.SpooledFluent``). Returns the metrics logged.
+    ``papo_nb.train.spooled_tracking.SpooledFluent``). ``dataset`` (an MLflow dataset) is the one the metrics were
+    measured on: MLflow links them to it (and to the active model). Returns the metrics logged.
     """
     tracker = tracker or mlflow
     plain = json_safe(evidence)
     tracker.log_dict(plain, f"evidence/{name}.json")
     metrics = _metric_leaves(plain, _metric_safe(prefix or name))
     if metrics:
-        tracker.log_metrics(metrics, step=step)
+        tracker.log_metrics(metrics, step=step, **({"dataset": dataset} if dataset is not None else {}))
     return metrics
 
 

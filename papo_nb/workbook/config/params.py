@@ -287,8 +287,21 @@ class WorkbookParams(PAPOParams):
     )
     eval_samples: int = Field(4, ge=1, le=64, description="05 evaluation: k of avg@k at temperature 1.0 (official: 8)")
     eval_checkpoint: str = Field(
-        "", description="05 evaluation: a trained checkpoint (LoRA adapter or full model folder); empty: base model"
+        "",
+        description="05 evaluation: a trained checkpoint (LoRA adapter or full model folder), "
+        "'workbook:03_training_run' (the last checkpoint notebook 03 saved in this workbook run), or empty: base "
+        "model",
     )
+    eval_base_beside: bool = Field(
+        False, description="05 evaluation: with a checkpoint, also score the base model, on the same items and masks"
+    )
+
+    @field_validator("eval_checkpoint")
+    @classmethod
+    def _known_workbook_checkpoint(cls, value: str) -> str:
+        if value.startswith("workbook:") and value != "workbook:03_training_run":
+            raise ValueError("a 'workbook:' checkpoint must be 'workbook:03_training_run'; or a folder, or empty")
+        return value
 
     @field_validator("recipe")
     @classmethod

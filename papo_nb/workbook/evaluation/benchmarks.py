@@ -30,6 +30,7 @@ from papo_nb.testbed.generation import generate_answers
 from papo_nb.testbed.raw_masks import mask_images
 from papo_nb.workbook.config.metric_keys import HELDOUT_ACCURACY
 from papo_nb.workbook.evaluation import eval_review
+from papo_nb.workbook.evaluation.checkpoint_source import resolve_eval_checkpoint
 from papo_nb.workbook.recipe.data import EVAL_DATASET, RecipeDataError, load_official_dataset
 from papo_nb.workbook.recipe.reward import math_accuracy_reward
 
@@ -140,10 +141,11 @@ def score_items(
 
 def evaluate_benchmark(
     model, processor, rows: datasets.Dataset, *, samples: int, max_new_tokens: int, mask_ratio: float, seed: int,
-    batch_size: int = 8,
+    batch_size: int = 8, review: bool = True,
 ) -> dict:  # fmt: skip
     """avg@``samples`` (temperature 1.0, top_p 1.0) and greedy accuracy, on original and on masked images; a
-    benchmark without rows (every prompt too long) scores NaN, which the tables print as "no items"."""
+    benchmark without rows (every prompt too long) scores NaN, which the tables print as "no items". ``review``: also
+    log its held-out completions table (``eval_review.log_heldout_completions``)."""
     answers = [str(a) for a in rows["answer"]]
     if not answers:
         return {"items": 0, "samples": samples, **dict.fromkeys(SCORE_KEYS, math.nan)}
@@ -152,12 +154,13 @@ def evaluate_benchmark(
         grade=math_accuracy_reward, samples=samples, max_new_tokens=max_new_tokens, mask_ratio=mask_ratio, seed=seed,
         batch_size=batch_size,
     )  # fmt: skip
-    shown = rows.select(range(min(eval_review.REVIEW_ROWS, len(rows))))  # their masks are the scored ones (seeds)
-    images = [list(i) for i in shown["images"]]
-    eval_review.log_heldout_completions(
-        model, processor, eval_review.benchmark_name(rows), list(shown["prompt"]), images, answers,
-        grade=math_accuracy_reward, max_new_tokens=max_new_tokens, mask_ratio=mask_ratio, seed=seed,
-    )  # fmt: skip
+    if review:
+        shown = rows.select(range(min(eval_review.REVIEW_ROWS, len(rows))))  # their masks are the scored ones (seeds)
+        eval_review.log_heldout_completions(
+            model, processor, eval_review.benchmark_name(rows), list(shown["prompt"]),
+            [list(i) for i in shown["images"]], answers, grade=math_accuracy_reward, max_new_tokens=max_new_tokens,
+            mask_ratio=mask_ratio, seed=seed,
+        )  # fmt: skip
     scores: dict[str, float] = {"items": len(answers), "samples": samples}
     for kind in ("avg_at_k", "greedy"):
         scores[kind] = mean(per_item[f"{kind}/original"])
@@ -246,17 +249,18 @@ def local_suite(eval_dataset: str, n: int, seed: int) -> datasets.DatasetDict | 
     return None
 
 
-def load_eval_policy(params):
+def load_eval_policy(params, *, base: bool = False):
     """(model, processor, description): the base model, or ``eval_checkpoint`` (a LoRA adapter folder on the base, or
-    a full model folder), in eval mode, with the recipe's pixel bounds on the processor."""
+    a full model folder; ``checkpoint_source.WORKBOOK_CHECKPOINT``: the one notebook 03 saved), in eval mode, with the
+    recipe's pixel bounds on the processor. ``base``: the base model whatever ``eval_checkpoint`` says."""
     from papo_nb.testbed.models import load_vlm
     from papo_nb.workbook.config.paths import resolve_device
     from papo_nb.workbook.recipe.data import set_processor_pixel_bounds
     from papo_nb.workbook.training.builder import load_policy
 
-    checkpoint = Path(params.eval_checkpoint).expanduser() if params.eval_checkpoint else None
+    checkpoint = None if base else resolve_eval_checkpoint(params)
     if checkpoint is not None and not checkpoint.is_dir():
-        raise RecipeDataError(f"parameter 'eval_checkpoint' = {params.eval_checkpoint!r}: no such folder")
+        raise RecipeDataError(f"parameter 'eval_checkpoint' = {params.eval_checkpoint!r}: no such folder {checkpoint}")
     if checkpoint is not None and (checkpoint / "config.json").exists():
         model, processor = load_vlm(checkpoint)
         model, described = model.to(resolve_device(params)), f"full checkpoint {checkpoint}"

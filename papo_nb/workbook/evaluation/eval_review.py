@@ -110,12 +110,29 @@ def use_evaluated_model(params, checkpoint: Path | None, described: str) -> str 
             source_run_id=run.info.run_id,
             experiment_id=run.info.experiment_id,
             model_type="papo-g checkpoint" if checkpoint else "base model",
-            tags={review.CHECKPOINT_PATH_TAG: str(path), "papo_nb.weights": f"on disk, not copied: {path}"},
+            tags={
+                review.CHECKPOINT_PATH_TAG: str(path),
+                "papo_nb.weights": f"on disk, not copied: {path}",
+                **review.model_source_tags(run),
+            },
             params={"described": described[:6000], "base_model": params.model_name_or_path},
         )
         model_id = model.model_id
     mlflow.set_active_model(model_id=model_id)
     return model_id
+
+
+def heldout_input(params, eval_dataset):
+    """The held-out set as the MLflow dataset the training run logged as its ``evaluation`` input (same name, source
+    and digest), to pass with the held-out metrics so that the evaluated checkpoint lists them beside it."""
+    source = review.dataset_source(params, params.dataset)
+    return review.dataset_input(eval_dataset, f"{params.dataset}-heldout", source)
+
+
+def benchmark_input(params, name: str, rows):
+    """Benchmark ``name``'s rows as the MLflow dataset ``log_benchmark_inputs`` logged for them."""
+    source = review.dataset_source(params, params.eval_dataset)
+    return review.dataset_input(rows, f"{params.eval_dataset}-{name}", source)
 
 
 def log_benchmark_inputs(params, suites: dict) -> None:

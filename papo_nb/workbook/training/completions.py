@@ -8,10 +8,12 @@ through TRL's shuffle), each completion's perception terms and the exact mask se
 
 Each row shows its mask twice, at the model's input size (``mask_views``): ``model_input``, the pixels the masked
 branch received (masked patches black), and ``masked_image``, the same selection drawn grey with a magenta outline,
-which shows on a black background too; ``mask_content_share`` is the share of the image's content pixels the mask
-covered and ``mask_missed_content`` marks a row whose mask covered none of them (its perception KL is then about 0 by
-construction, not a dead branch). They are drawn for the Qwen-VL patch-row layout and for whole-image layouts; other
-layouts log the image without them. The held-out tables draw their raw-image masks with the same ``mask_rendering``.
+which shows on a black background too, with a legend drawn under it (the marking, the content covered, the
+missed-content flag in red: ``with_legend``); ``mask_content_share`` is the share of the image's content pixels the
+mask covered and ``mask_missed_content`` marks a row whose mask covered none of them (its perception KL is then about
+0 by construction, not a dead branch). They are drawn for the Qwen-VL patch-row layout and for whole-image layouts;
+other layouts log the image without them. The held-out tables draw their raw-image masks with the same
+``mask_rendering``.
 
 A VPPO run's rows also carry what VPPO did to each completion (``VPPOTrainer.rollout_review``): its mean token
 dependency (the per-token KL its filter ranks by), the share of its tokens that kept their policy gradient, and the
@@ -103,6 +105,37 @@ def draw_mask(image: Image.Image, per_pixel: np.ndarray, patch: int) -> Image.Im
 
 
 MASK_VIEW_COLUMNS = ("model_input", "masked_image", "mask_content_share", "mask_missed_content")
+# The legend drawn under each overlay, so the picture reads without the table's other columns: a swatch of the
+# overlay's marking, the share of the content the mask covered, and the missed-content flag in red.
+LEGEND_WIDTH = THUMBNAIL_PIXELS  # at least this wide, for its text; a smaller overlay sits at its top left
+LEGEND_LINE_PIXELS = 12
+LEGEND_FONT_PIXELS = 10
+MISSED_FLAG = (220, 0, 0)
+
+
+def legend_text(share: float, missed: bool) -> str:
+    """The legend's second line: what the mask covered of the image's content."""
+    if missed:
+        return "MISSED the content"
+    return "no content to cover" if share != share else f"covers {share:.0%} of content"
+
+
+def with_legend(overlay: Image.Image, share: float, missed: bool) -> Image.Image:
+    """``overlay`` above a white band: a grey, magenta-outlined swatch "masked (fed black)", then
+    ``legend_text`` (red when the mask missed the content)."""
+    from PIL import ImageFont
+
+    font = ImageFont.load_default(size=LEGEND_FONT_PIXELS)
+    width = max(overlay.width, LEGEND_WIDTH)
+    canvas = Image.new("RGB", (width, overlay.height + 2 * LEGEND_LINE_PIXELS + 4), "white")
+    canvas.paste(overlay, (0, 0))
+    pen, top = ImageDraw.Draw(canvas), overlay.height + 2
+    swatch = LEGEND_LINE_PIXELS - 3
+    pen.rectangle([2, top + 1, 2 + swatch, top + 1 + swatch], fill=MASK_GREY, outline=MASK_OUTLINE)
+    pen.text((swatch + 6, top), "masked (fed black)", fill="black", font=font)
+    colour = MISSED_FLAG if missed else "black"
+    pen.text((2, top + LEGEND_LINE_PIXELS), legend_text(share, missed), fill=colour, font=font)
+    return canvas
 
 
 def content_pixels(image: Image.Image) -> np.ndarray:
@@ -134,18 +167,19 @@ def mask_views(trainer, image: Image.Image, selection: torch.Tensor | None) -> d
 
 def mask_rendering(image: Image.Image, per_pixel: np.ndarray, patch: int) -> dict[str, Any]:
     """The ``MASK_VIEW_COLUMNS`` of one masked image, in the training table and the held-out tables alike: ``image``
-    as the model received it (``per_pixel`` True: black), its overlay (grey, each masked ``patch`` outlined) and the
-    share of its content the mask covered."""
+    as the model received it (``per_pixel`` True: black), its overlay (grey, each masked ``patch`` outlined, with its
+    legend underneath: ``with_legend``) and the share of its content the mask covered."""
     rgb = image.convert("RGB")
     received = np.array(rgb)
     received[per_pixel] = 0
     content = content_pixels(image)
     share = float((content & per_pixel).sum() / content.sum()) if content.any() else float("nan")
+    missed = bool(content.any() and share == 0.0)
     return {
         "model_input": thumbnail(Image.fromarray(received)),
-        "masked_image": thumbnail(draw_mask(rgb, per_pixel, patch)),
+        "masked_image": with_legend(thumbnail(draw_mask(rgb, per_pixel, patch)), share, missed),
         "mask_content_share": share,
-        "mask_missed_content": bool(content.any() and share == 0.0),
+        "mask_missed_content": missed,
     }
 
 

@@ -28,7 +28,9 @@ from typing import Any
 
 import mlflow
 from mlflow import MlflowClient
-from mlflow.entities import LoggedModelOutput
+from mlflow.entities import LoggedModelOutput, Metric
+from mlflow.utils.mlflow_tags import MLFLOW_SOURCE_NAME
+from mlflow.utils.time import get_current_time_millis
 from transformers import TrainerCallback
 from transformers.integrations import MLflowCallback
 
@@ -37,6 +39,11 @@ from papo_nb.workbook.training.completions import log_completions
 
 SYSTEM_METRICS_INTERVAL_S = 5.0  # MLflow's default is 10 s; a CPU smoke run trains in about a minute
 CHECKPOINT_PATH_TAG = "papo_nb.checkpoint_path"
+# A checkpoint's own metric columns in the models list: its step's training curves, as ``checkpoint/<key>`` (the
+# same key again would put a second point at that step into the run's curve), with the training dataset. The held-out
+# scores of the final checkpoint and of an evaluated one come from notebooks 03 and 05.
+CHECKPOINT_METRICS = ("reward", "reward_std", "frac_reward_zero_std", "kl", "perception_kl", "entropy")
+CHECKPOINT_PREFIX = "checkpoint/"
 # The INFO lines the workbook's own MLflow calls print in every notebook (attaching a run, training, setting the
 # evaluated model), by logger: they say nothing about the run. Only these messages are dropped; every other line of
 # those loggers still shows. Installed by ``tracking.attach_run`` and the callback.
@@ -122,7 +129,8 @@ def log_checkpoint_model(
         experiment_id=run.info.experiment_id,
         model_type=f"papo-g {kind}",
         tags={CHECKPOINT_PATH_TAG: str(checkpoint.resolve()), "papo_nb.step": str(step), "papo_nb.weights": (
-            "copied into the model's artifacts" if copy_weights else f"on disk, not copied: {checkpoint.resolve()}")},
+            "copied into the model's artifacts" if copy_weights else f"on disk, not copied: {checkpoint.resolve()}"),
+            **model_source_tags(run)},
         params={k: str(v)[:6000] for k, v in params.items()},
     )  # fmt: skip
     card = checkpoint.parent / "README.md"
@@ -135,6 +143,33 @@ def log_checkpoint_model(
             client.log_model_artifacts(model.model_id, tmp)
     client.log_outputs(run_id, [LoggedModelOutput(model.model_id, step)])
     return model.model_id
+
+
+def model_source_tags(run) -> dict[str, str]:
+    """Where a model of ``run`` was logged from, for the models list's "Logged from": the workbook notebook that made
+    it (a notebook run's ``papo_nb.notebook`` tag), not the kernel's launcher script MLflow would name (``ipykernel_
+    launcher.py``); empty outside a workbook notebook run (the process's own source is then right)."""
+    notebook = run.data.tags.get("papo_nb.notebook")
+    return {MLFLOW_SOURCE_NAME: f"notebooks/{notebook}.ipynb"} if notebook else {}
+
+
+def log_step_metrics_to_model(
+    client: MlflowClient, run_id: str, model_id: str, logs: dict, step: int, dataset
+) -> dict[str, float]:
+    """The training metrics of ``step`` (``CHECKPOINT_METRICS`` present in the Trainer's log ``logs``) as
+    ``checkpoint/<key>`` at that step, with the checkpoint's ``model_id`` and the training ``dataset`` (an MLflow
+    dataset), so the models list shows them as its metric columns beside the dataset. Returns what was logged."""
+    metrics = {
+        f"{CHECKPOINT_PREFIX}{key}": float(logs[key])
+        for key in CHECKPOINT_METRICS
+        if isinstance(logs.get(key), (int, float))
+    }
+    now = get_current_time_millis()
+    client.log_batch(run_id, metrics=[
+        Metric(key, value, now, step, model_id=model_id, dataset_name=dataset.name, dataset_digest=dataset.digest)
+        for key, value in metrics.items()
+    ])  # fmt: skip
+    return metrics
 
 
 def find_checkpoint_model(experiment_id: str, checkpoint: Path) -> str | None:
@@ -213,9 +248,13 @@ class ReviewCallback(TrainerCallback):
         checkpoint = Path(args.output_dir) / f"checkpoint-{state.global_step}"
         if holds_model(checkpoint):
             params = model_params(self.trainer)
-            self.models[state.global_step] = log_checkpoint_model(
-                self.client, self.run_id, checkpoint, state.global_step, params=params
-            )
+            model_id = log_checkpoint_model(self.client, self.run_id, checkpoint, state.global_step, params=params)
+            self.models[state.global_step] = model_id
+            logs = next((e for e in reversed(state.log_history) if e.get("step") == state.global_step), {})
+            training = next((k for k, (_, _, context) in self.datasets.items() if context == "training"), None)
+            if training is not None:
+                dataset = dataset_input(self.datasets[training][0], training, self.datasets[training][1])
+                log_step_metrics_to_model(self.client, self.run_id, model_id, logs, state.global_step, dataset)
 
     def on_train_end(self, args, state, control, **kwargs):
         if self.run_id is None:
