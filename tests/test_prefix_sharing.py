@@ -134,6 +134,22 @@ def max_error(a, b, mask):
     return (a - b)[mask].abs().max().item()
 
 
+# Each group's attention runs stacked or split, whichever computes fewer pairs (grouped_attention.py); the exactness
+# tests force each form on every group, since this batch's short completions would pick split alone.
+FORCED_FORMS = {"stacked": {"stacked": 0, "split": 1}, "split": {"stacked": 1, "split": 0}}
+
+
+@pytest.fixture(params=sorted(FORCED_FORMS))
+def form(request, monkeypatch):
+    monkeypatch.setattr(grouped_attention, "grouped_forms", lambda *_: FORCED_FORMS[request.param])
+    return request.param
+
+
+def assert_layout_form(batch, form):
+    masked = [call.allowed is not None for call in batch.layout.calls]
+    assert (not any(masked)) if form == "stacked" else any(masked), (form, masked)
+
+
 @pytest.mark.model
 def test_the_batch_covers_every_case(setup):
     arguments, order = setup["arguments"], setup["order"]
@@ -160,16 +176,17 @@ def test_the_batch_covers_every_case(setup):
     [(torch.float64, "sdpa"), (torch.float32, "sdpa"), (torch.float32, "eager")],
     ids=["fp64-sdpa", "fp32-sdpa", "fp32-eager"],
 )
-def test_logps_and_entropies_equal_the_plain_forward(setup, dtype, attention):
+def test_logps_and_entropies_equal_the_plain_forward(setup, dtype, attention, form):
     tolerance = TOLERANCE[dtype][0]
     model = copy.deepcopy(setup["model"]).to(dtype)
     model.set_attn_implementation(attention)
     arguments = in_dtype(setup["arguments"], dtype)
+    assert_layout_form(_packed_one(model, arguments), form)
     mask = completion_mask(arguments)
     with torch.no_grad():
         reference, ours = plain(setup["trainer"], model, arguments), packed(model, arguments)
     errors = [max_error(a, b, mask) for a, b in zip(ours, reference)]
-    print(f"{setup['family']} {dtype} {attention}: logps {errors[0]:.2e} entropies {errors[1]:.2e}")
+    print(f"{setup['family']} {dtype} {attention} {form}: logps {errors[0]:.2e} entropies {errors[1]:.2e}")
     assert max(errors) <= tolerance
     assert ours[0].dtype == reference[0].dtype == dtype
     assert (ours[0][~mask] == 0).all() and (ours[1][~mask] == 0).all()  # dropped tokens: 0, never read
@@ -177,10 +194,11 @@ def test_logps_and_entropies_equal_the_plain_forward(setup, dtype, attention):
 
 @pytest.mark.model
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["fp64", "fp32"])
-def test_gradients_equal_the_plain_forward_per_parameter(setup, dtype):
+def test_gradients_equal_the_plain_forward_per_parameter(setup, dtype, form):
     tolerance = TOLERANCE[dtype][1]
     model = copy.deepcopy(setup["model"]).to(dtype)
     arguments = in_dtype(setup["arguments"], dtype)
+    assert_layout_form(_packed_one(model, arguments), form)
     mask = completion_mask(arguments).to(dtype)
     weights = torch.randn(mask.shape, generator=torch.Generator().manual_seed(2), dtype=dtype)
     trainer = setup["trainer"]
@@ -203,7 +221,7 @@ def test_gradients_equal_the_plain_forward_per_parameter(setup, dtype):
         ((ours[n] - g).norm() / g.norm()).item() if g.norm() > 0 else ours[n].norm().item()
         for n, g in reference.items()
     )
-    print(f"{setup['family']} {dtype}: worst per-parameter relative gradient error {worst:.2e}")
+    print(f"{setup['family']} {dtype} {form}: worst per-parameter relative gradient error {worst:.2e}")
     assert worst <= tolerance
 
 
@@ -220,7 +238,7 @@ def _scatter(batch, values, arguments):
 
 @pytest.mark.model
 @pytest.mark.parametrize("control", ["completion_leak", "positions_shifted"])
-def test_negative_controls_fail_by_far(setup, control):
+def test_negative_controls_fail_by_far(setup, control, form):
     """The exactness test can fail: a completion that sees another, or completion positions one off, moves the
     log-probs far beyond the fp32 tolerance (let alone fp64's)."""
     model = copy.deepcopy(setup["model"]).to(torch.float64)
@@ -343,8 +361,9 @@ def test_the_attention_cost_model_gives_the_issues_figures_and_grouped_never_cos
     for prompt in (1, 16, 300, 4096):
         for completion in (1, 16, 1024, 8192):
             for group in (1, 2, 5, 8, 64):
-                cost = attention_cost.per_group(QWEN25_VL_3B, prompt, completion, group)
-                assert cost["grouped"] <= cost["plain"], (prompt, completion, group)
+                for padded in (True, False):  # against the masked plain call and the causal one that skips blocks
+                    cost = attention_cost.per_group(QWEN25_VL_3B, prompt, completion, group, padded=padded)
+                    assert cost["grouped"] <= cost["plain"], (prompt, completion, group, padded)
 
 
 @pytest.mark.model
@@ -359,9 +378,13 @@ def test_the_cost_guard_counts_the_calls_pairs_and_runs_plain_where_sharing_woul
                             "prompt_mask": arguments["attention_mask"][:, :n_prompt],
                             "pixel_values": arguments["pixel_values"], "image_grid_thw": arguments["image_grid_thw"],
                             "num_images": arguments["num_images"]})  # fmt: skip
-    longest_prompt = int(arguments["attention_mask"][:, :n_prompt].sum(1).max())
-    longest, completions = max(lengths) - 1, sum(length > 1 for length in lengths)
-    assert batch.layout.pairs == len(groups) * longest_prompt**2 + completions * longest * (longest_prompt + longest)
+    expected_pairs = 0
+    for group in groups:  # per group the cheaper form, counted here from the batch's own lengths
+        prompt = int(arguments["attention_mask"][group[0], :n_prompt].sum())
+        packed = [lengths[row] - 1 for row in group if lengths[row] > 1]  # a completion's last token is not packed
+        forms = attention_cost.grouped_forms(prompt, max(packed), len(packed)) if packed else None
+        expected_pairs += min(forms.values()) if forms else attention_cost.causal_pairs(prompt)
+    assert batch.layout.pairs == expected_pairs
     widths = attention_cost.TextWidths.of(grouped_attention.text_config(model))
     rows, width = arguments["input_ids"].shape
     tokens = batch.segments.shape[1]

@@ -184,7 +184,8 @@ def flop_ratio(variant: str, P: float, R: float, G: int, steps_per_round: int, w
     if widths is None:
         rho = (P + G * R) / (G * (P + R))
     else:
-        cost = attention_cost.per_group(widths, round(P), round(R), G)
+        # every completion runs to its full length here (min_new_tokens), so the plain rows carry no padding
+        cost = attention_cost.per_group(widths, round(P), round(R), G, padded=False)
         rho = cost["grouped"] / cost["plain"]
     return {
         "grpo": 1.0,

@@ -2,14 +2,18 @@
 
 A token costs its linear layers (``token_flops``: q, k, v, o projections and the gated MLP, 2 FLOPs per
 multiply-add); a query-key pair costs ``pair_flops`` (``Q K^T`` and ``A V``: ``4 * heads * head_dim``). Attention
-is counted over every pair the kernel computes: a masked SDPA call computes its whole ``queries x keys`` block, so
-the plain path's ``B`` rows of width ``L`` cost ``B L^2`` pairs and the grouped path ``groups * P^2 +
-completions * R (P + R)`` (``P``, ``R``: the chunk's longest prompt and packed completion, ``GroupedLayout.pairs``).
-The vision tower is not counted (sharing runs it once per group, not once per row, so leaving it out only
-understates what sharing saves); nor the vocabulary head (both paths run it on the needed positions).
+is counted over every pair the kernel computes: a masked SDPA call computes its whole ``queries x keys`` block, a
+causal call without a mask skips the blocks above the diagonal (``causal_pairs``). So the plain path's ``B`` rows of
+width ``L`` cost ``B L^2`` pairs where the call has padding (completions that end at different lengths: the usual
+case in training) and ``B L (L + 1) / 2`` where it has none; the grouped path costs, per group of prompt ``P`` and
+``n`` completions of ``R``, the cheaper of its two forms (``grouped_forms``, ``grouped_attention.py``), never more
+than the plain path's unpadded count. The vision tower is not counted (sharing runs it once per group, not once per
+row, so leaving it out only understates what sharing saves); nor the vocabulary head (both paths run it on the
+needed positions).
 
-``dense_packed`` is the layout this replaced (one ``W x W`` mask over ``W = P + G R``), kept to show where that
-layout lost: at Qwen2.5-VL-3B's widths, P 1100, G 8, it cost 1.15x the plain path at R 2048 and 1.79x at R 4096.
+``dense_packed`` is the layout grouped attention replaced (one ``W x W`` mask over ``W = P + G R``), kept to show
+where it lost: at Qwen2.5-VL-3B's widths, P 1100, G 8, it cost 1.15x the padded plain path at R 2048 and 1.79x at
+R 4096.
 """
 
 from __future__ import annotations
@@ -54,9 +58,25 @@ class TextWidths:
         return tokens * self.token_flops + pairs * self.pair_flops
 
 
-def plain(widths: TextWidths, rows: int, width: int) -> float:
-    """``rows`` padded rows of ``width`` tokens, each its own full attention block."""
-    return widths.flops(rows * width, rows * width**2)
+def causal_pairs(width: int) -> int:
+    """Query-key pairs a causal call over ``width`` tokens computes (the diagonal included)."""
+    return width * (width + 1) // 2
+
+
+def grouped_forms(prompt: int, completion: int, n: int) -> dict[str, int]:
+    """Pairs of one group's two grouped-attention forms: ``stacked`` (one causal call per completion over
+    ``[prompt; completion]``) and ``split`` (the prompt causal once, then each completion masked over
+    ``[prompt; own]``)."""
+    return {
+        "stacked": n * causal_pairs(prompt + completion),
+        "split": causal_pairs(prompt) + n * completion * (prompt + completion),
+    }
+
+
+def plain(widths: TextWidths, rows: int, width: int, *, padded: bool = True) -> float:
+    """``rows`` rows of ``width`` tokens, each its own attention block: whole where the call carries padding (a
+    masked call), causal where it carries none."""
+    return widths.flops(rows * width, rows * (width**2 if padded else causal_pairs(width)))
 
 
 def grouped(widths: TextWidths, tokens: int, pairs: int) -> float:
@@ -64,11 +84,14 @@ def grouped(widths: TextWidths, tokens: int, pairs: int) -> float:
     return widths.flops(tokens, pairs)
 
 
-def per_group(widths: TextWidths, prompt: int, completion: int, group: int) -> dict[str, float]:
-    """One group's forward FLOPs on each path (prompt ``prompt`` tokens, ``group`` completions of ``completion``)."""
+def per_group(
+    widths: TextWidths, prompt: int, completion: int, group: int, *, padded: bool = True
+) -> dict[str, float]:
+    """One group's forward FLOPs on each path (prompt ``prompt`` tokens, ``group`` completions of ``completion``;
+    ``padded``: whether the plain path's call carries padding)."""
     packed = prompt + group * completion
     return {
-        "plain": plain(widths, group, prompt + completion),
-        "grouped": grouped(widths, packed, prompt**2 + group * completion * (prompt + completion)),
+        "plain": plain(widths, group, prompt + completion, padded=padded),
+        "grouped": grouped(widths, packed, min(grouped_forms(prompt, completion, group).values())),
         "dense_packed": widths.flops(packed, packed**2),
     }

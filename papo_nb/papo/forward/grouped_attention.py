@@ -1,23 +1,27 @@
-"""Grouped attention for packed prompt groups: each prompt's self-attention once, each completion's attention over
-``[its prompt's K/V; its own K/V]``, with masks linear in the group size and no ``W x W`` tensor anywhere.
+"""Grouped attention for packed prompt groups: each prompt's keys and values computed once, each completion attending
+to its prompt and causally to itself, never to another completion or group, with no ``W x W`` tensor anywhere.
 
 The packed forward (``packed_rows.py``) runs a chunk of groups as one flat row ``[p1; c11 ... c1g; p2; c21 ...]``
 (batch 1, no padding). The text model's attention layers then receive, in place of a mask, a ``GroupedLayout``
 (passed as ``attention_mask={"full_attention": layout}``, which Qwen-VL's text model hands to each layer as it is),
 and the text config's attention implementation is switched to ``NAME`` for the forward (``grouped_attention``).
-Per layer the function gathers the flat row's queries/keys/values into two batched calls of the text model's own
-attention (SDPA with boolean masks, or the model module's eager function with additive ones):
+Per layer the function gathers the flat row's queries/keys/values into the layout's batched calls of the text
+model's own attention (SDPA, or the model module's eager function with additive masks). A group of prompt length
+``P`` and ``n`` completions (the longest ``R``) runs one of two forms, whichever computes fewer query-key pairs:
 
-- prompts: ``(groups, heads, P, d)``, causal over each prompt's real tokens (``P``: the chunk's longest prompt);
-- completions: ``(completions, heads, R, d)`` against ``[prompt K/V of its group; its own K/V]`` of width
-  ``P + R``: the whole prompt, then causal over itself (``R``: the chunk's longest packed completion).
+- stacked: one causal call of batch ``n`` over ``[prompt; completion k]`` (width ``P + R``), with no mask at all, so
+  SDPA takes its causal kernel (which skips the blocks above the diagonal, on the CPU and on a GPU's flash kernel):
+  ``n (P + R)^2 / 2`` pairs, the plain path's own count; the prompt's outputs are read from the first row;
+- split: the prompt causal over itself (``P^2 / 2``), then the completions, batch ``n``, over ``[prompt; own]``
+  with one ``(R, P + R)`` boolean mask (query ``i`` sees keys ``j <= P + i``): ``n R (P + R)`` pairs.
 
-Attention then costs ``P^2 + G R (P + R)`` query-key pairs per group, never more than the plain path's
-``G (P + R)^2``; masks are ``(groups, 1, P, P)`` and ``(completions, 1, R, P + R)``. The outputs are gathered back
-into the flat row's order. Every step is a gather, a concatenation or the model's own attention call, so the
-backward is autograd's (each prompt key receives the gradients of its group's completions). This follows the
-prefix/suffix split of PrefixGrouper (arXiv 2506.05433; verl's ``use_prefix_grouper``), written here for
-Qwen-VL's attention interface; padding inside the two batched calls is masked out and its outputs never read.
+Split wins where the prompt is long against the completions (P 1100, R 256, G 8: 0.46 of stacked's pairs), stacked
+where it is not (every ``P <= R``), so attention never computes more pairs than the plain path does on unpadded
+rows. Padding inside a call lies after every real query of its row, so the causal pattern keeps it out and its
+outputs are never read. Every step is a gather, a concatenation or the model's own attention call, so the backward
+is autograd's (each prompt key receives the gradients of its group's completions). This follows the prefix/suffix
+split of PrefixGrouper (arXiv 2506.05433; verl's ``use_prefix_grouper``), written here for Qwen-VL's attention
+interface, with the stacked form added because a masked call cannot skip blocks.
 """
 
 from __future__ import annotations
@@ -30,93 +34,110 @@ import torch
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+from .attention_cost import causal_pairs, grouped_forms
+
 NAME = "papo_grouped"  # the attention implementation registered for the packed forward
 # The text model's own attention implementations the grouped path reproduces (SDPA's call, or the model's eager one).
 TEXT_IMPLEMENTATIONS = ("sdpa", "eager")
 
 
 @dataclass
+class AttentionCall:
+    """One batched call: queries at the flat positions ``query_index`` ``(b, L)`` over keys and values at
+    ``key_index`` ``(b, S)``; ``allowed`` the ``(L, S)`` boolean mask, or None for a causal call (``L == S``)."""
+
+    query_index: torch.Tensor
+    key_index: torch.Tensor
+    allowed: torch.Tensor | None
+
+    @property
+    def pairs(self) -> int:
+        rows, queries = self.query_index.shape
+        return rows * (causal_pairs(queries) if self.allowed is None else queries * self.key_index.shape[1])
+
+
+@dataclass
 class GroupedLayout:
-    """Where each prompt and each completion lie in the flat row.
+    """The calls one forward's attention runs and where each flat position's output lies: ``source`` per flat
+    position, its row in the calls' outputs flattened in order; ``groups`` the packed prompt groups; ``inner``: the
+    text model's own implementation the calls run through (set by ``grouped_attention``)."""
 
-    ``prompt_index`` ``(groups, P)`` and ``completion_index`` ``(completions, R)``: flat positions, real tokens first
-    (``*_valid``); ``completion_group``: each completion's group; ``source``: per flat position, its row in
-    ``[prompt outputs; completion outputs]`` flattened; ``prompt_allowed`` ``(groups, 1, P, P)`` and
-    ``completion_allowed`` ``(completions, 1, R, P + R)``: the boolean masks; ``inner``: the text model's own
-    implementation the two calls run through (set by ``grouped_attention``)."""
-
-    prompt_index: torch.Tensor
-    prompt_valid: torch.Tensor
-    completion_index: torch.Tensor
-    completion_valid: torch.Tensor
-    completion_group: torch.Tensor
+    calls: list[AttentionCall]
     source: torch.Tensor
-    prompt_allowed: torch.Tensor
-    completion_allowed: torch.Tensor
+    groups: int
     inner: str = "sdpa"
 
     @property
     def pairs(self) -> int:
-        """Query-key pairs the two calls compute per head (padding included)."""
-        return self.prompt_allowed[:, 0].numel() + self.completion_allowed[:, 0].numel()
+        """Query-key pairs the calls compute per head (a causal call's upper triangle skipped, padding included)."""
+        return sum(call.pairs for call in self.calls)
 
 
-def _padded_index(members: list[torch.Tensor], device) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(index, valid)``: each member's flat positions, right-padded with position 0 to the longest."""
-    width = max([len(m) for m in members], default=0)
-    index = torch.zeros((len(members), width), dtype=torch.long, device=device)
-    valid = torch.zeros((len(members), width), dtype=torch.bool, device=device)
-    for i, positions in enumerate(members):
-        index[i, : len(positions)] = positions
-        valid[i, : len(positions)] = True
-    return index, valid
+def _group_calls(prompt: torch.Tensor, completions: list[torch.Tensor], source: torch.Tensor, offset: int):
+    """The calls of one group (flat positions ``prompt`` and ``completions``), filling ``source``; returns
+    ``(calls, offset after their outputs)``."""
+    n_prompt, n = len(prompt), len(completions)
+
+    def arange(length):
+        return torch.arange(length, device=prompt.device)
+
+    if n == 0:
+        source[prompt] = offset + arange(n_prompt)
+        return [AttentionCall(prompt[None], prompt[None], None)], offset + n_prompt
+    width = max(len(c) for c in completions)
+    # padding repeats each completion's last position: it lies after every real query of the row
+    own = torch.stack([torch.cat([c, c[-1:].expand(width - len(c))]) for c in completions])
+    keys = torch.cat([prompt.expand(n, -1), own], dim=1)
+    forms = grouped_forms(n_prompt, width, n)
+    if forms["stacked"] <= forms["split"]:
+        source[prompt] = offset + arange(n_prompt)  # the first row's copy
+        for k, c in enumerate(completions):
+            source[c] = offset + k * (n_prompt + width) + n_prompt + arange(len(c))
+        return [AttentionCall(keys, keys, None)], offset + n * (n_prompt + width)
+    source[prompt] = offset + arange(n_prompt)
+    offset += n_prompt
+    for k, c in enumerate(completions):
+        source[c] = offset + k * width + arange(len(c))
+    allowed = torch.ones(width, n_prompt + width, dtype=torch.bool, device=prompt.device).tril(n_prompt)
+    calls = [AttentionCall(prompt[None], prompt[None], None), AttentionCall(own, keys, allowed)]
+    return calls, offset + n * width
 
 
 def build_layout(token_groups: torch.Tensor, segments: torch.Tensor) -> GroupedLayout:
     """The layout of a flat row from each token's group (``token_groups``, ``(W,)``, 0..n-1 in row order) and segment
     (``segments``: 0 the group's prompt, k its k-th completion; each group's prompt non-empty and first)."""
-    device = token_groups.device
     keys = token_groups * (int(segments.max()) + 1) + segments  # one key per (group, segment), in row order
     unique, inverse = torch.unique_consecutive(keys, return_inverse=True)
     members = [(inverse == i).nonzero().flatten() for i in range(len(unique))]
-    is_prompt = [bool(segments[m[0]] == 0) for m in members]
-    prompts = [m for m, p in zip(members, is_prompt, strict=True) if p]
-    completions = [m for m, p in zip(members, is_prompt, strict=True) if not p]
-    prompt_index, prompt_valid = _padded_index(prompts, device)
-    completion_index, completion_valid = _padded_index(completions, device)
-    completion_group = torch.tensor([int(token_groups[m[0]]) for m in completions], dtype=torch.long, device=device)
-    # Per flat position, its row in [prompt outputs (groups * P); completion outputs (completions * R)].
-    source = torch.empty(len(token_groups), dtype=torch.long, device=device)
-    source[prompt_index[prompt_valid]] = prompt_valid.flatten().nonzero().flatten()
-    source[completion_index[completion_valid]] = prompt_valid.numel() + completion_valid.flatten().nonzero().flatten()
-    n_prompt, n_completion = prompt_index.shape[1], completion_index.shape[1]
-    prompt_causal = torch.ones(n_prompt, n_prompt, dtype=torch.bool, device=device).tril()
-    completion_causal = torch.ones(n_completion, n_completion, dtype=torch.bool, device=device).tril()
-    # A padded query sees real keys only (the prompt's first token at least), so no attention row is empty.
-    prompt_allowed = prompt_causal[None] & prompt_valid[:, None, :]
-    completion_allowed = torch.cat(
-        [
-            prompt_valid[completion_group][:, None, :].expand(-1, n_completion, -1),
-            completion_causal[None] & completion_valid[:, None, :],
-        ],
-        dim=2,
-    )
-    return GroupedLayout(
-        prompt_index, prompt_valid, completion_index, completion_valid, completion_group, source,
-        prompt_allowed[:, None], completion_allowed[:, None],
-    )  # fmt: skip
+    source = torch.empty(len(token_groups), dtype=torch.long, device=token_groups.device)
+    calls, offset, groups = [], 0, 0
+    for i, positions in enumerate(members):
+        if segments[positions[0]] != 0:
+            continue
+        completions = []
+        for following in members[i + 1 :]:
+            if segments[following[0]] == 0:
+                break
+            completions.append(following)
+        group_calls, offset = _group_calls(positions, completions, source, offset)
+        calls += group_calls
+        groups += 1
+    return GroupedLayout(calls, source, groups)
 
 
 def _inner_call(inner: str, module, query, key, value, allowed, dropout, scaling, kwargs):
-    """The text model's own attention on one batched call: SDPA with the boolean mask, or the model module's eager
-    function with the additive mask it expects."""
+    """The text model's own attention on one batched call: SDPA causal or with the boolean mask, or the model
+    module's eager function with the additive mask it expects."""
     if inner == "sdpa":
+        mask = None if allowed is None else allowed[None, None]
         return sdpa_attention_forward(
-            module, query, key, value, allowed, dropout=dropout, scaling=scaling, is_causal=False, **kwargs
+            module, query, key, value, mask, dropout=dropout, scaling=scaling, is_causal=allowed is None, **kwargs
         )[0]
-    eager = sys.modules[type(module).__module__].eager_attention_forward
+    if allowed is None:
+        allowed = torch.ones(query.shape[2], key.shape[2], dtype=torch.bool, device=query.device).tril()
     additive = torch.zeros(allowed.shape, dtype=query.dtype, device=query.device)
-    additive = additive.masked_fill(~allowed, torch.finfo(query.dtype).min)
+    additive = additive.masked_fill(~allowed, torch.finfo(query.dtype).min)[None, None]
+    eager = sys.modules[type(module).__module__].eager_attention_forward
     return eager(module, query, key, value, additive, scaling=scaling, dropout=dropout, **kwargs)[0]
 
 
@@ -127,23 +148,14 @@ def grouped_attention_forward(module, query, key, value, attention_mask, dropout
     kwargs = {k: v for k, v in kwargs.items() if k not in ("sliding_window", "position_ids")}
     q, k, v = query[0], key[0], value[0]
 
-    def gather(states, index):  # (heads, W, d) -> (members, heads, width, d)
+    def gather(states, index):  # (heads, W, d) -> (rows, heads, width, d)
         return states[:, index].transpose(0, 1)
 
-    prompt_k, prompt_v = gather(k, layout.prompt_index), gather(v, layout.prompt_index)
-    args = (dropout, scaling, kwargs)
     outputs = [
-        _inner_call(layout.inner, module, gather(q, layout.prompt_index), prompt_k, prompt_v, layout.prompt_allowed,
-                    *args).flatten(0, 1)
+        _inner_call(layout.inner, module, gather(q, call.query_index), gather(k, call.key_index),
+                    gather(v, call.key_index), call.allowed, dropout, scaling, kwargs).flatten(0, 1)
+        for call in layout.calls
     ]  # fmt: skip
-    if layout.completion_index.numel():
-        own_k, own_v = gather(k, layout.completion_index), gather(v, layout.completion_index)
-        keys = torch.cat([prompt_k[layout.completion_group], own_k], dim=2)
-        values = torch.cat([prompt_v[layout.completion_group], own_v], dim=2)
-        query_c = gather(q, layout.completion_index)
-        outputs.append(
-            _inner_call(layout.inner, module, query_c, keys, values, layout.completion_allowed, *args).flatten(0, 1)
-        )
     return torch.cat(outputs)[layout.source][None], None
 
 

@@ -115,7 +115,9 @@ def predicted_cost_ratio(model, arguments: dict[str, Any], batches: list[PackedB
     grouped attention, the guard's check that it stays so."""
     widths = attention_cost.TextWidths.of(grouped_text_config(core_model(model)))
     rows, width = arguments["input_ids"].shape
-    return sum(shared_flops(widths, batch) for batch in batches) / attention_cost.plain(widths, rows, width)
+    padded = not bool(arguments["attention_mask"].all())
+    plain = attention_cost.plain(widths, rows, width, padded=padded)
+    return sum(shared_flops(widths, batch) for batch in batches) / plain
 
 
 def packed_logps_and_entropies(
@@ -143,7 +145,7 @@ def packed_logps_and_entropies(
         logps = logps.index_put((batch.rows, batch.columns), chunk_logps)
         if compute_entropy:
             entropies = entropies.index_put((batch.rows, batch.columns), chunk_entropies)
-        packed_groups += len(batch.layout.prompt_index)
+        packed_groups += batch.layout.groups
     return logps, entropies, None, n_rows / packed_groups
 
 
