@@ -115,8 +115,6 @@ def page(outs: list[Path]) -> None:
         key = {"arm": run["arm"], "gamma": run["gamma"], "seed": run["seed"]}
         records.append({**key, "scores": run["scores"], "collapse": {k: run["collapse"].get(k) for k in KEEP}})
         logs.append({**key, "steps": run["step_logs"]})
-    (PAGE / "runs.json").write_text(json.dumps(records, indent=1) + "\n")
-    (PAGE / "step_logs.json").write_text(json.dumps(logs, separators=(",", ":")) + "\n")
     page_seconds = 2097  # the page's own runs (notebook 04's wall, its runtime line); the placebo runs' are added
     meta = {
         "params": PARAMS, "overrides": [], "collapse_gamma": 3.35, "collapse_found": False,
@@ -127,8 +125,7 @@ def page(outs: list[Path]) -> None:
         "scored exactly the page's GRPO on every seed. Runtime: the page's wall plus the placebo runs' own seconds. "
         "The control searches' numbers are the page's earlier table's, to 4 significant digits.",
     }  # fmt: skip
-    (PAGE / rebuild.REBUILD).write_text(json.dumps(meta, indent=1) + "\n")
-    print(f"wrote {rebuild.rewrite_page(PAGE.relative_to(ROOT))}")
+    print(f"wrote {rebuild.write_page(PAGE.relative_to(ROOT), records, logs, meta)}")
 
 
 if __name__ == "__main__":

@@ -135,8 +135,6 @@ def page(outs: list[Path]) -> None:
                         "collapse": {k: collapse.get(k) for k in keep}})  # fmt: skip
         logs.append({"arm": "vppo", "gamma": 0.0, "seed": seed, "steps": steps})
         seconds += run_seconds
-    (VPPO_PAGE / "runs.json").write_text(json.dumps(records, indent=1) + "\n")
-    (VPPO_PAGE / "step_logs.json").write_text(json.dumps(logs, separators=(",", ":")) + "\n")
     for name in COPIED:
         (VPPO_PAGE / name).write_text((PAGE / name).read_text())
     summary = json.loads((PAGE / "summary.json").read_text())
@@ -148,8 +146,7 @@ def page(outs: list[Path]) -> None:
         "seeds and warm start by docs/measurements/vppo_shortcut.py (issue 46), whose GRPO runs scored exactly "
         "the page's GRPO on every seed. Runtime: the page's wall plus the VPPO runs' own seconds.",
     }  # fmt: skip
-    (VPPO_PAGE / rebuild.REBUILD).write_text(json.dumps(meta, indent=1) + "\n")
-    print(f"wrote {rebuild.rewrite_page(VPPO_PAGE.relative_to(ROOT))}")
+    print(f"wrote {rebuild.write_page(VPPO_PAGE.relative_to(ROOT), records, logs, meta)}")
 
 
 if __name__ == "__main__":

@@ -63,6 +63,15 @@ def page_study(folder: str | Path, meta: dict | None = None) -> Study:
     return study
 
 
+def write_page(folder: Path, records: list[dict], logs: list[dict], meta: dict) -> Path:
+    """A page assembled from runs of more than one session: its ``runs.json``, ``step_logs.json`` and
+    ``rebuild.json`` written, then the page rewritten from them (``rewrite_page``)."""
+    (folder / publish.RUNS).write_text(json.dumps(records, indent=1) + "\n")
+    (folder / publish.STEP_LOGS).write_text(json.dumps(logs, separators=(",", ":")) + "\n")
+    (folder / REBUILD).write_text(json.dumps(meta, indent=1) + "\n")
+    return rewrite_page(folder)
+
+
 def rewrite_page(folder: str | Path) -> Path:
     """``results.md``, its figures, contrasts and ``summary.json`` written again from the page's own files."""
     folder = Path(folder)
