@@ -14,6 +14,7 @@ from scipy import stats
 from papo_nb.testbed.policy import read_card
 from papo_nb.workbook.config import evidence_names as evidence
 from papo_nb.workbook.config.metric_keys import HELDOUT_ACCURACY
+from papo_nb.workbook.study import arms
 from papo_nb.workbook.study.arms import ARM_COLOURS
 from papo_nb.workbook.study.claims import claims_table
 from papo_nb.workbook.study.collapse import CollapseRule, detect_collapse, heldout_verdict
@@ -718,3 +719,17 @@ def test_the_placebo_is_weighed_as_a_control_and_pairs_only_with_the_pages_exact
         check_pairing({0: page[0], 1: {primary: 0.5, gap: 0.2 + 1e-12}}, page, [0, 1])
     with pytest.raises(ValueError, match="seed 2: GRPO ran here: False, on the page: False; not paired"):
         check_pairing(page, page, [2])
+
+
+def test_every_arm_a_study_runs_has_a_colour_of_its_own():
+    """The overlays and MLflow's run colours tell each arm apart: controls and placebos too, none left on the
+    catch-all colour, no two arms alike."""
+    from papo_nb.workbook.study.controls import CONTROL_ARMS
+    from papo_nb.workbook.study.placebo import PLACEBO_ARMS
+    from papo_nb.workbook.study.search import FRACTION_NAMES
+
+    run = {arms.GRPO, arms.PAPO_G, arms.PAPO_G_COLLAPSE, arms.VPPO, *CONTROL_ARMS, *PLACEBO_ARMS}
+    run |= set(map(fraction_arm, FRACTION_NAMES))
+    assert run <= ARM_COLOURS.keys(), sorted(run - ARM_COLOURS.keys())
+    colours = [ARM_COLOURS[arm] for arm in run]
+    assert len(set(colours)) == len(colours) and arms.OTHER_ARM_COLOUR not in colours

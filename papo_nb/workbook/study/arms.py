@@ -33,6 +33,7 @@ from papo_nb.workbook.evaluation.eval_review import prompt_text
 from papo_nb.workbook.study.collapse import CollapseRule, detect_collapse, heldout_verdict
 from papo_nb.workbook.study.controls import CONTROL_PARAMS, GRPO_BETA, GRPO_LR, ControlMatch, end_reward, match_control
 from papo_nb.workbook.study.errors import prior_errors
+from papo_nb.workbook.study.placebo import MEAN_FILL_KL_MATCHED, MEAN_FILL_PAPO_G, PLACEBO, PLACEBO_KL_MATCHED
 from papo_nb.workbook.study.search import FRACTION_NAMES, fraction_arm, search_collapse_gamma
 from papo_nb.workbook.training.builder import EVAL_SEED_OFFSET, load_datasets, load_policy, prepare_training
 from papo_nb.workbook.training.completions import log_completions
@@ -48,6 +49,9 @@ ARM_COLOURS = {
     GRPO: "#1f77b4", PAPO_G: "#2ca02c", PAPO_G_COLLAPSE: "#d62728", SWEEP: "#7f7f7f", SEARCH: "#7f7f7f",
     VPPO: "#bcbd22",  # tab:olive
     **dict(zip(map(fraction_arm, FRACTION_NAMES), ("#9467bd", "#8c564b", "#e377c2"))),
+    # the controls: GRPO's in GRPO's blues, the placebos in orange, PAPO-G with the placebo's fill in PAPO-G's greens
+    GRPO_BETA: "#aec7e8", GRPO_LR: "#393b79", PLACEBO: "#ff7f0e", PLACEBO_KL_MATCHED: "#ffbb78",
+    MEAN_FILL_PAPO_G: "#98df8a", MEAN_FILL_KL_MATCHED: "#637939",
 }  # fmt: skip
 OTHER_ARM_COLOUR = "#17becf"  # tab:cyan: a fraction arm without a name of its own
 SPLITS = ("all", "vision", "text", "consistent")  # held_out_splits
