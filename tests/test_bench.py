@@ -152,3 +152,40 @@ def test_trl_memory_refuses_a_single_release_by_name(capsys):
         main(["--python", sys.executable])
     assert info.value.code == 2
     assert "--python given 1 time(s): give one virtualenv Python per release, at least 2" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux's /proc/self/clear_refs")
+def test_rss_peak_follows_live_memory_not_what_the_allocator_kept():
+    """The in-loop benchmark's CPU peak: a 64 MiB tensor made and freed reads as about 64 MiB every time (freed blocks
+    leave RSS, so a second call is not hidden by memory the allocator kept), and a call that allocates nothing as
+    about 0."""
+    import torch
+
+    from papo_nb.bench.memory import rss_peak
+
+    def allocate():
+        block = torch.ones(64 * 2**20 // 4)
+        del block
+
+    peaks = [rss_peak(allocate)["peak_bytes"] / 2**20 for _ in range(2)]
+    idle = rss_peak(lambda: None)["peak_bytes"] / 2**20
+    print(f"\nrss_peak: 64 MiB block {peaks} MiB, nothing {idle:.2f} MiB")
+    assert all(62 <= peak <= 72 for peak in peaks), peaks
+    assert idle < 4, idle
+
+
+@pytest.mark.parametrize(
+    "asked, restored",
+    [("131072", 131072), ("4294967296", 2**31 - 1), (None, 32 * 2**20), ("off", 32 * 2**20)],
+)
+def test_rss_peak_restores_the_threshold_the_process_started_with(monkeypatch, asked, restored):
+    """After the measurement the mmap threshold goes back to ``MALLOC_MMAP_THRESHOLD_`` (capped at ``mallopt``'s
+    int, 4 GiB being the docs' setting), or to glibc's adaptive ceiling when none was asked, so timing runs after it
+    keep the allocator they started with."""
+    from papo_nb.bench.memory import startup_mmap_threshold
+
+    if asked is None:
+        monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_", raising=False)
+    else:
+        monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", asked)
+    assert startup_mmap_threshold() == restored

@@ -14,7 +14,8 @@ their full length (``min_new_tokens``), so that the weights a variant leaves beh
 work. Per optimizer step it reports the wall time; the time without the sampling call itself (``model.generate``,
 timed around the call) with the masked branch counted wherever it runs; the masked branch's own time
 (``PAPOGTrainer.masked_branch.clock``); completions per prefill (``papo/masked_forward_share``); and the peak of
-torch's CPU allocations (profiler; ``torch.cuda.max_memory_allocated`` on a GPU) in a separate, untimed run.
+resident memory above the start of a separate, untimed ``train()`` (``memory.rss_peak``; the CUDA allocator's peak
+on a GPU).
 
 The FLOP model of the no-sampling step: GRPO costs ``k * G * (P + R)`` per prompt (forward and backward, k = 3),
 the masked branch ``P + G * R`` (one prefill of the prompt and image, G completions); its bound on the ratio is
@@ -55,7 +56,8 @@ def markdown(results: dict[str, Any]) -> str:
         f"optimizer steps per train(); times are {results['clock']} seconds per optimizer step)",
         "",
         "| layout | P | R | variant | total s/step | no-sampling s/step | masked s/step | completions/prefill |"
-        " peak MiB | ratio total | ratio no-sampling [min, max] | FLOP bound + 0.05 | FLOP model (tokens) |"
+        f" peak MiB ({'allocator' if results['device'] == 'cuda' else 'RSS'}) | ratio total |"
+        " ratio no-sampling [min, max] | FLOP bound + 0.05 | FLOP model (tokens) |"
         " FLOP model (attention) |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]

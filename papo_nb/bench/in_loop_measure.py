@@ -197,11 +197,13 @@ def flop_ratio(variant: str, P: float, R: float, G: int, steps_per_round: int, w
 
 
 def peak_mib(trainer, device: str, steps: int) -> float:
-    """Peak allocation above the start of a ``train()`` of ``steps`` steps (one round: the rollout pass included)."""
-    from papo_nb.bench.memory import allocation_peak, cuda_peak
+    """Peak memory above the start of a ``train()`` of ``steps`` steps (one round: the rollout pass included): the
+    CUDA allocator's peak on a GPU, resident memory on the CPU (``memory.rss_peak``; torch's profiler events, exact
+    but kept per allocation, outgrew the machine at R 1024)."""
+    from papo_nb.bench.memory import cuda_peak, rss_peak
 
     trainer.args.max_steps = steps
-    peak = cuda_peak if device == "cuda" else allocation_peak
+    peak = cuda_peak if device == "cuda" else rss_peak
     return peak(trainer.train)["peak_bytes"] / 2**20
 
 

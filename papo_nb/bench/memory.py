@@ -3,11 +3,13 @@
 In process, torch's own CPU allocation events (profiler ``profile_memory``; exact tensor bytes, peak above the
 pre-step level) plus a count of live full-vocabulary tensors (``VocabTensorTracker``); peak RSS in one fresh
 subprocess per variant (Linux ``VmHWM``, reset through ``/proc/self/clear_refs`` just before the step). Both are
-described in ``benchmarks/README.md``. ``measure_work`` adds the noise-free FLOP and op counts.
+described in ``benchmarks/README.md``. ``measure_work`` adds the noise-free FLOP and op counts; ``rss_peak`` is the
+in-process RSS peak of a whole ``train()``, which the in-loop benchmark uses on the CPU.
 """
 
 from __future__ import annotations
 
+import ctypes
 import gc
 import json
 import os
@@ -219,6 +221,41 @@ def rss_worker(
         step_rss_increase_mib=(hwm - rss_before) / 1024,
         process_max_rss_mib=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
     )
+
+
+M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter number
+GLIBC_ADAPTIVE_CEILING = 32 * 2**20  # the highest mmap threshold glibc's adaptive setting reaches on 64-bit
+
+
+def startup_mmap_threshold() -> int:
+    """The mmap threshold this process started with: ``MALLOC_MMAP_THRESHOLD_`` (glibc 2.36 honours 4 GiB there; a
+    64 MiB tensor stays in the heap), capped at ``mallopt``'s ``int``, else the ceiling glibc's adaptive threshold
+    reaches (setting one ends the adaptation, which cannot be restored)."""
+    asked = os.environ.get("MALLOC_MMAP_THRESHOLD_", "")
+    return min(int(asked), 2**31 - 1) if asked.isdigit() else GLIBC_ADAPTIVE_CEILING
+
+
+def rss_peak(run: Callable[[], Any]) -> dict[str, float]:
+    """Peak resident memory during ``run`` above the level at its start, in this process (Linux with glibc).
+
+    For the call, blocks of 128 KiB and more are mmap-ed and the heap is trimmed first, so that a freed tensor leaves
+    RSS at once and the high-water mark (``VmHWM``, reset through ``/proc/self/clear_refs``) follows live memory rather
+    than what the allocator kept from earlier calls. Unlike ``allocation_peak`` it records no per-allocation events,
+    so a long step costs nothing extra (the profiler's event list reached 24 GB at R 1024). Afterwards the threshold
+    goes back to what the process started with (``startup_mmap_threshold``), so that timing after it is unchanged."""
+    libc = ctypes.CDLL("libc.so.6")
+    libc.mallopt(M_MMAP_THRESHOLD, 128 * 1024)
+    gc.collect()
+    libc.malloc_trim(0)
+    with open("/proc/self/clear_refs", "w") as clear:
+        clear.write("5")  # resets VmHWM to the current RSS
+    before = status_kib("VmRSS")
+    try:
+        run()
+        peak = status_kib("VmHWM")
+    finally:
+        libc.mallopt(M_MMAP_THRESHOLD, startup_mmap_threshold())
+    return dict(peak_bytes=float(peak - before) * 1024, rss_before_bytes=float(before) * 1024)
 
 
 # glibc settings the RSS workers run under: its defaults, and large blocks always mmap-ed (so freed tensors go back to
