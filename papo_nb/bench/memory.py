@@ -191,6 +191,16 @@ def status_kib(field_name: str) -> int:
     raise KeyError(field_name)
 
 
+def rss_high_water(run: Callable[[], Any]) -> tuple[int, int]:
+    """This process's RSS at the start of ``run`` and its high-water mark during it, in KiB (Linux ``VmHWM``, reset
+    through ``/proc/self/clear_refs`` just before)."""
+    with open("/proc/self/clear_refs", "w") as clear:
+        clear.write("5")  # resets VmHWM to the current RSS
+    before = status_kib("VmRSS")
+    run()
+    return before, status_kib("VmHWM")
+
+
 def rss_worker(
     size: str,
     variant: str,
@@ -208,11 +218,7 @@ def rss_worker(
     chosen = make_variants(setup, (variant,))[variant]
     chosen.prepare()
     gc.collect()
-    with open("/proc/self/clear_refs", "w") as clear:
-        clear.write("5")  # resets VmHWM to the current RSS
-    rss_before = status_kib("VmRSS")
-    chosen.run()
-    hwm = status_kib("VmHWM")
+    rss_before, hwm = rss_high_water(chosen.run)
     return dict(
         variant=variant,
         size=size,
@@ -247,12 +253,8 @@ def rss_peak(run: Callable[[], Any]) -> dict[str, float]:
     libc.mallopt(M_MMAP_THRESHOLD, 128 * 1024)
     gc.collect()
     libc.malloc_trim(0)
-    with open("/proc/self/clear_refs", "w") as clear:
-        clear.write("5")  # resets VmHWM to the current RSS
-    before = status_kib("VmRSS")
     try:
-        run()
-        peak = status_kib("VmHWM")
+        before, peak = rss_high_water(run)
     finally:
         libc.mallopt(M_MMAP_THRESHOLD, startup_mmap_threshold())
     return dict(peak_bytes=float(peak - before) * 1024, rss_before_bytes=float(before) * 1024)
