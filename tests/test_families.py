@@ -413,7 +413,9 @@ def test_gamma_zero_is_the_parent_bit_for_bit_and_masks_are_shared_per_prompt(fa
     assert torch.equal(before, batch["pixel_values"]) and not torch.equal(masked, before)
     patches = papo.masks.patch_map(batch)
     assert patches.layout == LAYOUT_OF[family] and patches.patch_size == patch_size_of(family)
-    keys = prompt_identity.sample_keys(batch)
+    keys, groups = prompt_identity.keys_and_groups(batch, patches)
+    assert (keys, groups) == prompt_identity.keys_and_groups(batch), "the patch map's rows are the batch's own"
+    assert papo.masked_images(batch).groups == groups, "the masking hands on the prompt groups it masked by"
     pieces = [masked[a:b] for a, b in patches.sample_rows]
     first = {}
     for key, piece in zip(keys, pieces, strict=True):

@@ -142,13 +142,13 @@ def test_the_prompt_identity_matches_exactly_equal_prompts_and_images(processed)
     n0 = int(grid[0].prod())
     batch = _batch(torch.cat([pixel_values, pixel_values[:n0]]), torch.cat([grid, grid[:1]]), (1, 1, 1))  # A, B, A
     batch["prompt_mask"] = torch.tensor([[0, 1, 1], [0, 1, 1], [1, 1, 1]])  # the third prompt has one more token
-    keys = prompt_identity.sample_keys(batch)
+    keys, groups = prompt_identity.keys_and_groups(batch)
     assert keys[0] != keys[1], "different images"
     assert keys[0] != keys[2], "same image but a different prompt (the unpadded tokens differ)"
-    assert prompt_identity.group_samples(batch) == [[0], [1], [2]]
+    assert prompt_identity.group_samples(batch) == groups == [[0], [1], [2]]
     batch["prompt_mask"] = torch.tensor([[0, 1, 1]] * 3)
-    same = prompt_identity.sample_keys(batch)
-    assert same[0] == same[2] != same[1] and prompt_identity.group_samples(batch) == [[0, 2], [1]]
+    same, groups = prompt_identity.keys_and_groups(batch)
+    assert same[0] == same[2] != same[1] and prompt_identity.group_samples(batch) == groups == [[0, 2], [1]]
     assert layouts.sample_row_ranges(batch["image_grid_thw"], [1, 1, 1])[2] == (80, 80 + n0)
     # the shared prefix groups by the masked images: a mask that differs splits a prompt's rows
     masked = batch["pixel_values"].clone()
@@ -159,17 +159,17 @@ def test_the_prompt_identity_matches_exactly_equal_prompts_and_images(processed)
 def test_keys_do_not_depend_on_the_batch_a_prompt_lands_in(processed):
     """TRL shuffles a round's rollouts across device batches: a prompt's key is its content, not its position."""
     _, pixel_values, grid = processed
-    whole = prompt_identity.sample_keys(_batch(pixel_values, grid))
+    whole, _ = prompt_identity.keys_and_groups(_batch(pixel_values, grid))
     n0 = int(grid[0].prod())
-    alone = prompt_identity.sample_keys(_batch(pixel_values[n0:], grid[1:], (1,)))
+    alone, _ = prompt_identity.keys_and_groups(_batch(pixel_values[n0:], grid[1:], (1,)))
     assert alone == whole[1:] and whole[0] != whole[1]
 
 
 def test_a_text_only_batch_is_grouped_by_its_tokens():
     batch = {"prompt_ids": torch.tensor([[1, 2], [1, 2], [3, 4]]), "prompt_mask": torch.ones(3, 2, dtype=torch.long)}
     assert prompt_identity.group_samples(batch) == [[0, 1], [2]]
-    keys = prompt_identity.sample_keys(batch)
-    assert keys[0] == keys[1] != keys[2]
+    keys, groups = prompt_identity.keys_and_groups(batch)
+    assert keys[0] == keys[1] != keys[2] and groups == [[0, 1], [2]]
 
 
 # ---- the placebo's options (issue 41): the fill, and the units a dataset excludes ----

@@ -243,11 +243,18 @@ def test_explicit_shared_prefix_runs_on_any_batch_and_per_completion_masks(setup
     loss call; at rollout time the combination is refused, ``test_trainer.py``)."""
     trainer = make(setup, masked_forward="shared_prefix", mask_sharing="completion", masked_branch="update")
     batch = select_rows(setup["batch"], UNEQUAL_ROWS)
+    trainer.masks.restart(seed=7)
     masked = trainer.masked_pixel_values(batch)
     assert len(shared_prefix.prompt_groups(batch, masked)) == 7, "per-completion masks: no two rows share an image"
     full = full_forward(trainer, setup["model"], batch, masked)
     shared = shared_prefix.shared_prefix_logps(setup["model"], batch, masked, temperature=1.0, compute_entropy=True)
     assert max(max_errors(shared, full, batch["completion_mask"])) <= FP32_TOL
+    # through the branch, with the groups the masking hands over (every row alone) and the same masks replayed
+    trainer.masks.restart(seed=7)
+    with torch.no_grad():
+        branch = trainer.masked_forward(setup["model"], batch)
+    assert trainer._metrics["train"][shared_prefix.SHARE_METRIC] == [1.0]
+    assert max(max_errors(branch[:1], full[:1], batch["completion_mask"])) <= FP32_TOL  # sampled: no entropies
 
 
 @pytest.mark.model

@@ -391,7 +391,7 @@ def _rows_by_sample(batch, pixel_values):
 @pytest.mark.model
 def test_one_mask_per_prompt_shared_across_its_rollouts_and_device_batches(policy, shapes_dataset, batch, tmp_path):
     trainer = make_trainer(policy, shapes_dataset, tmp_path)
-    keys = prompt_identity.sample_keys(batch)
+    keys, _ = prompt_identity.keys_and_groups(batch)
     assert len(set(keys)) == 2 and keys.count(keys[0]) == 4
     masked = _rows_by_sample(batch, trainer.masked_pixel_values(batch))
     for i in range(len(keys)):

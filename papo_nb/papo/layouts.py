@@ -34,7 +34,7 @@ Choosing units and blacking them out is ``masking.py``'s; which rows are one pro
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -67,13 +67,18 @@ class PatchMap:
     units_per_segment: torch.Tensor  # (n_segments,) real units of each image or tile
     segments_per_sample: list[int]  # how many images/tiles each sample owns (in order)
     sample_rows: list[tuple[int, int]]  # the dim-0 range of pixel_values (and aux tensors) of each sample
-    expand: Callable[[torch.Tensor], torch.Tensor]  # patch-resolution bool -> bool broadcastable to pixel_values
+    pixel_units: torch.Tensor  # ``units`` at pixel resolution, broadcastable to pixel_values; -1 = padding
     fill: torch.Tensor  # normalised black, broadcastable to pixel_values
     real_pixels: torch.Tensor  # bool broadcastable to pixel_values: pixels inside a real patch
 
-    def sample_segments(self, i: int) -> torch.Tensor:
-        start = sum(self.segments_per_sample[:i])
-        return self.units_per_segment[start : start + self.segments_per_sample[i]]
+    # Read per sample by the masking and the prompt identity: kept here so that neither re-derives the layout.
+    image_rows: list[tuple[int, int]] = field(init=False)  # each sample's rows of image_grid_thw (else its images)
+    sample_units: list[torch.Tensor] = field(init=False)  # the real units of each sample's images or tiles
+
+    def __post_init__(self):
+        per_sample = count_ranges(self.segments_per_sample)
+        object.__setattr__(self, "image_rows", per_sample if self.layout == "grid_rows" else self.sample_rows)
+        object.__setattr__(self, "sample_units", [self.units_per_segment[a:b] for a, b in per_sample])
 
 
 def _dense_units(real_patches: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -83,12 +88,12 @@ def _dense_units(real_patches: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     return ids.reshape(real_patches.shape), real_patches.reshape(len(real_patches), -1).sum(1)
 
 
-def _pixel_grid(patch_mask: torch.Tensor, patch_size: int, height: int, width: int) -> torch.Tensor:
+def _pixel_grid(per_patch: torch.Tensor, patch_size: int, height: int, width: int, pad_value=False) -> torch.Tensor:
     """Patch-resolution ``(..., hp, wp)`` to pixel resolution ``(..., H, W)``; pixels past the last whole patch
-    (which a stride-P patch embedding drops) are False."""
-    full = patch_mask.repeat_interleave(patch_size, -2).repeat_interleave(patch_size, -1)
+    (which a stride-P patch embedding drops) take ``pad_value``."""
+    full = per_patch.repeat_interleave(patch_size, -2).repeat_interleave(patch_size, -1)
     pad = (0, width - full.shape[-1], 0, height - full.shape[-2])
-    return torch.nn.functional.pad(full, pad, value=False)
+    return torch.nn.functional.pad(full, pad, value=pad_value)
 
 
 def count_ranges(counts: Sequence[int]) -> list[tuple[int, int]]:
@@ -174,14 +179,15 @@ def _grid_rows_map(inputs, patch_size: int, black: torch.Tensor, merge_size: int
     rows_per_image, rows_per_unit = grid.prod(-1), merge_size**2
     if rows_per_image.sum() != pv.shape[0] or torch.any(rows_per_image % rows_per_unit):
         raise ValueError(f"image_grid_thw {grid.tolist()} does not cover pixel_values {tuple(pv.shape)}")
+    units = torch.arange(pv.shape[0]) // rows_per_unit
     return PatchMap(
         layout="grid_rows",
         patch_size=patch_size,
-        units=torch.arange(pv.shape[0]) // rows_per_unit,
+        units=units,
         units_per_segment=rows_per_image // rows_per_unit,
         segments_per_sample=segments_per_sample(inputs, "grid_rows"),
         sample_rows=sample_rows(inputs, "grid_rows"),
-        expand=lambda m: m[:, None],
+        pixel_units=units[:, None],
         fill=black.repeat_interleave(pv.shape[1] // black.numel())[None, :],  # a row is (C, T, P, P)
         real_pixels=torch.ones(1, 1, dtype=torch.bool, device=pv.device),
     )
@@ -212,7 +218,7 @@ def _channel_last_rows_map(inputs, layout: str, patch_size: int, black: torch.Te
         units_per_segment=per_segment,
         segments_per_sample=segments_per_sample(inputs, layout),
         sample_rows=sample_rows(inputs, layout),
-        expand=lambda m: m[..., None],
+        pixel_units=units[..., None],
         fill=black.repeat(pv.shape[-1] // black.numel())[None, None, :],  # a row is (P, P, C): channel fastest
         real_pixels=real.to(pv.device)[..., None],
     )
@@ -272,7 +278,7 @@ def _entries_map(inputs, layout, patch_size: int, black, real: torch.Tensor, pix
         units_per_segment=per_entry,
         segments_per_sample=segments_per_sample(inputs, layout),
         sample_rows=sample_rows(inputs, layout),
-        expand=lambda m: _pixel_grid(m, patch_size, height, width)[:, :, None],
+        pixel_units=_pixel_grid(units.reshape(real.shape), patch_size, height, width, -1)[:, :, None],
         fill=black[:, None, None],
         real_pixels=pixel_real.to(pv.device)[:, :, None],
     )
@@ -292,7 +298,7 @@ def _whole_images_map(inputs, layout: str, patch_size: int, black: torch.Tensor,
         units_per_segment=per_image,
         segments_per_sample=segments_per_sample(inputs, layout),
         sample_rows=sample_rows(inputs, layout),
-        expand=lambda m: _pixel_grid(m, patch_size, height, width)[:, None],
+        pixel_units=_pixel_grid(units, patch_size, height, width, -1)[:, None],
         fill=black[:, None, None],
         real_pixels=pixel_real.to(pv.device)[:, None],
     )

@@ -10,6 +10,7 @@ a sample gets: drawn once per prompt per generation round and reused by every ro
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -25,6 +26,17 @@ def generation_round(step: int, steps_per_generation: int, num_iterations: int) 
     when ``_step % (steps_per_generation * num_iterations) == 0`` (``_prepare_inputs``, pinned by the contract's
     ``ROUND_LENGTH``), so masks are shared within one such run of loss calls."""
     return step // (steps_per_generation * num_iterations)
+
+
+@dataclass(frozen=True)
+class MaskedImages:
+    """A batch's masked images and what the masked forward reads of them without finding it again."""
+
+    pixel_values: torch.Tensor
+    # Rows that are one prompt with one mask, so one masked image (in order of first appearance): a prompt's rows
+    # with masks shared per prompt, every row alone with a draw per completion.
+    groups: list[list[int]]
+    sample_rows: list[tuple[int, int]]  # each row's range of pixel_values
 
 
 class MaskState:
@@ -112,44 +124,49 @@ class MaskState:
                 "mask_type 'auto' or 'merge_unit'"
             )
         indices = [u for u in table[sample].tolist() if u >= 0]
-        return masking.excluded_units(int(patches.sample_segments(sample).sum()), indices, sample=sample)
+        return masking.excluded_units(int(patches.sample_units[sample].sum()), indices, sample=sample)
 
     def draw(self, patches: layouts.PatchMap, sample: int, sample_pixels: torch.Tensor, excluded=None) -> torch.Tensor:
         """A fresh mask for one sample: a bool per patch unit (never one of ``excluded``), or (``random``) a coin
         per pixel value."""
         if self.args.mask_type == "random":
             return torch.rand(sample_pixels.shape, generator=self.generator) < self.args.mask_ratio
-        segments = patches.sample_segments(sample)
-        return masking.select_units(segments, self.args.mask_ratio, self.generator, excluded)
+        return masking.select_units(patches.sample_units[sample], self.args.mask_ratio, self.generator, excluded)
 
-    def sample_masks(self, inputs: dict[str, Any], patches: layouts.PatchMap, round_: int | None) -> list:
-        """One mask per sample. ``mask_sharing='prompt'``: drawn once per prompt (content key) per generation round
-        ``round_`` (None: no round, nothing kept) and reused by every rollout of that prompt, in this device batch or
-        a later one of the same round (TRL shuffles rollouts across them); ``'completion'``: a fresh draw each."""
+    def sample_masks(
+        self, inputs: dict[str, Any], patches: layouts.PatchMap, round_: int | None, keys: list[str] | None
+    ) -> list:
+        """One mask per sample. With the samples' prompt ``keys`` (``mask_sharing='prompt'``): drawn once per prompt
+        per generation round ``round_`` (None: no round, nothing kept) and reused by every rollout of that prompt, in
+        this device batch or a later one of the same round (TRL shuffles rollouts across them); without
+        (``'completion'``): a fresh draw each."""
         pixel_values = inputs["pixel_values"]
         excluded = [self._excluded(inputs, patches, i) for i in range(len(patches.sample_rows))]
-        if self.args.mask_sharing != "prompt":
+        if keys is None:
             rows = enumerate(patches.sample_rows)
             return [self.draw(patches, i, pixel_values[a:b], excluded[i]) for i, (a, b) in rows]
         if round_ is None or round_ != self.cache_round or len(self.cache) > MASK_CACHE_LIMIT:
             self.cache, self.cache_round = {}, round_
-        keys = prompt_identity.sample_keys(inputs)
         for i, (start, end) in enumerate(patches.sample_rows):
             if keys[i] not in self.cache:
                 self.cache[keys[i]] = self.draw(patches, i, pixel_values[start:end], excluded[i])
         return [self.cache[key] for key in keys]
 
-    def masked_pixel_values(self, inputs: dict[str, Any], round_: int | None) -> torch.Tensor:
+    def masked_images(self, inputs: dict[str, Any], round_: int | None) -> MaskedImages:
         """``pixel_values`` with the masks of ``mask_type`` applied, filled with ``mask_fill`` (default black after
         normalisation), only on real patches (padding pixels and padded tiles stay as they are) and never on a unit
-        the batch's excluded units name; a new tensor, the input is never written."""
+        the batch's excluded units name; a new tensor, the input is never written. The batch's patch map and prompt
+        identity are found once here and handed on with the pixels (``MaskedImages``)."""
         patches = self.patch_map(inputs)
-        masks = self.sample_masks(inputs, patches, round_)
+        keys, groups = None, [[i] for i in range(len(patches.sample_rows))]
+        if self.args.mask_sharing == "prompt":
+            keys, groups = prompt_identity.keys_and_groups(inputs, patches)
+        masks = self.sample_masks(inputs, patches, round_, keys)
         for i, row in enumerate(inputs.get(ROLLOUT_ROW_KEY, torch.empty(0)).tolist()):
             self.rollout_masks[row] = masks[i].cpu()  # for a reviewer: the exact mask this completion trained with
-        if self.args.mask_type == "random":
-            return masking.apply_values(patches, inputs["pixel_values"], torch.cat(masks), self.args.mask_fill)
-        return masking.apply_units(patches, inputs["pixel_values"], torch.cat(masks), self.args.mask_fill)
+        apply = masking.apply_values if self.args.mask_type == "random" else masking.apply_units
+        pixels = apply(patches, inputs["pixel_values"], torch.cat(masks), self.args.mask_fill)
+        return MaskedImages(pixels, groups, patches.sample_rows)
 
     # ---- checkpoints: the generator is resumed with the RNG states the Trainer saves ----
     def rng_file(self, folder: str) -> str:

@@ -76,16 +76,21 @@ def fill_values(patches: PatchMap, fill: str = "black") -> torch.Tensor:
     return patches.fill if fill == "black" else torch.zeros_like(patches.fill)
 
 
-def apply_units(
-    patches: PatchMap, pixel_values: torch.Tensor, selected_units: torch.Tensor, fill: str = "black"
-) -> torch.Tensor:
-    """Fill the units chosen by ``selected_units`` (one bool per unit of the batch) with ``fill``; a new tensor."""
+def selected_pixels(patches: PatchMap, selected_units: torch.Tensor) -> torch.Tensor:
+    """The pixels of the units ``selected_units`` chooses (one bool per unit of the batch), real pixels only: a bool
+    broadcastable to ``pixel_values``, where ``real_pixels`` lives (the images' device)."""
     total = int(patches.units_per_segment.sum())
     if selected_units.shape != (total,):
         raise ValueError(f"selection of shape {tuple(selected_units.shape)} for {total} patches ({patches.layout})")
     lookup = torch.cat([torch.zeros(1, dtype=torch.bool), selected_units.cpu().bool()])
-    chosen = patches.expand(lookup[patches.units + 1]).to(pixel_values.device) & patches.real_pixels
-    return _fill(patches, pixel_values, chosen, fill)
+    return lookup[patches.pixel_units + 1].to(patches.real_pixels.device) & patches.real_pixels
+
+
+def apply_units(
+    patches: PatchMap, pixel_values: torch.Tensor, selected_units: torch.Tensor, fill: str = "black"
+) -> torch.Tensor:
+    """Fill the units chosen by ``selected_units`` (one bool per unit of the batch) with ``fill``; a new tensor."""
+    return _fill(patches, pixel_values, selected_pixels(patches, selected_units).to(pixel_values.device), fill)
 
 
 def apply_values(

@@ -32,7 +32,7 @@ from .forward import prefix_sharing
 from .forward.masked_branch import MaskedBranch
 from .forward.plan import forward_plan
 from .loss_observer import training_observer
-from .mask_state import MaskState, generation_round
+from .mask_state import MaskedImages, MaskState, generation_round
 from .papo_config import PAPOGConfig
 from .perception_metrics import ROLLOUT_ROW_KEY, PerceptionRecord, log_perception_metrics
 from .schedule import LossWeights, loss_weights
@@ -222,7 +222,7 @@ class PAPOGTrainer(GRPOTrainer):
         the parent's forward: under no-grad (the default) its full-vocabulary logits are freed before the parent's
         forward creates the logits autograd keeps for backward, so the two never coexist (same math in either
         order)."""
-        masked = self.masked_branch.for_loss(model, inputs, self.masked_pixel_values, self._with_entropy_grad)
+        masked = self.masked_branch.for_loss(model, inputs, self.masked_images, self._with_entropy_grad)
         self._captured_parent_logps = []
         try:
             parent_loss = super()._compute_loss(model, inputs)
@@ -234,13 +234,17 @@ class PAPOGTrainer(GRPOTrainer):
 
     def masked_forward(self, model, inputs):
         """The masked branch of ``inputs`` computed now (masking, then the forward), as the loss call runs it."""
-        pixels = self.masked_pixel_values(inputs) if inputs.get("pixel_values") is not None else None
-        return self.masked_branch.compute(model, inputs, pixels, self._with_entropy_grad)
+        masked = self.masked_images(inputs) if inputs.get("pixel_values") is not None else None
+        return self.masked_branch.compute(model, inputs, masked, self._with_entropy_grad)
+
+    def masked_images(self, inputs: dict[str, Any]) -> MaskedImages:
+        """``inputs``' images with this trainer's masks for the current generation round (in eval: no round)."""
+        round_ = generation_round(self._step, self.args.steps_per_generation, self.num_iterations)
+        return self.masks.masked_images(inputs, round_ if self.model.training else None)
 
     def masked_pixel_values(self, inputs: dict[str, Any]) -> torch.Tensor:
         """``pixel_values`` with this trainer's masks for the current generation round (in eval: no round)."""
-        round_ = generation_round(self._step, self.args.steps_per_generation, self.num_iterations)
-        return self.masks.masked_pixel_values(inputs, round_ if self.model.training else None)
+        return self.masked_images(inputs).pixel_values
 
     @property
     def mask_generator(self) -> torch.Generator:

@@ -1,4 +1,4 @@
-"""A prompt's identity in a batch (``group_samples``, ``sample_keys``): its unpadded prompt tokens and the bytes of
+"""A prompt's identity in a batch (``group_samples``, ``keys_and_groups``): its unpadded prompt tokens and the bytes of
 every image tensor aligned with its rows.
 
 TRL 1.9.1 shuffles a generation round before splitting it into device batches
@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from .layouts import count_ranges, detect_layout, sample_rows, segments_per_sample
+from .layouts import PatchMap, count_ranges, detect_layout, sample_rows, segments_per_sample
 
 # Tensors that are indexed like pixel_values along dim 0 (same images/tiles): a sample's share of each is its image.
 _ROW_ALIGNED = (
@@ -31,17 +31,23 @@ def _raw(t: torch.Tensor) -> torch.Tensor:
     return t.detach().contiguous().reshape(-1).view(torch.uint8)
 
 
-def _sample_parts(inputs: dict[str, Any]) -> tuple[str, list[tuple[torch.Tensor, list[tuple[str, torch.Tensor]]]]]:
+def _sample_parts(
+    inputs: dict[str, Any], patches: PatchMap | None = None
+) -> tuple[str, list[tuple[torch.Tensor, list[tuple[str, torch.Tensor]]]]]:
     """The layout (empty for a text-only batch) and, per sample, its unpadded prompt tokens and its share of every
-    row-aligned image tensor."""
+    row-aligned image tensor; ``patches``, the batch's map where the caller built one, says where each sample's
+    rows are (else they are found from the batch)."""
     prompt_ids, prompt_mask = inputs["prompt_ids"], inputs["prompt_mask"]
     tokens = [prompt_ids[i][prompt_mask[i].bool()] for i in range(len(prompt_ids))]
     if inputs.get("pixel_values") is None:
         return "", [(t, []) for t in tokens]
-    layout = detect_layout(inputs)
-    rows = sample_rows(inputs, layout)
-    # image_grid_thw has one row per image; in grid_rows the other aligned tensors have one row per patch
-    images = count_ranges(segments_per_sample(inputs, layout)) if layout == "grid_rows" else rows
+    if patches is not None:
+        layout, rows, images = patches.layout, patches.sample_rows, patches.image_rows
+    else:
+        layout = detect_layout(inputs)
+        rows = sample_rows(inputs, layout)
+        # image_grid_thw has one row per image; in grid_rows the other aligned tensors have one row per patch
+        images = count_ranges(segments_per_sample(inputs, layout)) if layout == "grid_rows" else rows
     parts = []
     for i, (start, end) in enumerate(rows):
         named = []
@@ -80,12 +86,14 @@ def _groups(parts) -> list[list[int]]:
     return groups
 
 
-def sample_keys(inputs: dict[str, Any]) -> list[str]:
-    """One key per completion, equal exactly when two completions are the same prompt (``group_samples``), also
-    across device batches: a hash of the first sample's bytes in each group (one host copy per distinct prompt)."""
-    layout, parts = _sample_parts(inputs)
+def keys_and_groups(inputs: dict[str, Any], patches: PatchMap | None = None) -> tuple[list[str], list[list[int]]]:
+    """One key per completion, equal exactly when two completions are the same prompt, also across device batches
+    (a hash of the first sample's bytes in each group: one host copy per distinct prompt), and the groups of
+    ``group_samples``. ``patches``: the batch's map, where the caller has it (``_sample_parts``)."""
+    layout, parts = _sample_parts(inputs, patches)
     keys: list[str] = [""] * len(parts)
-    for group in _groups(parts):
+    groups = _groups(parts)
+    for group in groups:
         tokens, named = parts[group[0]]
         digest = hashlib.blake2b(digest_size=16)
         digest.update(layout.encode())
@@ -94,4 +102,4 @@ def sample_keys(inputs: dict[str, Any]) -> list[str]:
             digest.update(name.encode() + _raw(part).cpu().numpy().tobytes())
         for i in group:
             keys[i] = digest.hexdigest()
-    return keys
+    return keys, groups

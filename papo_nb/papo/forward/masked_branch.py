@@ -27,6 +27,7 @@ import torch
 from transformers.utils import logging
 
 from ..fsdp import partitioning
+from ..mask_state import MaskedImages
 from ..schedule import perception_off_for_the_run
 from . import prefill, rollout_branch
 from .logp_inputs import logp_call_arguments
@@ -81,11 +82,11 @@ class MaskedBranch:
             and not args.measure_perception_kl
         )
 
-    def for_loss(self, model, inputs: dict[str, Any], mask_pixels, logps_of):
+    def for_loss(self, model, inputs: dict[str, Any], mask_images, logps_of):
         """The batch's masked ``(logps, entropies)`` for the loss call: stored with this trainer's round, or computed
         now (``masked_branch="update"``, a batch built outside a round); None where it equals the original branch
-        (a text-only batch, a skipped branch). ``mask_pixels(inputs)`` masks the batch's images, ``logps_of`` as in
-        ``compute``."""
+        (a text-only batch, a skipped branch). ``mask_images(inputs)`` masks the batch's images (a
+        ``mask_state.MaskedImages``), ``logps_of`` as in ``compute``."""
         if self.skipped:
             self.record_skip()
             return None
@@ -103,7 +104,7 @@ class MaskedBranch:
         with self.clock.timing():
             any_images = self.images_on_any_rank(has_images)  # a collective: every rank calls it
             if has_images:
-                return self.compute(model, inputs, mask_pixels(inputs), logps_of)
+                return self.compute(model, inputs, mask_images(inputs), logps_of)
             if any_images:  # result unused: see images_on_any_rank
                 self.compute(model, inputs, None, logps_of)
         return None
@@ -178,18 +179,19 @@ class MaskedBranch:
         return entries
 
     # ---- the branch in the loss call ----
-    def compute(self, model, inputs: dict[str, Any], masked_pixels: torch.Tensor | None, logps_of):
+    def compute(self, model, inputs: dict[str, Any], masked: MaskedImages | None, logps_of):
         """The masked branch now, for this batch: ``(logps, entropies)``, shared prefix or full forward, with gradient
-        when ``masked_branch_grad`` asks for it. ``masked_pixels`` replace the batch's images (None: a text-only
-        batch's parity forward, see ``images_on_any_rank``); ``logps_of(want_entropy_grad, model, *args, **kwargs)``
-        is the parent's log-prob method (the masked entropy keeps its gradient when the full estimator weighs it)."""
+        when ``masked_branch_grad`` asks for it. ``masked``'s pixels replace the batch's images (None: a text-only
+        batch's parity forward, see ``images_on_any_rank``), its groups and per-row pixels serve the shared prefix;
+        ``logps_of(want_entropy_grad, model, *args, **kwargs)`` is the parent's log-prob method (the masked entropy
+        keeps its gradient when the full estimator weighs it)."""
         # The sampled estimator needs only log-probs; the full one asks the parent for vocabulary entropies.
         compute_entropy = self.args.entropy_estimator == "full"
         entropy_grad = compute_entropy and self.args.masked_branch_grad and self.args.masked_entropy_weight > 0
         # Under no-grad, one prefill per prompt and its completions against the cached prefix (same numbers, see
         # prefill.py); None where it does not apply (the reason is logged and in the metrics).
-        pixels = masked_pixels if masked_pixels is not None else inputs.get("pixel_values")
-        shared = self._shared_prefix(model, inputs, pixels, compute_entropy)
+        pixels = masked.pixel_values if masked is not None else inputs.get("pixel_values")
+        shared = self._shared_prefix(model, inputs, masked, compute_entropy)
         if shared is not None:
             return shared
         positional, vlm_kwargs = logp_call_arguments(inputs)  # the full forward's arguments, as the parent's
@@ -204,11 +206,17 @@ class MaskedBranch:
             )
         return logps, entropies
 
-    def _shared_prefix(self, model, inputs: dict[str, Any], pixel_values, compute_entropy: bool):
-        """``(logps, entropies)`` through the shared prefix where it applies (recorded in the metrics), else None."""
-        groups = None
-        if self.plan.shared and inputs.get("prompt_ids") is not None:
-            groups = prefill.prompt_groups(inputs, pixel_values)
+    def _shared_prefix(self, model, inputs: dict[str, Any], masked: MaskedImages | None, compute_entropy: bool):
+        """``(logps, entropies)`` through the shared prefix where it applies (recorded in the metrics), else None.
+        The masking's groups and per-row pixels are used as they are (a row's masked image is its group's); a batch
+        without ``masked`` (text only) is grouped by its prompt tokens."""
+        groups = group_pixels = None
+        if masked is not None:
+            groups = masked.groups
+            first_rows = (masked.sample_rows[group[0]] for group in groups)
+            group_pixels = [masked.pixel_values[start:end] for start, end in first_rows]
+        elif self.plan.shared and inputs.get("prompt_ids") is not None:
+            groups = prefill.prompt_groups(inputs, inputs.get("pixel_values"))
         shared, reason = self._choose(inputs, groups)
         if not shared:
             self.record(False, reason, None)
@@ -219,11 +227,12 @@ class MaskedBranch:
         result = prefill.shared_prefix_logps(
             model,
             inputs,
-            pixel_values,
+            None,
             temperature=self.temperature,
             compute_entropy=compute_entropy,
             groups=groups,
             max_chunk_rows=max_rows,
+            group_pixel_values=group_pixels,
         )
         self.record(True, reason, len(inputs["prompt_ids"]) / len(groups))
         return result

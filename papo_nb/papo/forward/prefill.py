@@ -14,8 +14,10 @@ Positions are exact: Qwen's multimodal rotary positions of the *whole* prompt + 
 positions built from the stored ``rope_deltas`` ignore left padding
 (measured on the tiny Qwen2-VL: off by the pad count).
 
-Prompts are grouped by content (prompt tokens, grid and the *masked* pixel rows), so the path is exact whatever the
-masks are; with per-completion masks no two completions share a prefix and there is nothing to gain. Completions
+Rows are grouped by prompt *and* mask: in the loss call the masking hands over the groups it drew masks by
+(``mask_state.MaskedImages``: a prompt's rows under per-prompt masks, every row alone under per-completion masks), and
+a group's first row's masked pixels serve the group, so the path is exact whatever the masks are; found here
+(``prompt_groups``: prompt tokens, grid and pixel rows) where no masking ran. Completions
 run one chunk of whole groups at a time (at most as many rows as the largest group), so the expanded cache and the
 vocabulary-sized logits exist for one chunk only: the peak stays below the full forward's.
 """

@@ -32,7 +32,7 @@ import torch
 from mlflow import MlflowClient
 from PIL import Image, ImageDraw
 
-from papo_nb.papo import layouts
+from papo_nb.papo import layouts, masking
 from papo_nb.papo.vppo.vppo_trainer import REVIEW_COLUMNS as VPPO_COLUMNS
 
 REVIEW_PROMPTS = 2  # items per step in the table (each with all its completions, at most the next bound)
@@ -76,8 +76,7 @@ def mask_pixels(trainer, image: Image.Image, selection: torch.Tensor) -> tuple[I
     if trainer.args.mask_type == "random":
         chosen = selection.to(torch.bool) & patches.real_pixels
     else:
-        lookup = torch.cat([torch.zeros(1, dtype=torch.bool), selection.bool()])
-        chosen = patches.expand(lookup[patches.units + 1]) & patches.real_pixels
+        chosen = masking.selected_pixels(patches, selection)
     chosen = chosen.expand_as(pixel_values).cpu()
     if layout == "grid_rows":
         patch, merge = trainer.masks.patch_size(), getattr(processor, "merge_size", 1)
