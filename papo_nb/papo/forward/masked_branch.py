@@ -10,8 +10,8 @@ It runs in two places. In the loss call (``masked_branch="update"``, and batches
 per update micro-batch with the current policy and with gradient
 (https://github.com/MikeWangWZHL/PAPO/blob/fb63bf4/verl/workers/actor/dp_actor.py#L46). Once per generation round
 (``masked_branch="rollout"``, the default) as ``rollout_entries`` (``rollout_branch.py``). Either way the caller hands
-it the model, the batch, the masked pixels (or the function that masks a batch) and the log-prob function
-explicitly; the object never reaches back into the trainer.
+it the model, the batch, the function that masks a batch (its images, ``mask_state.MaskedImages``, in the loss call)
+and the log-prob function explicitly; the object never reaches back into the trainer.
 """
 
 from __future__ import annotations
