@@ -1,0 +1,205 @@
+"""The controls page's contrasts on more than one warm start (issue 41, item 3): GRPO's drift, and PAPO-G against
+GRPO, against each matched control and against the KL-matched placebo, on each independently built policy and pooled
+over them.
+
+Each warm start is one build of the testbed (its build seed, its weights' SHA-256, its card); each run is one (arm,
+seed) of the same params and held-out set, paired by seed within its warm start. Pooled: every (warm start, seed)
+pair, which treats seeds of one policy as independent of another's; and between warm starts, one mean difference per
+warm start (a t-test over so few policies has little power, so the count of warm starts whose mean difference is
+positive stands beside it). ``docs/measurements/warm_starts_shortcut.py`` trains the runs and calls ``write_page``;
+``render`` rewrites the page from its own ``runs.json``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from statistics import mean
+
+from scipy import stats as scipy_stats
+
+from papo_nb.workbook.study.drift import CONSISTENT, EQUIVALENCE_MARGIN, PRIMARY
+from papo_nb.workbook.study.errors import DECOY, PRIOR
+from papo_nb.workbook.study.power import effect_verdict
+from papo_nb.workbook.study.stats import equivalence_test, mean_ci, paired_tests_with_power
+
+METRICS = (PRIMARY, "avg_at_k/gap/vision", CONSISTENT, PRIOR, DECOY)
+GRPO, PAPO_G = "grpo", "papo_g_half"
+# (treatment, control): PAPO-G against GRPO and every control; the last, where only the mask's place differs
+CONTRASTS = (
+    (PAPO_G, GRPO),
+    (PAPO_G, "grpo_beta"),
+    (PAPO_G, "grpo_lr"),
+    (PAPO_G, "placebo_kl_matched"),
+    ("mean_fill_papo_g_kl_matched", "placebo_kl_matched"),
+)
+ARMS = tuple(dict.fromkeys(arm for pair in CONTRASTS for arm in pair))
+RUNS_FILE, PAGE_FILE = "runs.json", "results.md"
+
+
+def collect(outs: list[Path], controls_page: Path | None = None) -> dict:
+    """The page's data: the params file its runs share, and one entry per warm start (its build seed, weights' hash,
+    SFT steps, start scores and runs: ``ARMS`` only, with ``METRICS`` and the collapse verdict), from each
+    ``OUT/results.json``, after the controls page's own runs where ``controls_page`` is given (its build 0)."""
+    records = [json.loads((out / "results.json").read_text()) for out in outs]
+    if controls_page is not None:
+        seed_0 = {
+            "params": json.loads((controls_page / "rebuild.json").read_text())["params"],
+            "card": json.loads((controls_page / "testbed_card.json").read_text()),
+            "start_scores": json.loads((controls_page / "start_scores.json").read_text()),
+            "runs": json.loads((controls_page / "runs.json").read_text()),
+        }
+        records.insert(0, seed_0)
+    params = {record["params"] for record in records}
+    if len(params) != 1:
+        raise ValueError(
+            f"the warm starts' runs used different params files {sorted(params)}; a page pairs one design"
+        )
+    return {"params": params.pop(), "warm_starts": [_warm_start(record) for record in records]}
+
+
+def _warm_start(record: dict) -> dict:
+    card = record["card"]
+    runs = [
+        {"arm": r["arm"], "seed": r["seed"], "gamma": r["gamma"], "collapsed": bool(r["collapse"]["collapsed"]),
+         "scores": {m: r["scores"][m] for m in METRICS if m in r["scores"]}}
+        for r in record["runs"] if r["arm"] in ARMS
+    ]  # fmt: skip
+    return {"build": card["seed"], "weights_sha256": card["weights_sha256"], "sft_steps": card["sft_steps"],
+            "start_scores": {m: record["start_scores"][m] for m in METRICS if m in record["start_scores"]},
+            "runs": runs}  # fmt: skip
+
+
+def paired(build: dict, treatment: str, control: str, metric: str) -> tuple[list[float], list[float]]:
+    """(treatment, control) scores over the seeds both arms finished on one warm start (NaN scores left out)."""
+    by_arm = {
+        arm: {r["seed"]: r["scores"].get(metric, math.nan) for r in build["runs"] if r["arm"] == arm}
+        for arm in (treatment, control)
+    }
+    seeds = [s for s in sorted(set(by_arm[treatment]) & set(by_arm[control])) if
+             math.isfinite(by_arm[treatment][s]) and math.isfinite(by_arm[control][s])]  # fmt: skip
+    return [by_arm[treatment][s] for s in seeds], [by_arm[control][s] for s in seeds]
+
+
+def contrast_rows(data: dict, treatment: str, control: str, metric: str = PRIMARY) -> list[dict]:
+    """One row per warm start and one pooled: ``treatment`` - ``control`` on ``metric``, paired by seed."""
+    rows, ours, theirs, means = [], [], [], []
+    for build in data["warm_starts"]:
+        a, b = paired(build, treatment, control, metric)
+        collapsed = sum(r["collapsed"] for r in build["runs"] if r["arm"] == treatment)
+        rows.append({"label": f"warm start {build['build']}", "collapsed": collapsed, **_contrast(a, b)})
+        ours, theirs = ours + a, theirs + b
+        if a:
+            means.append(mean(x - y for x, y in zip(a, b)))
+    pooled = {"label": "pooled", "collapsed": sum(r["collapsed"] for r in rows), **_contrast(ours, theirs)}
+    pooled["equivalence_p"] = equivalence_test(ours, theirs, EQUIVALENCE_MARGIN)["p_value"]
+    pooled["between_p"] = float(scipy_stats.ttest_1samp(means, 0.0).pvalue) if len(set(means)) > 1 else math.nan
+    pooled["positive_warm_starts"] = f"{sum(m > 0 for m in means)} of {len(means)}"
+    return rows + [pooled]
+
+
+def _contrast(treatment: list[float], control: list[float]) -> dict:
+    if not treatment:
+        return {"pairs": 0, "diff": math.nan, "diff_ci95": math.nan, "p_value": math.nan, "sign_p": math.nan,
+                "wilcoxon_p": math.nan, "mde": math.nan}  # fmt: skip
+    return paired_tests_with_power(treatment, control)
+
+
+def drift_rows(data: dict, metric: str = PRIMARY) -> list[dict]:
+    """GRPO's end minus its warm start's score before RL, per warm start and pooled, with a one-sample t-test."""
+    rows, pooled = [], []
+    for build in data["warm_starts"]:
+        ends = [r["scores"][metric] for r in build["runs"] if r["arm"] == GRPO and metric in r["scores"]]
+        drifts = [end - build["start_scores"][metric] for end in ends]
+        rows.append(_drift(f"warm start {build['build']}", build["start_scores"][metric], drifts))
+        pooled += drifts
+    return rows + [_drift("pooled", math.nan, pooled)]
+
+
+def _drift(label: str, start: float, drifts: list[float]) -> dict:
+    centre, half = mean_ci(drifts)
+    p_value = float(scipy_stats.ttest_1samp(drifts, 0.0).pvalue) if len(set(drifts)) > 1 else math.nan
+    return {"label": label, "start": start, "end": start + centre, "drift": centre, "drift_ci95": half,
+            "p_value": p_value, "seeds": len(drifts)}  # fmt: skip
+
+
+def render(data: dict) -> str:
+    """The page's markdown, from its data alone."""
+    builds = data["warm_starts"]
+    lines = [
+        "# The controls page's contrasts, warm start by warm start (issue 41)",
+        "",
+        "Generated by `docs/measurements/warm_starts_shortcut.py` (`page`, `full-page`; "
+        f"`papo_nb.workbook.study.warm_starts`) from `{RUNS_FILE}` beside it. Design: `{data['params']}` (40 "
+        "steps, 5 seeds, one held-out set: 64 prior-breaking and 32 prior-consistent items, avg@4) on each warm "
+        "start of `testbed:shapes_shortcut` below (build 0: the shipped weights; others: fresh builds of their seed), "
+        "with its own collapse check, matched controls and KL-matched placebo gamma. Pooled rows pair seeds within a "
+        "warm start and treat every (warm start, seed) as one pair.",
+        "",
+        "| warm start | weights (SHA-256) | SFT steps | PAPO-G gamma | placebo gamma |",
+        "|---|---|---|---|---|",
+        *(
+            f"| {b['build']} | `{b['weights_sha256'][:12]}` | {b['sft_steps']} | {_gamma(b, PAPO_G)} | "
+            f"{_gamma(b, 'placebo_kl_matched')} |"
+            for b in builds
+        ),  # fmt: skip
+        "",
+        f"## GRPO's drift on {PRIMARY}",
+        "",
+        "| | before RL | GRPO end | drift [95% CI] | p | seeds |",
+        "|---|---|---|---|---|---|",
+        *(_drift_line(r) for r in drift_rows(data)),
+        "",
+        "## Verdicts (pooled, " + PRIMARY + ")",
+        "",
+    ]
+    for treatment, control in CONTRASTS:
+        pooled = contrast_rows(data, treatment, control)[-1]
+        verdict = effect_verdict(pooled["diff"], pooled["p_value"], pooled["mde"])
+        lines.append(f"- {treatment} - {control}: {verdict}; positive on {pooled['positive_warm_starts']} warm starts")
+    for metric in METRICS:
+        lines += ["", f"## {metric}", "", _table(data, metric, per_warm_start=metric == PRIMARY)]
+    return "\n".join(lines) + "\n"
+
+
+def _gamma(build: dict, arm: str) -> str:
+    gammas = {r["gamma"] for r in build["runs"] if r["arm"] == arm}
+    return ", ".join(f"{g:g}" for g in sorted(gammas)) or "not run"
+
+
+def _drift_line(r: dict) -> str:
+    start = "" if math.isnan(r["start"]) else f"{r['start']:.3f}"
+    end = "" if math.isnan(r["start"]) else f"{r['end']:.3f}"
+    drift = f"{r['drift']:+.3f} +/- {r['drift_ci95']:.3f}"
+    return f"| {r['label']} | {start} | {end} | {drift} | {r['p_value']:.2g} | {r['seeds']} |"
+
+
+def _table(data: dict, metric: str, per_warm_start: bool) -> str:
+    lines = [
+        "| treatment - control | | difference [95% CI] | t p | sign p | Wilcoxon p | MDE | TOST p (+-0.02) | pairs "
+        "| treatment runs collapsed | warm starts positive (between p) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for treatment, control in CONTRASTS:
+        rows = contrast_rows(data, treatment, control, metric)
+        for r in rows if per_warm_start else rows[-1:]:
+            pooled = r["label"] == "pooled"
+            tost = f"{r['equivalence_p']:.2g}" if pooled else ""
+            between = f"{r['positive_warm_starts']} ({r['between_p']:.2g})" if pooled else ""
+            lines.append(
+                f"| {treatment} - {control} | {r['label']} | {r['diff']:+.3f} +/- {r['diff_ci95']:.3f} | "
+                f"{r['p_value']:.2g} | {r['sign_p']:.3g} | {r['wilcoxon_p']:.3g} | {r['mde']:.3f} | {tost} | "
+                f"{r['pairs']} | {r['collapsed']} | {between} |"
+            )
+    return "\n".join(lines)
+
+
+def write_page(page: Path, outs: list[Path], controls_page: Path | None = None) -> Path:
+    """Collect the runs (``collect``), write them and the page rendered from them; returns the page's path. The page
+    names each warm start's weights in its runs (no ``testbed_card.json``: it is not a notebook 04 page)."""
+    page.mkdir(parents=True, exist_ok=True)
+    data = collect(outs, controls_page)
+    (page / RUNS_FILE).write_text(json.dumps(data, indent=1) + "\n")
+    (page / PAGE_FILE).write_text(render(data))
+    return page / PAGE_FILE
