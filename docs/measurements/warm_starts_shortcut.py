@@ -4,10 +4,10 @@ seeds, beside the page's own runs on the pinned seed-0 build.
 
     OMP_NUM_THREADS=1 .venv/bin/python docs/measurements/warm_starts_shortcut.py train BUILD OUT [PARAMS]
     .venv/bin/python docs/measurements/warm_starts_shortcut.py page OUT [OUT ...]
-    .venv/bin/python docs/measurements/warm_starts_shortcut.py full-page OUT
+    .venv/bin/python docs/measurements/warm_starts_shortcut.py full-page OUT [OUT ...]
 
 
-``full-page`` writes one ``OUT`` (build 0 trained with ``params/study_controls_full.yaml``: full fine-tuning) as
+``full-page`` writes the ``OUT``s trained with ``params/study_controls_full.yaml`` (full fine-tuning) as
 ``docs/study/shortcut_controls_full/``.
 
 ``train`` builds the warm start of build seed ``BUILD`` (``papo_nb.testbed.policy.build_testbed``: a build that misses
