@@ -76,9 +76,9 @@ class PatchMap:
     sample_units: list[torch.Tensor] = field(init=False)  # the real units of each sample's images or tiles
 
     def __post_init__(self):
-        per_sample = count_ranges(self.segments_per_sample)
-        object.__setattr__(self, "image_rows", per_sample if self.layout == "grid_rows" else self.sample_rows)
-        object.__setattr__(self, "sample_units", [self.units_per_segment[a:b] for a, b in per_sample])
+        object.__setattr__(self, "image_rows", image_rows(self.layout, self.segments_per_sample, self.sample_rows))
+        ranges = count_ranges(self.segments_per_sample)
+        object.__setattr__(self, "sample_units", [self.units_per_segment[a:b] for a, b in ranges])
 
 
 def _dense_units(real_patches: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -157,6 +157,12 @@ def segments_per_sample(inputs: dict[str, Any], layout: str) -> list[int]:
     if layout == "crops":  # every entry of the padded list is a segment (padded ones have no unit)
         return [n * pv.shape[1] for n in _per_sample(pv.shape[0], inputs)]
     return _per_sample(pv.shape[0], inputs)
+
+
+def image_rows(layout: str, segments: list[int], rows: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Each sample's range of the tensors with one row per image: ``image_grid_thw`` in grid rows (the other aligned
+    tensors have one row per patch there), elsewhere its ``rows`` of ``pixel_values`` (``sample_rows``)."""
+    return count_ranges(segments) if layout == "grid_rows" else rows
 
 
 def sample_rows(inputs: dict[str, Any], layout: str) -> list[tuple[int, int]]:

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from .layouts import PatchMap, count_ranges, detect_layout, sample_rows, segments_per_sample
+from .layouts import PatchMap, detect_layout, image_rows, sample_rows, segments_per_sample
 
 # Tensors that are indexed like pixel_values along dim 0 (same images/tiles): a sample's share of each is its image.
 _ROW_ALIGNED = (
@@ -46,8 +46,7 @@ def _sample_parts(
     else:
         layout = detect_layout(inputs)
         rows = sample_rows(inputs, layout)
-        # image_grid_thw has one row per image; in grid_rows the other aligned tensors have one row per patch
-        images = count_ranges(segments_per_sample(inputs, layout)) if layout == "grid_rows" else rows
+        images = image_rows(layout, segments_per_sample(inputs, layout), rows)
     parts = []
     for i, (start, end) in enumerate(rows):
         named = []

@@ -210,17 +210,18 @@ class MaskedBranch:
         """``(logps, entropies)`` through the shared prefix where it applies (recorded in the metrics), else None.
         The masking's groups and per-row pixels are used as they are (a row's masked image is its group's); a batch
         without ``masked`` (text only) is grouped by its prompt tokens."""
-        groups = group_pixels = None
+        groups = None
         if masked is not None:
             groups = masked.groups
-            first_rows = (masked.sample_rows[group[0]] for group in groups)
-            group_pixels = [masked.pixel_values[start:end] for start, end in first_rows]
         elif self.plan.shared and inputs.get("prompt_ids") is not None:
             groups = prefill.prompt_groups(inputs, inputs.get("pixel_values"))
         shared, reason = self._choose(inputs, groups)
         if not shared:
             self.record(False, reason, None)
             return None
+        group_pixels = None
+        if masked is not None:  # each group's masked image: its first row's pixel rows
+            group_pixels = [masked.pixel_values[slice(*masked.sample_rows[group[0]])] for group in groups]
         # Under FSDP/ZeRO-3 a forward is a collective: every rank runs one prefill and one completion forward here,
         # whatever its groups (chunks of whole groups would make the count depend on the batch).
         max_rows = len(inputs["prompt_ids"]) if self.accelerator.num_processes > 1 else None
