@@ -55,6 +55,23 @@ def test_each_warm_start_and_the_pool_pair_by_seed_within_a_warm_start():
     assert [d["drift"] for d in drifts] == pytest.approx([-0.4 / 3, 0.0, -0.4 / 6])
 
 
+def test_the_verdict_calls_the_gain_perception_specific_only_when_it_beats_every_control_and_the_mask_place_matters():
+    base = [0.40, 0.42, 0.38, 0.41, 0.39]
+    above = [0.05, 0.06, 0.04, 0.05, 0.07]  # a detected margin, with spread
+
+    def build(b: int, place: float) -> dict:
+        by_arm = dict.fromkeys(warm_starts.ARMS, base)
+        by_arm["papo_g_half"] = [x + d for x, d in zip(base, above)]
+        by_arm["mean_fill_papo_g_kl_matched"] = [x + d * place for x, d in zip(base, above)]
+        return toy_build(b, 0.5, by_arm)
+
+    specific = warm_starts.two_sentence_verdict({"params": "p.yaml", "warm_starts": [build(0, 1.0), build(1, 1.0)]})
+    assert "Perception-specific: shown" in specific and "negative on 2 of 2" in specific
+    same_place = warm_starts.two_sentence_verdict({"params": "p.yaml", "warm_starts": [build(0, 0.0), build(1, 0.0)]})
+    assert "Perception-specific: not shown" in same_place
+    assert "Perception-specific: not shown" in warm_starts.two_sentence_verdict(TOY)
+
+
 def test_a_seed_one_arm_did_not_finish_and_a_missing_arm_are_left_out_of_the_pairs():
     data = {
         "params": "p.yaml",

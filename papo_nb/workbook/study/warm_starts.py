@@ -151,16 +151,54 @@ def render(data: dict) -> str:
         "|---|---|---|---|---|---|",
         *(_drift_line(r) for r in drift_rows(data)),
         "",
+        "## Verdict",
+        "",
+        two_sentence_verdict(data),
+        "",
         "## Verdicts (pooled, " + PRIMARY + ")",
         "",
     ]
     for treatment, control in CONTRASTS:
         pooled = contrast_rows(data, treatment, control)[-1]
-        verdict = effect_verdict(pooled["diff"], pooled["p_value"], pooled["mde"])
-        lines.append(f"- {treatment} - {control}: {verdict}; positive on {pooled['positive_warm_starts']} warm starts")
+        said = _effect(pooled)
+        lines.append(f"- {treatment} - {control}: {said}; positive on {pooled['positive_warm_starts']} warm starts")
     for metric in METRICS:
         lines += ["", f"## {metric}", "", _table(data, metric, per_warm_start=metric == PRIMARY)]
     return "\n".join(lines) + "\n"
+
+
+def _effect(row: dict) -> str:
+    return effect_verdict(row["diff"], row["p_value"], row["mde"])
+
+
+def two_sentence_verdict(data: dict) -> str:
+    """Two sentences from the pooled numbers: GRPO's drift and PAPO-G against it; then whether the gain is
+    perception-specific, which needs PAPO-G to beat every control (a positive difference the paired test detects)
+    and its mask to beat the placebo's at the same fill (``CONTRASTS``' last, where only the mask's place differs)."""
+    *per_warm_start, drift = drift_rows(data)
+    pooled = {pair: contrast_rows(data, *pair)[-1] for pair in CONTRASTS}
+    against_grpo = pooled[CONTRASTS[0]]
+    runs = sum(1 for b in data["warm_starts"] for r in b["runs"] if r["arm"] == PAPO_G)
+    negative = f"negative on {sum(r['drift'] < 0 for r in per_warm_start)} of {len(per_warm_start)}"
+    first = (
+        f"GRPO's drift on {PRIMARY}, pooled over {drift['seeds']} runs on {len(per_warm_start)} warm starts, is "
+        f"{drift['drift']:+.3f} +/- {drift['drift_ci95']:.3f} (p = {drift['p_value']:.2g}; {negative}); "
+        f"PAPO-G ({PAPO_G}) against GRPO: {_effect(against_grpo)}, {against_grpo['collapsed']} of {runs} PAPO-G runs "
+        "collapsed."
+    )
+    beats = {pair: r["diff"] > 0 and r["p_value"] < 0.05 for pair, r in pooled.items()}
+    place = pooled[CONTRASTS[-1]]
+    specific = all(beats.values())
+    controls = "; ".join(
+        f"against {control} {_effect(r)}"
+        for (treatment, control), r in pooled.items() if treatment == PAPO_G and control != GRPO
+    )  # fmt: skip
+    second = (
+        f"Perception-specific: {'shown' if specific else 'not shown'} ({controls}; its mask against the placebo's at "
+        f"the same fill {_effect(place)}, TOST +-{EQUIVALENCE_MARGIN} "
+        f"p = {place['equivalence_p']:.2g})."
+    )
+    return f"{first} {second}"
 
 
 def _gamma(build: dict, arm: str) -> str:
