@@ -30,7 +30,7 @@ from .citation import PAPO_PAPER
 from .contract import ENTROPY_GRAD_GATE, validate_grad_norm_hook, validate_trl_parent_contract
 from .forward import prefix_sharing
 from .forward.masked_branch import MaskedBranch
-from .forward.plan import forward_plan
+from .forward.plan import ForwardPlanAtTrainStart, forward_plan
 from .loss_observer import training_observer
 from .mask_state import MaskedImages, MaskState, generation_round
 from .papo_config import PAPOGConfig
@@ -120,6 +120,7 @@ class PAPOGTrainer(GRPOTrainer):
         self.masked_branch = MaskedBranch(self.args, self.model, self.accelerator, self._metrics, self.temperature)
         self.forward_plan = forward_plan(self.args, self.masked_branch, self.prefix_sharing)
         logging.get_logger(__name__).info("PAPO-G forward plan: %s", self.forward_plan.describe())
+        self.add_callback(ForwardPlanAtTrainStart(self))  # train() turns checkpointing on: the plan read again
         self.perception_record = PerceptionRecord(keep=self.args.generation_batch_size)
         self.step_guard = NonFiniteStepGuard(self.args.max_consecutive_nonfinite_grad_steps)
         self.probe = training_observer(self.args)  # the in-training probe when the config asks for it, else None

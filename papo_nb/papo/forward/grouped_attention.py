@@ -27,6 +27,7 @@ interface, with the stacked form added because a masked call cannot skip blocks.
 from __future__ import annotations
 
 import contextlib
+import functools
 import sys
 from dataclasses import dataclass
 
@@ -39,6 +40,13 @@ from .attention_cost import causal_pairs, grouped_forms
 NAME = "papo_grouped"  # the attention implementation registered for the packed forward
 # The text model's own attention implementations the grouped path reproduces (SDPA's call, or the model's eager one).
 TEXT_IMPLEMENTATIONS = ("sdpa", "eager")
+# The attributes through which a module checkpoints its forward, each called as ``fn(function, *args, **kwargs)`` and
+# running ``function`` again in the backward: transformers' layers (``GradientCheckpointingLayer``, set by
+# ``activation_checkpointing_enable``) and torch's ``CheckpointWrapper`` (FSDP's activation checkpointing).
+CHECKPOINT_FUNCTIONS = ("_gradient_checkpointing_func", "checkpoint_fn")
+# torch's composable ``checkpoint(module)`` registers under this name: it recomputes through the module's forward
+# hooks, which the grouped layout cannot follow.
+COMPOSABLE_CHECKPOINT = "checkpoint"
 
 
 @dataclass
@@ -169,26 +177,108 @@ def text_config(hf_model):
 
 
 def unsupported_reason(hf_model) -> str | None:
-    """Why the text model's own attention cannot run grouped (read per sub-config, not from the top level), or None."""
+    """Why the text model's own attention cannot run grouped (read per sub-config, not from the top level), or None.
+    Gradient checkpointing is decided per forward (``checkpointing_reason``): ``Trainer.train`` turns it on later."""
     implementation = text_config(hf_model)._attn_implementation
     if implementation not in TEXT_IMPLEMENTATIONS:
         return (
             f"the text model's attention implementation (text_config._attn_implementation={implementation!r}) "
             f"is not one of {TEXT_IMPLEMENTATIONS}"
         )
-    if getattr(hf_model, "is_activation_checkpointing", False):
-        return "gradient checkpointing is on (its recomputation would run outside the grouped layout)"
     return None
 
 
+def checkpointing_reason(hf_model) -> str | None:
+    """Why a checkpointed module of ``hf_model`` would recompute outside the grouped layout (its recomputation
+    reaching SDPA with a ``GroupedLayout`` for a mask), or None: read when the forward runs."""
+    for name, module in hf_model.named_modules():
+        if COMPOSABLE_CHECKPOINT in _composable_apis(module):
+            return (
+                f"module {name or type(module).__name__!r} is checkpointed by torch.distributed._composable."
+                "checkpoint, whose recomputation calls the module's forward outside the grouped layout"
+            )
+        if getattr(module, "gradient_checkpointing", False) is True and not any(
+            attribute in vars(module) for attribute in CHECKPOINT_FUNCTIONS
+        ):
+            return (
+                f"module {name or type(module).__name__!r} has gradient_checkpointing=True without its own "
+                f"checkpoint function (one of {CHECKPOINT_FUNCTIONS}) the grouped layout can follow"
+            )
+    return None
+
+
+def _composable_apis(module) -> dict:
+    """The torch composable APIs applied to ``module`` by name (``fully_shard``, ``checkpoint``...)."""
+    if not torch.distributed.is_available():
+        return {}
+    from torch.distributed._composable.contract import _get_registry
+
+    return _get_registry(module) or {}
+
+
+def checkpointing_description(hf_model) -> str:
+    """Whether the model checkpoints activations now, and how the grouped layout meets it (``checkpointing_reason``
+    None)."""
+    if not any(
+        getattr(module, "gradient_checkpointing", False) is True or "checkpoint_fn" in vars(module)
+        for module in hf_model.modules()
+    ):
+        return "gradient checkpointing off"
+    return "gradient checkpointing on: each checkpointed layer recomputed inside the grouped layout"
+
+
 @contextlib.contextmanager
-def grouped_attention(hf_model, layout: GroupedLayout):
-    """For the duration: the text model's layers run ``NAME`` with ``layout.inner`` their own implementation."""
-    config = text_config(hf_model)
-    own = config._attn_implementation
-    layout.inner = own
-    config._attn_implementation_internal = NAME  # the text config alone: the vision tower keeps its own
+def _implementation(config, name: str):
+    """For the duration: ``config``'s attention implementation is ``name`` (the one it had restored after)."""
+    own = config._attn_implementation_internal
+    config._attn_implementation_internal = name
     try:
         yield
     finally:
         config._attn_implementation_internal = own
+
+
+def _recomputed_grouped(checkpoint_function, config):
+    """``checkpoint_function`` (called as ``fn(function, *args, **kwargs)``) whose ``function`` runs under ``NAME``
+    each time it runs: in the forward, and in the backward's recomputation, which comes after ``grouped_attention``
+    has restored the text model's own implementation (reentrant or not: both recompute through ``function``)."""
+
+    @functools.wraps(checkpoint_function)
+    def checkpoint_grouped(function, *args, **kwargs):
+        def grouped_function(*inner_args, **inner_kwargs):
+            with _implementation(config, NAME):
+                return function(*inner_args, **inner_kwargs)
+
+        return checkpoint_function(grouped_function, *args, **kwargs)
+
+    return checkpoint_grouped
+
+
+@contextlib.contextmanager
+def _checkpointing_through_layout(hf_model, config):
+    """For the duration: each module's own checkpoint function (``CHECKPOINT_FUNCTIONS``) recomputes under ``NAME``;
+    a vision block's too, which reads its own config and so runs as before."""
+    replaced = [
+        (module, attribute, vars(module)[attribute])
+        for module in hf_model.modules()
+        for attribute in CHECKPOINT_FUNCTIONS
+        if callable(vars(module).get(attribute))
+    ]
+    for module, attribute, function in replaced:
+        setattr(module, attribute, _recomputed_grouped(function, config))
+    try:
+        yield
+    finally:
+        for module, attribute, function in replaced:
+            setattr(module, attribute, function)
+
+
+@contextlib.contextmanager
+def grouped_attention(hf_model, layout: GroupedLayout):
+    """For the duration: the text model's layers run ``NAME`` with ``layout.inner`` their own implementation, and
+    every checkpointed layer's recomputation does too, whenever the backward runs it."""
+    config = text_config(hf_model)
+    layout.inner = config._attn_implementation
+    # the text config alone: the vision tower keeps its own
+    with _implementation(config, NAME), _checkpointing_through_layout(hf_model, config):
+        yield

@@ -7,12 +7,20 @@ Four config fields shape the forward (``FORWARD_FIELDS``: ``masked_branch``, ``m
 calls it before any model loads, so an invalid combination is refused with the fields and values it joins. At
 construction the masked branch (``MaskedBranch.plan``) and prefix sharing (``PrefixSharing.reason``) each decide
 their part against the model; ``forward_plan`` reads those decisions (it decides nothing again) into one frozen
-object that the trainer logs once, so a reader of the run's log sees every forward's form and why.
+object that the trainer logs, so a reader of the run's log sees every forward's form and why. ``Trainer.train``
+changes the model after construction (it turns gradient checkpointing on, TRL's default), so at ``train()`` start
+``ForwardPlanAtTrainStart`` reads prefix sharing's decision again against the model as it then is, and logs the plan
+again where it changed (each forward decides again too: ``PrefixSharing.reason_now``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from transformers import TrainerCallback
+from transformers.utils import logging
+
+logger = logging.get_logger(__name__)
 
 FORWARD_FIELDS = ("masked_branch", "masked_branch_grad", "masked_forward", "prefix_sharing")
 
@@ -76,8 +84,9 @@ class ForwardPlan:
         )
 
 
-def forward_plan(args, masked_branch, prefix_sharing) -> ForwardPlan:
-    """The plan of a trainer from its config and the decisions of its ``MaskedBranch`` and ``PrefixSharing``."""
+def forward_plan(args, masked_branch, prefix_sharing, model=None) -> ForwardPlan:
+    """The plan of a trainer from its config and the decisions of its ``MaskedBranch`` and ``PrefixSharing``;
+    given ``model``, prefix sharing's decision against that model as it is now (``PrefixSharing.reason_now``)."""
     if masked_branch.skipped:
         timing = "skipped for the run"
     else:
@@ -86,11 +95,30 @@ def forward_plan(args, masked_branch, prefix_sharing) -> ForwardPlan:
         form = "full, with gradient"
     else:
         form = "prefill per prompt, no grad" if masked_branch.plan.shared else "full, no grad"
-    packed = prefix_sharing.enabled and prefix_sharing.reason is None
+    reason = prefix_sharing.reason if model is None else prefix_sharing.reason_now(model)
+    packed = prefix_sharing.enabled and reason is None
+    supported = "prefix_sharing=True, supported here"
+    if packed and model is not None:
+        supported += f"; {prefix_sharing.supported_description(model)}"
     return ForwardPlan(
         masked_branch=timing,
         masked_forward=form,
         masked_forward_reason=masked_branch.plan.reason,
         log_prob_forward="packed per prompt group" if packed else "plain per completion",
-        log_prob_reason="prefix_sharing=True, supported here" if packed else prefix_sharing.reason,
+        log_prob_reason=supported if packed else reason,
     )
+
+
+class ForwardPlanAtTrainStart(TrainerCallback):
+    """At ``train()`` start, after ``Trainer.train`` has set the model up (gradient checkpointing on): ``trainer``'s
+    ``forward_plan`` read again against its model, and logged where it changed."""
+
+    def __init__(self, trainer):
+        self.trainer = trainer
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        trainer = self.trainer
+        plan = forward_plan(trainer.args, trainer.masked_branch, trainer.prefix_sharing, trainer.model)
+        if plan != trainer.forward_plan:
+            logger.info("PAPO-G forward plan at train() start: %s", plan.describe())
+        trainer.forward_plan = plan

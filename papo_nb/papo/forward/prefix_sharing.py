@@ -30,7 +30,7 @@ from ..contract import PARENT_SHUFFLE_FUNCTION
 from ..prompt_identity import group_samples
 from . import attention_cost
 from .common import core_model, model_unsupported_reason, whole_group_chunks
-from .grouped_attention import grouped_attention
+from .grouped_attention import checkpointing_description, checkpointing_reason, grouped_attention
 from .grouped_attention import text_config as grouped_text_config
 from .grouped_attention import unsupported_reason as grouped_unsupported_reason
 from .packed_rows import PackedBatch, completion_lengths, forward_positions, pack
@@ -178,8 +178,10 @@ def bound_arguments(parent_method, trainer, args, kwargs) -> dict[str, Any]:
 
 
 class PrefixSharing:
-    """One per trainer: the static choice (``reason`` None: packed where a call allows it), the per-call choice,
-    its metric and one log line per reason. ``metrics``: the trainer's per-mode metric lists."""
+    """One per trainer: the static choice (``reason`` None: packed where a call allows it), the choice against the
+    model as each forward finds it (``reason_now``: its checkpointing, which ``Trainer.train`` turns on after
+    construction), the per-call choice, its metric and one log line per reason. ``metrics``: the trainer's per-mode
+    metric lists."""
 
     def __init__(self, args, model, processes: int, metrics: dict):
         self.enabled = bool(args.prefix_sharing)
@@ -193,11 +195,21 @@ class PrefixSharing:
     def shuffles_whole_groups(self) -> bool:
         return self.enabled and self.reason is None
 
+    def reason_now(self, model) -> str | None:
+        """Why ``model`` as it is now cannot take the packed path (the static reason first), or None."""
+        return self.reason or checkpointing_reason(core_model(model))
+
+    def supported_description(self, model) -> str:
+        """What the packed path runs with on ``model`` now (``reason_now`` None)."""
+        hf_model = core_model(model)
+        inner = grouped_text_config(hf_model)._attn_implementation
+        return f"grouped attention through {inner!r}, {checkpointing_description(hf_model)}"
+
     def compute(self, model, arguments: dict[str, Any], *, temperature: float, entropy_grad: bool, training: bool):
         """The call's ``(logps, entropies, aux_loss)`` packed, or None where the plain path must run."""
         if not self.enabled:
             return None
-        reason = self.reason or call_reason(arguments)
+        reason = self.reason_now(model) or call_reason(arguments)
         mode = "train" if training else "eval"
         if reason is not None:
             self.note(False, reason)
@@ -215,8 +227,7 @@ class PrefixSharing:
         )
         self.metrics[mode][METRIC].append(1.0)
         self.metrics[mode][SHARE_METRIC].append(share)
-        inner = grouped_text_config(core_model(model))._attn_implementation
-        self.note(True, f"each prompt group packed once, its images once; grouped attention through {inner!r}")
+        self.note(True, f"each prompt group packed once, its images once; {self.supported_description(model)}")
         return logps, entropies, aux
 
     def note(self, shared: bool, reason: str) -> None:
