@@ -199,30 +199,38 @@ def test_gradients_equal_the_plain_forward_per_parameter(setup, dtype, form):
     model = copy.deepcopy(setup["model"]).to(dtype)
     arguments = in_dtype(setup["arguments"], dtype)
     assert_layout_form(_packed_one(model, arguments), form)
-    mask = completion_mask(arguments).to(dtype)
-    weights = torch.randn(mask.shape, generator=torch.Generator().manual_seed(2), dtype=dtype)
-    trainer = setup["trainer"]
-    gradients = []
-    for forward in ("plain", "packed"):
-        model.zero_grad(set_to_none=True)
-        if forward == "plain":
-            trainer._entropy_bonus_enabled = True  # the parent's entropies with their graph, as the bonus asks
-            try:
-                logps, entropies = plain(trainer, model, arguments)
-            finally:
-                trainer._entropy_bonus_enabled = False
-        else:
-            logps, entropies = packed(model, arguments, entropy_grad=True)
-        ((logps * weights + 0.1 * entropies) * mask).sum().backward()
-        gradients.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
-    reference, ours = gradients
-    assert reference.keys() == ours.keys() and any(".visual." in n or "visual" in n for n in reference)
-    worst = max(
+    (reference, _), (ours, _) = (gradients(setup["trainer"], model, arguments, f) for f in ("plain", "packed"))
+    worst = worst_relative_error(reference, ours)
+    print(f"{setup['family']} {dtype} {form}: worst per-parameter relative gradient error {worst:.2e}")
+    assert worst <= tolerance
+
+
+def gradients(trainer, model, arguments, forward: str) -> tuple[dict, tuple]:
+    """Every parameter's gradient of a fixed random weighting of the ``forward`` ("plain" or "packed") log-probs and
+    entropies (with their graph, as the entropy bonus asks), and those ``(logps, entropies)``, detached."""
+    mask = completion_mask(arguments).to(next(model.parameters()).dtype)
+    weights = torch.randn(mask.shape, generator=torch.Generator().manual_seed(2), dtype=mask.dtype)
+    model.zero_grad(set_to_none=True)
+    if forward == "plain":
+        trainer._entropy_bonus_enabled = True
+        try:
+            logps, entropies = plain(trainer, model, arguments)
+        finally:
+            trainer._entropy_bonus_enabled = False
+    else:
+        logps, entropies = packed(model, arguments, entropy_grad=True)
+    ((logps * weights + 0.1 * entropies) * mask).sum().backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return grads, (logps.detach(), entropies.detach())
+
+
+def worst_relative_error(reference: dict, ours: dict) -> float:
+    """The largest per-parameter relative gradient error (the vision tower's among them)."""
+    assert reference.keys() == ours.keys() and any("visual" in n for n in reference)
+    return max(
         ((ours[n] - g).norm() / g.norm()).item() if g.norm() > 0 else ours[n].norm().item()
         for n, g in reference.items()
     )
-    print(f"{setup['family']} {dtype} {form}: worst per-parameter relative gradient error {worst:.2e}")
-    assert worst <= tolerance
 
 
 def _packed_one(model, arguments):

@@ -1,0 +1,181 @@
+"""Prefix sharing under gradient checkpointing (TRL's ``GRPOConfig`` turns it on by default, and ``Trainer.train``
+enables it after the trainer is built): each checkpointed layer's recomputation runs inside the grouped layout, so
+log-probs and every parameter's gradient equal the plain forward's under the same checkpointing (fp32 and fp64, the
+adversarial batch of ``test_prefix_sharing.py``, transformers' checkpointing reentrant and not, torch's
+``CheckpointWrapper``); a ``PAPOGTrainer`` with ``PAPOGConfig(prefix_sharing=True)`` and TRL's defaults trains and
+its parameters after two SGD steps equal the plain forward's; a checkpointing the layout cannot follow runs the plain
+forward, and the forward plan says why. On TRL 1.14+ (the packed path falls back to TRL's forward) the trainer test
+checks that training runs and that the forward plan names TRL's forward and the release's reason."""
+
+import copy
+import logging
+
+import pytest
+import torch
+from peft import get_peft_model
+from test_prefix_sharing import (
+    COMPLETIONS,
+    FORCED_FORMS,
+    PROMPTS,
+    TEMPERATURE,
+    TOLERANCE,
+    PlainForwardWholeGroups,
+    assert_layout_form,
+    call_arguments,
+    completion_mask,
+    gradients,
+    in_dtype,
+    max_error,
+    prompt_parts,
+    worst_relative_error,
+)
+from tiny_trainers import tiny_trainer, unit_params
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
+
+from papo_nb.papo import PAPOGConfig, PAPOGTrainer, trl_seams
+from papo_nb.papo.forward import grouped_attention, prefix_sharing
+from papo_nb.papo.forward.plan import forward_plan
+from papo_nb.testbed.models import build_tiny_vlm, load_vlm, vision_special_token_ids
+from papo_nb.testbed.rewards import accuracy_reward, format_reward
+from papo_nb.workbook.training.builder import lora_config
+
+FAMILY = "qwen2_5_vl"
+# transformers' checkpointing as TRL's default turns it on (gradient_checkpointing_kwargs None: non-reentrant on
+# transformers 5), reentrant, and torch's CheckpointWrapper around each decoder layer (FSDP's activation checkpointing)
+CHECKPOINTING = ("trl_default", "reentrant", "torch_wrapper")
+# parameters after two SGD steps in float64: packed against plain (max abs), and the least the steps must move them
+PARAMETER_BOUND = 1e-9
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory, shapes_dataset):
+    """The tiny Qwen2.5-VL (every parameter trainable), a trainer whose plain log-prob method is the reference, and
+    the adversarial batch of ``test_prefix_sharing.py``, rows shuffled."""
+    folder = build_tiny_vlm(FAMILY, cache_dir=tmp_path_factory.mktemp("m"))
+    model, processor = load_vlm(str(folder))
+    model.train()
+    trainer_model, _ = load_vlm(str(folder))
+    trainer = tiny_trainer(
+        trainer_model, processor, shapes_dataset, tmp_path_factory.mktemp("ckpt") / "t", num_generations=3,
+        per_device_train_batch_size=9, prefix_sharing=True,
+    )  # fmt: skip
+    trainer.temperature = TEMPERATURE
+    prompts = [prompt_parts(processor, text, sizes, seed) for seed, (text, sizes) in enumerate(PROMPTS)]
+    order = torch.randperm(len(COMPLETIONS), generator=torch.Generator().manual_seed(1)).tolist()
+    return dict(folder=folder, model=model, processor=processor, trainer=trainer,
+                arguments=call_arguments(processor, prompts, COMPLETIONS, order))  # fmt: skip
+
+
+def checkpointed(model, how: str):
+    """``model`` with its decoder layers checkpointed ``how`` (``CHECKPOINTING``)."""
+    if how == "torch_wrapper":
+        layers = set(model.model.language_model.layers)
+        apply_activation_checkpointing(model, check_fn=lambda module: module in layers)
+        return model
+    model.activation_checkpointing_enable({"use_reentrant": True} if how == "reentrant" else None)
+    assert model.is_activation_checkpointing
+    return model
+
+
+@pytest.mark.model
+@pytest.mark.parametrize("how", CHECKPOINTING)
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["fp64", "fp32"])
+@pytest.mark.parametrize("form", sorted(FORCED_FORMS))
+def test_logps_and_gradients_equal_the_plain_forward_under_checkpointing(setup, monkeypatch, how, dtype, form):
+    monkeypatch.setattr(grouped_attention, "grouped_forms", lambda *_: FORCED_FORMS[form])
+    inner_calls = []
+    inner_call = grouped_attention._inner_call
+    monkeypatch.setattr(grouped_attention, "_inner_call", lambda *a: inner_calls.append(1) or inner_call(*a))
+    model = checkpointed(copy.deepcopy(setup["model"]).to(dtype), how)
+    arguments = in_dtype(setup["arguments"], dtype)
+    (batch,) = prefix_sharing.packed_batches(model, arguments)
+    assert_layout_form(batch, form)
+    reference, (plain_logps, plain_entropies) = gradients(setup["trainer"], model, arguments, "plain")
+    # the grouped attention once per layer and call in the forward, and once again in the backward's recomputation
+    calls_per_forward = len(batch.layout.calls) * model.config.text_config.num_hidden_layers
+    ours, (logps, entropies) = gradients(setup["trainer"], model, arguments, "packed")
+    assert len(inner_calls) == 2 * calls_per_forward, (len(inner_calls), calls_per_forward)
+    mask = completion_mask(arguments)
+    errors = (max_error(logps, plain_logps, mask), max_error(entropies, plain_entropies, mask))
+    worst = worst_relative_error(reference, ours)
+    print(f"{how} {dtype} {form}: logps {errors[0]:.2e} entropies {errors[1]:.2e} gradients {worst:.2e}")
+    assert max(errors) <= TOLERANCE[dtype][0] and worst <= TOLERANCE[dtype][1]
+    assert model.config.text_config._attn_implementation == "sdpa", "the text model's own attention restored"
+
+
+def train_two_steps(folder, dataset, out, trainer_cls=PAPOGTrainer, **overrides):
+    """Two SGD steps (one generation round seen twice, reference KL on) of a float64 tiny Qwen2.5-VL with a LoRA
+    adapter, its ``PAPOGConfig`` TRL's defaults but for the CPU (``gradient_checkpointing`` as TRL sets it)."""
+    model, processor = load_vlm(str(folder))
+    torch.manual_seed(0)
+    model = get_peft_model(model.to(torch.float64), lora_config(unit_params()))
+    args = PAPOGConfig(
+        output_dir=str(out), use_cpu=True, bf16=False, report_to="none", save_strategy="no", prefix_sharing=True,
+        num_generations=4, per_device_train_batch_size=8, gradient_accumulation_steps=2, steps_per_generation=2,
+        num_iterations=2, beta=0.01, max_steps=2, logging_steps=1, optim="sgd", learning_rate=0.05,
+        max_completion_length=8, generation_kwargs={"suppress_tokens": vision_special_token_ids(processor)},
+        **overrides,
+    )  # fmt: skip
+    assert args.gradient_checkpointing, "TRL's default"
+    trainer = trainer_cls(model=model, processing_class=processor, reward_funcs=[accuracy_reward, format_reward],
+                          args=args, train_dataset=dataset)  # fmt: skip
+    start = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+    built_plan = trainer.forward_plan
+    trainer.train()
+    assert trainer.model.is_activation_checkpointing, "Trainer.train turned checkpointing on"
+    after = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+    return trainer, built_plan, start, after
+
+
+@pytest.mark.model
+@pytest.mark.slow
+@pytest.mark.parametrize("kwargs", [None, {"use_reentrant": True}], ids=["trl_default", "reentrant"])
+def test_trls_default_checkpointing_trains_with_sharing_as_the_plain_forward(setup, shapes_dataset, tmp_path,
+                                                                            caplog, kwargs):  # fmt: skip
+    overrides = {} if kwargs is None else {"gradient_checkpointing_kwargs": kwargs}
+    with caplog.at_level(logging.INFO, logger="papo_nb.papo.forward.plan"):
+        shared, built_plan, start, after = train_two_steps(
+            setup["folder"], shapes_dataset, tmp_path / "s", **overrides
+        )
+    _, _, _, expected = train_two_steps(
+        setup["folder"], shapes_dataset, tmp_path / "p", PlainForwardWholeGroups, **overrides
+    )
+    moved = max((after[n] - start[n]).abs().max().item() for n in start)
+    diff = max((after[n] - expected[n]).abs().max().item() for n in start)
+    plan = shared.forward_plan
+    print(f"{kwargs}: parameters moved by up to {moved:.2e}, shared vs plain differ by {diff:.2e}; {plan.describe()}")
+    assert moved > 1e3 * PARAMETER_BOUND and diff <= PARAMETER_BOUND
+    shared_flags = [h[prefix_sharing.METRIC] for h in shared.state.log_history if prefix_sharing.METRIC in h]
+    release_reason = trl_seams.packed_path_reason()
+    if release_reason is None:  # TRL 1.9.1-1.13: the packed forward ran in every call, under checkpointing
+        assert plan.log_prob_forward == "packed per prompt group" and shared_flags and set(shared_flags) == {1.0}
+        assert "gradient checkpointing on: each checkpointed layer recomputed inside the grouped layout" in (
+            plan.log_prob_reason
+        )
+        assert built_plan.log_prob_reason == "prefix_sharing=True, supported here", "built before checkpointing"
+        assert "PAPO-G forward plan at train() start" in caplog.text
+    else:  # TRL 1.14+: TRL's own forward ran, and the plan says so and why
+        assert plan.log_prob_forward == "plain per completion" and plan.log_prob_reason == release_reason
+        assert set(shared_flags) <= {0.0}
+
+
+@pytest.mark.model
+def test_a_checkpointing_the_layout_cannot_follow_runs_the_plain_forward_and_says_why(setup, caplog):
+    from torch.distributed._composable import checkpoint
+
+    model = copy.deepcopy(setup["model"])
+    checkpoint(model.model.language_model.layers[0])  # recomputes through forward hooks, outside the layout
+    trainer, arguments = setup["trainer"], setup["arguments"]
+    sharing = trainer.prefix_sharing
+    reason = sharing.reason_now(model)
+    assert "'model.language_model.layers.0' is checkpointed by torch.distributed._composable.checkpoint" in reason
+    plan = forward_plan(trainer.args, trainer.masked_branch, sharing, model)
+    assert plan.log_prob_forward == "plain per completion" and plan.log_prob_reason == reason
+    with caplog.at_level(logging.WARNING, logger="papo_nb.papo.forward.prefix_sharing"):
+        logps, _, _ = trainer._get_per_token_logps_and_entropies(model, **arguments)
+    assert f"plain forward per completion, because {reason}" in caplog.text
+    mask = completion_mask(arguments)
+    (logps * mask).sum().backward()  # no GroupedLayout ever reaches SDPA
+    assert all(p.grad is not None for p in model.model.language_model.layers[0].parameters())
+    unchecked = copy.deepcopy(setup["model"])
+    assert sharing.reason_now(unchecked) is None and grouped_attention.checkpointing_reason(unchecked) is None
