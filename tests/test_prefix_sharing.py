@@ -206,19 +206,23 @@ def test_gradients_equal_the_plain_forward_per_parameter(setup, dtype, form):
 
 
 def gradients(trainer, model, arguments, forward: str) -> tuple[dict, tuple]:
-    """Every parameter's gradient of a fixed random weighting of the ``forward`` ("plain" or "packed") log-probs and
-    entropies (with their graph, as the entropy bonus asks), and those ``(logps, entropies)``, detached."""
+    """Every parameter's gradient of a fixed random weighting of the ``forward`` log-probs and entropies (with their
+    graph, as the entropy bonus asks), and those ``(logps, entropies)``, detached. ``forward``: "plain" (TRL's
+    method), "packed" (the packed path itself) or "hook" (the trainer's method: packed where sharing runs)."""
     mask = completion_mask(arguments).to(next(model.parameters()).dtype)
     weights = torch.randn(mask.shape, generator=torch.Generator().manual_seed(2), dtype=mask.dtype)
     model.zero_grad(set_to_none=True)
-    if forward == "plain":
+    if forward == "packed":
+        logps, entropies = packed(model, arguments, entropy_grad=True)
+    else:
         trainer._entropy_bonus_enabled = True
         try:
-            logps, entropies = plain(trainer, model, arguments)
+            if forward == "plain":
+                logps, entropies = plain(trainer, model, arguments)
+            else:
+                logps, entropies, _ = trainer._get_per_token_logps_and_entropies(model, **arguments)
         finally:
             trainer._entropy_bonus_enabled = False
-    else:
-        logps, entropies = packed(model, arguments, entropy_grad=True)
     ((logps * weights + 0.1 * entropies) * mask).sum().backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     return grads, (logps.detach(), entropies.detach())

@@ -8,6 +8,7 @@ forward, and the forward plan says why. On TRL 1.14+ (the packed path falls back
 checks that training runs and that the forward plan names TRL's forward and the release's reason."""
 
 import copy
+import inspect
 import logging
 
 import pytest
@@ -31,6 +32,7 @@ from test_prefix_sharing import (
 )
 from tiny_trainers import tiny_trainer, unit_params
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
+from trl import GRPOTrainer
 
 from papo_nb.papo import PAPOGConfig, PAPOGTrainer, trl_seams
 from papo_nb.papo.forward import grouped_attention, prefix_sharing
@@ -77,24 +79,38 @@ def checkpointed(model, how: str):
     return model
 
 
+def as_the_release_runs(model):
+    """``model`` as ``GRPOTrainer.__init__`` sets the policy up on the installed TRL (1.15+: its fused LM head)."""
+    if trl_seams.live_seam(GRPOTrainer) is trl_seams.FUSED:
+        patch = getattr(inspect.getmodule(GRPOTrainer), trl_seams.FUSED_PATCH)  # the function __init__ calls
+        patch(model, temperature=TEMPERATURE, outputs=trl_seams.FUSED_OUTPUTS)
+    return model
+
+
 @pytest.mark.model
 @pytest.mark.parametrize("how", CHECKPOINTING)
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["fp64", "fp32"])
 @pytest.mark.parametrize("form", sorted(FORCED_FORMS))
 def test_logps_and_gradients_equal_the_plain_forward_under_checkpointing(setup, monkeypatch, how, dtype, form):
+    """The trainer's log-prob method with sharing on against TRL's, both under checkpointing: the packed path where
+    the release runs it (TRL 1.9.1-1.13), TRL's own forward where it falls back (1.14+)."""
     monkeypatch.setattr(grouped_attention, "grouped_forms", lambda *_: FORCED_FORMS[form])
     inner_calls = []
     inner_call = grouped_attention._inner_call
     monkeypatch.setattr(grouped_attention, "_inner_call", lambda *a: inner_calls.append(1) or inner_call(*a))
-    model = checkpointed(copy.deepcopy(setup["model"]).to(dtype), how)
+    model = checkpointed(as_the_release_runs(copy.deepcopy(setup["model"]).to(dtype)), how)
     arguments = in_dtype(setup["arguments"], dtype)
     (batch,) = prefix_sharing.packed_batches(model, arguments)
     assert_layout_form(batch, form)
-    reference, (plain_logps, plain_entropies) = gradients(setup["trainer"], model, arguments, "plain")
-    # the grouped attention once per layer and call in the forward, and once again in the backward's recomputation
+    trainer = setup["trainer"]
+    reference, (plain_logps, plain_entropies) = gradients(trainer, model, arguments, "plain")
+    ours, (logps, entropies) = gradients(trainer, model, arguments, "hook")
+    shared = trl_seams.packed_path_reason() is None
+    mode = "train" if trainer.model.training else "eval"
+    assert trainer._metrics[mode][prefix_sharing.METRIC][-1] == float(shared)
+    # packed: the grouped attention once per layer and call in the forward, once again in the recomputation
     calls_per_forward = len(batch.layout.calls) * model.config.text_config.num_hidden_layers
-    ours, (logps, entropies) = gradients(setup["trainer"], model, arguments, "packed")
-    assert len(inner_calls) == 2 * calls_per_forward, (len(inner_calls), calls_per_forward)
+    assert len(inner_calls) == 2 * calls_per_forward * shared, (len(inner_calls), calls_per_forward)
     mask = completion_mask(arguments)
     errors = (max_error(logps, plain_logps, mask), max_error(entropies, plain_entropies, mask))
     worst = worst_relative_error(reference, ours)
@@ -163,19 +179,26 @@ def test_trls_default_checkpointing_trains_with_sharing_as_the_plain_forward(set
 def test_a_checkpointing_the_layout_cannot_follow_runs_the_plain_forward_and_says_why(setup, caplog):
     from torch.distributed._composable import checkpoint
 
-    model = copy.deepcopy(setup["model"])
+    model = as_the_release_runs(copy.deepcopy(setup["model"]))
     checkpoint(model.model.language_model.layers[0])  # recomputes through forward hooks, outside the layout
     trainer, arguments = setup["trainer"], setup["arguments"]
     sharing = trainer.prefix_sharing
-    reason = sharing.reason_now(model)
-    assert "'model.language_model.layers.0' is checkpointed by torch.distributed._composable.checkpoint" in reason
+    reason = sharing.reason_now(model)  # on TRL 1.14+ the release's reason comes first
+    assert reason == (trl_seams.packed_path_reason() or grouped_attention.checkpointing_reason(model))
+    assert "'model.language_model.layers.0' is checkpointed by torch.distributed._composable.checkpoint" in (
+        grouped_attention.checkpointing_reason(model)
+    )
     plan = forward_plan(trainer.args, trainer.masked_branch, sharing, model)
     assert plan.log_prob_forward == "plain per completion" and plan.log_prob_reason == reason
     with caplog.at_level(logging.WARNING, logger="papo_nb.papo.forward.prefix_sharing"):
         logps, _, _ = trainer._get_per_token_logps_and_entropies(model, **arguments)
-    assert f"plain forward per completion, because {reason}" in caplog.text
+    assert (False, reason) in sharing.logged  # one warning per reason (the release's: logged at construction)
+    assert trl_seams.packed_path_reason() or f"plain forward per completion, because {reason}" in caplog.text
+    mode = "train" if trainer.model.training else "eval"
+    assert trainer._metrics[mode][prefix_sharing.METRIC][-1] == 0.0
     mask = completion_mask(arguments)
     (logps * mask).sum().backward()  # no GroupedLayout ever reaches SDPA
     assert all(p.grad is not None for p in model.model.language_model.layers[0].parameters())
     unchecked = copy.deepcopy(setup["model"])
-    assert sharing.reason_now(unchecked) is None and grouped_attention.checkpointing_reason(unchecked) is None
+    assert sharing.reason_now(unchecked) == trl_seams.packed_path_reason()
+    assert grouped_attention.checkpointing_reason(unchecked) is None
