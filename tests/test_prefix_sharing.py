@@ -425,7 +425,10 @@ def test_the_forward_plan_names_each_forward_from_the_trainers_choices(setup, tm
     assert (
         plan.masked_forward == "prefill per prompt, no grad" and plan.masked_forward_reason == "masked_forward='auto'"
     )
-    assert plan.describe().endswith("log-prob forwards packed per prompt group (prefix_sharing=True, supported here)")
+    assert plan.describe().endswith(
+        "log-prob forwards packed per prompt group (prefix_sharing=True, supported here; grouped attention through "
+        "'sdpa', gradient checkpointing off)"
+    )
     with pytest.raises(dataclasses.FrozenInstanceError):
         plan.log_prob_forward = "plain per completion"
     luspo = PAPOGConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, prefix_sharing=True, loss_type="luspo",

@@ -168,7 +168,7 @@ def test_trls_default_checkpointing_trains_with_sharing_as_the_plain_forward(set
         assert "gradient checkpointing on: each checkpointed layer recomputed inside the grouped layout" in (
             plan.log_prob_reason
         )
-        assert built_plan.log_prob_reason == "prefix_sharing=True, supported here", "built before checkpointing"
+        assert built_plan.log_prob_reason.endswith("gradient checkpointing off"), "built before train()"
         assert "PAPO-G forward plan at train() start" in caplog.text
     else:  # TRL 1.14+: TRL's own forward ran, and the plan says so and why
         assert plan.log_prob_forward == "plain per completion" and plan.log_prob_reason == release_reason
@@ -202,3 +202,26 @@ def test_a_checkpointing_the_layout_cannot_follow_runs_the_plain_forward_and_say
     unchecked = copy.deepcopy(setup["model"])
     assert sharing.reason_now(unchecked) == trl_seams.packed_path_reason()
     assert grouped_attention.checkpointing_reason(unchecked) is None
+
+
+@pytest.mark.model
+@pytest.mark.slow
+def test_a_run_whose_checkpointing_the_layout_cannot_follow_trains_plain_and_its_plan_says_why(
+    setup, shapes_dataset, tmp_path
+):
+    from torch.distributed._composable import checkpoint
+
+    model, processor = load_vlm(str(setup["folder"]))
+    checkpoint(model.model.language_model.layers[1])
+    trainer = tiny_trainer(model, processor, shapes_dataset, tmp_path, num_generations=4, max_steps=1,
+                           prefix_sharing=True)  # fmt: skip
+    reason = trl_seams.packed_path_reason() or "is checkpointed by torch.distributed._composable.checkpoint"
+    assert trainer.forward_plan.log_prob_forward == "plain per completion" and reason in (
+        trainer.forward_plan.log_prob_reason
+    )
+    trainer.train()
+    assert trainer.forward_plan.log_prob_forward == "plain per completion" and reason in (
+        trainer.forward_plan.log_prob_reason
+    )
+    shared_flags = [h[prefix_sharing.METRIC] for h in trainer.state.log_history if prefix_sharing.METRIC in h]
+    assert shared_flags == [0.0]

@@ -118,7 +118,7 @@ class PAPOGTrainer(GRPOTrainer):
         processes = self.accelerator.num_processes
         self.prefix_sharing = prefix_sharing.PrefixSharing(self.args, self.model, processes, self._metrics)
         self.masked_branch = MaskedBranch(self.args, self.model, self.accelerator, self._metrics, self.temperature)
-        self.forward_plan = forward_plan(self.args, self.masked_branch, self.prefix_sharing)
+        self.forward_plan = forward_plan(self.args, self.masked_branch, self.prefix_sharing, self.model)
         logging.get_logger(__name__).info("PAPO-G forward plan: %s", self.forward_plan.describe())
         self.add_callback(ForwardPlanAtTrainStart(self))  # train() turns checkpointing on: the plan read again
         self.perception_record = PerceptionRecord(keep=self.args.generation_batch_size)
