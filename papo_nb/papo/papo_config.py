@@ -178,8 +178,9 @@ class PAPOGConfig(GRPOConfig):
             prompt's self-attention once, each completion over its prompt and itself; `grouped_attention.py`),
             Qwen-VL positions restarting after the prompt (`prefix_sharing.py`); the round is
             shuffled by whole groups, so `per_device_train_batch_size` must be a multiple of `num_generations`.
-            Qwen2-VL and Qwen2.5-VL whose text model runs SDPA or eager attention, on one process, without
-            gradient checkpointing, not luspo with beta != 0; elsewhere the plain forward runs,
+            Qwen2-VL and Qwen2.5-VL whose text model runs SDPA or eager attention, on one process, with or
+            without gradient checkpointing (each checkpointed layer recomputed inside the grouped layout; decided
+            per forward and at `train()` start), not luspo with beta != 0; elsewhere the plain forward runs,
             with a log line saying why (`papo/prefix_shared` per call). Off: TRL's forward and shuffle, bit for bit.
 
         > Parameters that control the entropy terms
