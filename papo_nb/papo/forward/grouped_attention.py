@@ -22,6 +22,11 @@ outputs are never read. Every step is a gather, a concatenation or the model's o
 is autograd's (each prompt key receives the gradients of its group's completions). This follows the prefix/suffix
 split of PrefixGrouper (arXiv 2506.05433; verl's ``use_prefix_grouper``), written here for Qwen-VL's attention
 interface, with the stacked form added because a masked call cannot skip blocks.
+
+Under gradient checkpointing the backward recomputes each checkpointed layer with the same keyword arguments (the
+layout among them) after the forward, when the text config names the model's own implementation again: for the
+packed forward each module's checkpoint function is wrapped (``CHECKPOINT_FUNCTIONS``) so that what it recomputes
+runs under ``NAME`` too; a checkpointing it cannot follow is named by ``checkpointing_reason`` (the plain path runs).
 """
 
 from __future__ import annotations
