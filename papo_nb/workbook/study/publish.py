@@ -13,7 +13,18 @@ from pathlib import Path
 from matplotlib.figure import Figure
 
 from papo_nb.workbook.config.params import WorkbookParams
-from papo_nb.workbook.study import controls, dose, drift, errors, placebo_arm, power, report, tables, vppo_arm
+from papo_nb.workbook.study import (
+    controls,
+    dose,
+    drift,
+    errors,
+    placebo_arm,
+    power,
+    report,
+    tables,
+    vppo_arm,
+    warm_starts,
+)
 from papo_nb.workbook.study import stats as study_stats
 from papo_nb.workbook.study.arms import GRPO, PAPO_G, PAPO_G_COLLAPSE, SEARCH, SWEEP, Study
 from papo_nb.workbook.study.claims import claims_table
@@ -320,7 +331,10 @@ def summary_markdown(root: str | Path, link_prefix: str = "") -> str:
     """One row per results page under ``root``: PAPO-G - GRPO on the headline metrics with its MDE and verdict,
     and the collapse arm's gamma; pages are linked as ``<link_prefix><page>/results.md``."""
     root = Path(root)
+    pooled = [(folder, data, warm_starts.pooled_line(data)) for folder, data in warm_starts.pooled_pages(root)]
+    pooled.sort(key=lambda page: (warm_starts.finetuning_of(page[1], root) != "lora", page[0].name))
     lines = [
+        *_pooled_table(root, pooled, link_prefix),
         "| page | testbed | finetuning | seeds | GRPO vision avg@k | PAPO-G - GRPO, vision avg@k | "
         "PAPO-G - GRPO, reliance gap | collapse gamma | GRPO's drift off the image, and PAPO-G against it | "
         "PAPO-G against its placebo | VPPO against GRPO's drift | weights |",
@@ -335,10 +349,50 @@ def summary_markdown(root: str | Path, link_prefix: str = "") -> str:
             f"{summary['finetuning']} | "
             f"{summary['seeds']} | {summary['grpo']['avg_at_k/original/vision']:.3f} | "
             f"{effects['avg_at_k/original/vision']['verdict']} | {effects['avg_at_k/gap/vision']['verdict']} | "
-            f"{collapse} | {summary.get('counteract', 'not measured (sweep design)')} | "
-            f"{summary.get('placebo', 'not run')} | {summary.get('vppo', 'not run')} | {policy_hash(path.parent)} |"
+            f"{collapse} | {summary.get('counteract', 'not measured (sweep design)')}"
+            f"{_overturned(summary, 'counteract', 'holds', pooled, root, link_prefix)} | "
+            f"{summary.get('placebo', 'not run')}{_overturned(summary, 'placebo', 'beats', pooled, root, link_prefix)}"
+            f" | {summary.get('vppo', 'not run')} | {policy_hash(path.parent)} |"
         )
     return "\n".join(lines) + "\n"
+
+
+def _pooled_table(root: Path, pooled: list[tuple[Path, dict, dict]], link_prefix: str) -> list[str]:
+    """The pooled pages' verdicts (every warm start of a design, paired by seed), which lead the summary."""
+    if not pooled:
+        return []
+    lines = [
+        "Pooled over independently built warm starts (these verdicts generalise; each row of the second table is one "
+        "warm start):",
+        "",
+        "| pooled page | finetuning | warm starts | pairs | GRPO's drift off the image, vision avg@k | PAPO-G - GRPO, "
+        "vision avg@k | PAPO-G - its KL-matched placebo | perception-specific |",
+        "|---|---|---:|---:|---|---|---|---|",
+    ]
+    for folder, data, line in pooled:
+        lines.append(
+            f"| [{folder.name}]({link_prefix}{folder.name}/{PAGE}) | {warm_starts.finetuning_of(data, root)} | "
+            f"{line['warm_starts']} | {line['pairs']} | {line['drift']} | {line['papo_g']} | {line['placebo']} | "
+            f"{line['specific']} |"
+        )
+    return [*lines, "", "Each page, one warm start (the shipped build) unless its row says otherwise:", ""]
+
+
+def _overturned(summary: dict, key: str, claim: str, pooled, root: Path, link_prefix: str) -> str:
+    """What the pooled pages of the same finetuning say where a one-warm-start row's ``key`` claims ``claim``
+    ("holds", "beats") and the pooled contrast does not detect a gain; "" otherwise."""
+    if not str(summary.get(key, "")).startswith(claim):
+        return ""
+    said = [
+        f"pooled over {line['warm_starts']} warm starts ([{folder.name}]({link_prefix}{folder.name}/{PAGE})): "
+        f"{line['papo_g' if key == 'counteract' else 'placebo']}"
+        for folder, data, line in pooled
+        if warm_starts.finetuning_of(data, root) == summary["finetuning"]
+        and not line["papo_g_holds" if key == "counteract" else "placebo_holds"]
+    ]
+    if not said:
+        return ""
+    return f" (this warm start only; {'; '.join(said)})"
 
 
 def replace_block(text: str, block: str, markers: tuple[str, str] | None = None) -> str:
@@ -369,8 +423,10 @@ def main(root: str | Path = "docs/study", targets=SUMMARY_TARGETS) -> None:
     root = Path(root)
     for rows in sorted(root.glob(f"*/{DOSE_ROWS}")):
         dose.plot_dose_response(json.loads(rows.read_text())).savefig(rows.with_suffix(".png"), dpi=80)
+    pooled = {folder for folder, _ in warm_starts.pooled_pages(root)}  # their pages: warm_starts.render
     for runs in sorted(root.glob(f"*/{RUNS}")):
-        write_contrasts(runs.parent)
+        if runs.parent not in pooled:
+            write_contrasts(runs.parent)
     for runs in sorted((root / ARCHIVE).glob(f"*/{RUNS}")):
         write_contrasts(runs.parent)
     (root / SUMMARY_PAGE).write_text(summary_markdown(root))
