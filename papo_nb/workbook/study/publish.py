@@ -19,6 +19,7 @@ from papo_nb.workbook.study import (
     drift,
     errors,
     placebo_arm,
+    pooled_summary,
     power,
     report,
     tables,
@@ -331,10 +332,9 @@ def summary_markdown(root: str | Path, link_prefix: str = "") -> str:
     """One row per results page under ``root``: PAPO-G - GRPO on the headline metrics with its MDE and verdict,
     and the collapse arm's gamma; pages are linked as ``<link_prefix><page>/results.md``."""
     root = Path(root)
-    pooled = [(folder, data, warm_starts.pooled_line(data)) for folder, data in warm_starts.pooled_pages(root)]
-    pooled.sort(key=lambda page: (warm_starts.finetuning_of(page[1], root) != "lora", page[0].name))
+    pooled = pooled_summary.pooled(root)
     lines = [
-        *_pooled_table(root, pooled, link_prefix),
+        *pooled_summary.pooled_table(root, pooled, link_prefix),
         "| page | testbed | finetuning | seeds | GRPO vision avg@k | PAPO-G - GRPO, vision avg@k | "
         "PAPO-G - GRPO, reliance gap | collapse gamma | GRPO's drift off the image, and PAPO-G against it | "
         "PAPO-G against its placebo | VPPO against GRPO's drift | weights |",
@@ -350,49 +350,12 @@ def summary_markdown(root: str | Path, link_prefix: str = "") -> str:
             f"{summary['seeds']} | {summary['grpo']['avg_at_k/original/vision']:.3f} | "
             f"{effects['avg_at_k/original/vision']['verdict']} | {effects['avg_at_k/gap/vision']['verdict']} | "
             f"{collapse} | {summary.get('counteract', 'not measured (sweep design)')}"
-            f"{_overturned(summary, 'counteract', 'holds', pooled, root, link_prefix)} | "
-            f"{summary.get('placebo', 'not run')}{_overturned(summary, 'placebo', 'beats', pooled, root, link_prefix)}"
+            f"{pooled_summary.overturned(summary, 'counteract', 'holds', pooled, root, link_prefix)} | "
+            f"{summary.get('placebo', 'not run')}"
+            f"{pooled_summary.overturned(summary, 'placebo', 'beats', pooled, root, link_prefix)}"
             f" | {summary.get('vppo', 'not run')} | {policy_hash(path.parent)} |"
         )
     return "\n".join(lines) + "\n"
-
-
-def _pooled_table(root: Path, pooled: list[tuple[Path, dict, dict]], link_prefix: str) -> list[str]:
-    """The pooled pages' verdicts (every warm start of a design, paired by seed), which lead the summary."""
-    if not pooled:
-        return []
-    lines = [
-        "Pooled over independently built warm starts (these verdicts generalise; each row of the second table is one "
-        "warm start):",
-        "",
-        "| pooled page | finetuning | warm starts | pairs | GRPO's drift off the image, vision avg@k | PAPO-G - GRPO, "
-        "vision avg@k | PAPO-G - its KL-matched placebo | perception-specific |",
-        "|---|---|---:|---:|---|---|---|---|",
-    ]
-    for folder, data, line in pooled:
-        lines.append(
-            f"| [{folder.name}]({link_prefix}{folder.name}/{PAGE}) | {warm_starts.finetuning_of(data, root)} | "
-            f"{line['warm_starts']} | {line['pairs']} | {line['drift']} | {line['papo_g']} | {line['placebo']} | "
-            f"{line['specific']} |"
-        )
-    return [*lines, "", "Each page, one warm start (the shipped build) unless its row says otherwise:", ""]
-
-
-def _overturned(summary: dict, key: str, claim: str, pooled, root: Path, link_prefix: str) -> str:
-    """What the pooled pages of the same finetuning say where a one-warm-start row's ``key`` claims ``claim``
-    ("holds", "beats") and the pooled contrast does not detect a gain; "" otherwise."""
-    if not str(summary.get(key, "")).startswith(claim):
-        return ""
-    said = [
-        f"pooled over {line['warm_starts']} warm starts ([{folder.name}]({link_prefix}{folder.name}/{PAGE})): "
-        f"{line['papo_g' if key == 'counteract' else 'placebo']}"
-        for folder, data, line in pooled
-        if warm_starts.finetuning_of(data, root) == summary["finetuning"]
-        and not line["papo_g_holds" if key == "counteract" else "placebo_holds"]
-    ]
-    if not said:
-        return ""
-    return f" (this warm start only; {'; '.join(said)})"
 
 
 def replace_block(text: str, block: str, markers: tuple[str, str] | None = None) -> str:
@@ -414,7 +377,10 @@ ARCHIVE_TARGET = ("docs/study.md", "study/archive/")
 
 
 # the pages that carry the summary table between README_MARKERS, and how each links to docs/study/
-SUMMARY_TARGETS = (("README.md", "docs/study/"), ("docs/study.md", "study/"))
+SUMMARY_TARGETS = (("docs/study.md", "study/"),)
+# README carries the pooled verdicts in three sentences between these markers (``verdict_sentences``)
+VERDICT_MARKERS = ("<!-- study-verdict:start -->", "<!-- study-verdict:end -->")
+VERDICT_TARGET = ("README.md", "docs/study/")
 
 
 def main(root: str | Path = "docs/study", targets=SUMMARY_TARGETS) -> None:
@@ -433,6 +399,11 @@ def main(root: str | Path = "docs/study", targets=SUMMARY_TARGETS) -> None:
     for target, prefix in targets:
         path = Path(target)
         path.write_text(replace_block(path.read_text(), summary_markdown(root, link_prefix=prefix)))
+    readme, prefix = Path(VERDICT_TARGET[0]), VERDICT_TARGET[1]
+    if readme.is_file() and VERDICT_MARKERS[0] in readme.read_text():
+        readme.write_text(
+            replace_block(readme.read_text(), pooled_summary.verdict_sentences(root, prefix), VERDICT_MARKERS)
+        )
     if (root / ARCHIVE).is_dir() and Path(ARCHIVE_TARGET[0]).exists():
         path, archive = Path(ARCHIVE_TARGET[0]), summary_markdown(root / ARCHIVE, link_prefix=ARCHIVE_TARGET[1])
         path.write_text(replace_block(path.read_text(), archive, ARCHIVE_MARKERS))
