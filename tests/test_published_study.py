@@ -232,18 +232,21 @@ def test_the_summary_leads_with_the_pooled_pages_and_each_one_warm_start_row_say
 def test_publish_rewrites_the_tables_beside_a_pooled_page(tmp_path, monkeypatch):
     """``python -m papo_nb.workbook.study.publish`` once read a pooled page's runs (a dict of warm starts) as a
     notebook 04 page's list of runs and stopped; it rewrites every table and leaves the pooled page as it was."""
-    from papo_nb.workbook.study.publish import README_MARKERS, main
+    from papo_nb.workbook.study.publish import README_MARKERS, VERDICT_MARKERS, main
 
     study = tmp_path / "docs" / "study"
     for page in ("shortcut_lora", "shortcut_warm_starts"):
         shutil.copytree(ROOT / "docs" / "study" / page, study / page)
     shutil.copytree(ROOT / "params", tmp_path / "params")
     readme = tmp_path / "README.md"
-    readme.write_text(f"intro\n{README_MARKERS[0]}\nstale\n{README_MARKERS[1]}\n")
+    readme.write_text(
+        f"intro\n{README_MARKERS[0]}\nstale\n{README_MARKERS[1]}\n{VERDICT_MARKERS[0]}\nSTALE-VERDICT\n{VERDICT_MARKERS[1]}\n"
+    )
     monkeypatch.chdir(tmp_path)
     main("docs/study", [("README.md", "docs/study/")])
     text = readme.read_text()
     assert "stale" not in text and "[shortcut_warm_starts](docs/study/shortcut_warm_starts/results.md)" in text
+    assert "STALE-VERDICT" not in text and "LoRA, 6 warm starts ([shortcut_warm_starts]" in text
     assert (study / "shortcut_warm_starts" / "results.md").read_bytes() == (
         ROOT / "docs" / "study" / "shortcut_warm_starts" / "results.md"
     ).read_bytes()

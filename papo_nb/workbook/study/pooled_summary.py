@@ -71,6 +71,6 @@ def verdict_sentences(root: str | Path, link_prefix: str = "") -> str:
     placebo = "; ".join(f"{FINETUNING_WORDS[ft]}: {line['specific']} ({line['placebo']})" for _, ft, line in said)
     return (
         f"GRPO drifts off the image on `testbed:shapes_shortcut`, pooled over independently built warm starts: "
-        f"{drift}. PAPO-G at half a searched collapse gamma against GRPO, pooled: {papo}. That its gain works through "
-        f"perception (beats every matched control and a placebo mask that never covers the object): {placebo}.\n"
+        f"{drift}.\nPAPO-G at half a searched collapse gamma against GRPO, pooled: {papo}.\n"
+        f"That its gain works through perception (it beats every matched control and the placebo): {placebo}.\n"
     )

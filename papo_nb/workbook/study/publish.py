@@ -385,7 +385,8 @@ VERDICT_TARGET = ("README.md", "docs/study/")
 
 def main(root: str | Path = "docs/study", targets=SUMMARY_TARGETS) -> None:
     """Redraw each page's dose-response figure and rewrite its contrasts from its data, then ``<root>/summary.md``
-    and the study table of every ``targets`` page (path, link prefix) from the pages' ``summary.json``."""
+    and the study table of every ``targets`` page (path, link prefix) from the pages' ``summary.json``, and README's
+    three-sentence verdict (``VERDICT_MARKERS``) from the pooled pages."""
     root = Path(root)
     for rows in sorted(root.glob(f"*/{DOSE_ROWS}")):
         dose.plot_dose_response(json.loads(rows.read_text())).savefig(rows.with_suffix(".png"), dpi=80)
@@ -399,8 +400,8 @@ def main(root: str | Path = "docs/study", targets=SUMMARY_TARGETS) -> None:
     for target, prefix in targets:
         path = Path(target)
         path.write_text(replace_block(path.read_text(), summary_markdown(root, link_prefix=prefix)))
-    readme, prefix = Path(VERDICT_TARGET[0]), VERDICT_TARGET[1]
-    if readme.is_file() and VERDICT_MARKERS[0] in readme.read_text():
+    readme, prefix = Path(VERDICT_TARGET[0]), VERDICT_TARGET[1]  # only from a root that has pooled pages
+    if pooled_summary.pooled(root) and readme.is_file() and VERDICT_MARKERS[0] in readme.read_text():
         readme.write_text(
             replace_block(readme.read_text(), pooled_summary.verdict_sentences(root, prefix), VERDICT_MARKERS)
         )

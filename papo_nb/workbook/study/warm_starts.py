@@ -278,7 +278,7 @@ def pooled_line(data: dict) -> dict:
         f"{negative} of {len(data['warm_starts'])} warm starts)",
         "papo_g": f"{_effect(against)}; {against['collapsed']} of {runs} runs collapsed",
         "papo_g_holds": against["diff"] > 0 and against["p_value"] < 0.05,
-        "placebo": f"against placebo_kl_matched {_effect(placebo)}",
+        "placebo": f"against the KL-matched placebo: {_effect(placebo)}",
         "placebo_holds": placebo["diff"] > 0 and placebo["p_value"] < 0.05,
         "specific": "shown" if "Perception-specific: shown" in two_sentence_verdict(data) else "not shown",
     }
