@@ -105,3 +105,19 @@ def test_readme_fits_two_screens_and_keeps_its_generated_verdict():
         "regenerate with: python -m papo_nb.workbook.study.publish"
     )
     assert not re.search(r"issue \d+|no GPU was lent", text, flags=re.I)
+
+
+def test_the_commands_readme_shows_parse_as_written():
+    """README's `papo-nb` lines (its own model and data, the MLflow UI on a fixed port) are the CLI's arguments."""
+    import shlex
+
+    from papo_nb.cli import build_parser
+
+    blocks = re.findall(r"```text\n(.*?)```", README.read_text(), flags=re.S)
+    commands = [shlex.split(block.replace("\\\n", " ")) for block in blocks if "papo-nb" in block]
+    assert {command[1] for command in commands} == {"train", "ui"}
+    for command in commands:
+        args, unknown = build_parser().parse_known_args(command[1:])
+        assert unknown == [], command
+    ui = next(build_parser().parse_args(c[1:]) for c in commands if c[1] == "ui")
+    assert (ui.port, ui.host) == (5000, "127.0.0.1")
