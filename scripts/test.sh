@@ -45,6 +45,9 @@ if [[ "${1:-}" == "--setup-only" ]]; then
     exit 0
 fi
 
+# Debian's chromium for the browser tests where this machine can install it; otherwise one line says which skip.
+bash scripts/chromium.sh
+
 start=$SECONDS
 rc=0
 # A shuffled order (pytest-randomly), its seed printed so that a failing order can be replayed:

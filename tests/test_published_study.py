@@ -4,6 +4,7 @@ are regenerated (commands in docs/study.md). Pages written before the weights we
 
 import json
 import re
+import shutil
 from pathlib import Path
 
 import pytest
@@ -205,3 +206,50 @@ def test_the_vppo_page_is_recomputed_from_its_own_files_and_its_finding_is_pinne
     theirs = json.loads((ROOT / "docs" / "study" / "shortcut_lora" / "runs.json").read_text())
     assert ours == {(r["gamma"], r["seed"]): r["scores"] for r in theirs}
     assert "python -m papo_nb.workbook.study.rebuild docs/study/shortcut_vppo_lora" in page
+
+
+def test_the_summary_leads_with_the_pooled_pages_and_each_one_warm_start_row_says_what_they_overturn():
+    """Issue 54 item 5: the pooled pages (warm starts, full fine-tuning) come first, and a row that claims a gain on
+    one warm start names the pooled page whose contrast does not detect it."""
+    from papo_nb.workbook.study import warm_starts
+    from papo_nb.workbook.study.publish import summary_markdown
+
+    root = ROOT / "docs" / "study"
+    lines = summary_markdown(root).splitlines()
+    assert lines[2].startswith("| pooled page |")
+    pooled = [line.split("]")[0][3:] for line in lines[4:] if line.startswith("| [")][:2]
+    assert pooled == ["shortcut_warm_starts", "shortcut_controls_full"]
+    lora = warm_starts.pooled_line(json.loads((root / "shortcut_warm_starts" / "runs.json").read_text()))
+    assert not lora["papo_g_holds"] and not lora["placebo_holds"]
+    one_warm_start = [line for line in lines if line.startswith("| [") and "| lora |" in line and "holds:" in line]
+    assert len(one_warm_start) == 3
+    for row in one_warm_start:
+        assert row.count("this warm start only; pooled over 6 warm starts ([shortcut_warm_starts]") == (
+            2 if "beats placebo_kl_matched" in row else 1
+        ), row
+
+
+def test_publish_rewrites_the_tables_beside_a_pooled_page(tmp_path, monkeypatch):
+    """``python -m papo_nb.workbook.study.publish`` once read a pooled page's runs (a dict of warm starts) as a
+    notebook 04 page's list of runs and stopped; it rewrites every table and leaves the pooled page as it was."""
+    from papo_nb.workbook.study.publish import README_MARKERS, VERDICT_MARKERS, main
+
+    study = tmp_path / "docs" / "study"
+    for page in ("shortcut_lora", "shortcut_warm_starts"):
+        shutil.copytree(ROOT / "docs" / "study" / page, study / page)
+    shutil.copytree(ROOT / "params", tmp_path / "params")
+    readme = tmp_path / "README.md"
+    readme.write_text(
+        f"intro\n{README_MARKERS[0]}\nstale\n{README_MARKERS[1]}\n{VERDICT_MARKERS[0]}\nSTALE-VERDICT\n{VERDICT_MARKERS[1]}\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    main("docs/study", [("README.md", "docs/study/")])
+    text = readme.read_text()
+    assert "stale" not in text and "[shortcut_warm_starts](docs/study/shortcut_warm_starts/results.md)" in text
+    assert "STALE-VERDICT" not in text and "LoRA, 6 warm starts ([shortcut_warm_starts]" in text
+    assert (study / "shortcut_warm_starts" / "results.md").read_bytes() == (
+        ROOT / "docs" / "study" / "shortcut_warm_starts" / "results.md"
+    ).read_bytes()
+    assert (study / "shortcut_lora" / "contrasts.md").read_text() == (
+        ROOT / "docs" / "study" / "shortcut_lora" / "contrasts.md"
+    ).read_text()

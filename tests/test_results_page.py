@@ -178,3 +178,20 @@ def test_the_probe_logs_its_blocks_to_json_and_a_figure_and_only_headlines_as_me
     stored = client.download_artifacts(run.info.run_id, "evidence/probe.json")
     assert len(json.loads(Path(stored).read_text())["block_leaks"]) == 40
     assert [a.path for a in client.list_artifacts(run.info.run_id, "figures")] == ["figures/probe.png"]
+
+
+def test_the_closing_cell_states_what_the_run_logged_without_figures_or_links(mlflow_store):
+    """Every notebook ends on ``run_report``: its verdicts and numbers read back from the store (issue 54)."""
+    from papo_nb.workbook.results.page import run_report
+
+    client = MlflowClient(mlflow_store)
+    experiment_id = ensure_experiment(mlflow_store)
+    parent_id = client.create_run(experiment_id, run_name="workbook-y").info.run_id
+    metrics = {"eval/accuracy_original": 0.8333, "eval/accuracy_masked": 0.7083, "probe_final/passed": 1.0}
+    run_id = child_run(client, experiment_id, parent_id, "03_training_run", metrics)
+    client.log_text(run_id, "x", "figures/training_curves.png")
+    report = run_report(run_id, client)
+    assert report.startswith("**What 03_training_run showed** · probe **passed**")
+    assert "held-out **0.833** original / **0.708** masked" in report
+    assert "| all items | 0.833 | 0.708 | 0.125 |" in report
+    assert "training_curves" not in report and "](" not in report  # the notebook shows its own figures

@@ -206,7 +206,20 @@ def summary_line(status: str, rolled: dict[str, float], tags: dict[str, str]) ->
 def notebook_page(record: RunRecord, signal: dict | None, arms_comparison: str = "") -> str:
     """The Markdown results page of one notebook run; ``arms_comparison``: 04's GRPO against PAPO-G table (Markdown),
     placed after its arms' headline."""
-    status = f"{record.name} {record.status.lower()}"
+    lines = findings_lines(record, signal, arms_comparison, f"{record.name} {record.status.lower()}")
+    figures = [path for path in record.artifacts if path.startswith("figures/") and path.endswith(".png")]
+    curves = next((p for p in figures if "curves" in p), figures[0] if figures else None)
+    if curves is not None:
+        lines += ["", f"### {Path(curves).stem.replace('_', ' ')}", "", f"![{curves}]({record.image(curves)})"]
+    links = artifact_links(record)
+    if links:
+        lines += ["", "### Tables, figures and the executed notebook", "", *links]
+    return "\n".join(lines) + "\n"
+
+
+def findings_lines(record: RunRecord, signal: dict | None, arms_comparison: str, status: str) -> list[str]:
+    """What the run showed, as it logged it: the summary line, the verdicts, the learning signal and the tables of
+    held-out accuracy, benchmarks and study arms (and 04's GRPO against PAPO-G table)."""
     lines = [summary_line(status, headlines(record, signal), record.tags), ""]
     if record.tags.get("papo_nb.failed_cell"):
         lines += [f"**Failed at** {record.tags['papo_nb.failed_cell']}", ""]
@@ -222,13 +235,18 @@ def notebook_page(record: RunRecord, signal: dict | None, arms_comparison: str =
             lines += ["", f"### {title}", "", *table]
     if arms_comparison:
         lines += ["", f"### GRPO against PAPO-G ({STUDY_TABLE_MD})", "", arms_comparison.strip()]
-    figures = [path for path in record.artifacts if path.startswith("figures/") and path.endswith(".png")]
-    curves = next((p for p in figures if "curves" in p), figures[0] if figures else None)
-    if curves is not None:
-        lines += ["", f"### {Path(curves).stem.replace('_', ' ')}", "", f"![{curves}]({record.image(curves)})"]
-    links = artifact_links(record)
-    if links:
-        lines += ["", "### Tables, figures and the executed notebook", "", *links]
+    return lines
+
+
+def run_report(run_id: str, client: MlflowClient | None = None) -> str:
+    """Every notebook's closing cell: what the run showed, read back from what it has logged (``findings_lines``),
+    so the executed notebook ends on its verdicts and numbers rather than on a bare table."""
+    client = client or MlflowClient()
+    record = RunRecord.read(client, run_id)
+    comparison = ""
+    if STUDY_TABLE_MD in record.artifacts:
+        comparison = Path(client.download_artifacts(run_id, STUDY_TABLE_MD)).read_text()
+    lines = findings_lines(record, signal_health(client, run_id), comparison, f"What {record.name} showed")
     return "\n".join(lines) + "\n"
 
 

@@ -13,7 +13,19 @@ from pathlib import Path
 from matplotlib.figure import Figure
 
 from papo_nb.workbook.config.params import WorkbookParams
-from papo_nb.workbook.study import controls, dose, drift, errors, placebo_arm, power, report, tables, vppo_arm
+from papo_nb.workbook.study import (
+    controls,
+    dose,
+    drift,
+    errors,
+    placebo_arm,
+    pooled_summary,
+    power,
+    report,
+    tables,
+    vppo_arm,
+    warm_starts,
+)
 from papo_nb.workbook.study import stats as study_stats
 from papo_nb.workbook.study.arms import GRPO, PAPO_G, PAPO_G_COLLAPSE, SEARCH, SWEEP, Study
 from papo_nb.workbook.study.claims import claims_table
@@ -320,7 +332,9 @@ def summary_markdown(root: str | Path, link_prefix: str = "") -> str:
     """One row per results page under ``root``: PAPO-G - GRPO on the headline metrics with its MDE and verdict,
     and the collapse arm's gamma; pages are linked as ``<link_prefix><page>/results.md``."""
     root = Path(root)
+    pooled = pooled_summary.pooled(root)
     lines = [
+        *pooled_summary.pooled_table(root, pooled, link_prefix),
         "| page | testbed | finetuning | seeds | GRPO vision avg@k | PAPO-G - GRPO, vision avg@k | "
         "PAPO-G - GRPO, reliance gap | collapse gamma | GRPO's drift off the image, and PAPO-G against it | "
         "PAPO-G against its placebo | VPPO against GRPO's drift | weights |",
@@ -335,8 +349,11 @@ def summary_markdown(root: str | Path, link_prefix: str = "") -> str:
             f"{summary['finetuning']} | "
             f"{summary['seeds']} | {summary['grpo']['avg_at_k/original/vision']:.3f} | "
             f"{effects['avg_at_k/original/vision']['verdict']} | {effects['avg_at_k/gap/vision']['verdict']} | "
-            f"{collapse} | {summary.get('counteract', 'not measured (sweep design)')} | "
-            f"{summary.get('placebo', 'not run')} | {summary.get('vppo', 'not run')} | {policy_hash(path.parent)} |"
+            f"{collapse} | {summary.get('counteract', 'not measured (sweep design)')}"
+            f"{pooled_summary.overturned(summary, 'counteract', 'holds', pooled, root, link_prefix)} | "
+            f"{summary.get('placebo', 'not run')}"
+            f"{pooled_summary.overturned(summary, 'placebo', 'beats', pooled, root, link_prefix)}"
+            f" | {summary.get('vppo', 'not run')} | {policy_hash(path.parent)} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -360,23 +377,34 @@ ARCHIVE_TARGET = ("docs/study.md", "study/archive/")
 
 
 # the pages that carry the summary table between README_MARKERS, and how each links to docs/study/
-SUMMARY_TARGETS = (("README.md", "docs/study/"), ("docs/study.md", "study/"))
+SUMMARY_TARGETS = (("docs/study.md", "study/"),)
+# README carries the pooled verdicts in three sentences between these markers (``verdict_sentences``)
+VERDICT_MARKERS = ("<!-- study-verdict:start -->", "<!-- study-verdict:end -->")
+VERDICT_TARGET = ("README.md", "docs/study/")
 
 
 def main(root: str | Path = "docs/study", targets=SUMMARY_TARGETS) -> None:
     """Redraw each page's dose-response figure and rewrite its contrasts from its data, then ``<root>/summary.md``
-    and the study table of every ``targets`` page (path, link prefix) from the pages' ``summary.json``."""
+    and the study table of every ``targets`` page (path, link prefix) from the pages' ``summary.json``, and README's
+    three-sentence verdict (``VERDICT_MARKERS``) from the pooled pages."""
     root = Path(root)
     for rows in sorted(root.glob(f"*/{DOSE_ROWS}")):
         dose.plot_dose_response(json.loads(rows.read_text())).savefig(rows.with_suffix(".png"), dpi=80)
+    pooled = {folder for folder, _ in warm_starts.pooled_pages(root)}  # their pages: warm_starts.render
     for runs in sorted(root.glob(f"*/{RUNS}")):
-        write_contrasts(runs.parent)
+        if runs.parent not in pooled:
+            write_contrasts(runs.parent)
     for runs in sorted((root / ARCHIVE).glob(f"*/{RUNS}")):
         write_contrasts(runs.parent)
     (root / SUMMARY_PAGE).write_text(summary_markdown(root))
     for target, prefix in targets:
         path = Path(target)
         path.write_text(replace_block(path.read_text(), summary_markdown(root, link_prefix=prefix)))
+    readme, prefix = Path(VERDICT_TARGET[0]), VERDICT_TARGET[1]  # only from a root that has pooled pages
+    if pooled_summary.pooled(root) and readme.is_file() and VERDICT_MARKERS[0] in readme.read_text():
+        readme.write_text(
+            replace_block(readme.read_text(), pooled_summary.verdict_sentences(root, prefix), VERDICT_MARKERS)
+        )
     if (root / ARCHIVE).is_dir() and Path(ARCHIVE_TARGET[0]).exists():
         path, archive = Path(ARCHIVE_TARGET[0]), summary_markdown(root / ARCHIVE, link_prefix=ARCHIVE_TARGET[1])
         path.write_text(replace_block(path.read_text(), archive, ARCHIVE_MARKERS))

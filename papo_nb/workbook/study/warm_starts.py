@@ -17,8 +17,10 @@ import math
 from pathlib import Path
 from statistics import mean
 
+import yaml
 from scipy import stats as scipy_stats
 
+from papo_nb.workbook.config.params import WorkbookParams
 from papo_nb.workbook.study.drift import CONSISTENT, EQUIVALENCE_MARGIN, PRIMARY
 from papo_nb.workbook.study.errors import DECOY, PRIOR
 from papo_nb.workbook.study.power import effect_verdict
@@ -241,3 +243,42 @@ def write_page(page: Path, outs: list[Path], controls_page: Path | None = None) 
     (page / RUNS_FILE).write_text(json.dumps(data, indent=1) + "\n")
     (page / PAGE_FILE).write_text(render(data))
     return page / PAGE_FILE
+
+
+def pooled_pages(root: Path) -> list[tuple[Path, dict]]:
+    """(folder, data) of every page under ``root`` that ``write_page`` wrote (its ``runs.json`` lists warm starts)."""
+    pages = []
+    for runs in sorted(Path(root).glob(f"*/{RUNS_FILE}")):
+        data = json.loads(runs.read_text())
+        if isinstance(data, dict) and "warm_starts" in data:
+            pages.append((runs.parent, data))
+    return pages
+
+
+def finetuning_of(data: dict, root: Path) -> str:
+    """The finetuning of a pooled page's params file (``data["params"]``, relative to the project, two folders above
+    ``root``: docs/study), with the workbook's default where the file leaves it out."""
+    path = Path(root).resolve().parents[1] / data["params"]
+    if not path.is_file():
+        raise FileNotFoundError(f"pooled page params {data['params']!r}: no such file {path}")
+    return yaml.safe_load(path.read_text()).get("finetuning", WorkbookParams.model_fields["finetuning"].default)
+
+
+def pooled_line(data: dict) -> dict:
+    """The pooled verdicts a summary row states: GRPO's drift and PAPO-G against GRPO, over every warm start."""
+    drift = drift_rows(data)[-1]
+    against = contrast_rows(data, PAPO_G, GRPO)[-1]
+    placebo = contrast_rows(data, PAPO_G, "placebo_kl_matched")[-1]
+    runs = sum(1 for b in data["warm_starts"] for r in b["runs"] if r["arm"] == PAPO_G)
+    negative = sum(r["drift"] < 0 for r in drift_rows(data)[:-1])
+    return {
+        "warm_starts": len(data["warm_starts"]),
+        "pairs": against["pairs"],
+        "drift": f"{drift['drift']:+.3f} +/- {drift['drift_ci95']:.3f} (p = {drift['p_value']:.2g}; negative on "
+        f"{negative} of {len(data['warm_starts'])} warm starts)",
+        "papo_g": f"{_effect(against)}; {against['collapsed']} of {runs} runs collapsed",
+        "papo_g_holds": against["diff"] > 0 and against["p_value"] < 0.05,
+        "placebo": f"against the KL-matched placebo: {_effect(placebo)}",
+        "placebo_holds": placebo["diff"] > 0 and placebo["p_value"] < 0.05,
+        "specific": "shown" if "Perception-specific: shown" in two_sentence_verdict(data) else "not shown",
+    }
