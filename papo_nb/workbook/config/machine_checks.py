@@ -37,7 +37,10 @@ def _looks_local(value: str) -> bool:
 def preflight_problems(params: WorkbookParams) -> list[str]:
     """Checks that need this machine (paths, CUDA), run before any notebook starts; schema checks are separate
     so that a GPU params file still validates on a laptop."""
+    from papo_nb.workbook.training.rewards import reward_import_problems
+
     problems = _model_name_problems(params) + _path_problems(params) + _device_problems(params)
+    problems += reward_import_problems(params)
     if params.per_device_train_batch_size % params.num_generations:
         problems.append(
             f"parameter 'per_device_train_batch_size' = {params.per_device_train_batch_size}: must be a multiple "

@@ -25,6 +25,8 @@ import datasets
 from jinja2 import Template
 from PIL import Image
 
+from papo_nb.workbook.config.params import ParamsError
+
 TRAIN_DATASET = "PAPOGalaxy/PAPO_ViRL39K_train"  # cfg:2, README.md:73
 VALIDATION_DATASET = "PAPOGalaxy/PAPO_MMK12_test"  # cfg:3, README.md:74
 # The eight evaluation benchmarks (one split each); note the org is spelled "PAPO-Galaxy" here (README.md:78,
@@ -46,7 +48,7 @@ FORMAT_PROMPTS = {
 FORMAT_PROMPT_SHA256 = "4b204150d4cf07cdc787390b4fc8a494150c417dc386990c4f456e792318fa60"
 
 
-class RecipeDataError(ValueError):
+class RecipeDataError(ParamsError):
     """The data does not fit the official recipe; the message names the parameter and what to change."""
 
 
@@ -98,6 +100,15 @@ def set_processor_pixel_bounds(processor, min_pixels: int, max_pixels: int) -> N
     processor.image_processor.size = SizeDict(shortest_edge=min_pixels, longest_edge=max_pixels)
 
 
+def bounded_processor(params, model_path: str):
+    """The model's processor with the run's pixel bounds: what the prompt-length filter counts with."""
+    from transformers import AutoProcessor
+
+    processor = AutoProcessor.from_pretrained(model_path)
+    set_processor_pixel_bounds(processor, params.min_pixels, params.max_pixels)
+    return processor
+
+
 def processor_pixel_bounds(processor) -> tuple[int, int]:
     size = processor.image_processor.size
     return int(size.shortest_edge), int(size.longest_edge)
@@ -111,7 +122,7 @@ def user_message(text: str, n_images: int) -> list[dict]:
         text = IMAGE_PLACEHOLDER * n_images + text
     elif placeholders != n_images:
         raise RecipeDataError(
-            f"problem has {placeholders} '<image>' placeholders but {n_images} images: {text[:80]!r}"
+            f"the text has {placeholders} '<image>' placeholders but {n_images} images: {text[:80]!r}"
         )
     content = []
     for i, piece in enumerate(text.split(IMAGE_PLACEHOLDER)):
@@ -171,10 +182,17 @@ def to_trl_rows(dataset: datasets.Dataset, format_prompt: str, min_pixels: int, 
     return dataset.map(convert, remove_columns=dataset.column_names, desc="official schema -> TRL rows")
 
 
+def row_images(row: dict) -> list:
+    """A row's images: its ``images`` list, or its one ``image`` (own rows may use either column, as TRL does)."""
+    if "images" in row:
+        return list(row["images"] or [])
+    return [] if row.get("image") is None else [row["image"]]
+
+
 def prompt_length(processor, row: dict) -> int:
     """Tokens of the chat-templated prompt, images expanded, as the official filter counts them (ds:298-311)."""
     text = processor.apply_chat_template(row["prompt"], add_generation_prompt=True, tokenize=False)
-    images = row["images"] or None
+    images = row_images(row) or None
     return int(
         processor(images=images, text=[text], add_special_tokens=False, return_tensors="pt")["input_ids"].shape[-1]
     )
@@ -191,7 +209,8 @@ class FilterReport:
 
 
 def filter_overlong_prompts(dataset: datasets.Dataset, processor, max_prompt_length: int):
-    """Drop rows whose prompt is longer than ``max_prompt_length`` tokens (cfg:21); returns (dataset, report)."""
+    """Drop rows (official or own, ``row_images``) whose prompt is longer than ``max_prompt_length`` tokens
+    (cfg:21); returns (dataset, report)."""
     counted = dataset.map(lambda row: {"prompt_tokens": prompt_length(processor, row)}, desc="prompt lengths")
     lengths = counted["prompt_tokens"]
     keep = [i for i, n in enumerate(lengths) if n <= max_prompt_length]
@@ -229,7 +248,6 @@ def official_datasets(params, model_path: str):
     ``validation_dataset`` (empty only with ``synthetic``, which draws held-out rows from another seed). The filter
     counts are printed and, inside an MLflow run, logged as ``data/<split>/...`` metrics."""
     import mlflow
-    from transformers import AutoProcessor
 
     from papo_nb.testbed.official_schema import make_official_schema_dataset
 
@@ -238,8 +256,7 @@ def official_datasets(params, model_path: str):
             f"parameter 'validation_dataset' is empty with dataset = {params.dataset!r}: name the held-out set "
             f"(official: {VALIDATION_DATASET}); only dataset 'synthetic' draws held-out rows of its own"
         )
-    processor = AutoProcessor.from_pretrained(model_path)
-    set_processor_pixel_bounds(processor, params.min_pixels, params.max_pixels)
+    processor = bounded_processor(params, model_path)
     options = dict(
         format_prompt=params.format_prompt,
         min_pixels=params.min_pixels,
