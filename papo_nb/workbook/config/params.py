@@ -320,7 +320,7 @@ class WorkbookParams(PAPOParams):
 
         for spec in value:
             if (problem := reward_spec_problem(spec)) is not None:
-                raise ValueError(f"{spec!r}: {problem}")
+                raise ValueError(f"entry {spec!r}: {problem}")
         return value
 
     @model_validator(mode="after")

@@ -99,6 +99,7 @@ def own_rows(
     column = image_column(dataset, where)
     undecoded = datasets.List(datasets.Image(decode=False)) if column == "images" else datasets.Image(decode=False)
     dataset = dataset.cast_column(column, undecoded)  # decoded below, row by row, so a bad file names its row
+    dataset = dataset.cast_column("answer", datasets.Value("string"))  # the rewards compare text (3 -> "3")
     if limit is not None:
         dataset = dataset.select(range(min(limit, len(dataset))))
 
