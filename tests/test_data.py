@@ -148,7 +148,7 @@ def test_load_vlm_dataset_picks_split_of_a_saved_dataset_dict(tmp_path):
     )
     dataset_dict.save_to_disk(tmp_path / "dd")
     assert len(load_vlm_dataset(str(tmp_path / "dd"), split="test")) == 2
-    with pytest.raises(ValueError, match=r"parameter 'eval_split' = 'validation': .* holds splits \['test', 'train'\]"):
+    with pytest.raises(ValueError, match=r"'eval_split' = 'validation': .* holds splits \['test', 'train'\]"):
         load_vlm_dataset(str(tmp_path / "dd"), split="validation", parameter="eval_split")
 
 

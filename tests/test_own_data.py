@@ -142,7 +142,7 @@ def test_each_schema_keeps_its_reward_and_names_expand_with_their_weights():
 
 
 def test_a_bad_reward_is_refused_naming_the_parameter_the_value_and_the_error(tmp_path, monkeypatch):
-    with pytest.raises(ParamsError, match=r"parameter 'reward' = 'my rewards' is invalid: .*entry 'my rewards': not a shipped reward"):
+    with pytest.raises(ParamsError, match=r"'reward' = 'my rewards' is invalid: .*'my rewards': not a shipped"):
         load_params(None, ["reward=my rewards"])
     with pytest.raises(ParamsError, match=r"'reward_weights' = \[1.0, 2.0\]: one weight per 'reward' entry"):
         load_params(None, ["reward=math", "reward_weights=[1.0, 2.0]"])
@@ -226,3 +226,13 @@ def test_papo_nb_train_refuses_a_bad_reward_and_a_missing_column_before_work(tmp
     assert missing.returncode == 2, missing.stdout[-3000:] + missing.stderr[-3000:]
     assert "missing column(s) ['answer']" in missing.stderr and str(tmp_path / "no_answer") in missing.stderr
     assert not (tmp_path / "run").exists()  # refused before the run folder, the model or MLflow
+
+
+def test_the_gpu_params_file_names_its_reward_bounds_its_rows_and_is_run_with_papo_nb_train():
+    text = (ROOT / "params" / "gpu.yaml").read_text()
+    assert "papo-nb train --params params/gpu.yaml" in text.split("\n\n")[0]
+    gpu = load_params(ROOT / "params" / "gpu.yaml")
+    assert gpu.dataset_schema == "shapes" and gpu.reward == ["math"]  # own rows, graded by the official reward
+    assert rewards.reward_functions(gpu) == list(math_reward.REWARD_FUNCS)
+    assert rewards.reward_weights(gpu) == pytest.approx(list(math_reward.REWARD_WEIGHTS))
+    assert (gpu.min_pixels, gpu.max_pixels, gpu.max_prompt_length) == (200704, 1003520, 4096)
