@@ -28,6 +28,7 @@ from pydantic import (
 
 from papo_nb.papo.papo_config import FIELD_RULES, PAPOGConfig, field_problem, papo_fields
 from papo_nb.papo.vppo.vppo_config import VPPO_FIELD_RULES, VPPO_FIXED, VPPOConfig
+from papo_nb.workbook.config.vllm_params import VLLMParams
 
 
 class ParamsError(ValueError):
@@ -115,8 +116,9 @@ PAPOParams = create_model(
 )
 
 
-class WorkbookParams(PAPOParams):
-    """Every workbook parameter, documented; defaults are the CPU smoke run on the tiny offline model."""
+class WorkbookParams(PAPOParams, VLLMParams):
+    """Every workbook parameter, documented; defaults are the CPU smoke run on the tiny offline model. The vLLM
+    rollout fields come from ``VLLMParams`` (config.vllm_params)."""
 
     model_config = ConfigDict(extra="forbid", strict=True, validate_assignment=True)
 

@@ -17,6 +17,7 @@ from papo_nb.testbed.perception import task_datasets, testbed_name
 from papo_nb.testbed.shapes import make_shapes_dataset
 from papo_nb.workbook.config.params import PAPO_PARAM_FIELDS, VPPO_PARAM_FIELDS, WorkbookParams
 from papo_nb.workbook.config.paths import resolve_device, resolve_model_path
+from papo_nb.workbook.config.vllm_params import vllm_config_fields
 from papo_nb.workbook.recipe import presets as recipe_presets
 from papo_nb.workbook.recipe import reward as math_reward
 from papo_nb.workbook.recipe.data import official_datasets, set_processor_pixel_bounds
@@ -78,6 +79,19 @@ def load_datasets(params: WorkbookParams):
     return own_datasets(params, resolve_model_path(params))
 
 
+def generation_kwargs(params: WorkbookParams, processor) -> dict:
+    """The image-token suppression, spelled for the engine that generates: HF ``generate``'s ``suppress_tokens``;
+    with vLLM a field its ``SamplingParams`` has, ``logit_bias`` of -inf per token id in colocate mode (exact ids,
+    as suppress_tokens), ``bad_words`` (the tokens' strings) in server mode, whose request is JSON."""
+    token_ids = vision_special_token_ids(processor)
+    if not params.use_vllm:
+        return {"suppress_tokens": token_ids}
+    if params.vllm_mode == "colocate":
+        return {"logit_bias": {token_id: float("-inf") for token_id in token_ids}}
+    tokenizer = getattr(processor, "tokenizer", processor)
+    return {"bad_words": tokenizer.convert_ids_to_tokens(token_ids)}
+
+
 def papo_config(
     params: WorkbookParams, output_dir: str | Path, processor, *, report_to: str = "none", **overrides
 ) -> PAPOGConfig:
@@ -104,7 +118,8 @@ def papo_config(
         save_steps=params.save_steps,
         report_to=report_to,
         dataloader_num_workers=0,
-        generation_kwargs={"suppress_tokens": vision_special_token_ids(processor)},
+        generation_kwargs=generation_kwargs(params, processor),
+        **vllm_config_fields(params),
     )
     # A named recipe supplies the preset fields the params do not expose (clip range, weight decay, top_p...).
     settings.update(recipe_presets.config_fields(params))
