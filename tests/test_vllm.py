@@ -99,3 +99,11 @@ def test_papo_nb_train_with_use_vllm_and_no_vllm_stops_before_work_with_the_inst
     missing = f"parameter 'use_vllm' = True: vLLM is not installed here; install it: {command}"
     assert (missing in error) == (importlib.util.find_spec("vllm") is None)
     assert "parameter 'use_vllm' = True with device 'cpu': vLLM generates on CUDA GPUs only" in error
+
+
+def test_docs_vllm_states_the_fact_files_releases_and_ranges():
+    text = (ROOT / "docs" / "vllm.md").read_text()
+    releases = list(vllm_sampling_fields()["releases"])
+    assert f"each of the {len(releases)} vLLM releases\nfrom {releases[0]} to {releases[-1]}" in text
+    for trl_version, (lowest, highest) in vllm_sampling_fields()["trl_vllm_ranges"].items():
+        assert f"{trl_version}: vLLM {lowest} to {highest}" in text or f"{trl_version}:\n{lowest} to {highest}" in text
