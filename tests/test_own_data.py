@@ -22,7 +22,7 @@ from papo_nb.testbed.shapes import make_shapes_dataset
 from papo_nb.workbook.config.params import ParamsError, load_params
 from papo_nb.workbook.config.reward_names import SHIPPED_REWARD_NAMES
 from papo_nb.workbook.recipe import reward as math_reward
-from papo_nb.workbook.recipe.data import RecipeDataError
+from papo_nb.workbook.recipe.data import RecipeDataError, load_rows
 from papo_nb.workbook.recipe.own_data import own_rows
 from papo_nb.workbook.training import rewards
 from papo_nb.workbook.training.builder import load_datasets, load_tokenizer, papo_config
@@ -93,6 +93,22 @@ def save_rows(folder: Path, n: int, *, long_every: int = 0) -> Path:
     )
     datasets.DatasetDict({"train": split, "test": split}).save_to_disk(folder)
     return folder
+
+
+def test_splits_are_chosen_by_name_and_a_missing_one_names_its_parameter(tmp_path):
+    folder = save_rows(tmp_path / "rows", 3)
+    assert len(load_rows(str(folder), "test")) == 3 and len(load_rows(f"{folder}@train")) == 3
+    params = load_params(None, [f"dataset={folder}", "eval_split=validation"])
+    with pytest.raises(
+        RecipeDataError, match=r"has splits \['test', 'train'\], not 'validation' \(parameter 'eval_split'\)"
+    ):
+        load_datasets(params)
+    with pytest.raises(RecipeDataError, match=r"parameter 'dataset' = '.*does_not_exist': no such file or folder"):
+        load_datasets(load_params(None, [f"dataset={tmp_path / 'does_not_exist'}"]))
+    one_image = {"prompt": ["What colour?"], "image": [Image.new("RGB", (60, 60))], "answer": ["blue"]}
+    datasets.Dataset.from_dict(one_image).to_parquet(tmp_path / "rows.parquet")
+    parquet = own_rows(load_rows(str(tmp_path / "rows.parquet")), WHERE, 3136, 12544)[0]  # one data file
+    assert parquet["answer"] == "blue" and parquet["image"].size == (60, 60)
 
 
 def test_over_long_own_prompts_are_dropped_not_truncated(tmp_path):

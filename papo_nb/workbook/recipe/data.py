@@ -133,9 +133,13 @@ def user_message(text: str, n_images: int) -> list[dict]:
     return [{"role": "user", "content": content}]
 
 
-def load_official_dataset(name_or_path: str, split: str = "train", parameter: str = "dataset") -> datasets.Dataset:
-    """A hub id (``id`` or ``id@split``), a ``save_to_disk`` folder, or a parquet/json file or folder, in the
-    official schema. Hub ids go through ``datasets.load_dataset`` (ds:143-145); nothing here is mocked."""
+def load_rows(
+    name_or_path: str, split: str = "train", parameter: str = "dataset", split_parameter: str = ""
+) -> datasets.Dataset:
+    """One split of a hub id (``id`` or ``id@split``), a ``save_to_disk`` folder (a DatasetDict's named split; a
+    single Dataset is every split), or a parquet/json file or folder, schema unchecked. Hub ids go through
+    ``datasets.load_dataset`` (ds:143-145); nothing here is mocked. ``split_parameter`` names the parameter that chose
+    ``split``, for the error when the data lacks it."""
     if "@" in name_or_path:
         name_or_path, split = name_or_path.split("@", 1)
     path = Path(name_or_path).expanduser()
@@ -143,8 +147,9 @@ def load_official_dataset(name_or_path: str, split: str = "train", parameter: st
         loaded = datasets.load_from_disk(str(path))
         if isinstance(loaded, datasets.DatasetDict):
             if split not in loaded:
+                chosen = f" (parameter {split_parameter!r})" if split_parameter else ""
                 raise RecipeDataError(
-                    f"parameter {parameter!r} = {name_or_path!r} has splits {sorted(loaded)}, not {split!r}"
+                    f"parameter {parameter!r} = {name_or_path!r} has splits {sorted(loaded)}, not {split!r}{chosen}"
                 )
             loaded = loaded[split]
     elif path.is_dir():  # a folder of data files (ds:135-138)
@@ -157,6 +162,14 @@ def load_official_dataset(name_or_path: str, split: str = "train", parameter: st
         raise RecipeDataError(f"parameter {parameter!r} = {name_or_path!r}: no such file or folder")
     else:
         loaded = datasets.load_dataset(name_or_path, split=split)
+    return loaded
+
+
+def load_official_dataset(name_or_path: str, split: str = "train", parameter: str = "dataset") -> datasets.Dataset:
+    """``load_rows`` in the official schema (its columns checked)."""
+    loaded = load_rows(name_or_path, split, parameter)
+    name_or_path, _, chosen_split = name_or_path.partition("@")
+    split = chosen_split or split
     missing = [c for c in OFFICIAL_COLUMNS if c not in loaded.column_names]
     if missing:
         raise RecipeDataError(

@@ -14,11 +14,11 @@ import io
 import datasets
 from PIL import Image
 
-from papo_nb.testbed.shapes import load_vlm_dataset
 from papo_nb.workbook.recipe.data import (
     RecipeDataError,
     bounded_processor,
     filter_overlong_prompts,
+    load_rows,
     resize_to_pixel_bounds,
     user_message,
 )
@@ -134,7 +134,7 @@ def own_datasets(params, model_path: str):
         ("eval_split", params.eval_split, params.n_eval_prompts),
     ):
         where = f"parameter 'dataset' = {params.dataset!r} ({parameter} {split!r})"
-        raw = load_vlm_dataset(params.dataset, split=split, parameter=parameter)
+        raw = load_rows(params.dataset, split, "dataset", split_parameter=parameter)
         rows = own_rows(raw, where, params.min_pixels, params.max_pixels, limit)
         prepared.append(filter_overlong_prompts(rows, processor, params.max_prompt_length)[0])
     return tuple(prepared)
