@@ -20,7 +20,7 @@ from papo_nb.testbed.models import build_tiny_processor
 from papo_nb.testbed.rewards import accuracy_reward, format_reward
 from papo_nb.testbed.shapes import make_shapes_dataset
 from papo_nb.workbook.config.params import ParamsError, load_params
-from papo_nb.workbook.config.reward_names import SHIPPED_REWARD_NAMES
+from papo_nb.workbook.config.reward_names import SHIPPED_REWARD_FUNCTIONS
 from papo_nb.workbook.recipe import reward as math_reward
 from papo_nb.workbook.recipe.data import RecipeDataError, load_rows
 from papo_nb.workbook.recipe.own_data import own_rows
@@ -146,22 +146,28 @@ def test_each_schema_keeps_its_reward_and_names_expand_with_their_weights():
     assert rewards.reward_weights(shapes) is None  # TRL's 1 each, as before the parameter existed
     official = load_params(ROOT / "params" / "recipes" / "papo_g_3b.yaml")
     assert rewards.reward_functions(official) == list(math_reward.REWARD_FUNCS)
-    mixed = load_params(None, ["reward=[math, shapes_accuracy]", "reward_weights=[2.0, 0.5]"])
+    mixed = load_params(None, ["reward=[math, shapes_accuracy]"])
     assert rewards.reward_functions(mixed) == [*math_reward.REWARD_FUNCS, accuracy_reward]
-    assert rewards.reward_weights(mixed) == pytest.approx([1.8, 0.2, 0.5])
-    assert papo_config(mixed, "unused", build_tiny_processor()).reward_weights == pytest.approx([1.8, 0.2, 0.5])
-    vppo = load_params(ROOT / "params" / "recipes" / "vppo_7b.yaml", ["reward=boxed_accuracy", "device=cpu"])
-    assert papo_config(vppo, "unused", build_tiny_processor()).reward_weights == [
-        1.0
-    ]  # the chosen reward's, not the recipe's two
-    assert set(rewards.SHIPPED_REWARDS) == set(SHIPPED_REWARD_NAMES)
+    assert rewards.reward_weights(mixed) == pytest.approx([0.9, 0.1, 1.0])  # each name's own weights
+    weighed = mixed.model_copy(update={"reward_weights": [1.8, 0.2, 0.5]})
+    assert papo_config(weighed, "unused", build_tiny_processor()).reward_weights == pytest.approx([1.8, 0.2, 0.5])
+    vppo = load_params(ROOT / "params" / "recipes" / "vppo_7b.yaml", ["device=cpu"])
+    assert papo_config(vppo, "unused", build_tiny_processor()).reward_weights == [1.0, 0.0]  # math, format at 0
+    boxed = load_params(ROOT / "params" / "recipes" / "vppo_7b.yaml", ["reward=boxed_accuracy", "reward_weights=[]"])
+    assert papo_config(
+        boxed.model_copy(update={"device": "cpu"}), "unused", build_tiny_processor()
+    ).reward_weights == [1.0]
+    names = {name: tuple(f.__name__ for f, _ in parts) for name, parts in rewards.SHIPPED_REWARDS.items()}
+    assert names == SHIPPED_REWARD_FUNCTIONS  # what params validation counts reward_weights against
 
 
 def test_a_bad_reward_is_refused_naming_the_parameter_the_value_and_the_error(tmp_path, monkeypatch):
     with pytest.raises(ParamsError, match=r"'reward' = 'my rewards' is invalid: .*'my rewards': not a shipped"):
         load_params(None, ["reward=my rewards"])
-    with pytest.raises(ParamsError, match=r"'reward_weights' = \[1.0, 2.0\]: one weight per 'reward' entry"):
-        load_params(None, ["reward=math", "reward_weights=[1.0, 2.0]"])
+    with pytest.raises(ParamsError, match=r"'reward_weights' = \[1.0\]: one weight per reward function, 2 for reward"):
+        load_params(None, ["reward=math", "reward_weights=[1.0]"])
+    with pytest.raises(ParamsError, match=r"'reward_weights' = \[1.0\]: .* 2 for reward \['shapes'\]"):
+        load_params(None, ["reward_weights=[1.0]"])  # the schema's default reward: shapes, two functions
     (tmp_path / "bad_rewards.py").write_text(
         "def crashes(prompts, completions, **kwargs):\n    return [kwargs['no_such_column'][0]]\n"
         "def too_many(prompts, completions, **kwargs):\n    return [1.0, 2.0]\n"

@@ -139,7 +139,9 @@ class WorkbookParams(PAPOParams, VLLMParams):
         "your own 'module:function' with TRL's signature (docs/data.md); empty: the schema's ('shapes' or 'math')",
     )
     reward_weights: list[float] = Field(
-        default_factory=list, description="one weight per 'reward' entry (a name's own weights are scaled); empty: 1"
+        default_factory=list,
+        description="TRL's reward_weights: one per reward function (a name may stand for several: 'math' for two); "
+        "empty: each name's own weights ('math': 0.9, 0.1), 1 for your own",
     )
     seed: int = Field(0, ge=0, description="seed for data, model building, masks and training")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="where to run; auto picks cuda when present")
@@ -326,11 +328,14 @@ class WorkbookParams(PAPOParams, VLLMParams):
         return value
 
     @model_validator(mode="after")
-    def _one_weight_per_reward(self):
-        if self.reward_weights and len(self.reward_weights) != len(self.reward):
+    def _one_weight_per_reward_function(self):
+        from papo_nb.workbook.config.reward_names import function_count, reward_specs
+
+        expected = function_count(self.reward, self.dataset_schema)
+        if self.reward_weights and len(self.reward_weights) != expected:
             raise ValueError(
-                f"parameter 'reward_weights' = {self.reward_weights!r}: one weight per 'reward' entry "
-                f"({len(self.reward)}: {self.reward!r}); empty weighs each 1"
+                f"parameter 'reward_weights' = {self.reward_weights!r}: one weight per reward function, {expected} "
+                f"for reward {reward_specs(self.reward, self.dataset_schema)!r}; empty: each name's own weights"
             )
         return self
 

@@ -129,8 +129,8 @@ def papo_config(
         # The official actor checkpoints activations (config_grpo_papo.yaml:65); full fine-tuning on a GPU needs it.
         activation_checkpointing=params.finetuning == "full" and on_gpu,
     )
-    if params.reward:  # the researcher's choice of rewards brings its own weights, over any recipe's
-        settings["reward_weights"] = reward_weights(params)
+    if (weights := reward_weights(params)) is not None:  # the researcher's rewards and weights, over any recipe's
+        settings["reward_weights"] = weights
     elif params.dataset_schema == "official":
         # 0.9 accuracy + 0.1 format (math.py:43), unless the recipe weighs them (VPPO: accuracy alone)
         settings.setdefault("reward_weights", list(math_reward.REWARD_WEIGHTS))

@@ -3,8 +3,8 @@
 A reward function has TRL's signature, ``f(prompts, completions, **kwargs) -> list[float | None]``; the keyword
 arguments carry every dataset column but ``prompt`` (``answer`` among them) as one list entry per completion, and
 TRL's ``completion_ids``, ``trainer_state``, ``log_extra`` and ``log_metric``. A name may stand for several
-functions (``math``: boxed accuracy and format, weighed 0.9 and 0.1); ``reward_weights`` scales each entry of
-``reward``, so the trainer's weights are the entry's weight times each function's own.
+functions (``math``: boxed accuracy and format, weighed 0.9 and 0.1); ``reward_weights`` is TRL's, one weight per
+function (empty: each name's own weights, 1 for a function of one's own).
 
 Refused before work: the spelling at params validation (``config.reward_names``), the import in the machine
 checks before any run starts (``reward_import_problems``), one call on the first training row before the model
@@ -17,7 +17,7 @@ import importlib
 
 from papo_nb.testbed.rewards import accuracy_reward, format_reward
 from papo_nb.workbook.config.params import ParamsError
-from papo_nb.workbook.config.reward_names import SCHEMA_DEFAULT_REWARD
+from papo_nb.workbook.config.reward_names import reward_specs
 from papo_nb.workbook.recipe import reward as math_reward
 
 # name -> (function, weight) of each function it stands for (the names: config.reward_names.SHIPPED_REWARD_NAMES).
@@ -54,13 +54,14 @@ def _import(spec: str, parameter: str = "reward"):
 
 
 def weighted_rewards(params) -> list[tuple[str, object, float]]:
-    """``(spec, function, weight)`` of every reward function the run trains on, shipped names expanded."""
-    specs = list(params.reward) or [SCHEMA_DEFAULT_REWARD[params.dataset_schema]]
-    weights = list(params.reward_weights) or [1.0] * len(specs)
+    """``(entry, function, weight)`` of every reward function the run trains on, shipped names expanded; the weights
+    are ``reward_weights`` when set, else each name's own."""
     chosen = []
-    for spec, weight in zip(specs, weights, strict=True):
+    for spec in reward_specs(params.reward, params.dataset_schema):
         parts = SHIPPED_REWARDS.get(spec) or ((_import(spec), 1.0),)
-        chosen += [(spec, function, weight * own) for function, own in parts]
+        chosen += [(spec, function, weight) for function, weight in parts]
+    if params.reward_weights:
+        chosen = [(spec, function, w) for (spec, function, _), w in zip(chosen, params.reward_weights, strict=True)]
     return chosen
 
 
@@ -70,8 +71,11 @@ def reward_functions(params) -> list:
 
 
 def reward_weights(params) -> list[float] | None:
-    """The weights to hand TRL when ``reward`` is set; None keeps the schema's (and a recipe's) own."""
-    return [weight for _, _, weight in weighted_rewards(params)] if params.reward else None
+    """TRL's ``reward_weights`` when ``reward`` or ``reward_weights`` is set; None keeps the schema's default (and,
+    on the official schema, a recipe's)."""
+    if not (params.reward or params.reward_weights):
+        return None
+    return [weight for _, _, weight in weighted_rewards(params)]
 
 
 def reward_import_problems(params) -> list[str]:
