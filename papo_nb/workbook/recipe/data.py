@@ -221,6 +221,14 @@ class FilterReport:
         return {"kept": self.kept, "dropped_overlong": self.dropped, "longest_kept_prompt_tokens": self.longest_kept}
 
 
+def log_filter_report(split: str, report: FilterReport) -> None:
+    """Inside an MLflow run, the filter's counts as ``data/<split>/...`` metrics."""
+    import mlflow
+
+    if mlflow.active_run() is not None:
+        mlflow.log_metrics({f"data/{split}/{k}": float(v) for k, v in report.to_dict().items()})
+
+
 def filter_overlong_prompts(dataset: datasets.Dataset, processor, max_prompt_length: int):
     """Drop rows (official or own, ``row_images``) whose prompt is longer than ``max_prompt_length`` tokens
     (cfg:21); returns (dataset, report)."""
@@ -260,8 +268,6 @@ def official_datasets(params, model_path: str):
     ``PAPOGalaxy/PAPO_ViRL39K_train``, a local copy, or ``synthetic`` for the local official-schema set) and
     ``validation_dataset`` (empty only with ``synthetic``, which draws held-out rows from another seed). The filter
     counts are printed and, inside an MLflow run, logged as ``data/<split>/...`` metrics."""
-    import mlflow
-
     from papo_nb.testbed.official_schema import make_official_schema_dataset
 
     if not params.validation_dataset and params.dataset != "synthetic":
@@ -290,7 +296,6 @@ def official_datasets(params, model_path: str):
         if source == "synthetic":
             source = make_official_schema_dataset(limit, seed=seed)
         rows, report = prepare_split(source, processor, limit=limit, parameter=parameter, **options)
-        if mlflow.active_run() is not None:
-            mlflow.log_metrics({f"data/{split}/{k}": float(v) for k, v in report.to_dict().items()})
+        log_filter_report(split, report)
         prepared.append(rows)
     return tuple(prepared)

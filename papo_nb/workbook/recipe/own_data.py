@@ -19,6 +19,7 @@ from papo_nb.workbook.recipe.data import (
     bounded_processor,
     filter_overlong_prompts,
     load_rows,
+    log_filter_report,
     resize_to_pixel_bounds,
     user_message,
 )
@@ -126,7 +127,9 @@ def own_rows(
 
 def own_datasets(params, model_path: str):
     """(train rows, held-out rows) of the own rows in ``params.dataset``: splits ``train_split`` and ``eval_split``
-    (the first ``n_train_prompts`` and ``n_eval_prompts`` rows), checked, bounded and filtered."""
+    (the first ``n_train_prompts`` and ``n_eval_prompts`` rows), checked, bounded and filtered; the filter's counts
+    are printed and, inside an MLflow run, logged as ``data/train/...`` and ``data/validation/...``, as the
+    official schema's."""
     processor = bounded_processor(params, model_path)
     prepared = []
     for parameter, split, limit in (
@@ -136,5 +139,7 @@ def own_datasets(params, model_path: str):
         where = f"parameter 'dataset' = {params.dataset!r} ({parameter} {split!r})"
         raw = load_rows(params.dataset, split, "dataset", split_parameter=parameter)
         rows = own_rows(raw, where, params.min_pixels, params.max_pixels, limit)
-        prepared.append(filter_overlong_prompts(rows, processor, params.max_prompt_length)[0])
+        kept, report = filter_overlong_prompts(rows, processor, params.max_prompt_length)
+        log_filter_report("train" if parameter == "train_split" else "validation", report)
+        prepared.append(kept)
     return tuple(prepared)
