@@ -95,6 +95,7 @@ def save_rows(folder: Path, n: int, *, long_every: int = 0) -> Path:
     return folder
 
 
+@pytest.mark.model  # builds (or reuses) the tiny model's folder for its processor and tokenizer
 def test_splits_are_chosen_by_name_and_a_missing_one_names_its_parameter(tmp_path):
     folder = save_rows(tmp_path / "rows", 3)
     assert len(load_rows(str(folder), "test")) == 3 and len(load_rows(f"{folder}@train")) == 3
@@ -111,6 +112,7 @@ def test_splits_are_chosen_by_name_and_a_missing_one_names_its_parameter(tmp_pat
     assert parquet["answer"] == "blue" and parquet["image"].size == (60, 60)
 
 
+@pytest.mark.model  # builds (or reuses) the tiny model's folder for its processor and tokenizer
 def test_over_long_own_prompts_are_dropped_not_truncated(tmp_path):
     folder = save_rows(tmp_path / "rows", 6, long_every=3)
     params = load_params(None, [f"dataset={folder}", "max_prompt_length=300", "n_eval_prompts=2"])
@@ -119,6 +121,7 @@ def test_over_long_own_prompts_are_dropped_not_truncated(tmp_path):
     assert all(" word" * 400 not in r["prompt"][0]["content"][-1]["text"] for r in train)
 
 
+@pytest.mark.model  # builds (or reuses) the tiny model's folder for its processor and tokenizer
 def test_the_documented_example_rows_load_and_the_example_reward_runs_on_them(tmp_path, monkeypatch):
     (data_block,) = doc_blocks("python")[:1]
     monkeypatch.chdir(tmp_path)
@@ -161,6 +164,7 @@ def test_each_schema_keeps_its_reward_and_names_expand_with_their_weights():
     assert names == SHIPPED_REWARD_FUNCTIONS  # what params validation counts reward_weights against
 
 
+@pytest.mark.model  # builds (or reuses) the tiny model's folder for its processor and tokenizer
 def test_a_bad_reward_is_refused_naming_the_parameter_the_value_and_the_error(tmp_path, monkeypatch):
     with pytest.raises(ParamsError, match=r"'reward' = 'my rewards' is invalid: .*'my rewards': not a shipped"):
         load_params(None, ["reward=my rewards"])
