@@ -4,15 +4,12 @@ import collections
 import re
 
 import numpy as np
-import pytest
 
 from papo_nb.testbed.shapes import (
     COLOURS,
     GRID_COLS,
     KINDS,
-    REQUIRED_COLUMNS,
     all_answers,
-    load_vlm_dataset,
     make_shapes_dataset,
     task_corpus,
 )
@@ -43,7 +40,7 @@ def test_generation_does_not_touch_global_random_state():
 
 
 def test_conversational_vlm_format(shapes_dataset):
-    assert set(REQUIRED_COLUMNS) <= set(shapes_dataset.column_names)
+    assert {"prompt", "image", "answer"} <= set(shapes_dataset.column_names)
     example = shapes_dataset[0]
     (message,) = example["prompt"]
     assert message["role"] == "user"
@@ -131,36 +128,3 @@ def test_task_corpus_covers_prompts_and_wrapped_answers(shapes_dataset):
         assert prompt[0]["content"][1]["text"] in corpus
     for answer in all_answers():
         assert f"<answer>{answer}</answer>" in corpus
-
-
-def test_load_vlm_dataset_round_trips_a_saved_folder(tmp_path):
-    dataset = make_shapes_dataset(6, seed=2)
-    dataset.save_to_disk(tmp_path / "shapes")
-    loaded = load_vlm_dataset(str(tmp_path / "shapes"))
-    assert loaded["answer"] == dataset["answer"]
-    assert pixel_bytes(loaded) == pixel_bytes(dataset)
-
-
-def test_load_vlm_dataset_picks_split_of_a_saved_dataset_dict(tmp_path):
-    import datasets
-
-    dataset_dict = datasets.DatasetDict(
-        {"train": make_shapes_dataset(4, seed=0), "test": make_shapes_dataset(2, seed=1)}
-    )
-    dataset_dict.save_to_disk(tmp_path / "dd")
-    assert len(load_vlm_dataset(str(tmp_path / "dd"), split="test")) == 2
-    with pytest.raises(ValueError, match="split='validation'"):
-        load_vlm_dataset(str(tmp_path / "dd"), split="validation")
-
-
-def test_load_vlm_dataset_names_missing_columns(tmp_path):
-    make_shapes_dataset(4, seed=0).remove_columns(["answer"]).save_to_disk(tmp_path / "no_answer")
-    with pytest.raises(ValueError) as error:
-        load_vlm_dataset(str(tmp_path / "no_answer"))
-    message = str(error.value)
-    assert "['answer']" in message and str(tmp_path / "no_answer") in message and "prompt" in message
-
-
-def test_load_vlm_dataset_names_a_missing_local_path(tmp_path):
-    with pytest.raises(FileNotFoundError, match=r"name_or_path=.*does_not_exist"):
-        load_vlm_dataset(str(tmp_path / "does_not_exist"))

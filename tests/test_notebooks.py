@@ -277,7 +277,8 @@ def test_a_notebook_failing_midway_leaves_its_executed_copy_in_a_failed_run(tmp_
     )
     assert not result.ok
     failed = result.notebooks[0]
-    assert failed.status == "FAILED" and "ValueError" in failed.failed_cell and "answer" in failed.failed_cell
+    assert failed.status == "FAILED" and "RecipeDataError" in failed.failed_cell
+    assert "missing column(s) ['answer']" in failed.failed_cell
     client = MlflowClient(uri)
     run = client.get_run(failed.run_id)
     assert run.info.status == "FAILED" and run.data.tags["papo_nb.failed_cell"] == failed.failed_cell

@@ -27,6 +27,7 @@ def test_gpu_recipe_validates_and_matches_its_preset(name):
     assert params.dataset_schema == "official" and params.format_prompt == "math_perception"
     assert (params.min_pixels, params.max_pixels, params.max_prompt_length) == (200704, 1003520, 4096)
     assert params.finetuning == "full" and not params.freeze_vision_tower
+    assert params.use_vllm and params.vllm_mode == "colocate"  # the official runs generate with vLLM
     layout = pf.batch_layout(params)
     assert layout["prompts_per_generation"] == 384 and layout["prompts_per_optimizer_step"] == 128
     assert layout["optimizer_steps_per_generation"] == 3

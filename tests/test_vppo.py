@@ -299,7 +299,7 @@ def test_the_vppo_7b_recipe_file_matches_its_preset_and_the_official_batches():
     assert layout["optimizer_steps_per_generation"] == 3 and params.num_generations == 8 and params.num_processes == 8
     assert pf.check_batches(params, layout) == [] and pf.batch_deviations(params, layout) == []
     hidden = config_fields(params)
-    assert hidden["epsilon_high"] == 0.28 and hidden["reward_weights"] == [1.0, 0.0] and hidden["delta"] == 3.0
+    assert hidden["epsilon_high"] == 0.28 and params.reward_weights == [1.0, 0.0] and hidden["delta"] == 3.0
     args = papo_config(params.model_copy(update={"device": "cpu"}), "unused", build_tiny_processor("qwen2_vl"))
     assert isinstance(args, VPPOConfig) and args.reward_weights == [1.0, 0.0]
     assert {k: getattr(args, k) for k in VPPO_7B} == VPPO_7B

@@ -12,7 +12,9 @@ https://github.com/MikeWangWZHL/PAPO/blob/fb63bf4533b78da5a2bb17bc812375dcb62088
 
 Left out on purpose: what depends on the hardware or the data pipeline (bf16 via FSDP, rollout batch 384 prompts and
 update batch 128 prompts, i.e. 3 optimizer steps per rollout batch, max prompt length 4096, the data seed), which a
-run sets with its own batch sizes; and the model (full fine-tuning with the vision tower trainable, yaml:67).
+run sets with its own batch sizes; the model (full fine-tuning with the vision tower trainable, yaml:67); and the
+rollout engine: the official runs generate with vLLM, which the GPU params files set (``use_vllm`` with
+``vllm_mode: colocate``; GRPOConfig fields, outside these presets because they need a GPU and vLLM installed).
 """
 
 from __future__ import annotations

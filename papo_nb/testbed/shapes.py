@@ -1,4 +1,4 @@
-"""A synthetic shapes task whose answers need the image, plus a loader for real VLM datasets.
+"""A synthetic shapes task whose answers need the image.
 
 Each example is a white image with 1-4 coloured shapes, one per cell of a 2x2 grid, and one of three
 questions. The text alone never determines the answer: the same question text is paired with every
@@ -8,7 +8,6 @@ possible answer across the dataset, so a policy can only score above chance by l
 from __future__ import annotations
 
 import random
-from pathlib import Path
 
 import datasets
 from PIL import Image, ImageDraw
@@ -23,7 +22,6 @@ COLOURS = {
 KINDS = ("colour", "count", "side")
 GRID_ROWS, GRID_COLS = 2, 2
 MAX_SHAPES = GRID_ROWS * GRID_COLS
-REQUIRED_COLUMNS = ("prompt", "image", "answer")
 
 ANSWER_INSTRUCTION = "Answer with <answer>...</answer>."
 
@@ -135,39 +133,3 @@ def task_corpus() -> list[str]:
     questions += [question_text("count")]
     questions += [question_text("side", s) for s in SHAPES]
     return [prompt_text(q) for q in questions] + [f"<answer>{a}</answer>" for a in all_answers()]
-
-
-def load_vlm_dataset(name_or_path: str, split: str = "train") -> datasets.Dataset:
-    """Load a hub dataset id or a local folder and check it has the columns the trainer needs.
-
-    A folder written by `save_to_disk` is read with `load_from_disk`; anything else (a hub id, a folder
-    of data files) goes through `load_dataset(name_or_path, split=split)`.
-    """
-    path = Path(name_or_path).expanduser()
-    looks_local = str(name_or_path).startswith(("/", ".", "~")) or str(name_or_path).count("/") > 1
-    if looks_local and not path.exists():
-        # Fail here rather than let `load_dataset` try the hub (no network on the training machines).
-        raise FileNotFoundError(f"name_or_path={name_or_path!r} is not an existing local folder or file")
-    is_saved_dataset = path.is_dir() and (
-        (path / "dataset_info.json").exists()
-        or (path / "dataset_dict.json").exists()
-        or (path / "state.json").exists()
-    )
-    if is_saved_dataset:
-        loaded = datasets.load_from_disk(str(path))
-        if isinstance(loaded, datasets.DatasetDict):
-            if split not in loaded:
-                raise ValueError(f"name_or_path={name_or_path!r} holds splits {sorted(loaded)}, not split={split!r}")
-            loaded = loaded[split]
-    else:
-        loaded = datasets.load_dataset(name_or_path, split=split)
-
-    missing = [c for c in REQUIRED_COLUMNS if c not in loaded.column_names]
-    if missing:
-        raise ValueError(
-            f"dataset name_or_path={name_or_path!r} (split={split!r}) is missing column(s) {missing}; "
-            f"a VLM GRPO dataset needs columns {list(REQUIRED_COLUMNS)} "
-            f"(prompt: conversational messages with an image placeholder, image: PIL image, answer: str). "
-            f"It has {loaded.column_names}."
-        )
-    return loaded

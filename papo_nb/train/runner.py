@@ -363,7 +363,7 @@ def train_command(
             mlflow_run_id=mlflow_run_id,
             report_to=report_to,
         )
-    except LaunchError as exc:
+    except (LaunchError, ParamsError) as exc:  # ParamsError here: own rows or a reward refused before the model loads
         print(f"papo-nb train: error: {exc}", file=sys.stderr)
         return 2
     except LaunchFailed as exc:

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from papo_nb.workbook.config.batch_layout import batch_layout, check_batches
 from papo_nb.workbook.config.params import WorkbookParams
+from papo_nb.workbook.config.vllm_params import vllm_problems
 
 # Every `tiny:<family>` name, spelled out so these checks need not import the model classes; tests/test_families.py
 # keeps it equal to papo_nb.testbed.models.TINY_FAMILIES.
@@ -37,7 +38,10 @@ def _looks_local(value: str) -> bool:
 def preflight_problems(params: WorkbookParams) -> list[str]:
     """Checks that need this machine (paths, CUDA), run before any notebook starts; schema checks are separate
     so that a GPU params file still validates on a laptop."""
+    from papo_nb.workbook.training.rewards import reward_import_problems
+
     problems = _model_name_problems(params) + _path_problems(params) + _device_problems(params)
+    problems += reward_import_problems(params) + vllm_problems(params)
     if params.per_device_train_batch_size % params.num_generations:
         problems.append(
             f"parameter 'per_device_train_batch_size' = {params.per_device_train_batch_size}: must be a multiple "

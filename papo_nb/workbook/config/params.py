@@ -28,6 +28,7 @@ from pydantic import (
 
 from papo_nb.papo.papo_config import FIELD_RULES, PAPOGConfig, field_problem, papo_fields
 from papo_nb.papo.vppo.vppo_config import VPPO_FIELD_RULES, VPPO_FIXED, VPPOConfig
+from papo_nb.workbook.config.vllm_params import VLLMParams
 
 
 class ParamsError(ValueError):
@@ -115,8 +116,9 @@ PAPOParams = create_model(
 )
 
 
-class WorkbookParams(PAPOParams):
-    """Every workbook parameter, documented; defaults are the CPU smoke run on the tiny offline model."""
+class WorkbookParams(PAPOParams, VLLMParams):
+    """Every workbook parameter, documented; defaults are the CPU smoke run on the tiny offline model. The vLLM
+    rollout fields come from ``VLLMParams`` (config.vllm_params)."""
 
     model_config = ConfigDict(extra="forbid", strict=True, validate_assignment=True)
 
@@ -125,7 +127,21 @@ class WorkbookParams(PAPOParams):
         "tiny:qwen2_vl", description="hub id, local folder, or tiny:<family> to build the offline tiny model"
     )
     dataset: str = Field(
-        "synthetic", description="'synthetic' (shapes task) or a hub id / local folder with prompt, image, answer"
+        "synthetic",
+        description="'synthetic' (shapes task), testbed:<name>, or a hub id / local folder of your own rows "
+        "(prompt, image or images, answer: docs/data.md)",
+    )
+    train_split: str = Field("train", min_length=1, description="own rows: the split trained on")
+    eval_split: str = Field("test", min_length=1, description="own rows: the held-out split (final evaluation)")
+    reward: list[str] = Field(
+        default_factory=list,
+        description="reward functions: shipped names ('shapes', 'shapes_accuracy', 'math', 'boxed_accuracy') or "
+        "your own 'module:function' with TRL's signature (docs/data.md); empty: the schema's ('shapes' or 'math')",
+    )
+    reward_weights: list[float] = Field(
+        default_factory=list,
+        description="TRL's reward_weights: one per reward function (a name may stand for several: 'math' for two); "
+        "empty: each name's own weights ('math': 0.9, 0.1), 1 for your own",
     )
     seed: int = Field(0, ge=0, description="seed for data, model building, masks and training")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="where to run; auto picks cuda when present")
@@ -254,16 +270,16 @@ class WorkbookParams(PAPOParams):
         "math_perception", description="official schema: 'math_perception', 'none' or a jinja file with {{ content }}"
     )
     min_pixels: int = Field(
-        3136, ge=784, description="official schema: fewest pixels per image (official: 200704 = 256 28x28 patches)"
+        3136, ge=784, description="own/official rows: fewest pixels per image (official: 200704, 256 28x28 patches)"
     )
     max_pixels: int = Field(
-        12544, ge=784, description="official schema: most pixels per image (official: 1003520 = 1280 28x28 patches)"
+        12544, ge=784, description="own/official rows: most pixels per image (official: 1003520, 1280 28x28 patches)"
     )
     max_prompt_length: int = Field(
         1024,
         ge=1,
         le=262144,
-        description="official schema: longer prompts (image tokens included) are dropped (official: 4096)",
+        description="own and official rows: longer prompts (image tokens included) are dropped (official: 4096)",
     )
     finetuning: Literal["lora", "full"] = Field(
         "lora", description="'lora' (adapters on q_proj/v_proj) or 'full' (every weight, as the official recipe)"
@@ -295,6 +311,33 @@ class WorkbookParams(PAPOParams):
     eval_base_beside: bool = Field(
         False, description="05 evaluation: with a checkpoint, also score the base model, on the same items and masks"
     )
+
+    @field_validator("reward", mode="before")
+    @classmethod
+    def _one_reward_or_several(cls, value):
+        return [value] if isinstance(value, str) else value
+
+    @field_validator("reward")
+    @classmethod
+    def _reward_spelling(cls, value: list[str]) -> list[str]:
+        from papo_nb.workbook.config.reward_names import reward_spec_problem
+
+        for spec in value:
+            if (problem := reward_spec_problem(spec)) is not None:
+                raise ValueError(f"entry {spec!r}: {problem}")
+        return value
+
+    @model_validator(mode="after")
+    def _one_weight_per_reward_function(self):
+        from papo_nb.workbook.config.reward_names import function_count, reward_specs
+
+        expected = function_count(self.reward, self.dataset_schema)
+        if self.reward_weights and len(self.reward_weights) != expected:
+            raise ValueError(
+                f"parameter 'reward_weights' = {self.reward_weights!r}: one weight per reward function, {expected} "
+                f"for reward {reward_specs(self.reward, self.dataset_schema)!r}; empty: each name's own weights"
+            )
+        return self
 
     @field_validator("eval_checkpoint")
     @classmethod

@@ -25,6 +25,8 @@ import datasets
 from jinja2 import Template
 from PIL import Image
 
+from papo_nb.workbook.config.params import ParamsError
+
 TRAIN_DATASET = "PAPOGalaxy/PAPO_ViRL39K_train"  # cfg:2, README.md:73
 VALIDATION_DATASET = "PAPOGalaxy/PAPO_MMK12_test"  # cfg:3, README.md:74
 # The eight evaluation benchmarks (one split each); note the org is spelled "PAPO-Galaxy" here (README.md:78,
@@ -46,7 +48,7 @@ FORMAT_PROMPTS = {
 FORMAT_PROMPT_SHA256 = "4b204150d4cf07cdc787390b4fc8a494150c417dc386990c4f456e792318fa60"
 
 
-class RecipeDataError(ValueError):
+class RecipeDataError(ParamsError):
     """The data does not fit the official recipe; the message names the parameter and what to change."""
 
 
@@ -98,6 +100,15 @@ def set_processor_pixel_bounds(processor, min_pixels: int, max_pixels: int) -> N
     processor.image_processor.size = SizeDict(shortest_edge=min_pixels, longest_edge=max_pixels)
 
 
+def bounded_processor(params, model_path: str):
+    """The model's processor with the run's pixel bounds: what the prompt-length filter counts with."""
+    from transformers import AutoProcessor
+
+    processor = AutoProcessor.from_pretrained(model_path)
+    set_processor_pixel_bounds(processor, params.min_pixels, params.max_pixels)
+    return processor
+
+
 def processor_pixel_bounds(processor) -> tuple[int, int]:
     size = processor.image_processor.size
     return int(size.shortest_edge), int(size.longest_edge)
@@ -111,7 +122,7 @@ def user_message(text: str, n_images: int) -> list[dict]:
         text = IMAGE_PLACEHOLDER * n_images + text
     elif placeholders != n_images:
         raise RecipeDataError(
-            f"problem has {placeholders} '<image>' placeholders but {n_images} images: {text[:80]!r}"
+            f"the text has {placeholders} '<image>' placeholders but {n_images} images: {text[:80]!r}"
         )
     content = []
     for i, piece in enumerate(text.split(IMAGE_PLACEHOLDER)):
@@ -122,9 +133,13 @@ def user_message(text: str, n_images: int) -> list[dict]:
     return [{"role": "user", "content": content}]
 
 
-def load_official_dataset(name_or_path: str, split: str = "train", parameter: str = "dataset") -> datasets.Dataset:
-    """A hub id (``id`` or ``id@split``), a ``save_to_disk`` folder, or a parquet/json file or folder, in the
-    official schema. Hub ids go through ``datasets.load_dataset`` (ds:143-145); nothing here is mocked."""
+def load_rows(
+    name_or_path: str, split: str = "train", parameter: str = "dataset", split_parameter: str = ""
+) -> datasets.Dataset:
+    """One split of a hub id (``id`` or ``id@split``), a ``save_to_disk`` folder (a DatasetDict's named split; a
+    single Dataset is every split), or a parquet/json file or folder, schema unchecked. Hub ids go through
+    ``datasets.load_dataset`` (ds:143-145); nothing here is mocked. ``split_parameter`` names the parameter that chose
+    ``split``, for the error when the data lacks it."""
     if "@" in name_or_path:
         name_or_path, split = name_or_path.split("@", 1)
     path = Path(name_or_path).expanduser()
@@ -132,8 +147,9 @@ def load_official_dataset(name_or_path: str, split: str = "train", parameter: st
         loaded = datasets.load_from_disk(str(path))
         if isinstance(loaded, datasets.DatasetDict):
             if split not in loaded:
+                chosen = f" (parameter {split_parameter!r})" if split_parameter else ""
                 raise RecipeDataError(
-                    f"parameter {parameter!r} = {name_or_path!r} has splits {sorted(loaded)}, not {split!r}"
+                    f"parameter {parameter!r} = {name_or_path!r} has splits {sorted(loaded)}, not {split!r}{chosen}"
                 )
             loaded = loaded[split]
     elif path.is_dir():  # a folder of data files (ds:135-138)
@@ -146,6 +162,14 @@ def load_official_dataset(name_or_path: str, split: str = "train", parameter: st
         raise RecipeDataError(f"parameter {parameter!r} = {name_or_path!r}: no such file or folder")
     else:
         loaded = datasets.load_dataset(name_or_path, split=split)
+    return loaded
+
+
+def load_official_dataset(name_or_path: str, split: str = "train", parameter: str = "dataset") -> datasets.Dataset:
+    """``load_rows`` in the official schema (its columns checked)."""
+    loaded = load_rows(name_or_path, split, parameter)
+    name_or_path, _, chosen_split = name_or_path.partition("@")
+    split = chosen_split or split
     missing = [c for c in OFFICIAL_COLUMNS if c not in loaded.column_names]
     if missing:
         raise RecipeDataError(
@@ -171,10 +195,17 @@ def to_trl_rows(dataset: datasets.Dataset, format_prompt: str, min_pixels: int, 
     return dataset.map(convert, remove_columns=dataset.column_names, desc="official schema -> TRL rows")
 
 
+def row_images(row: dict) -> list:
+    """A row's images: its ``images`` list, or its one ``image`` (own rows may use either column, as TRL does)."""
+    if "images" in row:
+        return list(row["images"] or [])
+    return [] if row.get("image") is None else [row["image"]]
+
+
 def prompt_length(processor, row: dict) -> int:
     """Tokens of the chat-templated prompt, images expanded, as the official filter counts them (ds:298-311)."""
     text = processor.apply_chat_template(row["prompt"], add_generation_prompt=True, tokenize=False)
-    images = row["images"] or None
+    images = row_images(row) or None
     return int(
         processor(images=images, text=[text], add_special_tokens=False, return_tensors="pt")["input_ids"].shape[-1]
     )
@@ -190,8 +221,17 @@ class FilterReport:
         return {"kept": self.kept, "dropped_overlong": self.dropped, "longest_kept_prompt_tokens": self.longest_kept}
 
 
+def log_filter_report(split: str, report: FilterReport) -> None:
+    """Inside an MLflow run, the filter's counts as ``data/<split>/...`` metrics."""
+    import mlflow
+
+    if mlflow.active_run() is not None:
+        mlflow.log_metrics({f"data/{split}/{k}": float(v) for k, v in report.to_dict().items()})
+
+
 def filter_overlong_prompts(dataset: datasets.Dataset, processor, max_prompt_length: int):
-    """Drop rows whose prompt is longer than ``max_prompt_length`` tokens (cfg:21); returns (dataset, report)."""
+    """Drop rows (official or own, ``row_images``) whose prompt is longer than ``max_prompt_length`` tokens
+    (cfg:21); returns (dataset, report)."""
     counted = dataset.map(lambda row: {"prompt_tokens": prompt_length(processor, row)}, desc="prompt lengths")
     lengths = counted["prompt_tokens"]
     keep = [i for i, n in enumerate(lengths) if n <= max_prompt_length]
@@ -228,9 +268,6 @@ def official_datasets(params, model_path: str):
     ``PAPOGalaxy/PAPO_ViRL39K_train``, a local copy, or ``synthetic`` for the local official-schema set) and
     ``validation_dataset`` (empty only with ``synthetic``, which draws held-out rows from another seed). The filter
     counts are printed and, inside an MLflow run, logged as ``data/<split>/...`` metrics."""
-    import mlflow
-    from transformers import AutoProcessor
-
     from papo_nb.testbed.official_schema import make_official_schema_dataset
 
     if not params.validation_dataset and params.dataset != "synthetic":
@@ -238,8 +275,7 @@ def official_datasets(params, model_path: str):
             f"parameter 'validation_dataset' is empty with dataset = {params.dataset!r}: name the held-out set "
             f"(official: {VALIDATION_DATASET}); only dataset 'synthetic' draws held-out rows of its own"
         )
-    processor = AutoProcessor.from_pretrained(model_path)
-    set_processor_pixel_bounds(processor, params.min_pixels, params.max_pixels)
+    processor = bounded_processor(params, model_path)
     options = dict(
         format_prompt=params.format_prompt,
         min_pixels=params.min_pixels,
@@ -260,7 +296,6 @@ def official_datasets(params, model_path: str):
         if source == "synthetic":
             source = make_official_schema_dataset(limit, seed=seed)
         rows, report = prepare_split(source, processor, limit=limit, parameter=parameter, **options)
-        if mlflow.active_run() is not None:
-            mlflow.log_metrics({f"data/{split}/{k}": float(v) for k, v in report.to_dict().items()})
+        log_filter_report(split, report)
         prepared.append(rows)
     return tuple(prepared)

@@ -14,15 +14,17 @@ from papo_nb.papo import PAPOGConfig, PAPOGTrainer
 from papo_nb.papo.vppo import VPPOConfig, VPPOTrainer
 from papo_nb.testbed.models import load_vlm, vision_special_token_ids
 from papo_nb.testbed.perception import task_datasets, testbed_name
-from papo_nb.testbed.rewards import accuracy_reward, format_reward
-from papo_nb.testbed.shapes import load_vlm_dataset, make_shapes_dataset
+from papo_nb.testbed.shapes import make_shapes_dataset
 from papo_nb.workbook.config.params import PAPO_PARAM_FIELDS, VPPO_PARAM_FIELDS, WorkbookParams
 from papo_nb.workbook.config.paths import resolve_device, resolve_model_path
+from papo_nb.workbook.config.vllm_params import vllm_config_fields
 from papo_nb.workbook.recipe import presets as recipe_presets
 from papo_nb.workbook.recipe import reward as math_reward
 from papo_nb.workbook.recipe.data import official_datasets, set_processor_pixel_bounds
+from papo_nb.workbook.recipe.own_data import own_datasets
 from papo_nb.workbook.training.checkpoints import load_trainable_adapter
 from papo_nb.workbook.training.review import attach_review
+from papo_nb.workbook.training.rewards import check_rewards_on_row, reward_functions, reward_weights
 
 EVAL_SEED_OFFSET = 10_000  # held-out synthetic items come from a different stream than training items
 
@@ -32,14 +34,33 @@ def load_policy(params: WorkbookParams, cache_dir: str | Path | None = None):
     device = resolve_device(params)
     dtype = "bfloat16" if params.precision == "bf16" and device == "cuda" else "float32"
     model, processor = load_vlm(resolve_model_path(params, cache_dir), dtype=dtype)
-    if params.dataset_schema == "official":  # the trainer's processor keeps images within the recipe's bounds
+    if pixel_bounds_apply(params):  # the trainer's processor keeps images within the same bounds as the rows
         set_processor_pixel_bounds(processor, params.min_pixels, params.max_pixels)
     return model.to(device), processor
 
 
+def load_tokenizer(params: WorkbookParams):
+    """The policy's tokenizer alone (no weights): what the reward check tokenizes its completion with."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(resolve_model_path(params))
+
+
+def generated_dataset(params: WorkbookParams) -> bool:
+    """The shapes schema's built-in generators (``synthetic``, ``testbed:<name>``), drawn at their own sizes."""
+    return params.dataset_schema == "shapes" and (params.dataset == "synthetic" or testbed_name(params.dataset))
+
+
+def pixel_bounds_apply(params: WorkbookParams) -> bool:
+    """``min_pixels``/``max_pixels`` bound every loaded dataset, own rows and official alike; the generators'
+    images are left as drawn, so runs on them are unchanged."""
+    return not generated_dataset(params)
+
+
 def load_datasets(params: WorkbookParams):
-    """(train, held-out eval) datasets: the synthetic shapes task, a testbed's task (``testbed:<name>``), or a
-    hub/local dataset's train/test splits; ``dataset_schema='official'``: PAPO's data (``recipe_data``)."""
+    """(train, held-out eval) datasets: the synthetic shapes task, a testbed's task (``testbed:<name>``), or one's
+    own rows (``recipe.own_data``: ``train_split``/``eval_split`` of a hub id or folder, checked, bounded and
+    filtered); ``dataset_schema='official'``: PAPO's data (``recipe_data``)."""
     if params.dataset_schema == "official":
         return official_datasets(params, resolve_model_path(params))
     if (name := testbed_name(params.dataset)) is not None:
@@ -55,11 +76,20 @@ def load_datasets(params: WorkbookParams):
             make_shapes_dataset(params.n_train_prompts, seed=params.seed),
             make_shapes_dataset(params.n_eval_prompts, seed=params.seed + EVAL_SEED_OFFSET),
         )
-    train = load_vlm_dataset(params.dataset, split="train")
-    evaluation = load_vlm_dataset(params.dataset, split="test")
-    return train.select(range(min(params.n_train_prompts, len(train)))), evaluation.select(
-        range(min(params.n_eval_prompts, len(evaluation)))
-    )
+    return own_datasets(params, resolve_model_path(params))
+
+
+def generation_kwargs(params: WorkbookParams, processor) -> dict:
+    """The image-token suppression, spelled for the engine that generates: HF ``generate``'s ``suppress_tokens``;
+    with vLLM a field its ``SamplingParams`` has, ``logit_bias`` of -inf per token id in colocate mode (exact ids,
+    as suppress_tokens), ``bad_words`` (the tokens' strings) in server mode, whose request is JSON."""
+    token_ids = vision_special_token_ids(processor)
+    if not params.use_vllm:
+        return {"suppress_tokens": token_ids}
+    if params.vllm_mode == "colocate":
+        return {"logit_bias": {token_id: float("-inf") for token_id in token_ids}}
+    tokenizer = getattr(processor, "tokenizer", processor)
+    return {"bad_words": tokenizer.convert_ids_to_tokens(token_ids)}
 
 
 def papo_config(
@@ -88,7 +118,8 @@ def papo_config(
         save_steps=params.save_steps,
         report_to=report_to,
         dataloader_num_workers=0,
-        generation_kwargs={"suppress_tokens": vision_special_token_ids(processor)},
+        generation_kwargs=generation_kwargs(params, processor),
+        **vllm_config_fields(params),
     )
     # A named recipe supplies the preset fields the params do not expose (clip range, weight decay, top_p...).
     settings.update(recipe_presets.config_fields(params))
@@ -98,7 +129,9 @@ def papo_config(
         # The official actor checkpoints activations (config_grpo_papo.yaml:65); full fine-tuning on a GPU needs it.
         activation_checkpointing=params.finetuning == "full" and on_gpu,
     )
-    if params.dataset_schema == "official":
+    if (weights := reward_weights(params)) is not None:  # the researcher's rewards and weights, over any recipe's
+        settings["reward_weights"] = weights
+    elif params.dataset_schema == "official":
         # 0.9 accuracy + 0.1 format (math.py:43), unless the recipe weighs them (VPPO: accuracy alone)
         settings.setdefault("reward_weights", list(math_reward.REWARD_WEIGHTS))
     if params.method == "vppo":  # VPPOConfig: PAPOGConfig plus the token fraction and the advantage band
@@ -145,7 +178,6 @@ def build_trainer(params: WorkbookParams, args: PAPOGConfig, model, processor, t
             vision_tower(model).requires_grad_(False)
     else:
         peft_config = None if isinstance(model, PeftModel) else lora_config(params, model)
-    official = params.dataset_schema == "official"
     # TRL draws a fresh LoRA adapter from the global RNG before Trainer.__init__ seeds it: seed here, or phase 1 of
     # every workbook starts from a different adapter in every process.
     torch.manual_seed(params.seed)
@@ -153,7 +185,7 @@ def build_trainer(params: WorkbookParams, args: PAPOGConfig, model, processor, t
     return trainer_cls(
         model=model,
         processing_class=processor,
-        reward_funcs=list(math_reward.REWARD_FUNCS) if official else [accuracy_reward, format_reward],
+        reward_funcs=reward_functions(params),
         args=args,
         train_dataset=train_dataset,
         peft_config=peft_config,
@@ -170,9 +202,11 @@ def vision_tower(model):
 
 def prepare_training(params: WorkbookParams, output_dir: str | Path, *, report_to: str = "none", **config_overrides):
     """Model (fresh LoRA, or a trained adapter for phase 2), data and trainer, ready to ``train()``
-    or to probe. Returns (trainer, held-out eval dataset, restored-adapter evidence or None)."""
-    model, processor = load_policy(params)
+    or to probe. Returns (trainer, held-out eval dataset, restored-adapter evidence or None). The data and the
+    rewards are checked (each reward called on the first training row) before the model loads."""
     train_dataset, eval_dataset = load_datasets(params)
+    check_rewards_on_row(params, train_dataset, load_tokenizer(params))
+    model, processor = load_policy(params)
     restored = None
     if params.init_adapter:
         model, restored = load_trainable_adapter(model, params.init_adapter)

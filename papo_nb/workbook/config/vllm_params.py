@@ -1,0 +1,84 @@
+"""vLLM rollouts: the parameters (TRL's GRPOConfig field names, passed to the config as they are), the machine check
+that refuses ``use_vllm`` where vLLM is not installed (with the install command), and the field list of vLLM's
+``SamplingParams`` (vllm_sampling_fields.json), which every generation setting handed to vLLM must be one of.
+
+TRL builds ``SamplingParams(**generation_kwargs)`` in colocate mode and in ``trl vllm-serve``; the builder's
+``generation_kwargs`` therefore uses ``logit_bias`` (colocate) or ``bad_words`` (server, where the request travels as
+JSON and integer keys would turn into strings) for the image-token suppression that HF generation gets from
+``suppress_tokens``. docs/vllm.md says what is checked here and what the GPU check runs.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.metadata
+import importlib.util
+import json
+import re
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+SAMPLING_FIELDS_FILE = Path(__file__).with_name("vllm_sampling_fields.json")
+
+
+class VLLMParams(BaseModel):
+    """The vLLM fields of the workbook parameters, by GRPOConfig's names and with its defaults."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, validate_assignment=True)
+
+    use_vllm: bool = Field(
+        False, description="generate rollouts with vLLM (TRL's use_vllm; needs CUDA and pip install 'trl[vllm]')"
+    )
+    vllm_mode: Literal["colocate", "server"] = Field(
+        "colocate",
+        description="'colocate': a vLLM engine inside each training process (the official runs'); 'server': a "
+        "separate `trl vllm-serve` process at vllm_server_base_url",
+    )
+    vllm_server_base_url: str = Field(
+        "", description="server mode: the server's address, e.g. http://10.0.0.2:8000; empty: TRL's 0.0.0.0:8000"
+    )
+    vllm_gpu_memory_utilization: float = Field(
+        0.3, gt=0, le=1, description="colocate mode: fraction of each GPU's memory vLLM reserves (TRL's default 0.3)"
+    )
+    vllm_tensor_parallel_size: int = Field(
+        1, ge=1, le=64, description="colocate mode: GPUs one vLLM engine spans (TRL's default 1)"
+    )
+
+
+VLLM_FIELDS = tuple(VLLMParams.model_fields)
+
+
+def vllm_config_fields(params) -> dict:
+    """The GRPOConfig fields of the vLLM parameters (an empty server address is TRL's None)."""
+    fields = {name: getattr(params, name) for name in VLLM_FIELDS}
+    fields["vllm_server_base_url"] = fields["vllm_server_base_url"] or None
+    return fields
+
+
+def install_command() -> str:
+    """The pip command installing vLLM in the range the installed TRL accepts (its ``vllm`` extra)."""
+    trl_version = importlib.metadata.version("trl")
+    extra = [r for r in importlib.metadata.requires("trl") or [] if re.match(r"vllm\b", r) and "extra ==" in r]
+    accepted = f" (vLLM {extra[0].split(';')[0].removeprefix('vllm')})" if extra else ""
+    return f'pip install "trl[vllm]=={trl_version}"{accepted}'
+
+
+def vllm_problems(params) -> list[str]:
+    """With ``use_vllm``: vLLM importable here and a GPU to run it (checked before any model loads)."""
+    if not params.use_vllm:
+        return []
+    problems = []
+    if importlib.util.find_spec("vllm") is None:
+        problems.append(f"parameter 'use_vllm' = True: vLLM is not installed here; install it: {install_command()}")
+    if params.device == "cpu":
+        problems.append("parameter 'use_vllm' = True with device 'cpu': vLLM generates on CUDA GPUs only")
+    return problems
+
+
+@functools.lru_cache(maxsize=1)
+def vllm_sampling_fields() -> dict:
+    """The fact file: ``releases`` (vLLM version -> SamplingParams fields), ``in_every_release``, its source and the
+    command that regenerated it (scripts/vllm_sampling_fields.py)."""
+    return json.loads(SAMPLING_FIELDS_FILE.read_text())
