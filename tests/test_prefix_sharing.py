@@ -494,6 +494,8 @@ def one_round(tiny_vlm_path, dataset, out, trainer_cls=PAPOGTrainer, **overrides
     settings = dict(
         num_generations=4, per_device_train_batch_size=8, gradient_accumulation_steps=2, steps_per_generation=2,
         num_iterations=2, beta=0.01, max_steps=2, logging_steps=1, prefix_sharing=True,
+        # prefix sharing under checkpointing (TRL's default, on in the workbook) is branch sharing-ckpt's (issue 53)
+        activation_checkpointing=False,
     )  # fmt: skip
     trainer = tiny_trainer(model, processor, dataset, out, trainer_cls, **{**settings, **overrides})
     start = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}

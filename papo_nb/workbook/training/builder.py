@@ -81,11 +81,11 @@ def papo_config(
         mask_seed=params.seed,
         bf16=params.precision == "bf16" and on_gpu,
         use_cpu=not on_gpu,
-        activation_checkpointing=False,
         max_grad_norm=1.0,
         logging_steps=1,
         save_strategy="steps",
         save_steps=params.save_steps,
+        save_total_limit=params.save_total_limit,
         report_to=report_to,
         dataloader_num_workers=0,
         generation_kwargs={"suppress_tokens": vision_special_token_ids(processor)},
@@ -95,8 +95,9 @@ def papo_config(
     settings.update(
         gradient_accumulation_steps=params.gradient_accumulation_steps,
         steps_per_generation=params.steps_per_generation or None,
-        # The official actor checkpoints activations (config_grpo_papo.yaml:65); full fine-tuning on a GPU needs it.
-        activation_checkpointing=params.finetuning == "full" and on_gpu,
+        # TRL's default (GRPOConfig.gradient_checkpointing True) and the official actor's (config_grpo_papo.yaml:65),
+        # LoRA too; transformers 5 names the field activation_checkpointing, gradient_checkpointing is its alias.
+        activation_checkpointing=params.gradient_checkpointing,
     )
     if params.dataset_schema == "official":
         # 0.9 accuracy + 0.1 format (math.py:43), unless the recipe weighs them (VPPO: accuracy alone)
