@@ -6,6 +6,7 @@ use it alone; ``papo_nb.train.runner.run_training`` (notebook 03 and ``papo-nb t
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import torch
@@ -17,7 +18,7 @@ from papo_nb.testbed.perception import task_datasets, testbed_name
 from papo_nb.testbed.rewards import accuracy_reward, format_reward
 from papo_nb.testbed.shapes import load_vlm_dataset, make_shapes_dataset
 from papo_nb.workbook.config.params import PAPO_PARAM_FIELDS, VPPO_PARAM_FIELDS, WorkbookParams
-from papo_nb.workbook.config.paths import resolve_device, resolve_model_path
+from papo_nb.workbook.config.paths import process_device, resolve_device, resolve_model_path
 from papo_nb.workbook.recipe import presets as recipe_presets
 from papo_nb.workbook.recipe import reward as math_reward
 from papo_nb.workbook.recipe.data import official_datasets, set_processor_pixel_bounds
@@ -28,13 +29,16 @@ EVAL_SEED_OFFSET = 10_000  # held-out synthetic items come from a different stre
 
 
 def load_policy(params: WorkbookParams, cache_dir: str | Path | None = None):
-    """The base VLM and its processor, in the training dtype, on the resolved device."""
+    """The base VLM and its processor, in the training dtype, on this process's device (``process_device``)."""
     device = resolve_device(params)
     dtype = "bfloat16" if params.precision == "bf16" and device == "cuda" else "float32"
+    placement = process_device(device, os.environ, torch.cuda.device_count() if device == "cuda" else 0)
+    if placement.startswith("cuda:"):
+        torch.cuda.set_device(placement)  # before any CUDA work of this process lands on GPU 0
     model, processor = load_vlm(resolve_model_path(params, cache_dir), dtype=dtype)
     if params.dataset_schema == "official":  # the trainer's processor keeps images within the recipe's bounds
         set_processor_pixel_bounds(processor, params.min_pixels, params.max_pixels)
-    return model.to(device), processor
+    return model.to(placement), processor
 
 
 def load_datasets(params: WorkbookParams):
