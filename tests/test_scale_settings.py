@@ -9,8 +9,11 @@ import torch
 from tiny_trainers import tiny_trainer, unit_params
 
 from papo_nb.testbed.models import build_tiny_tokenizer, load_vlm
+from papo_nb.train.integrity import find_resume_checkpoint
+from papo_nb.train.run_folder import TRAINER_STATE_FILE
 from papo_nb.workbook.config.params import WorkbookParams
-from papo_nb.workbook.training.builder import papo_config
+from papo_nb.workbook.training.builder import build_trainer, papo_config
+from papo_nb.workbook.training.checkpoints import checkpoint_folders
 
 
 def test_checkpointing_is_on_by_default_for_lora_as_in_trl(tmp_path):
@@ -85,3 +88,43 @@ def test_a_rank_without_its_gpu_is_refused_naming_the_rank_and_the_count(local_r
 
     with pytest.raises(ValueError, match=rf"LOCAL_RANK = '{local_rank}'.* 2 GPU\(s\) are visible.*'num_processes'"):
         process_device("cuda", {"LOCAL_RANK": local_rank}, 2)
+
+
+def saving_trainer(tiny_vlm_path, dataset, output_dir, **fields):
+    """A LoRA trainer of the tiny model that saves a checkpoint every step, its limit from the params."""
+    model, processor = load_vlm(tiny_vlm_path)
+    params = unit_params(save_steps=1, **fields)
+    return build_trainer(params, papo_config(params, output_dir, processor), model, processor, dataset)
+
+
+def test_save_total_limit_defaults_to_three_and_reaches_the_config(tmp_path):
+    assert WorkbookParams().save_total_limit == 3
+    args = papo_config(WorkbookParams(save_total_limit=5, device="cpu"), tmp_path, build_tiny_tokenizer())
+    assert args.save_total_limit == 5
+    assert (
+        papo_config(
+            WorkbookParams(save_total_limit=None, device="cpu"), tmp_path, build_tiny_tokenizer()
+        ).save_total_limit
+        is None
+    )
+
+
+@pytest.mark.model
+@pytest.mark.slow
+def test_the_limit_keeps_the_newest_checkpoints_and_resume_still_finds_the_last_complete(
+    tiny_vlm_path, shapes_dataset, tmp_path
+):
+    out = tmp_path / "run"
+    saving_trainer(tiny_vlm_path, shapes_dataset, out, max_steps=4, save_total_limit=2).train()
+    assert [f.name for f in checkpoint_folders(out)] == ["checkpoint-4", "checkpoint-3"]
+    assert find_resume_checkpoint(out, warn=False)[0] == out / "checkpoint-4"
+
+    (out / "checkpoint-4" / TRAINER_STATE_FILE).unlink()  # a save cut short: the limit kept one to fall back to
+    checkpoint, skipped = find_resume_checkpoint(out, warn=False)
+    assert checkpoint == out / "checkpoint-3" and [s[0] for s in skipped] == [out / "checkpoint-4"]
+
+    resumed = saving_trainer(tiny_vlm_path, shapes_dataset, out, max_steps=5, save_total_limit=2)
+    resumed.train(resume_from_checkpoint=str(checkpoint))
+    assert resumed.state.global_step == 5
+    assert [f.name for f in checkpoint_folders(out)] == ["checkpoint-5", "checkpoint-4"]
+    assert find_resume_checkpoint(out, warn=False) == (out / "checkpoint-5", [])
