@@ -561,6 +561,8 @@ def train_and_evaluate(tmp_path, sharing: bool) -> dict:
     smoke, out = root / "params" / "smoke.yaml", tmp_path / f"run_{sharing}"
     command = [sys.executable, "-m", "papo_nb.cli", "train", "--params", str(smoke), "--output-dir", str(out)]
     command += ["-p", f"prefix_sharing={str(sharing).lower()}"]
+    # both runs alike: prefix sharing under checkpointing (on by default since issue 53) is branch sharing-ckpt's
+    command += ["-p", "gradient_checkpointing=false"]
     uri = f"sqlite:///{tmp_path}/mlflow_{sharing}.db"
     env = {**os.environ, "MLFLOW_TRACKING_URI": uri, "PYTHONPATH": str(root)}
     result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=1800)

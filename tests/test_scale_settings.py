@@ -128,3 +128,32 @@ def test_the_limit_keeps_the_newest_checkpoints_and_resume_still_finds_the_last_
     assert resumed.state.global_step == 5
     assert [f.name for f in checkpoint_folders(out)] == ["checkpoint-5", "checkpoint-4"]
     assert find_resume_checkpoint(out, warn=False) == (out / "checkpoint-5", [])
+
+
+def test_the_probe_refuses_a_model_too_large_for_its_float64_vectors(tmp_path):
+    from papo_nb.papo import PAPOGConfig
+    from papo_nb.papo import probe as probe_package
+
+    args = PAPOGConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, require_gpu_contract_probe=True)
+    large = torch.nn.Linear(12_000, 10_000, device="meta")  # 120,010,000 weights, none allocated
+    need = probe_package.PROBE_FLOAT64_VECTORS * 8 * 120_010_000 / 1024**3
+    with pytest.raises(ValueError, match=rf"'require_gpu_contract_probe'.* 120,010,000 trainable .* {need:,.1f} GiB"):
+        probe_package.training_probe(args, large)
+    large.requires_grad_(False)  # frozen weights need no vectors
+    assert probe_package.training_probe(args, large).pending
+    assert probe_package.training_probe(args, torch.nn.Linear(4, 4)).pending
+
+
+@pytest.mark.model
+def test_full_fine_tuning_above_the_limit_is_refused_when_the_trainer_is_built(
+    tiny_vlm_path, shapes_dataset, tmp_path, monkeypatch
+):
+    from papo_nb.papo import probe as probe_package
+
+    monkeypatch.setattr(probe_package, "PROBE_MAX_TRAINABLE_PARAMETERS", 1_000)  # the tiny model at the 3B scale
+    model, processor = load_vlm(tiny_vlm_path)
+    trainable = sum(p.numel() for p in model.parameters())
+    params = unit_params(finetuning="full", require_gpu_contract_probe=True)
+    args = papo_config(params, tmp_path, processor)
+    with pytest.raises(ValueError, match=rf"{trainable:,} trainable parameters, above the probe's limit of 1,000"):
+        build_trainer(params, args, model, processor, shapes_dataset)
