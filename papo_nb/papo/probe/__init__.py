@@ -2,7 +2,8 @@
 
 It sits beside the adapter, not in it: the core (``papo/``) never imports it. The trainer reaches it through one
 observer hook (``PAPOGTrainer.probe``: ``pending``, ``observe(...)``, ``metrics()``), built by
-``training_probe(args)`` when ``PAPOGConfig.require_gpu_contract_probe`` asks for it.
+``training_probe(args, model)`` when ``PAPOGConfig.require_gpu_contract_probe`` asks for it (refused, naming the
+parameter, where the model has more trainable parameters than its float64 vectors can hold).
 
 - ``gamma_zero.py``: ``GammaZeroProbe`` (the verdicts), ``ProbeEvidence``, ``probe_batches``;
 - ``measure.py``: the gradients of one batch and every number the verdict reads;
