@@ -2,11 +2,14 @@
 with it; it falls back, with its reason in the metrics, where it does not apply."""
 
 import copy
+import weakref
 
 import pytest
 import torch
 from peft import get_peft_model
 from tiny_trainers import tiny_trainer, unit_params
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
 from trl import GRPOTrainer
 
 from papo_nb.papo import PAPOGConfig, layouts
@@ -326,3 +329,48 @@ def test_paper_shapes_benchmark_reports_every_variant(tiny_vlm_path, tmp_path):
     table = paper_shapes.markdown({"tiny": result})
     assert table.count("\n") == 1 + len(paper_shapes.VARIANTS)
     assert "PAPO-G/GRPO full" in paper_shapes.summary_lines({"tiny": result})[0]
+
+
+class VocabularyTensors(TorchDispatchMode):
+    """The peak bytes of the live tensors whose last dimension is ``vocab`` (distinct storages, so a view counts
+    once; the model's weights, such as the LM head's transpose, do not count), watched at every operation."""
+
+    def __init__(self, vocab: int, model):
+        super().__init__()
+        self.vocab, self.tensors, self.peak = vocab, [], 0
+        self.weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for leaf in pytree.tree_leaves(out):
+            if isinstance(leaf, torch.Tensor) and leaf.dim() and leaf.shape[-1] == self.vocab:
+                self.tensors.append(weakref.ref(leaf))
+        live = {
+            t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+            for t in map(weakref.ref.__call__, self.tensors)
+            if t is not None
+        }
+        self.peak = max(self.peak, sum(size for pointer, size in live.items() if pointer not in self.weights))
+        return out
+
+
+@pytest.mark.model
+@pytest.mark.parametrize("compute_entropy", [False, True])
+def test_masked_forward_keeps_one_full_vocabulary_copy_of_a_chunk(setup, compute_entropy):
+    """At a vocabulary of 8192 (the tiny model's embeddings resized), the shared-prefix masked forward holds one
+    chunk's completion logits (12 rows x C x V, fp32) and TRL's entropy temporaries of one completion, no more: no
+    concatenated second copy (the first token's logit beside the others')."""
+    vocab = 8192
+    model = copy.deepcopy(setup["model"])
+    shared_prefix.core_model(model).resize_token_embeddings(vocab)
+    trainer, batch = setup["trainer"], setup["batch"]
+    masked = trainer.masked_pixel_values(batch)
+    rows, width = batch["completion_ids"].shape
+    one_copy = rows * width * vocab * 4
+    with torch.no_grad(), VocabularyTensors(vocab, model) as watch:
+        shared_prefix.shared_prefix_logps(
+            model, batch, masked, temperature=trainer.temperature, compute_entropy=compute_entropy, max_chunk_rows=rows
+        )
+    entropy_temporaries = 3 * width * vocab * 4 if compute_entropy else 0  # log-softmax, exp, product of one row
+    print(f"entropy {compute_entropy}: peak {watch.peak / one_copy:.2f} x one chunk's logits ({one_copy} bytes)")
+    assert one_copy * 0.9 <= watch.peak <= one_copy + entropy_temporaries

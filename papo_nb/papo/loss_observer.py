@@ -23,8 +23,9 @@ class LossObserver(Protocol):
     def metrics(self) -> dict[str, float]: ...
 
 
-def training_observer(args) -> LossObserver | None:
-    """The in-training probe when ``args.require_gpu_contract_probe`` asks for it, else None."""
+def training_observer(args, model=None) -> LossObserver | None:
+    """The in-training probe when ``args.require_gpu_contract_probe`` asks for it, else None; ``model`` (the
+    trainer's) lets the probe refuse, before any step, a model too large for it."""
     if not args.require_gpu_contract_probe:
         return None
     try:
@@ -38,4 +39,4 @@ def training_observer(args) -> LossObserver | None:
             "without it: require_gpu_contract_probe=False",
             name=PROBE_PACKAGE,
         ) from error
-    return probe.training_probe(args)
+    return probe.training_probe(args, model)

@@ -111,6 +111,8 @@ class PAPOGTrainer(GRPOTrainer):
         if not isinstance(args, PAPOGConfig):  # GRPOTrainer would build a GRPOConfig without the PAPO fields
             raise TypeError(f"PAPOGTrainer needs args=PAPOGConfig(...), got {type(args).__name__}")
         super().__init__(**parent_arguments)
+        # the in-training probe when the config asks for it (refused here if the model is too large for it), else None
+        self.probe = training_observer(self.args, self.model)
         # Trainer sets this in its training loop; the probe and fixed-batch losses may run before train().
         self.current_gradient_accumulation_steps = self.args.gradient_accumulation_steps
         self._captured_parent_logps = None  # a list while the parent's loss runs: its main forward's outputs
@@ -123,7 +125,6 @@ class PAPOGTrainer(GRPOTrainer):
         self.add_callback(ForwardPlanAtTrainStart(self))  # train() turns checkpointing on: the plan read again
         self.perception_record = PerceptionRecord(keep=self.args.generation_batch_size)
         self.step_guard = NonFiniteStepGuard(self.args.max_consecutive_nonfinite_grad_steps)
-        self.probe = training_observer(self.args)  # the in-training probe when the config asks for it, else None
 
     # ---- the schedule (``schedule.py``), at this trainer's step ----
     def schedule_steps(self) -> int:

@@ -31,6 +31,8 @@ RESUME_SAFE_KEYS = frozenset(
     {
         "device",
         "save_steps",
+        "save_total_limit",
+        "gradient_checkpointing",  # recomputes the same activations: memory and time, not what is trained
         "require_gpu_contract_probe",
         "n_eval_prompts",
         "trl_releases",

@@ -186,9 +186,11 @@ def _completions(
     model, inputs, positions, groups, chunks, first_logits, prefix_kv, *, temperature, compute_entropy, cache_key
 ):
     """The completions of whole groups, chunk by chunk (``chunks``: ``whole_group_chunks`` of ``groups``), against
-    a copy of their prompts' key/values: ``(logps, entropies or None)``, each ``(B, C)``."""
-    from trl.trainer.utils import entropy_from_logits, selective_log_softmax
+    a copy of their prompts' key/values: ``(logps, entropies or None)``, each ``(B, C)``.
 
+    A chunk's vocabulary-sized logits exist once: the first token's come from the prefill's last logit, the others
+    from the completion forward, each scored where it is (never concatenated), divided by the temperature in place
+    and reduced a row at a time, so no second full-vocabulary copy is made."""
     completion_ids, n_prompt = inputs["completion_ids"], inputs["prompt_ids"].shape[1]
     attention_mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
     group_of = torch.empty(len(completion_ids), dtype=torch.long)
@@ -199,23 +201,33 @@ def _completions(
     for rows in (sum(chunk, []) for chunk in chunks):
         index = torch.tensor(rows, device=completion_ids.device)
         source = group_of[rows].to(first_logits.device)
-        logits = first_logits.index_select(0, source)
+        first = first_logits.index_select(0, source)  # (k, 1, V), a copy: dividing it leaves the prefill's logits
+        _score(first, completion_ids[index, :1], temperature, logps, entropies, index, 0)
+        del first
         if completion_ids.shape[1] > 1:
             chunk_cache = DynamicCache()
             for layer_idx, (keys, values) in enumerate(prefix_kv):
                 chunk_cache.update(keys.index_select(0, source), values.index_select(0, source), layer_idx)
-            out = model(
+            logits = model(
                 input_ids=completion_ids[index, :-1],
                 attention_mask=attention_mask[index, :-1],
                 position_ids=positions[:, index, n_prompt:-1],
                 use_cache=True,
                 **{cache_key: chunk_cache},
-            )
-            logits = torch.cat([logits, out.logits], dim=1)  # (k, C, V)
-            del out, chunk_cache
-        logits.div_(temperature)
-        logps[index] = selective_log_softmax(logits, completion_ids[index]).to(logps.dtype)
-        if compute_entropy:
-            entropies[index] = entropy_from_logits(logits).to(entropies.dtype)
-        del logits
+            ).logits  # (k, C - 1, V), predicting completion tokens 1 .. C - 1
+            del chunk_cache
+            _score(logits, completion_ids[index, 1:], temperature, logps, entropies, index, 1)
+            del logits
     return logps, entropies
+
+
+def _score(logits, targets, temperature, logps, entropies, index, start):
+    """TRL's log-probs (and entropies) of ``targets`` under ``logits / temperature`` into ``logps[index, start:]``:
+    ``logits`` is divided in place (it is the caller's to spend) and reduced one completion row at a time."""
+    from trl.trainer.utils import entropy_from_logits, selective_log_softmax
+
+    end = start + logits.shape[1]
+    logits.div_(temperature)
+    logps[index, start:end] = selective_log_softmax(logits, targets).to(logps.dtype)
+    if entropies is not None:  # one completion's positions per chunk: TRL's default of 128 rows may be the chunk
+        entropies[index, start:end] = entropy_from_logits(logits, chunk_size=logits.shape[1]).to(entropies.dtype)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
@@ -20,6 +21,28 @@ def resolve_device(params: WorkbookParams) -> str:
     if params.device == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
     return params.device
+
+
+def process_device(device: str, environ: Mapping[str, str], device_count: int) -> str:
+    """Where this process loads its model: ``device`` ('cpu' or 'cuda') as ``resolve_device`` gives it, the launch's
+    environment (``LOCAL_RANK``, accelerate's ``ACCELERATE_USE_FSDP``) and the visible GPU count.
+
+    On CUDA each process takes its own GPU, ``cuda:<LOCAL_RANK>`` (0 outside a launch), as the Trainer places a DDP
+    model (``args.device``); under FSDP the model stays on the CPU and accelerate shards it onto each process's GPU
+    (``fsdp_cpu_ram_efficient_loading``: a whole copy on a GPU first is the VRAM spike it avoids)."""
+    if device != "cuda":
+        return device
+    if environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true":
+        return "cpu"
+    text = environ.get("LOCAL_RANK", "0")
+    rank = int(text) if text.isdigit() else -1
+    if not 0 <= rank < device_count:
+        raise ValueError(
+            f"environment LOCAL_RANK = {text!r}: this process would train on GPU {text} but {device_count} GPU(s) "
+            "are visible; allowed: 0 to the GPU count - 1 (parameter 'num_processes' at most the GPU count, "
+            "CUDA_VISIBLE_DEVICES listing them)"
+        )
+    return f"cuda:{rank}"
 
 
 def resolve_model_path(params: WorkbookParams, cache_dir: str | Path | None = None) -> str:

@@ -6,6 +6,7 @@ use it alone; ``papo_nb.train.runner.run_training`` (notebook 03 and ``papo-nb t
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import torch
@@ -16,7 +17,7 @@ from papo_nb.testbed.models import load_vlm, vision_special_token_ids
 from papo_nb.testbed.perception import task_datasets, testbed_name
 from papo_nb.testbed.shapes import make_shapes_dataset
 from papo_nb.workbook.config.params import PAPO_PARAM_FIELDS, VPPO_PARAM_FIELDS, WorkbookParams
-from papo_nb.workbook.config.paths import resolve_device, resolve_model_path
+from papo_nb.workbook.config.paths import process_device, resolve_device, resolve_model_path
 from papo_nb.workbook.config.vllm_params import vllm_config_fields
 from papo_nb.workbook.recipe import presets as recipe_presets
 from papo_nb.workbook.recipe import reward as math_reward
@@ -30,13 +31,16 @@ EVAL_SEED_OFFSET = 10_000  # held-out synthetic items come from a different stre
 
 
 def load_policy(params: WorkbookParams, cache_dir: str | Path | None = None):
-    """The base VLM and its processor, in the training dtype, on the resolved device."""
+    """The base VLM and its processor, in the training dtype, on this process's device (``process_device``)."""
     device = resolve_device(params)
     dtype = "bfloat16" if params.precision == "bf16" and device == "cuda" else "float32"
+    placement = process_device(device, os.environ, torch.cuda.device_count() if device == "cuda" else 0)
+    if placement.startswith("cuda:"):
+        torch.cuda.set_device(placement)  # before any CUDA work of this process lands on GPU 0
     model, processor = load_vlm(resolve_model_path(params, cache_dir), dtype=dtype)
     if pixel_bounds_apply(params):  # the trainer's processor keeps images within the same bounds as the rows
         set_processor_pixel_bounds(processor, params.min_pixels, params.max_pixels)
-    return model.to(device), processor
+    return model.to(placement), processor
 
 
 def load_tokenizer(params: WorkbookParams):
@@ -111,11 +115,11 @@ def papo_config(
         mask_seed=params.seed,
         bf16=params.precision == "bf16" and on_gpu,
         use_cpu=not on_gpu,
-        activation_checkpointing=False,
         max_grad_norm=1.0,
         logging_steps=1,
         save_strategy="steps",
         save_steps=params.save_steps,
+        save_total_limit=params.save_total_limit,
         report_to=report_to,
         dataloader_num_workers=0,
         generation_kwargs=generation_kwargs(params, processor),
@@ -126,8 +130,9 @@ def papo_config(
     settings.update(
         gradient_accumulation_steps=params.gradient_accumulation_steps,
         steps_per_generation=params.steps_per_generation or None,
-        # The official actor checkpoints activations (config_grpo_papo.yaml:65); full fine-tuning on a GPU needs it.
-        activation_checkpointing=params.finetuning == "full" and on_gpu,
+        # TRL's default (GRPOConfig.gradient_checkpointing True) and the official actor's (config_grpo_papo.yaml:65),
+        # LoRA too; transformers 5 names the field activation_checkpointing, gradient_checkpointing is its alias.
+        activation_checkpointing=params.gradient_checkpointing,
     )
     if (weights := reward_weights(params)) is not None:  # the researcher's rewards and weights, over any recipe's
         settings["reward_weights"] = weights
