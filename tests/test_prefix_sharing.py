@@ -509,8 +509,6 @@ def one_round(tiny_vlm_path, dataset, out, trainer_cls=PAPOGTrainer, **overrides
     settings = dict(
         num_generations=4, per_device_train_batch_size=8, gradient_accumulation_steps=2, steps_per_generation=2,
         num_iterations=2, beta=0.01, max_steps=2, logging_steps=1, prefix_sharing=True,
-        # prefix sharing under checkpointing (TRL's default, on in the workbook) is branch sharing-ckpt's (issue 53)
-        activation_checkpointing=False,
     )  # fmt: skip
     trainer = tiny_trainer(model, processor, dataset, out, trainer_cls, **{**settings, **overrides})
     start = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
@@ -576,8 +574,6 @@ def train_and_evaluate(tmp_path, sharing: bool) -> dict:
     smoke, out = root / "params" / "smoke.yaml", tmp_path / f"run_{sharing}"
     command = [sys.executable, "-m", "papo_nb.cli", "train", "--params", str(smoke), "--output-dir", str(out)]
     command += ["-p", f"prefix_sharing={str(sharing).lower()}"]
-    # both runs alike: prefix sharing under checkpointing (on by default since issue 53) is branch sharing-ckpt's
-    command += ["-p", "gradient_checkpointing=false"]
     uri = f"sqlite:///{tmp_path}/mlflow_{sharing}.db"
     env = {**os.environ, "MLFLOW_TRACKING_URI": uri, "PYTHONPATH": str(root)}
     result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=1800)

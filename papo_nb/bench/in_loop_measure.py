@@ -104,8 +104,6 @@ def variant_trainers(
         report_to="none",
         use_cpu=device == "cpu",
         bf16=bf16,
-        # as before issue 53 turned it on: prefix sharing under checkpointing is branch sharing-ckpt's
-        activation_checkpointing=False,
     )
     gamma_zero = dict(perception_loss_weight=0.0, original_entropy_weight=0.0, masked_entropy_weight=0.0)
     overrides = {
