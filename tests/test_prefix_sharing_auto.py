@@ -209,3 +209,63 @@ def test_auto_on_a_supported_family_it_cannot_run_here_says_why_in_the_plan(qwen
         forced = prefix_sharing.PrefixSharing(forced_args, model, 2, metrics)
     assert forced.reason == reason and f"plain forward per completion, because {reason}" in caplog.text
     assert forward_plan(forced_args, trainer.masked_branch, forced, model).log_prob_reason == reason
+
+
+@pytest.mark.model
+@pytest.mark.skipif(not PACKED_ON_THIS_RELEASE, reason="this TRL release runs its own forward")
+def test_the_recipes_share_by_default_and_the_plan_says_so(qwen25, tmp_path):
+    """Each official recipe (its batch one prompt's rollouts) on a tiny Qwen2.5-VL: sharing on by the default."""
+    from papo_nb.papo import PAPOGTrainer, recipes
+
+    for name in recipes.RECIPES:
+        args = recipes.recipe_config(name, output_dir=str(tmp_path / name), use_cpu=True, bf16=False,
+                                     max_completion_length=8, report_to="none")  # fmt: skip
+        assert args.prefix_sharing == "auto"
+        model, processor = load_vlm(str(qwen25["folder"]))
+        trainer = PAPOGTrainer(model=model, reward_funcs=[lambda completions, **_: [0.0] * len(completions)],
+                               args=args, train_dataset=qwen25["dataset"], processing_class=processor)  # fmt: skip
+        plan = trainer.forward_plan
+        assert plan.log_prob_forward == "packed per prompt group", (name, plan)
+        assert plan.log_prob_reason.startswith("prefix_sharing='auto', supported here"), (name, plan)
+
+
+@pytest.mark.model
+@pytest.mark.skipif(not PACKED_ON_THIS_RELEASE, reason="this TRL release runs its own forward")
+def test_the_smoke_workbook_shares_by_default_and_its_run_records_the_plan(tmp_path):
+    """``params/smoke.yaml``'s trainer packs by the default; ``papo-nb train --params params/smoke_fast.yaml`` (two
+    steps) packs every log-prob call, its first checked, and the run's summary and MLflow tag say so."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from mlflow import MlflowClient
+
+    from papo_nb.infra.tracking import EXPERIMENT_NAME
+    from papo_nb.train.records import FORWARD_PLAN_TAG
+    from papo_nb.train.run_folder import SUMMARY_FILE
+    from papo_nb.workbook.config.params import load_params
+    from papo_nb.workbook.training.builder import prepare_training
+
+    root = Path(__file__).resolve().parents[1]
+    smoke = load_params(root / "params" / "smoke.yaml")
+    assert smoke.prefix_sharing == "auto"
+    trainer, _, _ = prepare_training(smoke, tmp_path / "smoke")
+    assert trainer.forward_plan.log_prob_forward == "packed per prompt group", trainer.forward_plan
+    fast, out, uri = root / "params" / "smoke_fast.yaml", tmp_path / "run", f"sqlite:///{tmp_path}/mlflow.db"
+    command = [sys.executable, "-m", "papo_nb.cli", "train", "--params", str(fast), "--output-dir", str(out)]
+    command += ["-p", "max_steps=2", "-p", "save_steps=2"]
+    env = {**os.environ, "MLFLOW_TRACKING_URI": uri, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(root)}
+    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    plan = json.loads((out / SUMMARY_FILE).read_text())["forward_plan"]
+    print(f"\nsmoke_fast forward plan: {plan}")
+    assert plan["log_prob_forward"] == "packed per prompt group", plan
+    assert "prefix_sharing='auto', supported here" in plan["log_prob_reason"]
+    assert "first packed batch matched the plain forward" in plan["log_prob_reason"]
+    client = MlflowClient(uri)
+    (run,) = client.search_runs([client.get_experiment_by_name(EXPERIMENT_NAME).experiment_id])
+    assert run.data.tags[FORWARD_PLAN_TAG].startswith("packed per prompt group (prefix_sharing='auto'")
+    packed = [m.value for m in client.get_metric_history(run.info.run_id, prefix_sharing.METRIC)]
+    assert packed and set(packed) == {1.0}, packed
