@@ -31,7 +31,27 @@ from papo_nb.papo.forward.plan import forward_plan
 from papo_nb.testbed.models import build_tiny_vlm, load_vlm
 
 LOGGER = "papo_nb.papo.forward.prefix_sharing"
-PACKED_ON_THIS_RELEASE = trl_seams.packed_path_reason() is None
+RELEASE_REASON = trl_seams.packed_path_reason()  # None on TRL 1.9.1-1.13; on 1.14+ why the packed path waits
+
+
+def assert_off_for_the_release(trainer, model, arguments, caplog) -> None:
+    """TRL 1.14+: "auto" is off with the release's reason in the plan, never builds a layout (``pack`` is refused
+    here), never checks, never warns."""
+    plan = trainer.forward_plan
+    assert plan.log_prob_forward == "plain per completion", plan
+    assert plan.log_prob_reason == f"prefix_sharing='auto' off: {RELEASE_REASON}", plan
+    with caplog.at_level(logging.INFO, logger=LOGGER):
+        sharing = trainer.prefix_sharing
+        assert sharing.compute(model, arguments, temperature=TEMPERATURE, entropy_grad=False, training=True) is None
+    assert sharing.checked is None and not [r for r in caplog.records if r.levelno >= logging.WARNING]
+
+
+# The default's plan (log-prob forward, the reason's first 40 characters) where the release packs, and where not
+DEFAULT_PLAN = (
+    ("packed per prompt group", "prefix_sharing='auto', supported here; g")
+    if RELEASE_REASON is None
+    else ("plain per completion", f"prefix_sharing='auto' off: {RELEASE_REASON}"[:40])
+)
 
 
 def leaking_pack(*args, **kwargs):
@@ -83,10 +103,13 @@ def test_auto_is_the_default_and_the_only_new_value(tmp_path):
 
 
 @pytest.mark.model
-@pytest.mark.skipif(not PACKED_ON_THIS_RELEASE, reason="this TRL release runs its own forward (test below)")
 def test_auto_on_a_supported_batch_packs_checks_its_first_call_and_says_so(qwen25, tmp_path, caplog):
     trainer, model, arguments = auto_trainer(qwen25, tmp_path / "t"), qwen25["model"], qwen25["arguments"]
-    assert trainer.args.prefix_sharing == "auto" and trainer.prefix_sharing.shuffles_whole_groups
+    assert trainer.args.prefix_sharing == "auto"
+    if RELEASE_REASON is not None:
+        assert_off_for_the_release(trainer, model, arguments, caplog)
+        return
+    assert trainer.prefix_sharing.shuffles_whole_groups
     plan = trainer.forward_plan
     assert plan.log_prob_forward == "packed per prompt group", plan
     assert plan.log_prob_reason.startswith("prefix_sharing='auto', supported here; grouped attention through 'sdpa'")
@@ -110,9 +133,12 @@ def test_auto_on_a_supported_batch_packs_checks_its_first_call_and_says_so(qwen2
 
 
 @pytest.mark.model
-@pytest.mark.skipif(not PACKED_ON_THIS_RELEASE, reason="this TRL release runs its own forward (test below)")
 def test_a_wrong_layout_turns_auto_off_with_one_warning_and_the_plain_log_probs(qwen25, tmp_path, caplog, monkeypatch):
     trainer, model, arguments = auto_trainer(qwen25, tmp_path / "t"), qwen25["model"], qwen25["arguments"]
+    if RELEASE_REASON is not None:
+        monkeypatch.setattr(prefix_sharing, "pack", None)  # never called
+        assert_off_for_the_release(trainer, model, arguments, caplog)
+        return
     monkeypatch.setattr(prefix_sharing, "pack", leaking_pack)
     with torch.no_grad():
         reference = plain(trainer, model, arguments)
@@ -141,11 +167,11 @@ def test_a_wrong_layout_turns_auto_off_with_one_warning_and_the_plain_log_probs(
 
 @pytest.mark.model
 @pytest.mark.slow
-@pytest.mark.skipif(not PACKED_ON_THIS_RELEASE, reason="this TRL release runs its own forward (test below)")
 def test_a_run_whose_layout_is_wrong_trains_as_the_plain_forward(qwen25, tmp_path, caplog, monkeypatch):
     """Two optimizer steps (old and reference log-probs) with the wrong layout: the first packed call fails its
-    check, every forward after it is the plain one, and the parameters are the plain forward's (same shuffle)."""
-    monkeypatch.setattr(prefix_sharing, "pack", leaking_pack)
+    check, every forward after it is the plain one, and the parameters are the plain forward's (same shuffle). On
+    TRL 1.14+ nothing is packed or checked: the run is TRL's forward throughout, and equals it too."""
+    monkeypatch.setattr(prefix_sharing, "pack", leaking_pack if RELEASE_REASON is None else None)
     folder = qwen25["folder"]
     with caplog.at_level(logging.WARNING, logger=LOGGER):
         run, start, after = one_round(folder, qwen25["dataset"], tmp_path / "auto", prefix_sharing="auto")
@@ -154,7 +180,7 @@ def test_a_run_whose_layout_is_wrong_trains_as_the_plain_forward(qwen25, tmp_pat
     diff = max((after[n] - expected[n]).abs().max().item() for n in start)
     print(f"wrong layout, auto: parameters moved {moved:.2e}, differ from the plain forward's by {diff:.2e}")
     assert moved > 1e-4 and diff == 0.0
-    assert caplog.text.count("turned itself off for the run") == 1
+    assert caplog.text.count("turned itself off for the run") == (RELEASE_REASON is None)
     flags = [h[prefix_sharing.METRIC] for h in run.state.log_history if prefix_sharing.METRIC in h]
     assert flags and all(flag == 0.0 for flag in flags)
     assert run.forward_plan.log_prob_forward == "plain per completion"
@@ -212,7 +238,6 @@ def test_auto_on_a_supported_family_it_cannot_run_here_says_why_in_the_plan(qwen
 
 
 @pytest.mark.model
-@pytest.mark.skipif(not PACKED_ON_THIS_RELEASE, reason="this TRL release runs its own forward")
 def test_the_recipes_share_by_default_and_the_plan_says_so(qwen25, tmp_path):
     """Each official recipe (its batch one prompt's rollouts) on a tiny Qwen2.5-VL: sharing on by the default."""
     from papo_nb.papo import PAPOGTrainer, recipes
@@ -224,13 +249,10 @@ def test_the_recipes_share_by_default_and_the_plan_says_so(qwen25, tmp_path):
         model, processor = load_vlm(str(qwen25["folder"]))
         trainer = PAPOGTrainer(model=model, reward_funcs=[lambda completions, **_: [0.0] * len(completions)],
                                args=args, train_dataset=qwen25["dataset"], processing_class=processor)  # fmt: skip
-        plan = trainer.forward_plan
-        assert plan.log_prob_forward == "packed per prompt group", (name, plan)
-        assert plan.log_prob_reason.startswith("prefix_sharing='auto', supported here"), (name, plan)
+        assert (trainer.forward_plan.log_prob_forward, trainer.forward_plan.log_prob_reason[:40]) == DEFAULT_PLAN, name
 
 
 @pytest.mark.model
-@pytest.mark.skipif(not PACKED_ON_THIS_RELEASE, reason="this TRL release runs its own forward")
 def test_the_smoke_workbook_shares_by_default_and_its_run_records_the_plan(tmp_path):
     """``params/smoke.yaml``'s trainer packs by the default; ``papo-nb train --params params/smoke_fast.yaml`` (two
     steps) packs every log-prob call, its first checked, and the run's summary and MLflow tag say so."""
@@ -252,7 +274,7 @@ def test_the_smoke_workbook_shares_by_default_and_its_run_records_the_plan(tmp_p
     smoke = load_params(root / "params" / "smoke.yaml")
     assert smoke.prefix_sharing == "auto"
     trainer, _, _ = prepare_training(smoke, tmp_path / "smoke")
-    assert trainer.forward_plan.log_prob_forward == "packed per prompt group", trainer.forward_plan
+    assert (trainer.forward_plan.log_prob_forward, trainer.forward_plan.log_prob_reason[:40]) == DEFAULT_PLAN
     fast, out, uri = root / "params" / "smoke_fast.yaml", tmp_path / "run", f"sqlite:///{tmp_path}/mlflow.db"
     command = [sys.executable, "-m", "papo_nb.cli", "train", "--params", str(fast), "--output-dir", str(out)]
     command += ["-p", "max_steps=2", "-p", "save_steps=2"]
@@ -261,11 +283,10 @@ def test_the_smoke_workbook_shares_by_default_and_its_run_records_the_plan(tmp_p
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     plan = json.loads((out / SUMMARY_FILE).read_text())["forward_plan"]
     print(f"\nsmoke_fast forward plan: {plan}")
-    assert plan["log_prob_forward"] == "packed per prompt group", plan
-    assert "prefix_sharing='auto', supported here" in plan["log_prob_reason"]
-    assert "first packed batch matched the plain forward" in plan["log_prob_reason"]
+    assert (plan["log_prob_forward"], plan["log_prob_reason"][:40]) == DEFAULT_PLAN, plan
+    assert ("first packed batch matched the plain forward" in plan["log_prob_reason"]) == (RELEASE_REASON is None)
     client = MlflowClient(uri)
     (run,) = client.search_runs([client.get_experiment_by_name(EXPERIMENT_NAME).experiment_id])
-    assert run.data.tags[FORWARD_PLAN_TAG].startswith("packed per prompt group (prefix_sharing='auto'")
+    assert run.data.tags[FORWARD_PLAN_TAG] == f"{plan['log_prob_forward']} ({plan['log_prob_reason']})"
     packed = [m.value for m in client.get_metric_history(run.info.run_id, prefix_sharing.METRIC)]
-    assert packed and set(packed) == {1.0}, packed
+    assert set(packed) == ({1.0} if RELEASE_REASON is None else set()), packed
