@@ -202,15 +202,16 @@ def test_auto_on_an_unsupported_family_is_off_with_its_reason_and_no_warning(tmp
         auto = prefix_sharing.PrefixSharing(PAPOGConfig(**common), model, 1, metrics)
         for _ in range(3):
             assert auto.compute(model, {}, temperature=1.0, entropy_grad=False, training=True) is None
-    assert "model_type 'qwen2'" in auto.reason and not auto.shuffles_whole_groups
+    reason = RELEASE_REASON or "model_type 'qwen2'"  # on TRL 1.14+ the release's reason comes first
+    assert auto.reason.startswith(reason) and not auto.shuffles_whole_groups
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING], "no warning spam"
-    assert caplog.text.count("prefix sharing (auto): plain forward per completion, because model_type") == 1
+    assert caplog.text.count(f"prefix sharing (auto): plain forward per completion, because {reason}") == 1
     assert metrics["train"][prefix_sharing.METRIC] == [0.0] * 3
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger=LOGGER):
         forced = prefix_sharing.PrefixSharing(PAPOGConfig(**common, prefix_sharing=True), model, 1, metrics)
         assert forced.compute(model, {}, temperature=1.0, entropy_grad=False, training=True) is None
-    assert forced.reason == auto.reason and caplog.text.count("because model_type 'qwen2'") == 1, "True refuses"
+    assert forced.reason == auto.reason and caplog.text.count(f"because {reason}") == 1, "True refuses"
     off = prefix_sharing.PrefixSharing(PAPOGConfig(**common, prefix_sharing=False), model, 1, metrics)
     assert not off.enabled and off.compute(model, {}, temperature=1.0, entropy_grad=False, training=True) is None
 
@@ -289,4 +290,4 @@ def test_the_smoke_workbook_shares_by_default_and_its_run_records_the_plan(tmp_p
     (run,) = client.search_runs([client.get_experiment_by_name(EXPERIMENT_NAME).experiment_id])
     assert run.data.tags[FORWARD_PLAN_TAG] == f"{plan['log_prob_forward']} ({plan['log_prob_reason']})"
     packed = [m.value for m in client.get_metric_history(run.info.run_id, prefix_sharing.METRIC)]
-    assert set(packed) == ({1.0} if RELEASE_REASON is None else set()), packed
+    assert (packed and set(packed) == {1.0}) if RELEASE_REASON is None else set(packed) <= {0.0}, packed
