@@ -254,6 +254,7 @@ def test_the_recipes_share_by_default_and_the_plan_says_so(qwen25, tmp_path):
 
 
 @pytest.mark.model
+@pytest.mark.slow
 def test_the_smoke_workbook_shares_by_default_and_its_run_records_the_plan(tmp_path):
     """``params/smoke.yaml``'s trainer packs by the default; ``papo-nb train --params params/smoke_fast.yaml`` (two
     steps) packs every log-prob call, its first checked, and the run's summary and MLflow tag say so."""
