@@ -17,7 +17,7 @@ CHOICES = {
     "masked_branch": MASKED_BRANCH_TIMINGS,
     "masked_branch_grad": (False, True),
     "masked_forward": MASKED_FORWARDS,
-    "prefix_sharing": (False, True),
+    "prefix_sharing": ("auto", False, True),
     "mask_sharing": MASK_SHARING,
 }
 # Two device batches: 8 rows of whole groups of 4, and 6 rows, which split a group of 4 (generation batch 12).
@@ -51,10 +51,11 @@ def test_every_combination_is_built_or_refused_naming_the_fields_it_joins(tmp_pa
             continue
         assert forward_fields_problem(built) is None
         outcomes["valid"] += 1
-    # 48 combinations of the five fields, under two batches. Refused per batch: rollout with grad (12), the shared
-    # prefix with grad at update (4), the shared prefix with per-completion masks at rollout without grad (2): 18,
-    # 30 valid; the 6-row batch also refuses prefix sharing for the 15 of those 30 that ask for it.
-    assert outcomes == {"valid": 30 + 15, "refused": 18 + 18 + 15}, outcomes
+    # 72 combinations of the five fields, under two batches. Refused per batch: rollout with grad (18), the shared
+    # prefix with grad at update (6), the shared prefix with per-completion masks at rollout without grad (3): 27,
+    # 45 valid; the 6-row batch also refuses the 15 of those 45 that force prefix sharing (True). "auto" is never
+    # refused for the batch: it is off there (PrefixSharing says why).
+    assert outcomes == {"valid": 45 + 30, "refused": 27 + 27 + 15}, outcomes
 
 
 def test_the_recipes_forward_fields_pass_the_one_check(tmp_path):

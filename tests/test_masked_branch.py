@@ -119,7 +119,9 @@ def test_three_steps_per_round_serve_every_completion_of_a_prompt_with_one_prefi
     logged completions per prefill equal G; the update path, after the shuffle, gets far fewer."""
     shares = {}
     for timing in ("rollout", "update"):
-        trainer = train_one_round(tiny_vlm_path, shapes_dataset, tmp_path, timing, per_device_train_batch_size=2 * G)
+        # TRL's row shuffle (prefix sharing would shuffle whole groups, and each device batch hold G of a prompt)
+        trainer = train_one_round(tiny_vlm_path, shapes_dataset, tmp_path, timing, per_device_train_batch_size=2 * G,
+                                  prefix_sharing=False)  # fmt: skip
         shares[timing] = logged(trainer, shared_prefix.SHARE_METRIC)
         assert logged(trainer, shared_prefix.METRIC), timing
     assert shares["rollout"] == [G] * len(shares["rollout"]) and shares["rollout"]
@@ -222,6 +224,8 @@ def test_gamma_zero_runs_no_masked_forward_and_costs_what_grpo_costs(tiny_vlm_pa
         settings = dict(
             num_generations=G, per_device_train_batch_size=G, logging_steps=1, report_to="none", max_steps=2
         )
+        if trainer_cls is PAPOGTrainer:  # GRPOTrainer's forwards and losses exactly: TRL's own forward
+            settings["prefix_sharing"] = False
         trainer = tiny_trainer(model, processor, shapes_dataset, tmp_path / name, trainer_cls, **settings, **overrides)
         calls = count_forwards(model)
         masks_before = trainer.masks.generator.get_state() if trainer_cls is PAPOGTrainer else None

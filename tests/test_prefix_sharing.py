@@ -449,8 +449,8 @@ def test_unsupported_models_and_runs_fall_back_with_their_reason(tmp_path):
     sharing = prefix_sharing.PrefixSharing(args, text_model, 1, {"train": collections.defaultdict(list)})
     assert "model_type 'qwen2'" in sharing.reason and not sharing.shuffles_whole_groups
     assert sharing.compute(text_model, {}, temperature=1.0, entropy_grad=False, training=True) is None
-    off = PAPOGConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False)
-    assert not off.prefix_sharing and not prefix_sharing.PrefixSharing(off, text_model, 1, {}).enabled
+    off = PAPOGConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, prefix_sharing=False)
+    assert not prefix_sharing.PrefixSharing(off, text_model, 1, {}).enabled
 
 
 @pytest.mark.model
@@ -472,7 +472,7 @@ def test_batch_sizes_without_whole_groups_are_refused(tmp_path):
     ):
         PAPOGConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, prefix_sharing=True,
                     per_device_train_batch_size=6, num_generations=4, generation_batch_size=12)  # fmt: skip
-    with pytest.raises(ValueError, match=r"PAPOGConfig.prefix_sharing='yes' is invalid: expected a bool"):
+    with pytest.raises(ValueError, match=r"prefix_sharing='yes' is invalid: expected one of \('auto', True, False\)"):
         PAPOGConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, prefix_sharing="yes")
 
 

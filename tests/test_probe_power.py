@@ -38,11 +38,12 @@ def make_testbed_trainer(testbed_path, folder, **overrides):
     """Notebook 02's testbed settings (params/calibration_testbed.yaml) on the session's testbed build."""
     from papo_nb.workbook.config.params import WorkbookParams, load_params
     from papo_nb.workbook.training.builder import prepare_training
+    from papo_nb.workbook.verification.calibration import CALIBRATION_OVERRIDES
 
     raw = load_params(ROOT / "params" / "calibration_testbed.yaml").model_dump()
     fields = {k: v for k, v in raw.items() if k in WorkbookParams.model_fields}
     params = WorkbookParams(**{**fields, "model_name_or_path": str(testbed_path)})
-    trainer, _, _ = prepare_training(params, folder, save_strategy="no", **overrides)
+    trainer, _, _ = prepare_training(params, folder, save_strategy="no", **{**CALIBRATION_OVERRIDES, **overrides})
     return trainer
 
 

@@ -51,6 +51,7 @@ def test_zero_gamma_zero_eta_is_the_parent_loss_bit_for_bit(policy, shapes_datas
         perception_loss_weight=0.0,
         original_entropy_weight=0.0,
         masked_entropy_weight=0.0,
+        prefix_sharing=False,  # bit for bit needs TRL's own forward ("auto" packs: equal within fp32 roundoff)
     )
     plain = make_trainer(policy, shapes_dataset, tmp_path, trainer_cls=GRPOTrainer, loss_type=loss_type)
     for trainer in (papo, plain):

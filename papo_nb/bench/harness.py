@@ -105,9 +105,12 @@ class BenchSetup:
         """A trainer on the shared (LoRA) model through the workbook's builder; ``overrides`` are config fields.
 
         ``trainer_cls`` GRPOTrainer is the baseline: it reads the GRPO fields of the same config and ignores
-        PAPO-G's."""
+        PAPO-G's. ``prefix_sharing`` is False unless ``overrides`` set it."""
         from papo_nb.workbook.training.builder import build_trainer, papo_config
 
+        # each variant measures the forward it names: prefix sharing only where it asks (the default "auto" would
+        # pack the plain variants too)
+        overrides = {"prefix_sharing": False, **overrides}
         args = papo_config(self.settings, self.work_dir / name, self.processor, save_strategy="no", **overrides)
         trainer = build_trainer(
             self.settings, args, self.model, self.processor, self.dataset, trainer_cls=trainer_cls or PAPOGTrainer

@@ -60,8 +60,9 @@ def _trainer(model_path: Path, work: Path, name: str, dtype: str, cast: bool):
             if "lora_B" in n:
                 p.copy_(torch.randn(p.shape, generator=generator) * 0.05)
     args = papo_config(
-        params, work / name, processor, save_strategy="no", cast_lm_head_to_fp32=cast, masked_branch="update"
-    )
+        params, work / name, processor, save_strategy="no", cast_lm_head_to_fp32=cast, masked_branch="update",
+        prefix_sharing=False,  # the head's precision through TRL's own forward, as measured
+    )  # fmt: skip
     return build_trainer(params, args, model, processor, make_shapes_dataset(24, seed=0), trainer_cls=PAPOGTrainer)
 
 

@@ -10,7 +10,8 @@ The core, read first:
 - ``forward/``: how each forward runs. ``masked_branch.py`` (with ``rollout_branch.py``): the masked forward, once
   per round or per loss call, skipped when the perception term is off for the whole run; ``prefill.py``: the no-grad
   masked branch with each prompt prefilled once; ``prefix_sharing.py`` (with ``packed_rows.py``,
-  ``grouped_attention.py``, ``attention_cost.py``): every log-prob forward with each prompt group packed once;
+  ``grouped_attention.py``, ``attention_cost.py``, ``self_check.py``): every log-prob forward with each prompt group
+  packed once (on by default where supported, its first call checked against the plain forward);
   ``logp_inputs.py``: the parent's log-prob call arguments; ``common.py``: what both prefix paths need.
 
 Set apart: ``contract.py`` (the TRL private API the trainer checks at construction, and the releases it

@@ -27,6 +27,7 @@ GAMMA_SCHEDULES = ("fixed", "linear")
 ENTROPY_ESTIMATORS = ("sampled", "full")
 MASKED_FORWARDS = ("auto", "full", "shared_prefix")
 MASKED_BRANCH_TIMINGS = ("rollout", "update")
+PREFIX_SHARING = ("auto", True, False)
 # Every loss_type TRL 1.9.1's GRPOTrainer._compute_loss aggregates (grpo_trainer.py:3124-3153).
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo")
 
@@ -61,7 +62,7 @@ FIELD_RULES = {
     "masked_branch_grad": (lambda v: isinstance(v, bool), "a bool"),
     "masked_forward": (lambda v: v in MASKED_FORWARDS, f"one of {MASKED_FORWARDS}"),
     "masked_branch": (lambda v: v in MASKED_BRANCH_TIMINGS, f"one of {MASKED_BRANCH_TIMINGS}"),
-    "prefix_sharing": (lambda v: isinstance(v, bool), "a bool"),
+    "prefix_sharing": (lambda v: v == "auto" or isinstance(v, bool), f"one of {PREFIX_SHARING}"),
     "max_consecutive_nonfinite_grad_steps": (lambda v: is_int(v) and v >= 1, "an int >= 1"),
     "require_gpu_contract_probe": (lambda v: isinstance(v, bool), "a bool"),
     "measure_perception_kl": (lambda v: isinstance(v, bool), "a bool"),
@@ -171,17 +172,22 @@ class PAPOGConfig(GRPOConfig):
 
         > Parameters that control every forward
 
-        prefix_sharing (`bool`, defaults to `False`):
+        prefix_sharing (`str` or `bool`, defaults to `"auto"`):
             Pack each prompt group once `[prompt; c1 ... cg]` in every forward TRL routes through
             `_get_per_token_logps_and_entropies` (the gradient forward and backward, old and reference log-probs,
             the masked branch's full forward): the prompt and its images once per group, grouped attention (each
             prompt's self-attention once, each completion over its prompt and itself; `grouped_attention.py`),
-            Qwen-VL positions restarting after the prompt (`prefix_sharing.py`); the round is
-            shuffled by whole groups, so `per_device_train_batch_size` must be a multiple of `num_generations`.
-            Qwen2-VL and Qwen2.5-VL whose text model runs SDPA or eager attention, on one process, with or
-            without gradient checkpointing (each checkpointed layer recomputed inside the grouped layout; decided
-            per forward and at `train()` start), not luspo with beta != 0; elsewhere the plain forward runs,
-            with a log line saying why (`papo/prefix_shared` per call). Off: TRL's forward and shuffle, bit for bit.
+            Qwen-VL positions restarting after the prompt (`prefix_sharing.py`); the round is shuffled by whole
+            groups. Supported: Qwen2-VL and Qwen2.5-VL whose text model runs SDPA or eager attention, on TRL
+            1.9.1-1.13, on one process, with or without gradient checkpointing (each checkpointed layer recomputed
+            inside the grouped layout; decided per forward and at `train()` start), not luspo with beta != 0, a call
+            the FLOP model (`attention_cost.py`) predicts cheaper packed. `"auto"`: on where supported and
+            `per_device_train_batch_size` is a multiple of `num_generations`, else off with one info line saying
+            why; its first packed call is checked against the plain forward (log-probs within 1e-4 in fp32,
+            `forward/self_check.py`), and on a mismatch sharing is off for the run with one warning naming the
+            difference and where. `True`: forced (the batch must hold whole groups, refused otherwise; each reason it
+            cannot run is a warning, and the plain forward runs). `False`: TRL's forward and shuffle, bit for bit.
+            The forward plan the trainer logs says which runs and why (`papo/prefix_shared` per call).
 
         > Parameters that control the entropy terms
 
@@ -290,8 +296,13 @@ class PAPOGConfig(GRPOConfig):
             "choices": MASKED_FORWARDS,
         },
     )
-    prefix_sharing: bool = field(
-        default=False, metadata={"help": "Each prompt group one packed row in every forward (Qwen-VL, one process)."}
+    prefix_sharing: str | bool = field(
+        default="auto",
+        metadata={
+            "help": "Each prompt group one packed row in every forward: 'auto' (where supported, first batch "
+            "checked), True (forced) or False.",
+            "choices": PREFIX_SHARING,
+        },
     )
     require_gpu_contract_probe: bool = field(default=False, metadata={"help": "Run the gamma-zero probe in training."})
     measure_perception_kl: bool = field(

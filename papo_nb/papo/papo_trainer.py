@@ -30,7 +30,7 @@ from .citation import PAPO_PAPER
 from .contract import ENTROPY_GRAD_GATE, validate_grad_norm_hook, validate_trl_parent_contract
 from .forward import prefix_sharing
 from .forward.masked_branch import MaskedBranch
-from .forward.plan import ForwardPlanAtTrainStart, forward_plan
+from .forward.plan import ForwardPlanAtTrainStart, forward_plan, refresh_forward_plan
 from .loss_observer import training_observer
 from .mask_state import MaskedImages, MaskState, generation_round
 from .papo_config import PAPOGConfig
@@ -51,8 +51,9 @@ class PAPOGTrainer(GRPOTrainer):
 
     - ``_compute_loss``: the parent's loss, untouched, plus the PAPO-G terms (``terms.assemble_loss``);
     - ``_get_per_token_logps_and_entropies``: captures the parent's own log-probs (and, for the full-vocabulary
-      estimator with eta1 > 0, entropies with gradient) while it computes its loss; with ``prefix_sharing`` every
-      call runs each prompt group as one packed row (``prefix_sharing.py``), the parent's method where it cannot;
+      estimator with eta1 > 0, entropies with gradient) while it computes its loss; with ``prefix_sharing`` on
+      (``"auto"``, the default, where supported and cheaper, its first packed call checked against the parent's)
+      every call runs each prompt group as one packed row (``prefix_sharing.py``), the parent's method where not;
     - ``_generate_and_score_completions``: with ``masked_branch="rollout"`` (default) adds the masked branch of the
       round to the batch it returns (``MaskedBranch.rollout_entries``); with ``prefix_sharing``, each row's block;
     - ``_prepare_inputs``: with ``prefix_sharing``, the parent's, its round shuffled by whole prompt groups;
@@ -201,18 +202,23 @@ class PAPOGTrainer(GRPOTrainer):
 
     def _logps_and_entropies(self, *args, **kwargs):
         """The parent's log-prob method, or with ``prefix_sharing`` the same numbers from packed rows."""
+        parent_forward = functools.partial(super()._get_per_token_logps_and_entropies, *args, **kwargs)
         if self.prefix_sharing.enabled:
             arguments = prefix_sharing.bound_arguments(trl_seams.signature_method(GRPOTrainer), self, args, kwargs)
+            checked = self.prefix_sharing.checked
             packed = self.prefix_sharing.compute(
                 arguments.pop("model"),
                 arguments,
                 temperature=self.temperature,
                 entropy_grad=bool(getattr(self, ENTROPY_GRAD_GATE)),
                 training=self.model.training,
+                plain_forward=parent_forward,
             )
+            if self.prefix_sharing.checked is not checked:  # "auto"'s first-batch check: the plan says its outcome
+                refresh_forward_plan(self, "after prefix sharing's first-batch check")
             if packed is not None:
                 return packed
-        return super()._get_per_token_logps_and_entropies(*args, **kwargs)
+        return parent_forward()
 
     def papo_loss_parts(
         self, model, inputs, weights: LossWeights | None = None

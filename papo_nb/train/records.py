@@ -4,11 +4,14 @@ At the start: the start record (``start_record``: phase, trainable parameters, r
 ``params.yaml`` (fresh runs and forced resumes), ``run_info.json`` (the MLflow run and one entry per
 attempt), corrupt checkpoints set aside, and in MLflow the start record, the parameters and the standard tags (a
 re-attached run gets the attempt instead). At the end: ``train_summary.json``, the probe's final evidence and its
-status tags (``papo_nb.probe_status``, and ``papo_nb.probe_warning`` when underpowered).
+status tags (``papo_nb.probe_status``, and ``papo_nb.probe_warning`` when underpowered), and the trainer's forward plan
+as it stood at the end (``train/forward_plan.json`` and the ``papo_nb.log_prob_forward`` tag: whether prefix sharing
+ran and why, after ``prefix_sharing="auto"``'s first-batch check).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from contextlib import contextmanager
@@ -23,6 +26,7 @@ from papo_nb.workbook.training.checkpoints import RestoredAdapter
 
 PROBE_STATUS_TAG = "papo_nb.probe_status"
 PROBE_WARNING_TAG = "papo_nb.probe_warning"
+FORWARD_PLAN_TAG = "papo_nb.log_prob_forward"
 MLFLOW_TAG_LIMIT = 5000  # characters MLflow keeps in a tag value
 
 
@@ -140,3 +144,21 @@ def tag_probe_status(trainer, tracker=None) -> str | None:
         if evidence.status == "underpowered":
             tracker.set_tag(PROBE_WARNING_TAG, evidence.message[:MLFLOW_TAG_LIMIT])
     return evidence.status
+
+
+def forward_plan_record(trainer) -> dict | None:
+    """The trainer's forward plan now (``papo_nb.papo.forward.plan.ForwardPlan``) as a dict, or None without one."""
+    plan = getattr(trainer, "forward_plan", None)
+    return dataclasses.asdict(plan) if plan is not None else None
+
+
+def log_forward_plan(record: dict | None, tracker=None) -> None:
+    """``forward_plan_record``'s dict as ``train/forward_plan.json`` and its log-prob forward, with the reason, as
+    the ``papo_nb.log_prob_forward`` tag (through ``tracker``, the ``mlflow`` module by default)."""
+    if record is None:
+        return
+    import mlflow
+
+    tracker = tracker or mlflow
+    tracker.log_dict(record, "train/forward_plan.json")
+    tracker.set_tag(FORWARD_PLAN_TAG, f"{record['log_prob_forward']} ({record['log_prob_reason']})"[:MLFLOW_TAG_LIMIT])

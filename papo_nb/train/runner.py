@@ -31,6 +31,8 @@ from papo_nb.train.plan import RunPlan, plan_run
 from papo_nb.train.preemption import PREEMPTED_EXIT, Preempted, PreemptionCallback
 from papo_nb.train.probe_state import ProbeStateCallback, restore_probe
 from papo_nb.train.records import (
+    forward_plan_record,
+    log_forward_plan,
     log_probe,
     log_start,
     params_logged_once,
@@ -306,12 +308,14 @@ def record_end(
             "start": start,
             "probe": probe,
             "probe_same_on_all_ranks": probe_same,
+            "forward_plan": forward_plan_record(trainer),
             "metrics_same_on_all_ranks": metrics_same,
             "log_history": outcome.log_history,
         }
         write_summary(plan.output_dir, summary)
         if use_mlflow:
             log_probe(trainer, probe, probe_same, tracker)
+            log_forward_plan(summary["forward_plan"], tracker)
     if not probe_same:
         raise RuntimeError("the gamma-zero probe's evidence differs between ranks: its reductions are broken")
     return outcome

@@ -10,7 +10,8 @@ their part against the model; ``forward_plan`` reads those decisions (it decides
 object that the trainer logs, so a reader of the run's log sees every forward's form and why. ``Trainer.train``
 changes the model after construction (it turns gradient checkpointing on, TRL's default), so at ``train()`` start
 ``ForwardPlanAtTrainStart`` reads prefix sharing's decision again against the model as it then is, and logs the plan
-again where it changed (each forward decides again too: ``PrefixSharing.reason_now``).
+again where it changed (each forward decides again too: ``PrefixSharing.reason_now``); so does the trainer after
+``prefix_sharing="auto"``'s first-batch check (``self_check.py``) turned sharing off (``refresh_forward_plan``).
 """
 
 from __future__ import annotations
@@ -35,11 +36,12 @@ def forward_fields_problem(args) -> str | None:
             "path; allowed: masked_forward 'auto' or 'full', or masked_branch_grad=False"
         )
     batch, generations = args.per_device_train_batch_size, args.num_generations
-    if args.prefix_sharing and generations and batch % generations:
+    if args.prefix_sharing is True and generations and batch % generations:  # "auto" is off there instead
         return (
             f"prefix_sharing=True is invalid with per_device_train_batch_size={batch} and num_generations="
             f"{generations}: the round is shuffled by whole prompt groups, so a device batch must hold whole "
-            "groups; allowed: per_device_train_batch_size a multiple of num_generations, or prefix_sharing=False"
+            "groups; allowed: per_device_train_batch_size a multiple of num_generations, or prefix_sharing "
+            "'auto' (off for such a batch) or False"
         )
     if (
         args.masked_forward == "shared_prefix"
@@ -97,15 +99,18 @@ def forward_plan(args, masked_branch, prefix_sharing, model=None) -> ForwardPlan
         form = "prefill per prompt, no grad" if masked_branch.plan.shared else "full, no grad"
     reason = prefix_sharing.reason if model is None else prefix_sharing.reason_now(model)
     packed = prefix_sharing.enabled and reason is None
-    supported = "prefix_sharing=True, supported here"
-    if packed and model is not None:
-        supported += f"; {prefix_sharing.supported_description(model)}"
+    if packed:
+        reason = f"{prefix_sharing.label}, supported here"
+        if model is not None:
+            reason += f"; {prefix_sharing.supported_description(model)}"
+    elif prefix_sharing.mode == "auto" and not reason.startswith(prefix_sharing.label):
+        reason = f"{prefix_sharing.label} off: {reason}"
     return ForwardPlan(
         masked_branch=timing,
         masked_forward=form,
         masked_forward_reason=masked_branch.plan.reason,
         log_prob_forward="packed per prompt group" if packed else "plain per completion",
-        log_prob_reason=supported if packed else reason,
+        log_prob_reason=reason,
     )
 
 
@@ -117,8 +122,13 @@ class ForwardPlanAtTrainStart(TrainerCallback):
         self.trainer = trainer
 
     def on_train_begin(self, args, state, control, **kwargs):
-        trainer = self.trainer
-        plan = forward_plan(trainer.args, trainer.masked_branch, trainer.prefix_sharing, trainer.model)
-        if plan != trainer.forward_plan:
-            logger.info("PAPO-G forward plan at train() start: %s", plan.describe())
-        trainer.forward_plan = plan
+        refresh_forward_plan(self.trainer, "at train() start")
+
+
+def refresh_forward_plan(trainer, when: str) -> None:
+    """``trainer``'s ``forward_plan`` read again against its model now, and logged (saying ``when``) where it
+    changed: at ``train()`` start, and after prefix sharing's first-batch check turned it off."""
+    plan = forward_plan(trainer.args, trainer.masked_branch, trainer.prefix_sharing, trainer.model)
+    if plan != trainer.forward_plan:
+        logger.info("PAPO-G forward plan %s: %s", when, plan.describe())
+    trainer.forward_plan = plan

@@ -28,7 +28,7 @@ from transformers.utils import logging
 
 from ..contract import PARENT_SHUFFLE_FUNCTION
 from ..prompt_identity import group_samples
-from . import attention_cost
+from . import attention_cost, self_check
 from .common import core_model, model_unsupported_reason, whole_group_chunks
 from .grouped_attention import checkpointing_description, checkpointing_reason, grouped_attention
 from .grouped_attention import text_config as grouped_text_config
@@ -181,32 +181,52 @@ class PrefixSharing:
     """One per trainer: the static choice (``reason`` None: packed where a call allows it), the choice against the
     model as each forward finds it (``reason_now``: its checkpointing, which ``Trainer.train`` turns on after
     construction), the per-call choice, its metric and one log line per reason. ``metrics``: the trainer's per-mode
-    metric lists."""
+    metric lists.
+
+    ``args.prefix_sharing``: ``True`` forces it (each reason it cannot run is a warning); ``"auto"`` takes it where
+    it is supported and predicted cheaper (each reason it is off is an info line), and checks its first packed call
+    against the plain forward (``self_check.py``): on a mismatch it is off for the run, with one warning naming the
+    difference and its place; ``False`` never takes it."""
 
     def __init__(self, args, model, processes: int, metrics: dict):
-        self.enabled = bool(args.prefix_sharing)
-        self.reason = unsupported_reason(model, processes, args) if self.enabled else "prefix_sharing=False"
+        self.mode = args.prefix_sharing
+        self.enabled = self.mode is not False
+        self.reason = None if self.enabled else "prefix_sharing=False"
+        if self.enabled:
+            self.reason = auto_batch_reason(args) if self.mode == "auto" else None
+            self.reason = self.reason or unsupported_reason(model, processes, args)
+        self.checked: self_check.SelfCheck | None = None  # "auto": the first packed call's comparison, once made
         self.metrics = metrics
         self.logged: set[tuple[bool, str]] = set()
+        self.shuffles_whole_groups = self.enabled and self.reason is None  # for the run: a later "off" keeps it
         if self.enabled and self.reason is not None:
             self.note(False, self.reason)
 
     @property
-    def shuffles_whole_groups(self) -> bool:
-        return self.enabled and self.reason is None
+    def label(self) -> str:
+        return f"prefix_sharing={self.mode!r}"
 
     def reason_now(self, model) -> str | None:
         """Why ``model`` as it is now cannot take the packed path (the static reason first), or None."""
         return self.reason or checkpointing_reason(core_model(model))
 
     def supported_description(self, model) -> str:
-        """What the packed path runs with on ``model`` now (``reason_now`` None)."""
+        """What the packed path runs with on ``model`` now (``reason_now`` None), and under ``"auto"`` what its
+        first-batch check found."""
         hf_model = core_model(model)
         inner = grouped_text_config(hf_model)._attn_implementation
-        return f"grouped attention through {inner!r}, {checkpointing_description(hf_model)}"
+        described = f"grouped attention through {inner!r}, {checkpointing_description(hf_model)}"
+        if self.mode != "auto":
+            return described
+        if self.checked is None:
+            return f"{described}; its first packed batch is checked against the plain forward"
+        return f"{described}; first packed batch matched the plain forward, {self.checked.describe()}"
 
-    def compute(self, model, arguments: dict[str, Any], *, temperature: float, entropy_grad: bool, training: bool):
-        """The call's ``(logps, entropies, aux_loss)`` packed, or None where the plain path must run."""
+    def compute(self, model, arguments: dict[str, Any], *, temperature: float, entropy_grad: bool, training: bool,
+                plain_forward=None):  # fmt: skip
+        """The call's ``(logps, entropies, aux_loss)`` packed, or None where the plain path must run;
+        ``plain_forward``: the call's plain forward (no arguments), which ``"auto"`` checks its first packed call
+        against (the plain result is returned where they differ)."""
         if not self.enabled:
             return None
         reason = self.reason_now(model) or call_reason(arguments)
@@ -225,10 +245,36 @@ class PrefixSharing:
         logps, entropies, aux, share = packed_logps_and_entropies(
             model, arguments, temperature=temperature, entropy_grad=entropy_grad, batches=batches
         )
+        if self.mode == "auto" and self.checked is None:
+            plain = self.first_batch_check(arguments, logps, plain_forward)
+            if plain is not None:
+                self.metrics[mode][METRIC].append(0.0)
+                return plain
         self.metrics[mode][METRIC].append(1.0)
         self.metrics[mode][SHARE_METRIC].append(share)
         self.note(True, f"each prompt group packed once, its images once; {self.supported_description(model)}")
         return logps, entropies, aux
+
+    def first_batch_check(self, arguments: dict[str, Any], packed_logps: torch.Tensor, plain_forward):
+        """``"auto"``'s check of its first packed call against ``plain_forward``: None where it matches (sharing
+        stays on), else the plain result, with sharing off for the run and one warning naming the difference."""
+        if plain_forward is None:
+            raise TypeError("prefix_sharing='auto' needs the call's plain_forward for its first-batch check")
+        with torch.no_grad():
+            plain = plain_forward()
+        completion_mask = arguments["attention_mask"][:, -arguments["logits_to_keep"] :]
+        self.checked = self_check.compare(packed_logps, plain[0], completion_mask)
+        if self.checked.passed:
+            logger.info("PAPO-G prefix sharing: first packed batch matches the plain forward, %s",
+                        self.checked.describe())  # fmt: skip
+            return None
+        self.reason = (
+            f"prefix_sharing='auto' turned itself off for the run: its first packed batch differs from the plain "
+            f"forward, {self.checked.describe()}"
+        )
+        logger.warning("PAPO-G prefix sharing: plain forward per completion, because %s", self.reason)
+        self.logged.add((False, self.reason))
+        return plain_forward() if torch.is_grad_enabled() else plain
 
     def note(self, shared: bool, reason: str) -> None:
         if (shared, reason) in self.logged:
@@ -236,8 +282,22 @@ class PrefixSharing:
         self.logged.add((shared, reason))
         if shared:
             logger.info("PAPO-G prefix sharing: %s", reason)
+        elif self.mode == "auto":  # off where it does not apply is what "auto" means: said once, not warned
+            logger.info("PAPO-G prefix sharing (auto): plain forward per completion, because %s", reason)
         else:
             logger.warning("PAPO-G prefix sharing: plain forward per completion, because %s", reason)
+
+
+def auto_batch_reason(args) -> str | None:
+    """Why ``"auto"`` cannot shuffle whole groups into ``args``' device batches (``True`` refuses it at config
+    time, ``forward_fields_problem``), or None."""
+    batch, generations = args.per_device_train_batch_size, args.num_generations
+    if generations and batch % generations:
+        return (
+            f"per_device_train_batch_size={batch} is not a multiple of num_generations={generations} (a device "
+            "batch must hold whole prompt groups)"
+        )
+    return None
 
 
 def block_ids(inputs: dict[str, Any], group_size: int) -> torch.Tensor:

@@ -23,6 +23,11 @@ from papo_nb.papo.probe.projection import POWER_MARGIN, RECIPE_GAMMA, TERM_NAMES
 from papo_nb.workbook.rollouts import rollout_batch
 from papo_nb.workbook.verification.calibration_plots import plot_both_tests, plot_calibration, plot_power, zero_floor
 
+# The calibration's trainers run TRL's forward: its roundoff samples re-split each batch (roundoff="reordered"), and
+# packed rows depend on the split, so prefix sharing would count packing differences as roundoff (the bf16 testbed:
+# the projection's detectable coefficient 7.2e-6 -> 7.6e-4, no sharper than the norm rule's 1.4e-4).
+CALIBRATION_OVERRIDES = {"prefix_sharing": False}
+
 __all__ = [
     "PRECISIONS",
     "CalibrationPoint",

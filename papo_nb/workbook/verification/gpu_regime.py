@@ -281,8 +281,9 @@ def emulated_gpu_evidence(params, folder, *, minimum: int = MINIMUM_EVALUATIONS)
     evaluations of each for ``minimum`` in all; the false-alarm table, the block table and every evaluation."""
     from papo_nb.workbook.rollouts import rollout_batch
     from papo_nb.workbook.training.builder import prepare_training
+    from papo_nb.workbook.verification.calibration import CALIBRATION_OVERRIDES
 
-    trainer, _, _ = prepare_training(params, folder, save_strategy="no")
+    trainer, _, _ = prepare_training(params, folder, save_strategy="no", **CALIBRATION_OVERRIDES)
     dataset, n = trainer.train_dataset, params.calibration_batches
     batches = [
         rollout_batch(trainer, dataset, 2, start=(2 * b) % max(len(dataset) - 1, 1), seed=params.seed + 500 + b)
