@@ -15,7 +15,7 @@ from .. import trl_seams
 
 # model_type of the language-vision models whose forward, cache and get_rope_index both paths were checked against
 # (tiny Qwen2-VL and Qwen2.5-VL models, fp32 and bf16, against the full forward).
-SUPPORTED_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl")
+SUPPORTED_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
 
 
 def core_model(model):
