@@ -1,7 +1,7 @@
 """Prefix sharing (``PAPOGConfig.prefix_sharing``): every forward through ``_get_per_token_logps_and_entropies`` as
-packed rows, equal to TRL's plain forward in log-probs, entropies and gradients on tiny Qwen2-VL, Qwen2.5-VL and Qwen3-VL;
-negative controls that break the mask or the positions fail by far; a ``trainer.train()`` round matches the plain
-path; the round is shuffled by whole groups; unsupported calls fall back with their reason."""
+packed rows, equal to TRL's plain forward in log-probs, entropies and gradients on tiny Qwen2-VL, Qwen2.5-VL and
+Qwen3-VL; negative controls that break the mask or the positions fail by far; a ``trainer.train()`` round matches the
+plain path; the round is shuffled by whole groups; unsupported calls fall back with their reason."""
 
 import collections
 import copy
@@ -322,7 +322,8 @@ def test_a_per_sub_config_eager_text_model_runs_its_own_attention(setup, caplog)
 @pytest.mark.model
 def test_a_call_without_mm_token_type_ids_runs_the_plain_forward_and_its_refusal(setup, caplog):
     """Qwen2-VL's and Qwen3-VL's plain forwards refuse images without modality types; Qwen2.5-VL's runs them without
-    multimodal positions. The packed path never fills the types in: the call is the parent's, refusal or numbers alike."""
+    multimodal positions. The packed path never fills the types in: the call is the parent's, refusal or numbers
+    alike."""
     trainer, model = setup["trainer"], setup["model"]
     arguments = {**setup["arguments"], "mm_token_type_ids": None}
     metrics = trainer._metrics["train"]

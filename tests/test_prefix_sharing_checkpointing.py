@@ -41,7 +41,7 @@ from papo_nb.testbed.models import build_tiny_vlm, load_vlm, vision_special_toke
 from papo_nb.testbed.rewards import accuracy_reward, format_reward
 from papo_nb.workbook.training.builder import lora_config
 
-FAMILY = "qwen2_5_vl"
+FAMILIES = ("qwen2_5_vl", "qwen3_vl")
 # transformers' checkpointing as TRL's default turns it on (gradient_checkpointing_kwargs None: non-reentrant on
 # transformers 5), reentrant, and torch's CheckpointWrapper around each decoder layer (FSDP's activation checkpointing)
 CHECKPOINTING = ("trl_default", "reentrant", "torch_wrapper")
@@ -49,11 +49,11 @@ CHECKPOINTING = ("trl_default", "reentrant", "torch_wrapper")
 PARAMETER_BOUND = 1e-9
 
 
-@pytest.fixture(scope="module")
-def setup(tmp_path_factory, shapes_dataset):
-    """The tiny Qwen2.5-VL (every parameter trainable), a trainer whose plain log-prob method is the reference, and
-    the adversarial batch of ``test_prefix_sharing.py``, rows shuffled."""
-    folder = build_tiny_vlm(FAMILY, cache_dir=tmp_path_factory.mktemp("m"))
+@pytest.fixture(scope="module", params=FAMILIES)
+def setup(request, tmp_path_factory, shapes_dataset):
+    """The tiny model of the family (every parameter trainable), a trainer whose plain log-prob method is the
+    reference, and the adversarial batch of ``test_prefix_sharing.py``, rows shuffled."""
+    folder = build_tiny_vlm(request.param, cache_dir=tmp_path_factory.mktemp("m"))
     model, processor = load_vlm(str(folder))
     model.train()
     trainer_model, _ = load_vlm(str(folder))
@@ -120,8 +120,9 @@ def test_logps_and_gradients_equal_the_plain_forward_under_checkpointing(setup, 
 
 
 def train_two_steps(folder, dataset, out, trainer_cls=PAPOGTrainer, **overrides):
-    """Two SGD steps (one generation round seen twice, reference KL on) of a float64 tiny Qwen2.5-VL with a LoRA
-    adapter, its ``PAPOGConfig`` TRL's defaults but for the CPU (``gradient_checkpointing`` as TRL sets it)."""
+    """Two SGD steps (one generation round seen twice, reference KL on) of a float64 tiny model (``FAMILIES``) with
+    a LoRA adapter, its ``PAPOGConfig`` TRL's defaults but for the CPU (``gradient_checkpointing`` as TRL sets
+    it)."""
     model, processor = load_vlm(str(folder))
     torch.manual_seed(0)
     model = get_peft_model(model.to(torch.float64), lora_config(unit_params()))

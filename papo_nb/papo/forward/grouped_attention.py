@@ -285,7 +285,11 @@ def grouped_attention(hf_model, layout: GroupedLayout):
     every checkpointed layer's recomputation does too, whenever the backward runs it."""
     config = text_config(hf_model)
     layout.inner = config._attn_implementation
-    # the text config alone: the vision tower keeps its own
-    with _implementation(config, NAME), _checkpointing_through_layout(hf_model, config):
-        with layout_through_mask_builder(hf_model, GroupedLayout):  # Qwen3-VL's text model builds its mask
-            yield
+    # the text config alone: the vision tower keeps its own; a text model that builds its mask (Qwen3-VL) gets the
+    # layout through its builder
+    with (
+        _implementation(config, NAME),
+        _checkpointing_through_layout(hf_model, config),
+        layout_through_mask_builder(hf_model, GroupedLayout),
+    ):
+        yield
