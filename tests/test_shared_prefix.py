@@ -16,7 +16,7 @@ from papo_nb.testbed.models import build_tiny_vlm, load_vlm
 from papo_nb.workbook.rollouts import rollout_batch
 from papo_nb.workbook.training.builder import lora_config
 
-FAMILIES = ("qwen2_vl", "qwen2_5_vl")
+FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
 FP32_TOL = 1e-5
 # Rows of a 3-prompt x 4-completion rollout batch, shuffled, so that the groups are of sizes 4, 1 and 2 (rows
 # 0-3, 5, and 9/11): left-padded and unpadded prompts (the prompt kinds differ in length) in one device batch.
