@@ -101,18 +101,23 @@ def setup(request, tiny_vlm_path, shapes_dataset, tmp_path_factory):
     the reference (on its own copy), and a batch covering the cases, rows shuffled."""
     family = request.param
     folder = tiny_vlm_path if family == "qwen2_vl" else build_tiny_vlm(family, cache_dir=tmp_path_factory.mktemp("m"))
+    return dict(family=family, **reference_setup(folder, shapes_dataset, tmp_path_factory.mktemp(f"ps_{family}")))
+
+
+def reference_setup(folder, dataset, work) -> dict:
+    """The tiny model saved in ``folder`` (``model``, in train mode: dropout is 0 in the tiny config, and train mode
+    is what the loss sees), its ``processor``, a ``trainer`` (in ``work``, on its own copy of the model) whose plain
+    log-prob method is the reference, and the batch covering the cases (``arguments``), rows shuffled (``order``)."""
     model, processor = load_vlm(str(folder))
-    model.train()  # dropout is 0 in the tiny config: train mode is what the loss sees
+    model.train()
     trainer_model, _ = load_vlm(str(folder))
-    trainer = tiny_trainer(
-        trainer_model, processor, shapes_dataset, tmp_path_factory.mktemp(f"ps_{family}") / "t", num_generations=3,
-        per_device_train_batch_size=9, prefix_sharing=True,
-    )  # fmt: skip
+    trainer = tiny_trainer(trainer_model, processor, dataset, work / "t", num_generations=3,
+                           per_device_train_batch_size=9, prefix_sharing=True)  # fmt: skip
     trainer.temperature = TEMPERATURE
     prompts = [prompt_parts(processor, text, sizes, seed) for seed, (text, sizes) in enumerate(PROMPTS)]
     order = torch.randperm(len(COMPLETIONS), generator=torch.Generator().manual_seed(1)).tolist()
     arguments = call_arguments(processor, prompts, COMPLETIONS, order)
-    return dict(family=family, model=model, processor=processor, trainer=trainer, arguments=arguments, order=order)
+    return dict(model=model, processor=processor, trainer=trainer, arguments=arguments, order=order)
 
 
 def plain(trainer, model, arguments):

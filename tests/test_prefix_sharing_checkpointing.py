@@ -15,19 +15,16 @@ import pytest
 import torch
 from peft import get_peft_model
 from test_prefix_sharing import (
-    COMPLETIONS,
     FORCED_FORMS,
-    PROMPTS,
     TEMPERATURE,
     TOLERANCE,
     PlainForwardWholeGroups,
     assert_layout_form,
-    call_arguments,
     completion_mask,
     gradients,
     in_dtype,
     max_error,
-    prompt_parts,
+    reference_setup,
     worst_relative_error,
 )
 from tiny_trainers import tiny_trainer, unit_params
@@ -54,18 +51,7 @@ def setup(request, tmp_path_factory, shapes_dataset):
     """The tiny model of the family (every parameter trainable), a trainer whose plain log-prob method is the
     reference, and the adversarial batch of ``test_prefix_sharing.py``, rows shuffled."""
     folder = build_tiny_vlm(request.param, cache_dir=tmp_path_factory.mktemp("m"))
-    model, processor = load_vlm(str(folder))
-    model.train()
-    trainer_model, _ = load_vlm(str(folder))
-    trainer = tiny_trainer(
-        trainer_model, processor, shapes_dataset, tmp_path_factory.mktemp("ckpt") / "t", num_generations=3,
-        per_device_train_batch_size=9, prefix_sharing=True,
-    )  # fmt: skip
-    trainer.temperature = TEMPERATURE
-    prompts = [prompt_parts(processor, text, sizes, seed) for seed, (text, sizes) in enumerate(PROMPTS)]
-    order = torch.randperm(len(COMPLETIONS), generator=torch.Generator().manual_seed(1)).tolist()
-    return dict(folder=folder, model=model, processor=processor, trainer=trainer,
-                arguments=call_arguments(processor, prompts, COMPLETIONS, order))  # fmt: skip
+    return dict(folder=folder, **reference_setup(folder, shapes_dataset, tmp_path_factory.mktemp("ckpt")))
 
 
 def checkpointed(model, how: str):

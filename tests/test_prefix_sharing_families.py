@@ -9,25 +9,20 @@ to be placed exactly: deepstack (the vision tower's features added at the image 
 layers) and the interleaved multimodal rotary positions.
 """
 
-import copy
 import dataclasses
 from pathlib import Path
 
 import pytest
 import torch
 from test_prefix_sharing import (
-    COMPLETIONS,
-    PROMPTS,
     TEMPERATURE,
     TOLERANCE,
-    call_arguments,
     completion_mask,
     in_dtype,
     max_error,
     plain,
-    prompt_parts,
+    reference_setup,
 )
-from tiny_trainers import tiny_trainer
 from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLTextModel
 
 from papo_nb.papo import trl_seams
@@ -100,18 +95,10 @@ def qwen3(tmp_path_factory, shapes_dataset):
     batch of ``test_prefix_sharing.py`` (three image prompts, one with two images of different grids, and a
     text-only one)."""
     folder = build_tiny_vlm("qwen3_vl", cache_dir=tmp_path_factory.mktemp("m"))
-    model, processor = load_vlm(str(folder))
+    setup = reference_setup(folder, shapes_dataset, tmp_path_factory.mktemp("q3"))
+    model = setup["model"].to(torch.float64)
     assert model.config.text_config.mrope_interleaved and model.config.vision_config.deepstack_visual_indexes
-    trainer_model, _ = load_vlm(str(folder))
-    trainer = tiny_trainer(
-        trainer_model, processor, shapes_dataset, tmp_path_factory.mktemp("q3") / "t", num_generations=3,
-        per_device_train_batch_size=9, prefix_sharing=True,
-    )  # fmt: skip
-    trainer.temperature = TEMPERATURE
-    prompts = [prompt_parts(processor, text, sizes, seed) for seed, (text, sizes) in enumerate(PROMPTS)]
-    order = torch.randperm(len(COMPLETIONS), generator=torch.Generator().manual_seed(1)).tolist()
-    arguments = in_dtype(call_arguments(processor, prompts, COMPLETIONS, order), torch.float64)
-    return dict(model=copy.deepcopy(model).to(torch.float64), trainer=trainer, arguments=arguments)
+    return dict(model=model, trainer=setup["trainer"], arguments=in_dtype(setup["arguments"], torch.float64))
 
 
 def packed_error(qwen3, batch) -> float:
