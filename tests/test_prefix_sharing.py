@@ -1,7 +1,7 @@
 """Prefix sharing (``PAPOGConfig.prefix_sharing``): every forward through ``_get_per_token_logps_and_entropies`` as
-packed rows, equal to TRL's plain forward in log-probs, entropies and gradients on tiny Qwen2-VL and Qwen2.5-VL;
-negative controls that break the mask or the positions fail by far; a ``trainer.train()`` round matches the plain
-path; the round is shuffled by whole groups; unsupported calls fall back with their reason."""
+packed rows, equal to TRL's plain forward in log-probs, entropies and gradients on tiny Qwen2-VL, Qwen2.5-VL and
+Qwen3-VL; negative controls that break the mask or the positions fail by far; a ``trainer.train()`` round matches the
+plain path; the round is shuffled by whole groups; unsupported calls fall back with their reason."""
 
 import collections
 import copy
@@ -23,7 +23,7 @@ from papo_nb.papo.prompt_identity import group_samples
 from papo_nb.testbed.models import build_tiny_vlm, load_vlm, vision_special_token_ids
 from papo_nb.workbook.training.builder import lora_config
 
-FAMILIES = ("qwen2_vl", "qwen2_5_vl")
+FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
 # (log-probs and entropies: max abs error; gradients: per-parameter relative norm), per dtype
 TOLERANCE = {torch.float64: (1e-10, 1e-6), torch.float32: (1e-5, 1e-5)}
 MAX_COMPLETION = 6
@@ -101,18 +101,23 @@ def setup(request, tiny_vlm_path, shapes_dataset, tmp_path_factory):
     the reference (on its own copy), and a batch covering the cases, rows shuffled."""
     family = request.param
     folder = tiny_vlm_path if family == "qwen2_vl" else build_tiny_vlm(family, cache_dir=tmp_path_factory.mktemp("m"))
+    return dict(family=family, **reference_setup(folder, shapes_dataset, tmp_path_factory.mktemp(f"ps_{family}")))
+
+
+def reference_setup(folder, dataset, work) -> dict:
+    """The tiny model saved in ``folder`` (``model``, in train mode: dropout is 0 in the tiny config, and train mode
+    is what the loss sees), its ``processor``, a ``trainer`` (in ``work``, on its own copy of the model) whose plain
+    log-prob method is the reference, and the batch covering the cases (``arguments``), rows shuffled (``order``)."""
     model, processor = load_vlm(str(folder))
-    model.train()  # dropout is 0 in the tiny config: train mode is what the loss sees
+    model.train()
     trainer_model, _ = load_vlm(str(folder))
-    trainer = tiny_trainer(
-        trainer_model, processor, shapes_dataset, tmp_path_factory.mktemp(f"ps_{family}") / "t", num_generations=3,
-        per_device_train_batch_size=9, prefix_sharing=True,
-    )  # fmt: skip
+    trainer = tiny_trainer(trainer_model, processor, dataset, work / "t", num_generations=3,
+                           per_device_train_batch_size=9, prefix_sharing=True)  # fmt: skip
     trainer.temperature = TEMPERATURE
     prompts = [prompt_parts(processor, text, sizes, seed) for seed, (text, sizes) in enumerate(PROMPTS)]
     order = torch.randperm(len(COMPLETIONS), generator=torch.Generator().manual_seed(1)).tolist()
     arguments = call_arguments(processor, prompts, COMPLETIONS, order)
-    return dict(family=family, model=model, processor=processor, trainer=trainer, arguments=arguments, order=order)
+    return dict(model=model, processor=processor, trainer=trainer, arguments=arguments, order=order)
 
 
 def plain(trainer, model, arguments):
@@ -321,14 +326,15 @@ def test_a_per_sub_config_eager_text_model_runs_its_own_attention(setup, caplog)
 
 @pytest.mark.model
 def test_a_call_without_mm_token_type_ids_runs_the_plain_forward_and_its_refusal(setup, caplog):
-    """Qwen2-VL's plain forward refuses images without modality types; Qwen2.5-VL's runs them without multimodal
-    positions. The packed path never fills the types in: the call is the parent's, refusal or numbers alike."""
+    """Qwen2-VL's and Qwen3-VL's plain forwards refuse images without modality types; Qwen2.5-VL's runs them without
+    multimodal positions. The packed path never fills the types in: the call is the parent's, refusal or numbers
+    alike."""
     trainer, model = setup["trainer"], setup["model"]
     arguments = {**setup["arguments"], "mm_token_type_ids": None}
     metrics = trainer._metrics["train"]
     metrics[prefix_sharing.METRIC].clear()
     with torch.no_grad(), caplog.at_level("WARNING", logger="papo_nb.papo.forward.prefix_sharing"):
-        if setup["family"] == "qwen2_vl":
+        if setup["family"] in ("qwen2_vl", "qwen3_vl"):
             with pytest.raises(ValueError, match="`mm_token_type_ids` is missing"):
                 trainer._get_per_token_logps_and_entropies(model, **arguments)
         else:

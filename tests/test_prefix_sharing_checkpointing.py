@@ -15,19 +15,16 @@ import pytest
 import torch
 from peft import get_peft_model
 from test_prefix_sharing import (
-    COMPLETIONS,
     FORCED_FORMS,
-    PROMPTS,
     TEMPERATURE,
     TOLERANCE,
     PlainForwardWholeGroups,
     assert_layout_form,
-    call_arguments,
     completion_mask,
     gradients,
     in_dtype,
     max_error,
-    prompt_parts,
+    reference_setup,
     worst_relative_error,
 )
 from tiny_trainers import tiny_trainer, unit_params
@@ -41,7 +38,7 @@ from papo_nb.testbed.models import build_tiny_vlm, load_vlm, vision_special_toke
 from papo_nb.testbed.rewards import accuracy_reward, format_reward
 from papo_nb.workbook.training.builder import lora_config
 
-FAMILY = "qwen2_5_vl"
+FAMILIES = ("qwen2_5_vl", "qwen3_vl")
 # transformers' checkpointing as TRL's default turns it on (gradient_checkpointing_kwargs None: non-reentrant on
 # transformers 5), reentrant, and torch's CheckpointWrapper around each decoder layer (FSDP's activation checkpointing)
 CHECKPOINTING = ("trl_default", "reentrant", "torch_wrapper")
@@ -49,23 +46,12 @@ CHECKPOINTING = ("trl_default", "reentrant", "torch_wrapper")
 PARAMETER_BOUND = 1e-9
 
 
-@pytest.fixture(scope="module")
-def setup(tmp_path_factory, shapes_dataset):
-    """The tiny Qwen2.5-VL (every parameter trainable), a trainer whose plain log-prob method is the reference, and
-    the adversarial batch of ``test_prefix_sharing.py``, rows shuffled."""
-    folder = build_tiny_vlm(FAMILY, cache_dir=tmp_path_factory.mktemp("m"))
-    model, processor = load_vlm(str(folder))
-    model.train()
-    trainer_model, _ = load_vlm(str(folder))
-    trainer = tiny_trainer(
-        trainer_model, processor, shapes_dataset, tmp_path_factory.mktemp("ckpt") / "t", num_generations=3,
-        per_device_train_batch_size=9, prefix_sharing=True,
-    )  # fmt: skip
-    trainer.temperature = TEMPERATURE
-    prompts = [prompt_parts(processor, text, sizes, seed) for seed, (text, sizes) in enumerate(PROMPTS)]
-    order = torch.randperm(len(COMPLETIONS), generator=torch.Generator().manual_seed(1)).tolist()
-    return dict(folder=folder, model=model, processor=processor, trainer=trainer,
-                arguments=call_arguments(processor, prompts, COMPLETIONS, order))  # fmt: skip
+@pytest.fixture(scope="module", params=FAMILIES)
+def setup(request, tmp_path_factory, shapes_dataset):
+    """The tiny model of the family (every parameter trainable), a trainer whose plain log-prob method is the
+    reference, and the adversarial batch of ``test_prefix_sharing.py``, rows shuffled."""
+    folder = build_tiny_vlm(request.param, cache_dir=tmp_path_factory.mktemp("m"))
+    return dict(folder=folder, **reference_setup(folder, shapes_dataset, tmp_path_factory.mktemp("ckpt")))
 
 
 def checkpointed(model, how: str):
@@ -120,8 +106,9 @@ def test_logps_and_gradients_equal_the_plain_forward_under_checkpointing(setup, 
 
 
 def train_two_steps(folder, dataset, out, trainer_cls=PAPOGTrainer, **overrides):
-    """Two SGD steps (one generation round seen twice, reference KL on) of a float64 tiny Qwen2.5-VL with a LoRA
-    adapter, its ``PAPOGConfig`` TRL's defaults but for the CPU (``gradient_checkpointing`` as TRL sets it)."""
+    """Two SGD steps (one generation round seen twice, reference KL on) of a float64 tiny model (``FAMILIES``) with
+    a LoRA adapter, its ``PAPOGConfig`` TRL's defaults but for the CPU (``gradient_checkpointing`` as TRL sets
+    it)."""
     model, processor = load_vlm(str(folder))
     torch.manual_seed(0)
     model = get_peft_model(model.to(torch.float64), lora_config(unit_params()))

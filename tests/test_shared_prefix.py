@@ -19,8 +19,9 @@ from papo_nb.testbed.models import build_tiny_vlm, load_vlm
 from papo_nb.workbook.rollouts import rollout_batch
 from papo_nb.workbook.training.builder import lora_config
 
-FAMILIES = ("qwen2_vl", "qwen2_5_vl")
+FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
 FP32_TOL = 1e-5
+FP64_TOL = 1e-10
 # Rows of a 3-prompt x 4-completion rollout batch, shuffled, so that the groups are of sizes 4, 1 and 2 (rows
 # 0-3, 5, and 9/11): left-padded and unpadded prompts (the prompt kinds differ in length) in one device batch.
 UNEQUAL_ROWS = [5, 0, 9, 1, 2, 3, 11]
@@ -76,7 +77,7 @@ def full_forward(trainer, model, batch, pixel_values):
 
 def max_errors(shared, full, mask):
     mask = mask.bool()
-    return tuple((a.float() - b.float())[mask].abs().max().item() for a, b in zip(shared, full))
+    return tuple((a.double() - b.double())[mask].abs().max().item() for a, b in zip(shared, full))
 
 
 @pytest.mark.model
@@ -105,6 +106,25 @@ def test_shared_prefix_equals_full_forward_fp32(setup, rows, max_chunk_rows):
     # the masked image matters (a wrong image or position would move these far more than the tolerance)
     unmasked = full_forward(trainer, model, batch, batch["pixel_values"])
     assert max_errors(unmasked, full, batch["completion_mask"])[0] > 100 * FP32_TOL
+
+
+@pytest.mark.model
+def test_shared_prefix_equals_full_forward_fp64(setup):
+    """In float64 the prefill and its copied cache leave only float64 roundoff: within FP64_TOL of the full forward
+    (unequal groups, left-padded and unpadded prompts), the same masked image."""
+    trainer = setup["trainer"]
+    model = copy.deepcopy(setup["model"]).to(torch.float64)
+    batch = {k: v.to(torch.float64) if torch.is_tensor(v) and v.is_floating_point() else v
+             for k, v in select_rows(setup["batch"], UNEQUAL_ROWS).items()}  # fmt: skip
+    masked = trainer.masked_pixel_values(batch).to(torch.float64)
+    full = full_forward(trainer, model, batch, masked)
+    shared = shared_prefix.shared_prefix_logps(
+        model, batch, masked, temperature=trainer.temperature, compute_entropy=True
+    )
+    assert shared[0].dtype == full[0].dtype == torch.float64
+    errors = max_errors(shared, full, batch["completion_mask"])
+    print(f"{setup['family']} fp64: logps {errors[0]:.2e} entropies {errors[1]:.2e}")
+    assert max(errors) <= FP64_TOL
 
 
 @pytest.mark.model

@@ -14,8 +14,8 @@ import torch
 from .. import trl_seams
 
 # model_type of the language-vision models whose forward, cache and get_rope_index both paths were checked against
-# (tiny Qwen2-VL and Qwen2.5-VL models, fp32 and bf16, against the full forward).
-SUPPORTED_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl")
+# (tiny Qwen2-VL, Qwen2.5-VL and Qwen3-VL models against the full forward; docs/families.md says why others are not).
+SUPPORTED_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
 
 
 def core_model(model):

@@ -41,6 +41,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from .attention_cost import causal_pairs, grouped_forms
+from .layout_mask import layout_through_mask_builder
 
 NAME = "papo_grouped"  # the attention implementation registered for the packed forward
 # The text model's own attention implementations the grouped path reproduces (SDPA's call, or the model's eager one).
@@ -284,6 +285,11 @@ def grouped_attention(hf_model, layout: GroupedLayout):
     every checkpointed layer's recomputation does too, whenever the backward runs it."""
     config = text_config(hf_model)
     layout.inner = config._attn_implementation
-    # the text config alone: the vision tower keeps its own
-    with _implementation(config, NAME), _checkpointing_through_layout(hf_model, config):
+    # the text config alone: the vision tower keeps its own; a text model that builds its mask (Qwen3-VL) gets the
+    # layout through its builder
+    with (
+        _implementation(config, NAME),
+        _checkpointing_through_layout(hf_model, config),
+        layout_through_mask_builder(hf_model, GroupedLayout),
+    ):
         yield
