@@ -28,7 +28,7 @@ from transformers.utils import logging
 
 from ..contract import PARENT_SHUFFLE_FUNCTION
 from ..prompt_identity import group_samples
-from . import attention_cost, self_check
+from . import attention_cost, ranks, self_check
 from .common import core_model, model_unsupported_reason, whole_group_chunks
 from .grouped_attention import checkpointing_description, checkpointing_reason, grouped_attention
 from .grouped_attention import text_config as grouped_text_config
@@ -58,8 +58,9 @@ def unsupported_reason(model, processes: int, args=None) -> str | None:
     reason = model_unsupported_reason(model) or grouped_unsupported_reason(core_model(model))
     if reason is not None:
         return reason
-    if processes > 1:
-        return f"{processes} processes: the packed path is checked on one process only"
+    reason = ranks.several_processes_reason(args, processes)
+    if reason is not None:
+        return reason
     if args is not None and args.loss_type == "luspo" and args.beta != 0.0:
         # TRL 1.9.1's luspo aggregation averages the KL over every completion column, those after the end of a
         # completion included; the packed path does not compute those positions.
@@ -190,6 +191,7 @@ class PrefixSharing:
 
     def __init__(self, args, model, processes: int, metrics: dict):
         self.mode = args.prefix_sharing
+        self.processes = processes
         self.enabled = self.mode is not False
         self.reason = None if self.enabled else "prefix_sharing=False"
         if self.enabled:
@@ -208,7 +210,11 @@ class PrefixSharing:
 
     def reason_now(self, model) -> str | None:
         """Why ``model`` as it is now cannot take the packed path (the static reason first), or None."""
-        return self.reason or checkpointing_reason(core_model(model))
+        return (
+            self.reason
+            or checkpointing_reason(core_model(model))
+            or ranks.sharded_model_reason(model, self.processes)
+        )
 
     def supported_description(self, model) -> str:
         """What the packed path runs with on ``model`` now (``reason_now`` None), and under ``"auto"`` what its
@@ -216,6 +222,7 @@ class PrefixSharing:
         hf_model = core_model(model)
         inner = grouped_text_config(hf_model)._attn_implementation
         described = f"grouped attention through {inner!r}, {checkpointing_description(hf_model)}"
+        described += ranks.described(self.processes)
         if self.mode != "auto":
             return described
         if self.checked is None:
