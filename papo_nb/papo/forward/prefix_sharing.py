@@ -13,7 +13,8 @@ The shuffle: TRL shuffles a round row by row before cutting it into ``steps_per_
 (``_prepare_inputs``), which at G = 5 leaves about 1.8 completions per prompt in a micro-batch. With sharing on,
 ``_generate_and_score_completions`` tags each row with its block (``BLOCK_KEY``: G rows of one prompt) and the
 round is shuffled block by block (``shuffle_whole_blocks``) in place of TRL's ``shuffle_sequence_dict``, so a
-micro-batch of a multiple of G rows holds whole groups.
+micro-batch of a multiple of G rows holds whole groups. With several processes each rank does so with the whole
+groups it holds (``ranks.py``: why a rank's round is whole groups, and where the plain path runs instead).
 """
 
 from __future__ import annotations
@@ -211,9 +212,7 @@ class PrefixSharing:
     def reason_now(self, model) -> str | None:
         """Why ``model`` as it is now cannot take the packed path (the static reason first), or None."""
         return (
-            self.reason
-            or checkpointing_reason(core_model(model))
-            or ranks.sharded_model_reason(model, self.processes)
+            self.reason or checkpointing_reason(core_model(model)) or ranks.sharded_model_reason(model, self.processes)
         )
 
     def supported_description(self, model) -> str:

@@ -16,7 +16,9 @@ Where it cannot: ``accelerator_config.split_batches=True`` cuts each dataloader 
 rank's share is no longer a run of whole groups), and a sharded model (FSDP2's ``fully_shard``, DeepSpeed ZeRO-3)
 all-gathers its parameters in every forward, so every rank must call the model equally often: the packed path's
 calls per log-prob call are its chunks of whole groups, which differ between ranks where a prompt occurs twice in a
-rank's round (or one rank's call takes the plain path), so a sharded model runs the plain path.
+rank's round (or one rank's call takes the plain path), so a sharded model runs the plain path. DDP needs no such
+pairing of calls beyond what it has: the loss's gradient forward, the one call through its wrapper (which broadcasts
+buffers), is one model call on every rank packed or plain (TRL passes it no ``batch_size``: one chunk).
 """
 
 from __future__ import annotations
