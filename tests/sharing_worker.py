@@ -2,15 +2,15 @@
 (DDP) three times in this process from the same seed: prefix sharing on; the plain forward with the same whole-group
 shuffle (the reference); TRL's own run (sharing off, its row shuffle). A float64 tiny Qwen-VL with a LoRA adapter,
 TRL's default gradient checkpointing, the in-training gamma-zero probe on, two SGD steps of one generation round seen
-twice (old and reference log-probs too). Then prefix sharing's decision on the model sharded by FSDP2's
-``fully_shard``.
+twice (old and reference log-probs too). Then, FSDP2: one micro-batch's loss and gradient through ``_compute_loss``
+on the model sharded by ``fully_shard``, sharing on and off, and the ranks' agreement on a call.
 
     torchrun --nproc_per_node 2 tests/sharing_worker.py --model FOLDER --out DIR
 
 Each rank writes ``rank{r}.json``: per run the parameters' largest move and digest, each micro-batch's group sizes,
 the round's advantages, the probe's evidence, the prefix-sharing flags logged, the forward plan at the end and the
 plan lines this rank logged; the largest difference between the shared and the reference parameters; the FSDP2
-decision.
+numbers.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from tiny_trainers import unit_params  # noqa: E402
 from trl import GRPOTrainer  # noqa: E402
 
 from papo_nb.papo import PAPOGConfig, PAPOGTrainer  # noqa: E402
-from papo_nb.papo.forward import prefix_sharing  # noqa: E402
+from papo_nb.papo.forward import prefix_sharing, ranks  # noqa: E402
 from papo_nb.papo.prompt_identity import group_samples  # noqa: E402
 from papo_nb.testbed.models import load_vlm, vision_special_token_ids  # noqa: E402
 from papo_nb.testbed.rewards import accuracy_reward, format_reward  # noqa: E402
@@ -84,13 +84,7 @@ def train(trainer_cls, folder: str, out: Path, sharing=True) -> dict:
     model, processor = load_vlm(folder)
     torch.manual_seed(0)
     model = get_peft_model(model.to(torch.float64), lora_config(unit_params()))
-    args = PAPOGConfig(
-        output_dir=str(out), use_cpu=True, bf16=False, report_to="none", save_strategy="no", prefix_sharing=sharing,
-        num_generations=GENERATIONS, per_device_train_batch_size=GENERATIONS, gradient_accumulation_steps=2,
-        steps_per_generation=2, num_iterations=2, beta=0.01, max_steps=2, logging_steps=1, optim="sgd",
-        learning_rate=0.05, max_completion_length=8, require_gpu_contract_probe=True,
-        generation_kwargs={"suppress_tokens": vision_special_token_ids(processor)},
-    )  # fmt: skip
+    args = config(out, processor, sharing)
     assert args.gradient_checkpointing, "TRL's default"
     handler = PlanLines()
     logging.getLogger("papo_nb.papo").addHandler(handler)
@@ -119,18 +113,60 @@ def train(trainer_cls, folder: str, out: Path, sharing=True) -> dict:
     )
 
 
+def config(out: Path, processor, sharing=True, **overrides) -> PAPOGConfig:
+    fields = dict(
+        output_dir=str(out), use_cpu=True, bf16=False, report_to="none", save_strategy="no", prefix_sharing=sharing,
+        num_generations=GENERATIONS, per_device_train_batch_size=GENERATIONS, gradient_accumulation_steps=2,
+        steps_per_generation=2, num_iterations=2, beta=0.01, max_steps=2, logging_steps=1, optim="sgd",
+        learning_rate=0.05, max_completion_length=8, require_gpu_contract_probe=True,
+        generation_kwargs={"suppress_tokens": vision_special_token_ids(processor)},
+    )  # fmt: skip
+    return PAPOGConfig(**{**fields, **overrides})
+
+
 def under_fsdp2(folder: str, out: Path) -> dict:
-    """Prefix sharing's decision on the LoRA model after FSDP2's ``fully_shard`` (per block, then the root)."""
+    """One micro-batch's loss and gradient through the trainer's ``_compute_loss`` on the LoRA model sharded by
+    FSDP2's ``fully_shard`` (per block, then the root), prefix sharing on and then off (this rank's gradient shards
+    compared), after one generation round made unsharded."""
+    from papo_nb.papo.fsdp import local_piece
     from papo_nb.train.distributed import fully_shard_blocks
 
-    model, _ = load_vlm(folder)
+    model, processor = load_vlm(folder)
+    torch.manual_seed(0)
     model = get_peft_model(model.to(torch.float64), lora_config(unit_params()))
-    args = PAPOGConfig(output_dir=str(out), use_cpu=True, bf16=False, report_to="none", prefix_sharing=True,
-                       num_generations=GENERATIONS, per_device_train_batch_size=GENERATIONS)  # fmt: skip
-    sharing = prefix_sharing.PrefixSharing(args, model, dist.get_world_size(), {})
-    before = sharing.reason_now(model)
+    trainer = Recording(model=model, processing_class=processor, reward_funcs=[accuracy_reward, format_reward],
+                        args=config(out, processor, require_gpu_contract_probe=False),
+                        train_dataset=make_shapes_dataset(24, seed=0))  # fmt: skip
+    model.train()
+    batch = trainer._prepare_inputs(next(iter(trainer.get_train_dataloader())))
     blocks = fully_shard_blocks(model)
-    return {"reason_before": before, "reason_sharded": sharing.reason_now(model), "sharded_blocks": blocks}
+    results = {}
+    for name, enabled in (("shared", True), ("plain", False)):
+        trainer.prefix_sharing.enabled = enabled  # the same trainer, batch and shards: its packed path on, then off
+        trainer.masks.restart(trainer.args.mask_seed)
+        flags = trainer._metrics["train"][prefix_sharing.METRIC]
+        before = len(flags)
+        loss = trainer._compute_loss(model, batch)
+        loss.backward()
+        grads = {n: local_piece(p.grad).detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+        model.zero_grad(set_to_none=True)
+        results[name] = dict(loss=loss.item(), grads=grads, flags=flags[before:])
+    shared, plain = results["shared"], results["plain"]
+    device = ranks.paired_device(model, dist.get_world_size())
+    rank = dist.get_rank()
+    return {
+        # the ranks' agreement: one rank with a reason of its own, then ranks packing in 1 and 2 chunks
+        "agreed_one_plain": ranks.agreed_reason(device, "this rank's reason" if rank == 1 else None, [None]),
+        "agreed_chunks": ranks.agreed_reason(device, None, [None] * (rank + 1)),
+        "agreed_check": ranks.all_ranks(device, rank == 0),
+        "sharded_blocks": blocks,
+        "group_sizes": sorted(len(group) for group in group_samples(batch)),
+        "loss_difference": abs(shared["loss"] - plain["loss"]),
+        "grad_difference": max((shared["grads"][n] - plain["grads"][n]).abs().max().item() for n in plain["grads"]),
+        "grad_size": max(g.abs().max().item() for g in plain["grads"].values()),
+        "shared_flags": shared["flags"],
+        "plan_description": trainer.prefix_sharing.supported_description(model),
+    }
 
 
 def main() -> None:

@@ -3,8 +3,10 @@ training ``PAPOGTrainer.train()`` on the float64 tiny Qwen2.5-VL with TRL's defa
 in-training gamma-zero probe on (``tests/sharing_worker.py``). Sharing on against the plain forward with the same
 whole-group shuffle: parameters after two SGD steps equal within ``PARAMETER_BOUND`` on both ranks, every log-prob
 call packed, each micro-batch whole prompt groups, the round's advantages the same as TRL's own run (sharing off),
-the probe passed, and each rank's forward plan and log saying it packed its own groups. A model sharded by FSDP2's
-``fully_shard`` runs the plain path, and the reason is named; so does ``accelerator_config.split_batches``.
+the probe passed, and each rank's forward plan and log saying it packed its own groups. Under FSDP2's
+``fully_shard`` (per block, then the root) one micro-batch's loss and gradient shards through the trainer's
+``_compute_loss`` equal the plain forward's, and the ranks agree on each call (a rank's own reason, unequal chunk
+counts or a failed first-batch check on one rank send every rank to the plain path). ``split_batches`` is refused.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ WORKER = ROOT / "tests" / "sharing_worker.py"
 GENERATIONS = 4  # the worker's num_generations and per_device_train_batch_size
 JOB_TIMEOUT = 300  # seconds: the job takes about 40 s on a quiet 2-core machine
 RANKS_PHRASE = "2 processes, each rank packing the whole prompt groups it holds"
+FSDP_GRADIENT_BOUND = 1e-10  # float64 gradient shards and losses, packed against plain, under FSDP2 (max abs)
 
 
 @pytest.fixture(scope="module")
@@ -71,12 +74,25 @@ def test_two_gloo_ranks_train_with_sharing_as_the_plain_forward(ranks):
 
 @pytest.mark.slow
 @pytest.mark.model
-def test_a_model_sharded_by_fsdp2_runs_the_plain_path_and_says_why(ranks):
+def test_under_fsdp2_each_rank_packs_its_groups_as_the_plain_forward_and_the_ranks_agree(ranks):
+    release_reason = trl_seams.packed_path_reason()
     for record in ranks:
         fsdp2 = record["fsdp2"]
-        assert fsdp2["reason_before"] == trl_seams.packed_path_reason() and fsdp2["sharded_blocks"]
-        expected = trl_seams.packed_path_reason() or "the model is sharded by FSDP over 2 processes"
-        assert fsdp2["reason_sharded"].startswith(expected), fsdp2
+        print(f"rank {record['rank']} FSDP2: gradient shards differ by {fsdp2['grad_difference']:.2e} (largest "
+              f"{fsdp2['grad_size']:.2e}), losses by {fsdp2['loss_difference']:.1e}")  # fmt: skip
+        assert fsdp2["sharded_blocks"] and fsdp2["group_sizes"] == [GENERATIONS]
+        assert fsdp2["grad_size"] > 1e3 * FSDP_GRADIENT_BOUND and fsdp2["grad_difference"] <= FSDP_GRADIENT_BOUND
+        assert fsdp2["loss_difference"] <= FSDP_GRADIENT_BOUND
+        assert fsdp2["shared_flags"] == ([0.0] if release_reason else [1.0]), "the loss forward packed"
+        if release_reason is None:
+            assert RANKS_PHRASE in fsdp2["plan_description"]
+        # the agreement: a rank's own reason sends every rank to the plain path, so do unequal chunk counts, and a
+        # first-batch check that fails on one rank fails on all
+        assert fsdp2["agreed_one_plain"] == ("another rank runs this call's plain forward (a sharded model's "
+                                             "forwards pair across the ranks)" if record["rank"] == 0
+                                             else "this rank's reason")  # fmt: skip
+        assert fsdp2["agreed_chunks"].startswith("the ranks would pack this call in 1 to 2 chunks")
+        assert fsdp2["agreed_check"] is False
 
 
 @pytest.mark.model

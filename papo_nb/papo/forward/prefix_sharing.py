@@ -198,6 +198,7 @@ class PrefixSharing:
         if self.enabled:
             self.reason = auto_batch_reason(args) if self.mode == "auto" else None
             self.reason = self.reason or unsupported_reason(model, processes, args)
+        self.paired_device = None  # where a sharded model's forwards pair across ranks (``ranks.py``), per call
         self.checked: self_check.SelfCheck | None = None  # "auto": the first packed call's comparison, once made
         self.metrics = metrics
         self.logged: set[tuple[bool, str]] = set()
@@ -211,9 +212,7 @@ class PrefixSharing:
 
     def reason_now(self, model) -> str | None:
         """Why ``model`` as it is now cannot take the packed path (the static reason first), or None."""
-        return (
-            self.reason or checkpointing_reason(core_model(model)) or ranks.sharded_model_reason(model, self.processes)
-        )
+        return self.reason or checkpointing_reason(core_model(model))
 
     def supported_description(self, model) -> str:
         """What the packed path runs with on ``model`` now (``reason_now`` None), and under ``"auto"`` what its
@@ -221,7 +220,8 @@ class PrefixSharing:
         hf_model = core_model(model)
         inner = grouped_text_config(hf_model)._attn_implementation
         described = f"grouped attention through {inner!r}, {checkpointing_description(hf_model)}"
-        described += ranks.described(self.processes)
+        if self.processes > 1:
+            described += ranks.described(self.processes)
         if self.mode != "auto":
             return described
         if self.checked is None:
@@ -237,15 +237,17 @@ class PrefixSharing:
             return None
         reason = self.reason_now(model) or call_reason(arguments)
         mode = "train" if training else "eval"
+        batches = None if reason is not None else list(packed_batches(model, arguments))
+        if batches is not None:
+            ratio = predicted_cost_ratio(model, arguments, batches)
+            self.metrics[mode][COST_METRIC].append(ratio)
+            if ratio > 1.0:
+                reason = "the FLOP model predicts the packed forward would cost more than the plain one"
+        if self.processes > 1:  # a sharded model's ranks agree on every call (``ranks.py``)
+            self.paired_device = ranks.paired_device(model, self.processes)
+            reason = ranks.agreed_reason(self.paired_device, reason, batches)
         if reason is not None:
             self.note(False, reason)
-            self.metrics[mode][METRIC].append(0.0)
-            return None
-        batches = list(packed_batches(model, arguments))
-        ratio = predicted_cost_ratio(model, arguments, batches)
-        self.metrics[mode][COST_METRIC].append(ratio)
-        if ratio > 1.0:
-            self.note(False, "the FLOP model predicts the packed forward would cost more than the plain one")
             self.metrics[mode][METRIC].append(0.0)
             return None
         logps, entropies, aux, share = packed_logps_and_entropies(
@@ -270,13 +272,15 @@ class PrefixSharing:
             plain = plain_forward()
         completion_mask = arguments["attention_mask"][:, -arguments["logits_to_keep"] :]
         self.checked = self_check.compare(packed_logps, plain[0], completion_mask)
-        if self.checked.passed:
+        passed = self.checked.passed
+        if passed if self.paired_device is None else ranks.all_ranks(self.paired_device, passed):
             logger.info("PAPO-G prefix sharing: first packed batch matches the plain forward, %s",
                         self.checked.describe())  # fmt: skip
             return None
+        found = self.checked.describe() if not self.checked.passed else "on another rank (a sharded model)"
         self.reason = (
             f"prefix_sharing='auto' turned itself off for the run: its first packed batch differs from the plain "
-            f"forward, {self.checked.describe()}"
+            f"forward, {found}"
         )
         logger.warning("PAPO-G prefix sharing: plain forward per completion, because %s", self.reason)
         self.logged.add((False, self.reason))
