@@ -80,12 +80,12 @@ def test_under_fsdp2_each_rank_packs_its_groups_as_the_plain_forward_and_the_ran
         fsdp2 = record["fsdp2"]
         print(f"rank {record['rank']} FSDP2: gradient shards differ by {fsdp2['grad_difference']:.2e} (largest "
               f"{fsdp2['grad_size']:.2e}), losses by {fsdp2['loss_difference']:.1e}")  # fmt: skip
-        assert fsdp2["sharded_blocks"] and fsdp2["group_sizes"] == [GENERATIONS]
+        assert fsdp2["sharded_blocks"]
         assert fsdp2["grad_size"] > 1e3 * FSDP_GRADIENT_BOUND and fsdp2["grad_difference"] <= FSDP_GRADIENT_BOUND
         assert fsdp2["loss_difference"] <= FSDP_GRADIENT_BOUND
         assert fsdp2["shared_flags"] == ([0.0] if release_reason else [1.0]), "the loss forward packed"
-        if release_reason is None:
-            assert RANKS_PHRASE in fsdp2["plan_description"]
+        if release_reason is None:  # on TRL 1.14+ TRL's row shuffle splits the groups, as it does without sharing
+            assert RANKS_PHRASE in fsdp2["plan_description"] and fsdp2["group_sizes"] == [GENERATIONS]
         # the agreement: a rank's own reason sends every rank to the plain path, so do unequal chunk counts, and a
         # first-batch check that fails on one rank fails on all
         assert fsdp2["agreed_one_plain"] == ("another rank runs this call's plain forward (a sharded model's "
