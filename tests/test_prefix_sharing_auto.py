@@ -218,19 +218,24 @@ def test_auto_on_an_unsupported_family_is_off_with_its_reason_and_no_warning(tmp
 
 @pytest.mark.model
 def test_auto_on_a_supported_family_it_cannot_run_here_says_why_in_the_plan(qwen25, tmp_path, caplog):
-    """Qwen2.5-VL on two processes (or, on TRL 1.14+, this release): "auto" is off, the plan says so and why, no
-    warning; True warns with the same reason."""
+    """Qwen2.5-VL on two processes that split each device batch (or, on TRL 1.14+, this release): "auto" is off,
+    the plan says so and why, no warning; True warns with the same reason."""
     trainer, model = auto_trainer(qwen25, tmp_path / "t"), qwen25["model"]
+    split_args = copy.copy(trainer.args)
+    split_args.accelerator_config = dataclasses.replace(trainer.args.accelerator_config, split_batches=True)
     metrics = {"train": collections.defaultdict(list)}
     with caplog.at_level(logging.INFO, logger=LOGGER):
-        auto = prefix_sharing.PrefixSharing(trainer.args, model, 2, metrics)
+        auto = prefix_sharing.PrefixSharing(split_args, model, 2, metrics)
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
-    reason = trl_seams.packed_path_reason() or "2 processes: the packed path is checked on one process only"
+    reason = trl_seams.packed_path_reason() or (
+        "accelerator_config.split_batches=True with 2 processes: each device batch is split across the processes, "
+        "so a rank's rows are not whole prompt groups"
+    )
     assert auto.reason == reason and not auto.shuffles_whole_groups
-    plan = forward_plan(trainer.args, trainer.masked_branch, auto, model)
+    plan = forward_plan(split_args, trainer.masked_branch, auto, model)
     assert plan.log_prob_forward == "plain per completion"
     assert plan.log_prob_reason == f"prefix_sharing='auto' off: {reason}", plan
-    forced_args = copy.copy(trainer.args)
+    forced_args = copy.copy(split_args)
     forced_args.prefix_sharing = True
     with caplog.at_level(logging.WARNING, logger=LOGGER):
         forced = prefix_sharing.PrefixSharing(forced_args, model, 2, metrics)

@@ -179,7 +179,8 @@ class PAPOGConfig(GRPOConfig):
             prompt's self-attention once, each completion over its prompt and itself; `grouped_attention.py`),
             Qwen-VL positions restarting after the prompt (`prefix_sharing.py`); the round is shuffled by whole
             groups. Supported: Qwen2-VL and Qwen2.5-VL whose text model runs SDPA or eager attention, on TRL
-            1.9.1-1.13, on one process, with or without gradient checkpointing (each checkpointed layer recomputed
+            1.9.1-1.13, on one process or several (DDP, FSDP2: `ranks.py`), with or without gradient checkpointing
+            (each checkpointed layer recomputed
             inside the grouped layout; decided per forward and at `train()` start), not luspo with beta != 0, a call
             the FLOP model (`attention_cost.py`) predicts cheaper packed. `"auto"`: on where supported and
             `per_device_train_batch_size` is a multiple of `num_generations`, else off with one info line saying

@@ -13,7 +13,8 @@ The shuffle: TRL shuffles a round row by row before cutting it into ``steps_per_
 (``_prepare_inputs``), which at G = 5 leaves about 1.8 completions per prompt in a micro-batch. With sharing on,
 ``_generate_and_score_completions`` tags each row with its block (``BLOCK_KEY``: G rows of one prompt) and the
 round is shuffled block by block (``shuffle_whole_blocks``) in place of TRL's ``shuffle_sequence_dict``, so a
-micro-batch of a multiple of G rows holds whole groups.
+micro-batch of a multiple of G rows holds whole groups. With several processes each rank does so with the whole
+groups it holds (``ranks.py``: why a rank's round is whole groups, and where the plain path runs instead).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from transformers.utils import logging
 
 from ..contract import PARENT_SHUFFLE_FUNCTION
 from ..prompt_identity import group_samples
-from . import attention_cost, self_check
+from . import attention_cost, ranks, self_check
 from .common import core_model, model_unsupported_reason, whole_group_chunks
 from .grouped_attention import checkpointing_description, checkpointing_reason, grouped_attention
 from .grouped_attention import text_config as grouped_text_config
@@ -58,8 +59,9 @@ def unsupported_reason(model, processes: int, args=None) -> str | None:
     reason = model_unsupported_reason(model) or grouped_unsupported_reason(core_model(model))
     if reason is not None:
         return reason
-    if processes > 1:
-        return f"{processes} processes: the packed path is checked on one process only"
+    reason = ranks.several_processes_reason(args, processes)
+    if reason is not None:
+        return reason
     if args is not None and args.loss_type == "luspo" and args.beta != 0.0:
         # TRL 1.9.1's luspo aggregation averages the KL over every completion column, those after the end of a
         # completion included; the packed path does not compute those positions.
@@ -190,11 +192,13 @@ class PrefixSharing:
 
     def __init__(self, args, model, processes: int, metrics: dict):
         self.mode = args.prefix_sharing
+        self.processes = processes
         self.enabled = self.mode is not False
         self.reason = None if self.enabled else "prefix_sharing=False"
         if self.enabled:
             self.reason = auto_batch_reason(args) if self.mode == "auto" else None
             self.reason = self.reason or unsupported_reason(model, processes, args)
+        self.paired_device = None  # where a sharded model's forwards pair across ranks (``ranks.py``), per call
         self.checked: self_check.SelfCheck | None = None  # "auto": the first packed call's comparison, once made
         self.metrics = metrics
         self.logged: set[tuple[bool, str]] = set()
@@ -216,6 +220,8 @@ class PrefixSharing:
         hf_model = core_model(model)
         inner = grouped_text_config(hf_model)._attn_implementation
         described = f"grouped attention through {inner!r}, {checkpointing_description(hf_model)}"
+        if self.processes > 1:
+            described += ranks.described(self.processes)
         if self.mode != "auto":
             return described
         if self.checked is None:
@@ -231,15 +237,17 @@ class PrefixSharing:
             return None
         reason = self.reason_now(model) or call_reason(arguments)
         mode = "train" if training else "eval"
+        batches = None if reason is not None else list(packed_batches(model, arguments))
+        if batches is not None:
+            ratio = predicted_cost_ratio(model, arguments, batches)
+            self.metrics[mode][COST_METRIC].append(ratio)
+            if ratio > 1.0:
+                reason = "the FLOP model predicts the packed forward would cost more than the plain one"
+        if self.processes > 1:  # a sharded model's ranks agree on every call (``ranks.py``)
+            self.paired_device = ranks.paired_device(model, self.processes)
+            reason = ranks.agreed_reason(self.paired_device, reason, batches)
         if reason is not None:
             self.note(False, reason)
-            self.metrics[mode][METRIC].append(0.0)
-            return None
-        batches = list(packed_batches(model, arguments))
-        ratio = predicted_cost_ratio(model, arguments, batches)
-        self.metrics[mode][COST_METRIC].append(ratio)
-        if ratio > 1.0:
-            self.note(False, "the FLOP model predicts the packed forward would cost more than the plain one")
             self.metrics[mode][METRIC].append(0.0)
             return None
         logps, entropies, aux, share = packed_logps_and_entropies(
@@ -264,13 +272,15 @@ class PrefixSharing:
             plain = plain_forward()
         completion_mask = arguments["attention_mask"][:, -arguments["logits_to_keep"] :]
         self.checked = self_check.compare(packed_logps, plain[0], completion_mask)
-        if self.checked.passed:
+        passed = self.checked.passed
+        if passed if self.paired_device is None else ranks.all_ranks(self.paired_device, passed):
             logger.info("PAPO-G prefix sharing: first packed batch matches the plain forward, %s",
                         self.checked.describe())  # fmt: skip
             return None
+        found = self.checked.describe() if not self.checked.passed else "on another rank (a sharded model)"
         self.reason = (
             f"prefix_sharing='auto' turned itself off for the run: its first packed batch differs from the plain "
-            f"forward, {self.checked.describe()}"
+            f"forward, {found}"
         )
         logger.warning("PAPO-G prefix sharing: plain forward per completion, because %s", self.reason)
         self.logged.add((False, self.reason))
