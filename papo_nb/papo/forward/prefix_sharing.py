@@ -28,7 +28,7 @@ from transformers.utils import logging
 
 from ..contract import PARENT_SHUFFLE_FUNCTION
 from ..prompt_identity import group_samples
-from . import attention_cost, self_check
+from . import attention_cost, flex_grouped, self_check
 from .common import core_model, model_unsupported_reason, whole_group_chunks
 from .grouped_attention import checkpointing_description, checkpointing_reason, grouped_attention
 from .grouped_attention import text_config as grouped_text_config
@@ -190,6 +190,7 @@ class PrefixSharing:
 
     def __init__(self, args, model, processes: int, metrics: dict):
         self.mode = args.prefix_sharing
+        self.kernel = args.grouped_attention_kernel  # the grouped attention's kernel (flex_grouped.py)
         self.enabled = self.mode is not False
         self.reason = None if self.enabled else "prefix_sharing=False"
         if self.enabled:
@@ -215,7 +216,8 @@ class PrefixSharing:
         first-batch check found."""
         hf_model = core_model(model)
         inner = grouped_text_config(hf_model)._attn_implementation
-        described = f"grouped attention through {inner!r}, {checkpointing_description(hf_model)}"
+        kernel = flex_grouped.description(self.kernel, next(hf_model.parameters()).device, inner)
+        described = f"grouped attention through {kernel}, {checkpointing_description(hf_model)}"
         if self.mode != "auto":
             return described
         if self.checked is None:
@@ -236,6 +238,8 @@ class PrefixSharing:
             self.metrics[mode][METRIC].append(0.0)
             return None
         batches = list(packed_batches(model, arguments))
+        for batch in batches:
+            batch.layout.kernel_request = self.kernel
         ratio = predicted_cost_ratio(model, arguments, batches)
         self.metrics[mode][COST_METRIC].append(ratio)
         if ratio > 1.0:
