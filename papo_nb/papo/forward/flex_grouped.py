@@ -102,6 +102,11 @@ def block_mask(token_groups: torch.Tensor, segments: torch.Tensor):
     return create_block_mask(grouped_mask, None, None, width, width, device=device, _compile=device.type == "cuda")
 
 
+def compiled_here(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether FlexAttention runs compiled on ``device`` in ``dtype`` (else eagerly: the CPU in fp64)."""
+    return device.type != "cpu" or dtype in CPU_COMPILED_DTYPES
+
+
 @functools.cache
 def _compiled():
     return torch.compile(flex_attention)
@@ -110,7 +115,6 @@ def _compiled():
 def attention(query, key, value, mask, scaling):
     """``(1, W, heads, d)``: the flat row's queries ``(1, heads, W, d)`` over its keys and values ``(1, kv heads, W,
     d)`` under ``mask`` (``block_mask``), grouped-query heads shared as the model's repeat would share them."""
-    compiled = query.device.type != "cpu" or query.dtype in CPU_COMPILED_DTYPES
-    function = _compiled() if compiled else flex_attention
+    function = _compiled() if compiled_here(query.device, query.dtype) else flex_attention
     output = function(query, key, value, block_mask=mask, scale=scaling, enable_gqa=query.shape[1] != key.shape[1])
     return output.transpose(1, 2).contiguous()
