@@ -45,15 +45,20 @@ def packed_with(model, arguments, kernel: str, entropy_grad=False):
 
 def test_auto_takes_flex_on_cuda_only_and_sdpa_is_selectable():
     assert flex_grouped.unavailable_reason() is None, "torch 2.14.1 has flex_attention"
-    assert flex_grouped.choose("auto", CUDA, grad=True, dropout=0.0) == flex_grouped.FLEX
-    assert flex_grouped.choose("auto", CPU, grad=False, dropout=0.0) == flex_grouped.SDPA
-    assert flex_grouped.choose("sdpa", CUDA, grad=True, dropout=0.0) == flex_grouped.SDPA
-    assert flex_grouped.choose("flex", CPU, grad=False, dropout=0.0) == flex_grouped.FLEX
-    assert flex_grouped.choose("flex", CPU, grad=True, dropout=0.0) == flex_grouped.SDPA  # no CPU backward
-    assert flex_grouped.choose("flex", CUDA, grad=True, dropout=0.1) == flex_grouped.SDPA  # flex has no dropout
+    assert flex_grouped.choose("auto", CUDA, grad=True, dropout=0.0, head_dim=64) == flex_grouped.FLEX
+    assert flex_grouped.choose("auto", CPU, grad=False, dropout=0.0, head_dim=64) == flex_grouped.SDPA
+    assert flex_grouped.choose("sdpa", CUDA, grad=True, dropout=0.0, head_dim=64) == flex_grouped.SDPA
+    assert flex_grouped.choose("flex", CPU, grad=False, dropout=0.0, head_dim=64) == flex_grouped.FLEX
+    assert (
+        flex_grouped.choose("flex", CPU, grad=True, dropout=0.0, head_dim=64) == flex_grouped.SDPA
+    )  # no CPU backward
+    assert (
+        flex_grouped.choose("flex", CUDA, grad=True, dropout=0.1, head_dim=64) == flex_grouped.SDPA
+    )  # flex has no dropout
+    assert flex_grouped.choose("auto", CUDA, grad=True, dropout=0.0, head_dim=8) == flex_grouped.SDPA  # under 16
     assert flex_grouped.compiled_here(CPU, torch.float32) and not flex_grouped.compiled_here(CPU, torch.float64)
     with pytest.raises(ValueError, match=r"grouped_attention_kernel='triton' is invalid; allowed: one of"):
-        flex_grouped.choose("triton", CUDA, grad=True, dropout=0.0)
+        flex_grouped.choose("triton", CUDA, grad=True, dropout=0.0, head_dim=64)
 
 
 def test_the_config_refuses_an_unknown_kernel(tmp_path):
@@ -181,6 +186,6 @@ def test_the_forward_plan_names_the_kernel(tiny_vlm_path, shapes_dataset, tmp_pa
         in (names["flex"])
     )
     assert (
-        flex_grouped.description("auto", CUDA, "sdpa")
+        flex_grouped.description("auto", CUDA, "sdpa", 64)
         == "FlexAttention's block mask (grouped_attention_kernel='auto')"
     )

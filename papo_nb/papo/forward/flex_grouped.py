@@ -30,6 +30,7 @@ FLEX = "flex"
 SDPA = "sdpa"
 # inductor's CPU lowering of flex_attention takes these; any other dtype runs flex eagerly on the CPU
 CPU_COMPILED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+CUDA_MIN_HEAD_DIM = 16  # inductor's CUDA kernel: "NYI: embedding dimension ... must be at least 16"
 
 try:  # torch >= 2.5
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
@@ -46,10 +47,10 @@ def unavailable_reason() -> str | None:
     return None
 
 
-def sdpa_reason(request: str, device: torch.device, grad: bool, dropout: float) -> str | None:
+def sdpa_reason(request: str, device: torch.device, grad: bool, dropout: float, head_dim: int) -> str | None:
     """Why a packed forward asked for ``request`` (``KERNELS``) runs the SDPA calls rather than FlexAttention on
-    ``device`` (``grad``: the forward records a graph; ``dropout``: the text model's attention dropout), or None
-    (FlexAttention runs)."""
+    ``device`` (``grad``: the forward records a graph; ``dropout`` and ``head_dim``: the text model's attention
+    dropout and head width), or None (FlexAttention runs)."""
     if request == SDPA:
         return "grouped_attention_kernel='sdpa'"
     if request == "auto" and device.type != "cuda":
@@ -57,6 +58,8 @@ def sdpa_reason(request: str, device: torch.device, grad: bool, dropout: float) 
     reason = unavailable_reason()
     if reason is None and device.type == "cpu" and grad:
         reason = f"torch {torch.__version__} has no FlexAttention backward on the CPU (this forward records gradients)"
+    if reason is None and device.type == "cuda" and head_dim < CUDA_MIN_HEAD_DIM:
+        reason = f"head dimension {head_dim} (FlexAttention's CUDA kernel needs at least {CUDA_MIN_HEAD_DIM})"
     if reason is None and dropout:
         reason = f"attention dropout {dropout} (FlexAttention has no dropout)"
     if reason is None and device.type not in ("cuda", "cpu"):
@@ -64,28 +67,34 @@ def sdpa_reason(request: str, device: torch.device, grad: bool, dropout: float) 
     return reason
 
 
-def choose(request: str, device: torch.device, grad: bool, dropout: float) -> str:
-    """The kernel a packed forward runs (``FLEX`` or ``SDPA``); where ``request`` asked for flex and it cannot run,
-    the reason is logged once."""
+def choose(request: str, device: torch.device, grad: bool, dropout: float, head_dim: int) -> str:
+    """The kernel a packed forward runs (``FLEX`` or ``SDPA``); where flex was asked for (``"flex"``, or ``"auto"``
+    on CUDA) and cannot run, the reason is logged once (a warning for ``"flex"``, an info line for ``"auto"``)."""
     if request not in KERNELS:
         raise ValueError(f"grouped_attention_kernel={request!r} is invalid; allowed: one of {KERNELS}")
-    reason = sdpa_reason(request, device, grad, dropout)
+    reason = sdpa_reason(request, device, grad, dropout, head_dim)
     if reason is None:
         return FLEX
-    if request == FLEX and reason not in _logged:
+    if request != SDPA and reason not in _logged and (request == FLEX or device.type == "cuda"):
         _logged.add(reason)
-        logger.warning("PAPO-G grouped attention: the SDPA calls run in place of FlexAttention, because %s", reason)
+        log = logger.warning if request == FLEX else logger.info
+        log("PAPO-G grouped attention: the SDPA calls run in place of FlexAttention, because %s", reason)
     return SDPA
 
 
-def description(request: str, device: torch.device, inner: str) -> str:
+def description(request: str, device: torch.device, inner: str, head_dim: int) -> str:
     """What a packed forward asked for ``request`` runs on ``device`` (``inner``: the text model's own
     implementation, which the batched calls run), for the forward plan."""
-    if sdpa_reason(request, device, grad=False, dropout=0.0) is not None:
+    if sdpa_reason(request, device, grad=False, dropout=0.0, head_dim=head_dim) is not None:
         return repr(inner)
     if device.type == "cpu":
         return f"FlexAttention's block mask in no-grad forwards, {inner!r} in gradient forwards (no CPU backward)"
     return f"FlexAttention's block mask (grouped_attention_kernel={request!r})"
+
+
+def head_dim_of(config) -> int:
+    """The text model's attention head width (``head_dim``, else hidden size over heads, as Qwen-VL reads it)."""
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
 def block_mask(token_groups: torch.Tensor, segments: torch.Tensor):

@@ -303,7 +303,9 @@ def grouped_attention(hf_model, layout: GroupedLayout):
     config = text_config(hf_model)
     layout.inner = config._attn_implementation
     dropout = getattr(config, "attention_dropout", 0.0) if hf_model.training else 0.0
-    layout.kernel = flex_grouped.choose(layout.kernel_request, layout.source.device, torch.is_grad_enabled(), dropout)
+    layout.kernel = flex_grouped.choose(
+        layout.kernel_request, layout.source.device, torch.is_grad_enabled(), dropout, flex_grouped.head_dim_of(config)
+    )
     # the text config alone: the vision tower keeps its own
     with _implementation(config, NAME), _checkpointing_through_layout(hf_model, config):
         yield

@@ -215,8 +215,9 @@ class PrefixSharing:
         """What the packed path runs with on ``model`` now (``reason_now`` None), and under ``"auto"`` what its
         first-batch check found."""
         hf_model = core_model(model)
-        inner = grouped_text_config(hf_model)._attn_implementation
-        kernel = flex_grouped.description(self.kernel, next(hf_model.parameters()).device, inner)
+        config = grouped_text_config(hf_model)
+        inner, device = config._attn_implementation, next(hf_model.parameters()).device
+        kernel = flex_grouped.description(self.kernel, device, inner, flex_grouped.head_dim_of(config))
         described = f"grouped attention through {kernel}, {checkpointing_description(hf_model)}"
         if self.mode != "auto":
             return described
