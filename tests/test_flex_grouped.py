@@ -6,6 +6,7 @@ far. torch has no FlexAttention backward on the CPU, so a gradient forward asked
 one warning, and its gradients are the SDPA form's; flex's own gradients are compared on CUDA by
 ``benchmarks/gpu_check.py --flex-only``. ``"auto"`` takes flex on CUDA only, and the forward plan names what runs."""
 
+import collections
 import copy
 import logging
 
@@ -189,3 +190,26 @@ def test_the_forward_plan_names_the_kernel(tiny_vlm_path, shapes_dataset, tmp_pa
         flex_grouped.description("auto", CUDA, "sdpa", 64)
         == "FlexAttention's block mask (grouped_attention_kernel='auto')"
     )
+
+
+@pytest.mark.model
+def test_the_trainers_sharing_runs_the_kernel_its_config_names(setup, monkeypatch):  # noqa: F811
+    """From the config to the layers: ``PrefixSharing`` built from ``grouped_attention_kernel='flex'`` runs one flex
+    call per text layer in a no-grad call (the old and reference log-probs), with the SDPA form's numbers."""
+    model, arguments, trainer = setup["model"], setup["arguments"], setup["trainer"]
+    flex_calls = []
+    own_attention = flex_grouped.attention
+    monkeypatch.setattr(flex_grouped, "attention", lambda *a: flex_calls.append(1) or own_attention(*a))
+    results = {}
+    for kernel in ("flex", "sdpa"):
+        args = copy.copy(trainer.args)
+        args.grouped_attention_kernel = kernel
+        sharing = prefix_sharing.PrefixSharing(args, model, 1, {"eval": collections.defaultdict(list)})
+        with torch.no_grad():
+            results[kernel] = sharing.compute(model, arguments, temperature=TEMPERATURE, entropy_grad=False,
+                                              training=False)  # fmt: skip
+        results[f"{kernel} calls"] = len(flex_calls)
+    layers = grouped_attention.text_config(model).num_hidden_layers
+    assert results["flex calls"] == layers and results["sdpa calls"] == layers  # sdpa: none added
+    errors = [max_error(a, b, completion_mask(arguments)) for a, b in zip(results["flex"][:2], results["sdpa"][:2])]
+    assert max(errors) <= TOLERANCE[torch.float32][0], errors
