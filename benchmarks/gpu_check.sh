@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # GPU check of PAPO-G's step overhead, of the gamma-zero probe in real bf16 and of the paper-like shapes (issue 14),
-# sized for ONE device call of at most 600 s with room for a retry: the whole script stops within 420 s (7 min).
+# sized for ONE device call of at most 600 s with room for a retry: the whole script stops within 480 s (8 min).
 #
-#   usage: [WHEELS=DIR] [PYTHON=...] [PAPER_SHAPES=0] [IN_LOOP=0] [TOTAL_S=420] benchmarks/gpu_check.sh OUT_DIR [gpu_check.py options]
+#   usage: [WHEELS=DIR] [PYTHON=...] [PAPER_SHAPES=0] [IN_LOOP=0] [FLEX=0] [TOTAL_S=480] benchmarks/gpu_check.sh OUT_DIR [gpu_check.py options]
 #
 # Each part has its own time budget, enforced by `timeout` and never past the script's deadline (TOTAL_S):
 #   1. install, only with WHEELS set: a venv from carried wheels, offline    <= 120 s
@@ -14,6 +14,9 @@
 #      after each layout, so a timeout keeps what was measured (IN_LOOP=0 skips it)
 #   4. paper shapes (gpu_check.py --paper-shapes-only --prefix-repeats 3)   <= 110 s -> OUT_DIR/gpu_paper_shapes.json
 #      (PAPER_SHAPES=0 skips it; it gets what is left of the deadline if that is less)
+#   5. flex (issue 55 item 5: benchmarks/flex_check.py)                      <=  60 s -> OUT_DIR/gpu_flex.json
+#      prefix sharing's grouped attention, FlexAttention's block mask against the batched SDPA calls: fp32 outputs
+#      and q/k/v gradients compared (the CPU has no flex backward), bf16 forward + backward timed (FLEX=0 skips it)
 # Without WHEELS it installs nothing and runs $PYTHON (default: .venv/bin/python of this repository if present, else
 # `python` on PATH), which must already have the pinned stack (papo_nb is put on sys.path from this repository).
 # No network is used: no hub, no package index. Logs: OUT_DIR/gpu_check.log, OUT_DIR/gpu_paper_shapes.log.
@@ -33,7 +36,7 @@ mkdir -p "$OUT_DIR"
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1 PIP_NO_INDEX=1
 export TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
 
-DEADLINE=$((SECONDS + ${TOTAL_S:-420}))
+DEADLINE=$((SECONDS + ${TOTAL_S:-480}))
 budget() {  # budget SECONDS: that many, or what is left before the deadline if less (at least 1)
   local left=$((DEADLINE - SECONDS))
   if ((left < $1)); then echo $((left > 1 ? left : 1)); else echo "$1"; fi
@@ -69,5 +72,13 @@ if [[ "${PAPER_SHAPES:-1}" != 0 ]]; then
     "$@" 2>&1 | tee "$OUT_DIR/gpu_paper_shapes.log" || { rc=$?; STATUS=$((rc > STATUS ? rc : STATUS))
     echo "gpu_check.sh: paper shapes exited $rc (124: timeout)"; }
 fi
-echo "gpu_check.sh: done in ${SECONDS}s (deadline ${TOTAL_S:-420}s)"
+# Issue 55 item 5: the grouped attention's FlexAttention kernel against its SDPA calls.
+if [[ "${FLEX:-1}" != 0 ]]; then
+  FLEX_ARGS=()
+  for a in "$@"; do [[ "$a" == --cpu-dry-run ]] && FLEX_ARGS=(--cpu-dry-run); done
+  timeout "$(budget 60)" "$PYTHON" "$HERE/flex_check.py" --out "$OUT_DIR/gpu_flex.json" "${FLEX_ARGS[@]}" 2>&1 \
+    | tee "$OUT_DIR/gpu_flex.log" || { rc=$?; STATUS=$((rc > STATUS ? rc : STATUS))
+    echo "gpu_check.sh: flex exited $rc (124: timeout)"; }
+fi
+echo "gpu_check.sh: done in ${SECONDS}s (deadline ${TOTAL_S:-480}s)"
 exit "$STATUS"

@@ -18,6 +18,7 @@ from typing import Any
 from trl import GRPOConfig
 
 from .contract import PAPO_PROBE_MAX_DEGENERATE_BATCHES
+from .forward.flex_grouped import KERNELS as GROUPED_ATTENTION_KERNELS
 from .forward.plan import forward_fields_problem
 from .masking import MASK_FILLS
 
@@ -63,6 +64,7 @@ FIELD_RULES = {
     "masked_forward": (lambda v: v in MASKED_FORWARDS, f"one of {MASKED_FORWARDS}"),
     "masked_branch": (lambda v: v in MASKED_BRANCH_TIMINGS, f"one of {MASKED_BRANCH_TIMINGS}"),
     "prefix_sharing": (lambda v: v == "auto" or isinstance(v, bool), f"one of {PREFIX_SHARING}"),
+    "grouped_attention_kernel": (lambda v: v in GROUPED_ATTENTION_KERNELS, f"one of {GROUPED_ATTENTION_KERNELS}"),
     "max_consecutive_nonfinite_grad_steps": (lambda v: is_int(v) and v >= 1, "an int >= 1"),
     "require_gpu_contract_probe": (lambda v: isinstance(v, bool), "a bool"),
     "measure_perception_kl": (lambda v: isinstance(v, bool), "a bool"),
@@ -189,6 +191,12 @@ class PAPOGConfig(GRPOConfig):
             difference and where. `True`: forced (the batch must hold whole groups, refused otherwise; each reason it
             cannot run is a warning, and the plain forward runs). `False`: TRL's forward and shuffle, bit for bit.
             The forward plan the trainer logs says which runs and why (`papo/prefix_shared` per call).
+        grouped_attention_kernel (`str`, defaults to `"auto"`):
+            The kernel of prefix sharing's grouped attention: `"flex"`, one FlexAttention call over the packed row
+            with its block mask (`forward/flex_grouped.py`; on the CPU torch runs it in no-grad forwards only, the
+            gradient forwards run the SDPA calls with one warning saying so); `"sdpa"`, the text model's own
+            attention in batched calls (`grouped_attention.py`); `"auto"`: flex on CUDA, the SDPA calls elsewhere.
+            The forward plan names the one that runs.
 
         > Parameters that control the entropy terms
 
@@ -303,6 +311,14 @@ class PAPOGConfig(GRPOConfig):
             "help": "Each prompt group one packed row in every forward: 'auto' (where supported, first batch "
             "checked), True (forced) or False.",
             "choices": PREFIX_SHARING,
+        },
+    )
+    grouped_attention_kernel: str = field(
+        default="auto",
+        metadata={
+            "help": "Prefix sharing's grouped attention: 'flex' (FlexAttention block mask), 'sdpa' (batched calls) "
+            "or 'auto' (flex on CUDA).",
+            "choices": GROUPED_ATTENTION_KERNELS,
         },
     )
     require_gpu_contract_probe: bool = field(default=False, metadata={"help": "Run the gamma-zero probe in training."})

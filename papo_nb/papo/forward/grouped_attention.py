@@ -27,6 +27,10 @@ Under gradient checkpointing the backward recomputes each checkpointed layer wit
 layout among them) after the forward, when the text config names the model's own implementation again: for the
 packed forward each module's checkpoint function is wrapped (``CHECKPOINT_FUNCTIONS``) so that what it recomputes
 runs under ``NAME`` too; a checkpointing it cannot follow is named by ``checkpointing_reason`` (the plain path runs).
+
+``PAPOGConfig.grouped_attention_kernel`` may run the whole flat row as one FlexAttention call with the layout's
+block mask in place of these calls (``flex_grouped.py``; by default on CUDA): ``grouped_attention`` chooses per
+packed forward, ``grouped_attention_forward`` dispatches.
 """
 
 from __future__ import annotations
@@ -35,11 +39,13 @@ import contextlib
 import functools
 import sys
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+from . import flex_grouped
 from .attention_cost import causal_pairs, grouped_forms
 from .layout_mask import layout_through_mask_builder
 
@@ -74,12 +80,19 @@ class AttentionCall:
 class GroupedLayout:
     """The calls one forward's attention runs and where each flat position's output lies: ``source`` per flat
     position, its row in the calls' outputs flattened in order; ``groups`` the packed prompt groups; ``inner``: the
-    text model's own implementation the calls run through (set by ``grouped_attention``)."""
+    text model's own implementation the calls run through (set by ``grouped_attention``); ``kernel_request``: the
+    ``grouped_attention_kernel`` asked for, ``kernel`` what the forward runs (``flex_grouped.choose``), with each
+    position's group and segment for FlexAttention's block mask (``flex_mask``, built once per forward)."""
 
     calls: list[AttentionCall]
     source: torch.Tensor
     groups: int
     inner: str = "sdpa"
+    token_groups: torch.Tensor | None = None
+    segments: torch.Tensor | None = None
+    kernel_request: str = "auto"
+    kernel: str = flex_grouped.SDPA
+    flex_mask: Any = None
 
     @property
     def pairs(self) -> int:
@@ -136,7 +149,7 @@ def build_layout(token_groups: torch.Tensor, segments: torch.Tensor) -> GroupedL
         group_calls, offset = _group_calls(positions, completions, source, offset)
         calls += group_calls
         groups += 1
-    return GroupedLayout(calls, source, groups)
+    return GroupedLayout(calls, source, groups, token_groups=token_groups, segments=segments)
 
 
 def _inner_call(inner: str, module, query, key, value, allowed, dropout, scaling, kwargs):
@@ -159,6 +172,10 @@ def grouped_attention_forward(module, query, key, value, attention_mask, dropout
     """The attention interface's function for ``NAME``: ``query`` ``(1, heads, W, d)``, ``key``/``value``
     ``(1, kv heads, W, d)`` of the flat row, ``attention_mask`` its ``GroupedLayout``; returns ``(1, W, heads, d)``."""
     layout: GroupedLayout = attention_mask
+    if layout.kernel == flex_grouped.FLEX:
+        if layout.flex_mask is None:
+            layout.flex_mask = flex_grouped.block_mask(layout.token_groups, layout.segments)
+        return flex_grouped.attention(query, key, value, layout.flex_mask, scaling), None
     kwargs = {k: v for k, v in kwargs.items() if k not in ("sliding_window", "position_ids")}
     q, k, v = query[0], key[0], value[0]
 
@@ -282,9 +299,14 @@ def _checkpointing_through_layout(hf_model, config):
 @contextlib.contextmanager
 def grouped_attention(hf_model, layout: GroupedLayout):
     """For the duration: the text model's layers run ``NAME`` with ``layout.inner`` their own implementation, and
-    every checkpointed layer's recomputation does too, whenever the backward runs it."""
+    every checkpointed layer's recomputation does too, whenever the backward runs it; ``layout.kernel`` chosen for
+    the whole forward (a recomputation runs what the forward ran)."""
     config = text_config(hf_model)
     layout.inner = config._attn_implementation
+    dropout = getattr(config, "attention_dropout", 0.0) if hf_model.training else 0.0
+    layout.kernel = flex_grouped.choose(
+        layout.kernel_request, layout.source.device, torch.is_grad_enabled(), dropout, flex_grouped.head_dim_of(config)
+    )
     # the text config alone: the vision tower keeps its own; a text model that builds its mask (Qwen3-VL) gets the
     # layout through its builder
     with (

@@ -29,7 +29,7 @@ from transformers.utils import logging
 
 from ..contract import PARENT_SHUFFLE_FUNCTION
 from ..prompt_identity import group_samples
-from . import attention_cost, ranks, self_check
+from . import attention_cost, flex_grouped, ranks, self_check
 from .common import core_model, model_unsupported_reason, whole_group_chunks
 from .grouped_attention import checkpointing_description, checkpointing_reason, grouped_attention
 from .grouped_attention import text_config as grouped_text_config
@@ -193,6 +193,7 @@ class PrefixSharing:
     def __init__(self, args, model, processes: int, metrics: dict):
         self.mode = args.prefix_sharing
         self.processes = processes
+        self.kernel = args.grouped_attention_kernel  # the grouped attention's kernel (flex_grouped.py)
         self.enabled = self.mode is not False
         self.reason = None if self.enabled else "prefix_sharing=False"
         if self.enabled:
@@ -218,8 +219,10 @@ class PrefixSharing:
         """What the packed path runs with on ``model`` now (``reason_now`` None), and under ``"auto"`` what its
         first-batch check found."""
         hf_model = core_model(model)
-        inner = grouped_text_config(hf_model)._attn_implementation
-        described = f"grouped attention through {inner!r}, {checkpointing_description(hf_model)}"
+        config = grouped_text_config(hf_model)
+        inner, device = config._attn_implementation, next(hf_model.parameters()).device
+        kernel = flex_grouped.description(self.kernel, device, inner, flex_grouped.head_dim_of(config))
+        described = f"grouped attention through {kernel}, {checkpointing_description(hf_model)}"
         if self.processes > 1:
             described += ranks.described(self.processes)
         if self.mode != "auto":
@@ -239,6 +242,8 @@ class PrefixSharing:
         mode = "train" if training else "eval"
         batches = None if reason is not None else list(packed_batches(model, arguments))
         if batches is not None:
+            for batch in batches:
+                batch.layout.kernel_request = self.kernel
             ratio = predicted_cost_ratio(model, arguments, batches)
             self.metrics[mode][COST_METRIC].append(ratio)
             if ratio > 1.0:
