@@ -82,6 +82,8 @@ class Widths:
     layer_parameters: int  # one decoder layer
     embedding_parameters: int  # the input embedding (and the lm_head when untied)
     lora_per_rank: int  # LoRA parameters on q_proj/v_proj per unit of rank: sum of (in + out) features
+    qk_norm: bool  # per-head RMSNorm on queries and keys (Qwen3)
+    vision_norm: str  # "rmsnorm" (Qwen2.5-VL) or "layernorm" (Qwen3-VL)
 
     def lora_parameters(self, rank: int) -> int:
         return rank * self.lora_per_rank
@@ -122,6 +124,8 @@ def widths(config) -> Widths:
         layer_parameters=sum(p.numel() for p in language.layers[0].parameters()),
         embedding_parameters=embedding,
         lora_per_rank=lora,
+        qk_norm=hasattr(language.layers[0].self_attn, "q_norm"),
+        vision_norm="layernorm" if isinstance(visual.blocks[0].norm1, torch.nn.LayerNorm) else "rmsnorm",
     )
 
 
