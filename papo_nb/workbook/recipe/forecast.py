@@ -9,15 +9,16 @@ What each part counts, per GPU (P parameters, N processes, B the micro-batch, T 
 - gradients and optimizer: one gradient and two AdamW states per trainable parameter, in its dtype.
 - reference: TRL 1.9.1 builds a second model only for full fine-tuning with beta > 0 (``create_model_from_path``,
   fp32 when ``model_init_kwargs`` is unset; sharded by ``prepare_fsdp``); LoRA disables its adapters instead.
-- activations: the tensors autograd saves in the loss forward of one micro-batch, per token per decoder layer and
-  per patch per vision block (``LAYER_BYTES``); with checkpointing, each layer's bf16 input plus one layer
-  recomputed in the backward. A frozen vision tower (LoRA) saves nothing.
+- activations: the tensors autograd saves in the loss forward of one micro-batch, per token per decoder layer
+  (``layer_bytes``; with checkpointing each layer's bf16 input) and per patch per vision block, plus the final norm's;
+  recompute: with checkpointing, one layer's tensors again during the backward.
 - logprob_forward: the micro-batch's completion logits as TRL 1.9.1 makes them under accelerate's autocast
   (bf16 from the lm_head, converted to fp32 by ``convert_outputs_to_fp32``, kept for the backward, plus its fp32
   gradient): 10 bytes per logit.
 - masked_forward: the masked branch's no-grad forward of one micro-batch (bf16 and fp32 logits).
 - generation: TRL 1.9.1 without vLLM generates the round's rows (B x steps_per_generation) in one
-  ``model.generate``: their bf16 KV cache at full length plus the fp32 next-token logits and probabilities; with
+  ``model.generate``: their bf16 KV cache at full length, the next-token logits and probabilities and the prefill's
+  one-layer transient; with
   vLLM colocated, its ``vllm_gpu_memory_utilization`` share of the GPU.
 - round_tensors: the round's buffered inputs: fp32 pixel_values of every row, ids and masks (int64), and three
   fp32 per-token log-prob vectors (old, reference, masked).
@@ -39,6 +40,7 @@ PARTS = (
     "optimizer",
     "reference",
     "activations",
+    "recompute",
     "logprob_forward",
     "masked_forward",
     "generation",
@@ -46,11 +48,15 @@ PARTS = (
     "probe",
 )
 PERSISTENT = ("weights", "gradients", "optimizer", "reference", "round_tensors", "probe")
-PHASES = {"train": ("activations", "logprob_forward"), "generate": ("generation",), "masked": ("masked_forward",)}
+PHASES = {
+    "train": ("activations", "recompute", "logprob_forward"),
+    "generate": ("generation",),
+    "masked": ("masked_forward",),
+}
 PROBE_VECTORS = 12  # the probe's float64 vectors of the trainable parameters (12 to 24 by the loss set: the fewest)
 LOGPROB_BYTES = 10  # per completion logit: fp32 copy kept for the backward (4), its bf16 source (2), fp32 grad (4)
 MASKED_BYTES = 6  # per completion logit, no grad: bf16 logits and their fp32 copy
-GENERATION_VOCAB_BYTES = 8  # per row: fp32 next-token logits and probabilities
+GENERATION_VOCAB_BYTES = 10  # per row: the next token's bf16 logits, their fp32 copy and fp32 probabilities
 # TRL's defaults for parameters other branches add to the params (read with getattr so either merge works).
 TRL_DEFAULTS = {"gradient_checkpointing": True, "use_vllm": False, "vllm_gpu_memory_utilization": 0.3}
 
@@ -160,26 +166,50 @@ def state_parts(s: Setting, w: Widths) -> dict[str, float]:
     }
 
 
+def head_bytes(w: Widths, lora: bool) -> int:
+    """Per token, saved outside the decoder layers: the final RMSNorm's fp32 input (full fine-tuning: also its bf16
+    input and the lm_head's)."""
+    return 4 * w.hidden if lora else 8 * w.hidden
+
+
+def vision_bytes(s: Setting, w: Widths) -> float:
+    """Per row, the vision tower's saved tensors: when it trains, or when checkpointing makes the inputs require
+    grad (TRL calls ``enable_input_require_grads`` for LoRA under checkpointing): each block's bf16 input plus the
+    fp32 patch and merger tensors (6 x width per patch) under checkpointing, every block's tensors without."""
+    trains = not s.lora and not s.freeze_vision
+    if not trains and not (s.lora and s.checkpointing):
+        return 0.0
+    if s.checkpointing:
+        return s.patches_per_row * (w.vision_depth * 2 * w.vision_hidden + 6 * w.vision_hidden)
+    return s.patches_per_row * (w.vision_depth * vision_block_bytes(w) + 14 * w.vision_hidden)
+
+
 def activation_bytes(s: Setting, w: Widths) -> float:
-    """Saved tensors of one micro-batch's loss forward: the decoder layers and, when it trains, the vision tower."""
-    tokens = s.micro_batch * s.tokens
-    per_layer = layer_bytes(w, s.lora)
-    text = tokens * (w.layers * 2 * w.hidden + per_layer) if s.checkpointing else tokens * w.layers * per_layer
-    vision = 0.0
-    if not s.lora and not s.freeze_vision:
-        patches, per_block = s.micro_batch * s.patches_per_row, vision_block_bytes(w)
-        if s.checkpointing:
-            vision = patches * (w.vision_depth * 2 * w.vision_hidden + per_block)
-        else:
-            vision = patches * w.vision_depth * per_block
-    return text + vision
+    """Saved tensors of one micro-batch's loss forward (kept until its backward): the decoder layers (with
+    checkpointing only their bf16 inputs), the final norm and the vision tower; full-vocabulary ones excluded."""
+    per_layer = 2 * w.hidden if s.checkpointing else layer_bytes(w, s.lora)
+    text = s.micro_batch * s.tokens * (w.layers * per_layer + head_bytes(w, s.lora))
+    return text + s.micro_batch * vision_bytes(s, w)
+
+
+def recompute_bytes(s: Setting, w: Widths) -> float:
+    """With checkpointing, the backward runs each layer's forward again: one layer's (and vision block's) saved
+    tensors live at once on top of the activations. Forecast only: checkpointing's own hooks hide them."""
+    if not s.checkpointing:
+        return 0.0
+    vision = s.patches_per_row * vision_block_bytes(w) if (not s.lora and not s.freeze_vision) else 0
+    return s.micro_batch * (s.tokens * layer_bytes(w, s.lora) + vision)
 
 
 def generation_bytes(s: Setting, w: Widths, gpu_memory: float | None) -> float:
     if s.use_vllm:
         return s.vllm_share * gpu_memory if gpu_memory else 0.0
     kv_per_token = w.layers * 2 * w.kv_heads * w.head_dim * 2  # keys and values, bf16
-    return s.round_rows * (s.tokens * kv_per_token + w.vocab * GENERATION_VOCAB_BYTES)
+    # The prefill's transient peak, one layer (block) at a time: the MLP's gate, up and activation outputs (bf16) and
+    # the norm's fp32 input, for the round's prompt tokens, or for its patches in the vision tower before them.
+    text = s.prompt_tokens * (6 * w.intermediate + 4 * w.hidden)
+    vision = s.patches_per_row * (6 * w.vision_intermediate + 4 * w.vision_hidden)
+    return s.round_rows * (s.tokens * kv_per_token + w.vocab * GENERATION_VOCAB_BYTES + max(text, vision))
 
 
 def round_tensor_bytes(s: Setting, w: Widths) -> float:
@@ -196,6 +226,7 @@ def memory_parts(s: Setting, w: Widths, gpu_memory: float | None = None) -> dict
     parts = state_parts(s, w)
     parts.update(
         activations=activation_bytes(s, w),
+        recompute=recompute_bytes(s, w),
         logprob_forward=logits * LOGPROB_BYTES,
         masked_forward=logits * MASKED_BYTES if s.masked_branch else 0.0,
         generation=generation_bytes(s, w, gpu_memory),

@@ -1,23 +1,24 @@
-"""What the rehearsal (``rehearsal``) measures of a real PAPO-G trainer on the CPU, per part of the forecast
+"""What the rehearsal (``rehearsal``, ``rehearsal_step``) measures on the CPU, per part of the forecast
 (``forecast.PARTS``), and the time of each phase:
 - weights, gradients, optimizer, reference: the bytes of the tensors themselves (each storage once);
-- activations: the tensors autograd saves during the loss call (``saved_tensors_hooks``), the full-vocabulary ones
-  (last dimension the vocabulary) left to logprob_forward;
-- logprob_forward and masked_forward: the peak bytes of live full-vocabulary tensors during a training step
-  (forward and backward) and during the masked branch (``papo_nb.bench.memory.VocabTensorTracker``);
+- activations: the tensors autograd saves during the loss forward (``saved_tensors_hooks``), the full-vocabulary
+  ones (last dimension the vocabulary) left to logprob_forward;
+- logprob_forward: the full-vocabulary tensors alive together at the backward's start: those the loss forward saved
+  for the backward, the fp32 logits' gradient and its bf16 cast (tensor hooks); masked_forward: the bf16 logits and
+  their fp32 copy of the no-grad forward (``papo_nb.bench.memory.VocabTensorTracker`` is not used: under its
+  dispatch mode the CPU lm_head took minutes and 10 GB at the Qwen vocabulary);
 - generation: torch's allocation peak during ``model.generate`` (``papo_nb.bench.memory.allocation_peak``);
-- round_tensors: the tensors of the round TRL buffers (``_buffered_inputs``).
+- round_tensors: the round's tensors (pixel values, ids, masks).
 """
 
 from __future__ import annotations
 
+import os
 import time
 from collections import defaultdict
 from contextlib import contextmanager
 
 import torch
-
-from papo_nb.bench.memory import VocabTensorTracker, allocation_peak
 
 
 def storage_bytes(tensors) -> int:
@@ -64,92 +65,20 @@ class Measurements:
         return {p.untyped_storage().data_ptr() for m in models if m is not None for p in m.parameters()}
 
     @contextmanager
-    def saved_activations(self, exclude: set[int]):
-        """Records the bytes autograd saves inside the block, full-vocabulary tensors apart."""
+    def saved_activations(self, exclude: set[int], part: str = "activations"):
+        """Records the bytes autograd saves inside the block as ``part``, full-vocabulary tensors apart."""
         saved: dict[int, int] = {}
+        vocab: dict[int, int] = {}
 
         def pack(t):
             storage = t.untyped_storage()
             key = storage.data_ptr()
-            if key not in exclude and not (t.dim() >= 2 and t.shape[-1] == self.vocab):
-                saved[key] = storage.nbytes()
+            if key not in exclude:
+                (vocab if t.dim() >= 2 and t.shape[-1] == self.vocab else saved)[key] = storage.nbytes()
             return t
 
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            yield
-        self.peak("activations", sum(saved.values()))
-
-    @contextmanager
-    def vocab_peak(self, part: str, exclude: set[int], full_rows: int):
-        tracker = VocabTensorTracker(self.vocab, full_rows, exclude=exclude)
-        with tracker:
-            yield
-        self.peak(part, tracker.peak_bytes)
-
-
-def instrument(trainer, measurements: Measurements) -> None:
-    """Wraps the trainer's phases (its training step, loss call, masked branch, the policy's ``generate`` and the
-    optimizer step) with the measurements; the trainer's own code runs unchanged inside."""
-    from transformers import TrainerCallback
-
-    m = measurements
-    params = m.parameter_storages(trainer.model, getattr(trainer, "ref_model", None))
-    rows = trainer.args.per_device_train_batch_size
-
-    compute_loss, backward = trainer.compute_loss, trainer.accelerator.backward
-    tracker = {}
-
-    def measured_compute_loss(*args, **kwargs):
-        # One tracker per micro-step, entered for the loss forward and again for its backward: the full-vocabulary
-        # tensors the forward keeps for the backward stay counted while they live.
-        tracker["now"] = VocabTensorTracker(m.vocab, rows, exclude=params)
-        with m.timed("loss_forward"), m.saved_activations(params), tracker["now"]:
-            return compute_loss(*args, **kwargs)
-
-    def measured_backward(loss, **kwargs):
-        with m.timed("backward"), tracker["now"]:
-            result = backward(loss, **kwargs)
-        m.peak("logprob_forward", tracker["now"].peak_bytes)
-        return result
-
-    trainer.compute_loss, trainer.accelerator.backward = measured_compute_loss, measured_backward
-    branch = trainer.masked_branch
-    for name in ("rollout_entries", "compute"):
-        original = getattr(branch, name)
-
-        def measured_branch(*args, _original=original, **kwargs):
-            with m.timed("masked_branch"), m.vocab_peak("masked_forward", params, rows):
-                return _original(*args, **kwargs)
-
-        setattr(branch, name, measured_branch)
-    policy = trainer.model.get_base_model() if hasattr(trainer.model, "get_base_model") else trainer.model
-    generate = policy.generate
-
-    def measured_generate(*args, **kwargs):
-        result = {}
-        with m.timed("generation"):
-            peak = allocation_peak(lambda: result.setdefault("out", generate(*args, **kwargs)))
-        m.peak("generation", peak["peak_bytes"])
-        return result["out"]
-
-    policy.generate = measured_generate
-
-    class StateBytes(TrainerCallback):
-        def on_pre_optimizer_step(self, args, state, control, **kwargs):
-            m.peak("gradients", storage_bytes(p.grad for p in trainer.model.parameters() if p.grad is not None))
-            m.peak("round_tensors", storage_bytes(nested_tensors(trainer._buffered_inputs)))
-            self.started = time.perf_counter()
-
-        def on_optimizer_step(self, args, state, control, **kwargs):
-            m.seconds["optimizer_step"] += time.perf_counter() - self.started
-            m.peak("optimizer", storage_bytes(nested_tensors(list(trainer.optimizer.state.values()))))
-
-    trainer.add_callback(StateBytes())
-
-
-def state_bytes(trainer, measurements: Measurements) -> None:
-    """Weights (the policy's parameters, frozen ones included) and the reference model's, after training."""
-    measurements.peak("weights", storage_bytes(trainer.model.parameters()))
-    ref = getattr(trainer, "ref_model", None)
-    measurements.peak("reference", storage_bytes(ref.parameters()) if ref is not None else 0)
-    measurements.peak("probe", 0)
+            yield vocab
+        if os.environ.get("PAPO_NB_REHEARSAL_DEBUG"):
+            print(part, sorted(saved.values(), reverse=True)[:12], flush=True)
+        self.peak(part, sum(saved.values()))
