@@ -316,6 +316,29 @@ def _cmd_preflight(subparsers: Subparsers) -> None:
     p.set_defaults(handler=handler)
 
 
+def _cmd_rehearse(subparsers: Subparsers) -> None:
+    p = subparsers.add_parser(
+        "rehearse",
+        help="rehearse a GPU run on the CPU at true widths and hold the memory forecast against it",
+        description="Build a random-weight model from the params' published configuration with K decoder layers and "
+        "K vision blocks (no weights, no hub), run two optimizer steps of the params' training phases on the CPU "
+        "(completions, accumulation and the round shortened, the micro-batch kept), and print per part the forecast "
+        "beside the measured peak. Exit codes: 0 every part within 15%, 1 some part not, 2 bad parameters.",
+    )
+    p.add_argument("params_file", metavar="PARAMS", help="YAML params file")
+    p.add_argument("-p", dest="overrides", metavar="KEY=VALUE", action="append", default=[],
+                   help="override one parameter; the value is read as YAML (repeatable)")  # fmt: skip
+    p.add_argument("--layers", type=int, nargs="+", default=[1], metavar="K", help="decoder layers (default: 1)")
+    p.add_argument("--json", metavar="FILE", default=None, help="write forecast and measurement per part to FILE")
+
+    def handler(args: argparse.Namespace) -> int:
+        from papo_nb.workbook.recipe.rehearsal import rehearse_command
+
+        return rehearse_command(args.params_file, args.overrides, args.layers, args.json)
+
+    p.set_defaults(handler=handler)
+
+
 def _cmd_sync(subparsers: Subparsers) -> None:
     p = subparsers.add_parser(
         "sync",
@@ -359,6 +382,7 @@ SUBCOMMANDS: list[Callable[[Subparsers], None]] = [
     _cmd_lab,
     _cmd_train,
     _cmd_preflight,
+    _cmd_rehearse,
     _cmd_sync,
     _cmd_bench,
 ]
