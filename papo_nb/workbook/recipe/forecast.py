@@ -106,6 +106,7 @@ class Setting:
     probe: bool
     freeze_vision: bool
     lora_r: int
+    cpu_attention: bool = False  # the rehearsal's CPU SDPA materialises each image's full-attention scores
 
     @property
     def tokens(self) -> int:
@@ -168,19 +169,21 @@ def state_parts(s: Setting, w: Widths) -> dict[str, float]:
 
 def head_bytes(w: Widths, lora: bool) -> int:
     """Per token, saved outside the decoder layers: the final RMSNorm's fp32 input (full fine-tuning: also its bf16
-    input and the lm_head's)."""
-    return 4 * w.hidden if lora else 8 * w.hidden
+    input, which the lm_head's input shares)."""
+    return 4 * w.hidden if lora else 6 * w.hidden
 
 
 def vision_bytes(s: Setting, w: Widths) -> float:
     """Per row, the vision tower's saved tensors: when it trains, or when checkpointing makes the inputs require
     grad (TRL calls ``enable_input_require_grads`` for LoRA under checkpointing): each block's bf16 input plus the
-    fp32 patch and merger tensors (6 x width per patch) under checkpointing, every block's tensors without."""
+    patch and merger tensors (6 x width per patch; training, 12 x width and the bf16 pixels the patch embedding
+    saves) under checkpointing, every block's tensors without."""
     trains = not s.lora and not s.freeze_vision
     if not trains and not (s.lora and s.checkpointing):
         return 0.0
     if s.checkpointing:
-        return s.patches_per_row * (w.vision_depth * 2 * w.vision_hidden + 6 * w.vision_hidden)
+        fixed = 12 * w.vision_hidden + 2 * 3 * w.temporal_patch * w.patch**2 if trains else 6 * w.vision_hidden
+        return s.patches_per_row * (w.vision_depth * 2 * w.vision_hidden + fixed)
     return s.patches_per_row * (w.vision_depth * vision_block_bytes(w) + 14 * w.vision_hidden)
 
 
@@ -206,10 +209,12 @@ def generation_bytes(s: Setting, w: Widths, gpu_memory: float | None) -> float:
         return s.vllm_share * gpu_memory if gpu_memory else 0.0
     kv_per_token = w.layers * 2 * w.kv_heads * w.head_dim * 2  # keys and values, bf16
     # The prefill's transient peak, one layer (block) at a time: the MLP's gate, up and activation outputs (bf16) and
-    # the norm's fp32 input, for the round's prompt tokens, or for its patches in the vision tower before them.
-    text = s.prompt_tokens * (6 * w.intermediate + 4 * w.hidden)
-    vision = s.patches_per_row * (6 * w.vision_intermediate + 4 * w.vision_hidden)
-    return s.round_rows * (s.tokens * kv_per_token + w.vocab * GENERATION_VOCAB_BYTES + max(text, vision))
+    # the norm's fp32 input, for the round's prompt tokens, or for all its images' patches in the vision tower first.
+    text = s.round_rows * s.prompt_tokens * (6 * w.intermediate + 4 * w.hidden)
+    vision = s.round_rows * s.patches_per_row * (6 * w.vision_intermediate + 4 * w.vision_hidden)
+    if s.cpu_attention:  # one image's scores and their softmax, fp32 (flash attention on a GPU keeps none)
+        vision += s.patches_per_row**2 * w.vision_heads * 4 * 2
+    return s.round_rows * (s.tokens * kv_per_token + w.vocab * GENERATION_VOCAB_BYTES) + max(text, vision)
 
 
 def round_tensor_bytes(s: Setting, w: Widths) -> float:

@@ -104,7 +104,7 @@ def compare(params, short, s_file, config, measurements: Measurements, changed: 
     """The forecast at the rehearsal's settings beside the measurement, part by part."""
     w = widths(config)
     s = replace(
-        setting(short, w), checkpointing=s_file.checkpointing, use_vllm=False, **lengths,
+        setting(short, w), checkpointing=s_file.checkpointing, use_vllm=False, cpu_attention=True, **lengths,
     )  # fmt: skip
     forecast_parts = memory_parts(s, w)
     table = {}
