@@ -67,6 +67,10 @@ def _cmd_env(subparsers: Subparsers) -> None:
 def _add_params_arguments(p: argparse.ArgumentParser) -> None:
     """``--params FILE`` and repeatable ``-p KEY=VALUE``: how ``run`` and ``train`` take the workbook parameters."""
     p.add_argument("--params", metavar="FILE", help="YAML params file (default: built-in defaults)")
+    _add_override_argument(p)
+
+
+def _add_override_argument(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "-p",
         dest="overrides",
@@ -292,8 +296,7 @@ def _cmd_preflight(subparsers: Subparsers) -> None:
         "memory given), 1 does not fit, 2 bad parameters.",
     )
     p.add_argument("params_file", metavar="PARAMS", help="YAML params file")
-    p.add_argument("-p", dest="overrides", metavar="KEY=VALUE", action="append", default=[],
-                   help="override one parameter; the value is read as YAML (repeatable)")  # fmt: skip
+    _add_override_argument(p)
     _add_gpu_memory_argument(p)
     p.add_argument("--gpus", type=int, default=None, help="number of GPUs (sets num_processes)")
     p.add_argument("--json", action="store_true", help="print a JSON object instead")
@@ -326,8 +329,7 @@ def _cmd_rehearse(subparsers: Subparsers) -> None:
         "beside the measured peak. Exit codes: 0 every part within 15%, 1 some part not, 2 bad parameters.",
     )
     p.add_argument("params_file", metavar="PARAMS", help="YAML params file")
-    p.add_argument("-p", dest="overrides", metavar="KEY=VALUE", action="append", default=[],
-                   help="override one parameter; the value is read as YAML (repeatable)")  # fmt: skip
+    _add_override_argument(p)
     p.add_argument("--layers", type=int, nargs="+", default=[1], metavar="K", help="decoder layers (default: 1)")
     p.add_argument("--json", metavar="FILE", default=None, help="write forecast and measurement per part to FILE")
 
