@@ -80,5 +80,15 @@ if [[ "${FLEX:-1}" != 0 ]]; then
     | tee "$OUT_DIR/gpu_flex.log" || { rc=$?; STATUS=$((rc > STATUS ? rc : STATUS))
     echo "gpu_check.sh: flex exited $rc (124: timeout)"; }
 fi
+# Issue 53: the memory forecast against the run at full depth (K = the model's 36 layers). The forecast for this GPU
+# first (papo-nb preflight, no weights), then the rehearsal of gpu.yaml at full depth. The rehearsal measures on the
+# CPU (papo_nb/workbook/recipe/rehearsal_step.py runs CPU autocast): on this machine's 128 GB it holds the full-depth
+# model; measuring it on CUDA itself is not built yet. REHEARSAL=0 skips it.
+if [[ "${REHEARSAL:-1}" != 0 ]]; then
+  (cd "$ROOT" && "$PYTHON" -m papo_nb.cli preflight params/gpu.yaml --json > "$OUT_DIR/forecast_gpu_yaml.json"
+   OMP_NUM_THREADS=8 timeout "$(budget 240)" "$PYTHON" -m papo_nb.cli rehearse params/gpu.yaml --layers 36 \
+     --json "$OUT_DIR/rehearsal_gpu_yaml_36.json") 2>&1 | tee "$OUT_DIR/rehearsal.log" || { rc=$?
+    STATUS=$((rc > STATUS ? rc : STATUS)); echo "gpu_check.sh: rehearsal exited $rc (124: timeout)"; }
+fi
 echo "gpu_check.sh: done in ${SECONDS}s (deadline ${TOTAL_S:-480}s)"
 exit "$STATUS"

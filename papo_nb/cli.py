@@ -67,6 +67,10 @@ def _cmd_env(subparsers: Subparsers) -> None:
 def _add_params_arguments(p: argparse.ArgumentParser) -> None:
     """``--params FILE`` and repeatable ``-p KEY=VALUE``: how ``run`` and ``train`` take the workbook parameters."""
     p.add_argument("--params", metavar="FILE", help="YAML params file (default: built-in defaults)")
+    _add_override_argument(p)
+
+
+def _add_override_argument(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "-p",
         dest="overrides",
@@ -241,9 +245,12 @@ def _cmd_train(subparsers: Subparsers) -> None:
         default="",
         help="log into this MLflow run (default: the run's own, or a new one)",
     )
+    _add_gpu_memory_argument(p)
 
     def handler(args: argparse.Namespace) -> int:
         from papo_nb.train.runner import train_command
+
+        _simulate_gpu_memory(args)
 
         return train_command(
             args.params,
@@ -253,6 +260,83 @@ def _cmd_train(subparsers: Subparsers) -> None:
             force_resume=args.force_resume,
             mlflow_run_id=args.mlflow_run_id,
         )
+
+    p.set_defaults(handler=handler)
+
+
+def _add_gpu_memory_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--gpu-memory",
+        metavar="GIB",
+        type=float,
+        default=None,
+        help="memory of each GPU in GiB for the memory forecast (default: the visible GPUs', or the environment "
+        "variable PAPO_NB_GPU_MEMORY_GIB); a device: cuda run that cannot fit is refused before any weight loads",
+    )
+
+
+def _simulate_gpu_memory(args: argparse.Namespace) -> None:
+    """``--gpu-memory`` reaches the forecast (and launched ranks) through the environment."""
+    import os
+
+    from papo_nb.workbook.recipe.forecast_report import GPU_MEMORY_ENV
+
+    if args.gpu_memory is not None:
+        os.environ[GPU_MEMORY_ENV] = str(args.gpu_memory)
+
+
+def _cmd_preflight(subparsers: Subparsers) -> None:
+    p = subparsers.add_parser(
+        "preflight",
+        help="forecast a run's GPU memory per part and its step time, before any weight loads",
+        description="Forecast, per GPU, each part of a training step's peak memory (weights, gradients, optimizer "
+        "states, reference model, activations, log-prob and masked-branch forwards, generation, the round's "
+        "tensors, the probe) and the step time, from the params and the model's configuration alone (a shipped "
+        "published configuration for a hub id, config.json for a local folder). Exit codes: 0 fits (or no GPU "
+        "memory given), 1 does not fit, 2 bad parameters.",
+    )
+    p.add_argument("params_file", metavar="PARAMS", help="YAML params file")
+    _add_override_argument(p)
+    _add_gpu_memory_argument(p)
+    p.add_argument("--gpus", type=int, default=None, help="number of GPUs (sets num_processes)")
+    p.add_argument("--json", action="store_true", help="print a JSON object instead")
+
+    def handler(args: argparse.Namespace) -> int:
+        from papo_nb.workbook.config.params import ParamsError, load_params
+        from papo_nb.workbook.recipe.forecast import forecast
+        from papo_nb.workbook.recipe.forecast_report import as_dict, describe, gpu_memory_here
+
+        _simulate_gpu_memory(args)
+        overrides = [*args.overrides, *([f"num_processes={args.gpus}"] if args.gpus else [])]
+        try:
+            fc = forecast(load_params(args.params_file, overrides), gpu_memory_here())
+        except (ParamsError, ValueError) as exc:
+            print(f"papo-nb preflight: error: {exc}", file=sys.stderr)
+            return 2
+        print(json.dumps(as_dict(fc), indent=1) if args.json else describe(fc))
+        return 1 if as_dict(fc)["verdict"]["fits"] is False else 0
+
+    p.set_defaults(handler=handler)
+
+
+def _cmd_rehearse(subparsers: Subparsers) -> None:
+    p = subparsers.add_parser(
+        "rehearse",
+        help="rehearse a GPU run on the CPU at true widths and hold the memory forecast against it",
+        description="Build a random-weight model from the params' published configuration with K decoder layers and "
+        "K vision blocks (no weights, no hub), run two optimizer steps of the params' training phases on the CPU "
+        "(completions, accumulation and the round shortened, the micro-batch kept), and print per part the forecast "
+        "beside the measured peak. Exit codes: 0 every part within 15%, 1 some part not, 2 bad parameters.",
+    )
+    p.add_argument("params_file", metavar="PARAMS", help="YAML params file")
+    _add_override_argument(p)
+    p.add_argument("--layers", type=int, nargs="+", default=[1], metavar="K", help="decoder layers (default: 1)")
+    p.add_argument("--json", metavar="FILE", default=None, help="write forecast and measurement per part to FILE")
+
+    def handler(args: argparse.Namespace) -> int:
+        from papo_nb.workbook.recipe.rehearsal import rehearse_command
+
+        return rehearse_command(args.params_file, args.overrides, args.layers, args.json)
 
     p.set_defaults(handler=handler)
 
@@ -299,6 +383,8 @@ SUBCOMMANDS: list[Callable[[Subparsers], None]] = [
     _cmd_ui,
     _cmd_lab,
     _cmd_train,
+    _cmd_preflight,
+    _cmd_rehearse,
     _cmd_sync,
     _cmd_bench,
 ]

@@ -38,10 +38,12 @@ def _looks_local(value: str) -> bool:
 def preflight_problems(params: WorkbookParams) -> list[str]:
     """Checks that need this machine (paths, CUDA), run before any notebook starts; schema checks are separate
     so that a GPU params file still validates on a laptop."""
+    from papo_nb.workbook.recipe.forecast_report import memory_problems
     from papo_nb.workbook.training.rewards import reward_import_problems
 
-    problems = _model_name_problems(params) + _path_problems(params) + _device_problems(params)
-    problems += reward_import_problems(params) + vllm_problems(params)
+    # The memory forecast (device: cuda) reads the model's configuration alone, so it runs before any weight loads.
+    problems = _model_name_problems(params) + _path_problems(params) + memory_problems(params)
+    problems += _device_problems(params) + reward_import_problems(params) + vllm_problems(params)
     if params.per_device_train_batch_size % params.num_generations:
         problems.append(
             f"parameter 'per_device_train_batch_size' = {params.per_device_train_batch_size}: must be a multiple "

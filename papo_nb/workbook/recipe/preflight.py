@@ -4,6 +4,8 @@ the batch sizes, the dataset's columns, the processor's pixel bounds, and an est
 Every problem names the parameter, its value and what to change. The estimate is arithmetic on the recipe, the
 dataset's length and a sample of real prompt lengths; the memory figure is a lower bound (weights, gradients,
 AdamW states, the reference copy and one micro-batch of completion logits; activations and the KV cache come on top).
+The forecast of every part, for every schema, is ``forecast`` (``papo-nb preflight``), which ``papo-nb train`` and
+``papo-nb run`` apply on ``device: cuda`` before any weight loads.
 """
 
 from __future__ import annotations

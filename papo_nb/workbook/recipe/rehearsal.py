@@ -1,0 +1,153 @@
+"""``papo-nb rehearse``: the GPU run of a params file rehearsed on the CPU at true widths, and its forecast held
+against the measurement part by part.
+
+A random-weight model is built from the published configuration (``architectures``) with K decoder layers and K
+vision blocks, saved with an offline processor (the testbed's tokenizer, the model's real patch and merge sizes), and
+trained for two optimizer steps phase by phase as TRL 1.9.1 runs them for one process (``rehearsal_step``: LoRA
+from the builder's ``lora_config`` or full fine-tuning, bf16 autocast, checkpointing as configured, the reference
+model, the masked branch), with TRL's own log-prob function; not through ``GRPOTrainer`` itself, whose CPU run at
+the Qwen vocabulary stalls in the frozen bf16 lm_head on a sliced input (``rehearsal_step.policy``).
+The micro-batch is kept; the completions, the accumulation steps and the round's rows are shortened to fit the CPU
+(``shortened`` says how). The forecast is computed at the
+shortened settings and the rehearsal's model (one process, no FSDP) and set beside the measurement.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+from papo_nb.workbook.recipe.architectures import published_config, widths, with_depth
+from papo_nb.workbook.recipe.forecast import PARTS, memory_parts, setting
+from papo_nb.workbook.recipe.rehearsal_measure import Measurements
+
+TOLERANCE = 0.15  # the forecast within 15% of the measurement, per part
+REHEARSAL_COMPLETION = 16  # generated tokens per completion on the CPU
+FORECAST_ONLY = ("recompute",)  # checkpointing's own saved-tensor hooks hide the recomputed layer from the rehearsal's
+COMPARED_BELOW = 1024**2  # parts under 1 MiB in both are not held to the tolerance (noise of a few tensors)
+
+
+def rehearsal_folder(params, layers: int, folder: Path) -> Path:
+    """A random-weight bf16 model of ``params``' architecture at ``layers`` depth, and its offline processor."""
+    from transformers import AutoModelForImageTextToText
+
+    from papo_nb.testbed.family_tokens import qwen_vision_token_ids
+    from papo_nb.testbed.models import build_tiny_processor
+
+    config = with_depth(published_config(params.model_name_or_path), layers)
+    if config.model_type != "qwen2_5_vl":
+        raise ValueError(
+            f"parameter 'model_name_or_path' = {params.model_name_or_path!r}: the rehearsal builds Qwen2.5-VL "
+            f"models (its offline processor); allowed: Qwen/Qwen2.5-VL-3B-Instruct, Qwen/Qwen2.5-VL-7B-Instruct"
+        )
+    processor = build_tiny_processor("qwen2_5_vl")
+    tokenizer = processor.tokenizer
+    for name, value in qwen_vision_token_ids(tokenizer).items():
+        setattr(config, name, value)
+    text = config.get_text_config()
+    text.bos_token_id = text.pad_token_id = tokenizer.pad_token_id
+    text.eos_token_id = tokenizer.eos_token_id
+    w = widths(config)
+    image = processor.image_processor
+    image.patch_size, image.merge_size, image.temporal_patch_size = w.patch, w.merge, w.temporal_patch
+    image.size = {"shortest_edge": params.min_pixels, "longest_edge": params.max_pixels}
+    image.min_pixels, image.max_pixels = params.min_pixels, params.max_pixels
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(params.seed)
+        model = AutoModelForImageTextToText.from_config(config, dtype=torch.bfloat16)
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.save_pretrained(folder)
+    processor.save_pretrained(folder)
+    return folder
+
+
+def shortened(params, completion: int) -> tuple[object, dict]:
+    """``params`` cut to the CPU: short completions, one micro-batch per optimizer step, as many optimizer steps
+    per round as the file has (at most 2), two optimizer steps; the micro-batch kept. Returns (params, what)."""
+    per_round = params.steps_per_generation or params.gradient_accumulation_steps
+    steps_per_round = min(2, max(1, per_round // params.gradient_accumulation_steps))
+    update = {
+        "max_completion_length": min(completion, params.max_completion_length),
+        "gradient_accumulation_steps": 1,
+        "steps_per_generation": steps_per_round,
+        "max_steps": 2,
+        "num_processes": 1,
+        "accelerate_config": "",
+        "device": "cpu",
+    }
+    changed = {k: {"file": getattr(params, k), "rehearsal": v} for k, v in update.items() if getattr(params, k) != v}
+    return params.model_copy(update=update), changed
+
+
+def run_rehearsal(params, layers: int, completion: int = REHEARSAL_COMPLETION) -> dict:
+    """Two optimizer steps of ``params`` at ``layers`` depth on the CPU; the measured parts, the forecast at the
+    rehearsal's settings, the phase times and what was shortened."""
+    from papo_nb.workbook.recipe.rehearsal_step import rehearse_step
+
+    short, changed = shortened(params, completion)
+    with tempfile.TemporaryDirectory(prefix="papo_nb_rehearsal_") as tmp:
+        folder = rehearsal_folder(short, layers, Path(tmp) / "model")
+        config = published_config(str(folder))
+        s = setting(params, widths(config))
+        measurements = Measurements(config.get_text_config().vocab_size)
+        with measurements.timed("two_optimizer_steps"):
+            lengths = rehearse_step(short, folder, s.lora, s.checkpointing, measurements)
+    return compare(params, short, s, config, measurements, changed, layers, lengths)
+
+
+def compare(params, short, s_file, config, measurements: Measurements, changed: dict, layers: int, lengths) -> dict:
+    """The forecast at the rehearsal's settings beside the measurement, part by part."""
+    w = widths(config)
+    s = replace(
+        setting(short, w), checkpointing=s_file.checkpointing, use_vllm=False, cpu_attention=True, **lengths,
+    )  # fmt: skip
+    forecast_parts = memory_parts(s, w)
+    table = {}
+    for part in PARTS:
+        measured, forecast = measurements.parts.get(part, 0.0), forecast_parts[part]
+        small = max(measured, forecast) < COMPARED_BELOW or part in FORECAST_ONLY
+        ratio = forecast / measured if measured else (1.0 if not forecast else float("inf"))
+        table[part] = {"forecast_bytes": forecast, "measured_bytes": measured, "ratio": ratio,
+                       "held": small or abs(ratio - 1) <= TOLERANCE}  # fmt: skip
+    return {
+        "model": params.model_name_or_path, "layers": layers, "shortened": changed, "lengths": lengths,
+        "checkpointing": s.checkpointing, "lora": s.lora, "parts": table,
+        "all_held": all(row["held"] for row in table.values()), "seconds": dict(measurements.seconds),
+    }  # fmt: skip
+
+
+def describe(result: dict) -> str:
+    lines = [
+        f"rehearsal of {result['model']} at {result['layers']} layer(s) ({'LoRA' if result['lora'] else 'full'}, "
+        f"checkpointing {'on' if result['checkpointing'] else 'off'}); lengths {result['lengths']}",
+        "shortened: " + ", ".join(f"{k} {v['file']} -> {v['rehearsal']}" for k, v in result["shortened"].items()),
+        f"{'part':<18}{'forecast MiB':>14}{'measured MiB':>14}{'ratio':>8}  held",
+    ]
+    for part, row in result["parts"].items():
+        lines.append(
+            f"{part:<18}{row['forecast_bytes'] / 2**20:>14.1f}{row['measured_bytes'] / 2**20:>14.1f}"
+            f"{row['ratio']:>8.2f}  {'yes' if row['held'] else 'NO'}"
+        )
+    lines.append("seconds: " + ", ".join(f"{k} {v:.1f}" for k, v in result["seconds"].items()))
+    return "\n".join(lines)
+
+
+def rehearse_command(params_file: str, overrides: list[str], layers: list[int], json_file: str | None) -> int:
+    from papo_nb.workbook.config.params import ParamsError, load_params
+
+    try:
+        params = load_params(params_file, overrides)
+        results = [run_rehearsal(params, k) for k in layers]
+    except (ParamsError, ValueError) as exc:
+        print(f"papo-nb rehearse: error: {exc}", flush=True)
+        return 2
+    for result in results:
+        print(describe(result), flush=True)
+    if json_file:
+        Path(json_file).write_text(json.dumps(results, indent=1))
+    return 0 if all(r["all_held"] for r in results) else 1
