@@ -199,7 +199,7 @@ def test_a_checkpointing_the_layout_cannot_follow_runs_the_plain_forward_and_say
     mask = completion_mask(arguments)
     (logps * mask).sum().backward()  # no GroupedLayout ever reaches SDPA
     assert all(p.grad is not None for p in model.model.language_model.layers[0].parameters())
-    unchecked = copy.deepcopy(setup["model"])
+    unchecked = as_the_release_runs(copy.deepcopy(setup["model"]))
     assert sharing.reason_now(unchecked) == trl_seams.packed_path_reason()
     assert grouped_attention.checkpointing_reason(unchecked) is None
 
