@@ -58,7 +58,13 @@ def loss_call(tiny_vlm_path, shapes_dataset, folder, **overrides) -> list[tuple[
     model, processor = load_vlm(str(tiny_vlm_path))
     torch.manual_seed(0)
     model = get_peft_model(model, lora_config(unit_params()))
-    settings = dict(num_generations=G, per_device_train_batch_size=G, report_to="none", perception_loss_weight=0.02)
+    settings = dict(
+        num_generations=G,
+        per_device_train_batch_size=G,
+        report_to="none",
+        perception_loss_weight=0.02,
+        prefix_sharing=False,
+    )  # the path pinned is the plain forward's (sharing: its own tests)
     trainer = tiny_trainer(model, processor, shapes_dataset, folder, **{**settings, **overrides})
     batch = rollout_batch(trainer, shapes_dataset, n_prompts=1, seed=0)
     return adapter_calls(lambda: trainer._compute_loss(trainer.model, batch))
