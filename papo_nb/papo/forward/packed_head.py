@@ -8,11 +8,12 @@ them (its form: ``trl_seams.py``), so that prefix sharing reproduces the release
   entropies, ``selective_log_softmax_and_entropy(..., entropy_requires_grad=gate, temperature=)``, as
   ``_full_logits_logps`` calls them (https://github.com/huggingface/trl/blob/v1.14.2/trl/trainer/grpo_trainer.py).
 - ``fused`` (1.15+): no logits. The policy carries the head ``GRPOTrainer.__init__`` installed
-  (``add_fused_lm_head(temperature=..., outputs=("log_probs", "entropy"))``); the packed row goes through it with
-  ``shift_labels`` (labels scored as given, no shift) holding each needed position's target and -100 elsewhere, so
-  TRL's own tiled kernel projects the backbone's hidden states onto the vocabulary (the needed positions only on a
-  Triton device; every position of the packed row elsewhere, in tiles, as TRL scores the plain rows there) and no
-  ``(rows, tokens, vocab)`` tensor exists. Its entropies keep their graph, as the parent's do on this form.
+  (``add_fused_lm_head(temperature=..., outputs=("log_probs", "entropy"))``); the packed row goes through it, a
+  forward hook on the backbone keeping its last hidden state at the needed positions only (repeats included), with
+  ``shift_labels`` (labels scored as given, no shift) their targets, so TRL's own tiled kernel projects exactly those
+  hidden states onto the vocabulary, on every device, and no ``(rows, tokens, vocab)`` tensor exists (TRL's plain
+  fused forward scores every position off Triton devices). Its entropies keep their graph, as the parent's do on
+  this form. What this relies on inside ``add_fused_lm_head`` is pinned (``trl_seams.FUSED_HEAD_STATEMENTS``).
 
 ``LOGIT_ROWS`` rows of logits at a time on the logits forms: the log-softmax temporaries stay as small as the
 parent's per-sequence loop keeps them.
