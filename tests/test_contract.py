@@ -281,11 +281,13 @@ def test_each_release_form_is_told_apart_by_what_its_method_does(version, form):
     source = _release_source(version)
     assert trl_seams.seam_of(contract.source_methods(source)) is form
     assert contract.static_contract_violations(source) == []
-    assert form.packed_paths is (form is trl_seams.LOGITS)
+    assert form.packed_paths, "prefix sharing reproduces every form (forward/packed_head.py)"
+    assert form.prefill_path is (form is trl_seams.LOGITS)
 
 
-def test_the_installed_form_decides_whether_the_adapters_logits_paths_run():
-    reason = trl_seams.packed_path_reason(GRPOTrainer)
+def test_the_installed_form_decides_whether_the_shared_prefix_runs():
+    assert trl_seams.packed_path_reason(GRPOTrainer) is None
+    reason = trl_seams.prefill_reason(GRPOTrainer)
     form = trl_seams.live_seam(GRPOTrainer)
     assert (reason is None) is (form is trl_seams.LOGITS)
     if reason is not None:
@@ -329,11 +331,12 @@ def test_the_installed_form_decides_whether_the_adapters_logits_paths_run():
             "all_entropies.append(outputs.log_probs[:, -logits_to_keep:])",
             "GRPOTrainer._get_per_token_logps_and_entropies no longer reads outputs.entropy from the fused head",
         ),
-        (  # 1.15+: prefix sharing falls back there, so its round shuffle is no fact of that form
+        (  # 1.15+: prefix sharing runs there (through the fused head), so its round shuffle is that form's fact too
             "1.16.0",
             "generation_batch = shuffle_sequence_dict(generation_batch)",
             "generation_batch = shuffle_rows(generation_batch)",
-            None,
+            "GRPOTrainer._prepare_inputs no longer runs `generation_batch = shuffle_sequence_dict(generation_batch)` "
+            "(prefix sharing relies on it)",
         ),
     ],
 )

@@ -17,7 +17,7 @@ from trl import GRPOTrainer
 from trl.trainer.utils import shuffle_sequence_dict
 
 from papo_nb.papo import PAPOGConfig, PAPOGTrainer
-from papo_nb.papo.forward import attention_cost, grouped_attention, prefix_sharing
+from papo_nb.papo.forward import attention_cost, grouped_attention, packed_head, prefix_sharing
 from papo_nb.papo.forward.plan import forward_plan
 from papo_nb.papo.prompt_identity import group_samples
 from papo_nb.testbed.models import build_tiny_vlm, load_vlm, vision_special_token_ids
@@ -285,7 +285,7 @@ def test_negative_controls_fail_by_far(setup, control, form):
 @pytest.mark.model
 def test_the_trainer_hook_packs_and_falls_back_with_its_reason(setup, caplog, monkeypatch):
     trainer, model, arguments = setup["trainer"], setup["model"], setup["arguments"]
-    monkeypatch.setattr(prefix_sharing, "LOGIT_ROWS", 4)  # the vocabulary head in several pieces here
+    monkeypatch.setattr(packed_head, "LOGIT_ROWS", 4)  # the vocabulary head in several pieces here
     metrics = trainer._metrics["train"]
     metrics[prefix_sharing.METRIC].clear()
     with torch.no_grad():

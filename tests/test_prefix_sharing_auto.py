@@ -23,6 +23,7 @@ from test_prefix_sharing import (
     plain,
     prompt_parts,
 )
+from test_prefix_sharing_checkpointing import as_the_release_runs
 from tiny_trainers import tiny_trainer
 
 from papo_nb.papo import PAPOGConfig, trl_seams
@@ -31,7 +32,7 @@ from papo_nb.papo.forward.plan import forward_plan
 from papo_nb.testbed.models import build_tiny_vlm, load_vlm
 
 LOGGER = "papo_nb.papo.forward.prefix_sharing"
-RELEASE_REASON = trl_seams.packed_path_reason()  # None on TRL 1.9.1-1.13; on 1.14+ why the packed path waits
+RELEASE_REASON = trl_seams.packed_path_reason()  # None on every supported form (packed_head.py); else why it waits
 
 
 def assert_off_for_the_release(trainer, model, arguments, caplog) -> None:
@@ -72,7 +73,7 @@ def qwen25(shapes_dataset, tmp_path_factory):
     adversarial batch of ``test_prefix_sharing.py`` (rows shuffled)."""
     folder = build_tiny_vlm("qwen2_5_vl", cache_dir=tmp_path_factory.mktemp("m"))
     model, processor = load_vlm(str(folder))
-    model.train()
+    model = as_the_release_runs(model.train())  # 1.15+: the fused LM head GRPOTrainer.__init__ installs
     prompts = [prompt_parts(processor, text, sizes, seed) for seed, (text, sizes) in enumerate(PROMPTS)]
     order = torch.randperm(len(COMPLETIONS), generator=torch.Generator().manual_seed(1)).tolist()
     return dict(folder=folder, model=model, processor=processor, dataset=shapes_dataset,

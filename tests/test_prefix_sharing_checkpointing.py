@@ -4,8 +4,9 @@ log-probs and every parameter's gradient equal the plain forward's under the sam
 adversarial batch of ``test_prefix_sharing.py``, transformers' checkpointing reentrant and not, torch's
 ``CheckpointWrapper``); a ``PAPOGTrainer`` with ``PAPOGConfig(prefix_sharing=True)`` and TRL's defaults trains and
 its parameters after two SGD steps equal the plain forward's; a checkpointing the layout cannot follow runs the plain
-forward, and the forward plan says why. On TRL 1.14+ (the packed path falls back to TRL's forward) the trainer test
-checks that training runs and that the forward plan names TRL's forward and the release's reason."""
+forward, and the forward plan says why. On every supported TRL form the packed path runs (1.15+: through the fused
+LM head, ``packed_head.py``); a form it did not reproduce would have the trainer test check that the forward plan
+names TRL's forward and the release's reason."""
 
 import copy
 import inspect
@@ -150,14 +151,14 @@ def test_trls_default_checkpointing_trains_with_sharing_as_the_plain_forward(set
     assert moved > 1e3 * PARAMETER_BOUND and diff <= PARAMETER_BOUND
     shared_flags = [h[prefix_sharing.METRIC] for h in shared.state.log_history if prefix_sharing.METRIC in h]
     release_reason = trl_seams.packed_path_reason()
-    if release_reason is None:  # TRL 1.9.1-1.13: the packed forward ran in every call, under checkpointing
+    if release_reason is None:  # every supported form: the packed forward ran in every call, under checkpointing
         assert plan.log_prob_forward == "packed per prompt group" and shared_flags and set(shared_flags) == {1.0}
         assert "gradient checkpointing on: each checkpointed layer recomputed inside the grouped layout" in (
             plan.log_prob_reason
         )
         assert built_plan.log_prob_reason.endswith("gradient checkpointing off"), "built before train()"
         assert "PAPO-G forward plan at train() start" in caplog.text
-    else:  # TRL 1.14+: TRL's own forward ran, and the plan says so and why
+    else:  # a form prefix sharing does not reproduce: TRL's own forward ran, and the plan says so and why
         assert plan.log_prob_forward == "plain per completion" and plan.log_prob_reason == release_reason
         assert set(shared_flags) <= {0.0}
 
@@ -186,7 +187,7 @@ def test_a_checkpointing_the_layout_cannot_follow_runs_the_plain_forward_and_say
     mask = completion_mask(arguments)
     (logps * mask).sum().backward()  # no GroupedLayout ever reaches SDPA
     assert all(p.grad is not None for p in model.model.language_model.layers[0].parameters())
-    unchecked = copy.deepcopy(setup["model"])
+    unchecked = as_the_release_runs(copy.deepcopy(setup["model"]))
     assert sharing.reason_now(unchecked) == trl_seams.packed_path_reason()
     assert grouped_attention.checkpointing_reason(unchecked) is None
 

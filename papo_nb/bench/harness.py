@@ -171,10 +171,12 @@ def bench_params(seed: int = 0, n_prompts: int = 4, **fields) -> WorkbookParams:
 
 
 def tiny_setup(
-    settings: WorkbookParams, size: str, *, seed: int, cache_dir, work_dir: Path, n_dataset: int, started: float
-) -> BenchSetup:
+    settings: WorkbookParams, size: str, *, seed: int, cache_dir, work_dir: Path, n_dataset: int, started: float,
+    vocab_size: int | None = None,
+) -> BenchSetup:  # fmt: skip
     """A ``BenchSetup`` on the tiny-family model (``settings.model_name_or_path``) of ``size`` with LoRA and a
-    shapes dataset of ``n_dataset`` items; ``started`` is when the setup began (``perf_counter``)."""
+    shapes dataset of ``n_dataset`` items; ``started`` is when the setup began (``perf_counter``); ``vocab_size``:
+    the embeddings and LM head resized to it (a real model's vocabulary at tiny widths)."""
     from peft import get_peft_model
 
     from papo_nb.testbed.models import build_tiny_vlm, load_vlm
@@ -183,6 +185,9 @@ def tiny_setup(
 
     family = settings.model_name_or_path.removeprefix("tiny:")
     model, processor = load_vlm(build_tiny_vlm(family, seed=seed, cache_dir=cache_dir, size=size))
+    if vocab_size is not None:
+        torch.manual_seed(seed)
+        model.resize_token_embeddings(vocab_size, mean_resizing=False)
     n_params = sum(p.numel() for p in model.parameters())
     torch.manual_seed(seed)
     model = get_peft_model(model, lora_config(settings))

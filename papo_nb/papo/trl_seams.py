@@ -19,9 +19,11 @@ adapter's masked branch run. Three forms exist, told apart by what the method do
   ``_entropy_bonus_enabled`` says (huggingface/trl#7077).
 
 The adapter's masked branch calls the parent's method, so it takes TRL's own path on every form (the fused one on
-1.15+). The two paths that call the model themselves and build logits (the shared prompt prefix, prefix sharing)
-reproduce the ``logits`` form's numbers only; on the others they fall back to the parent's method, with one log line
-that says why (``packed_path_reason``). ``contract.py`` pins each form's facts (``seam_violations``).
+1.15+). Prefix sharing computes each form's numbers from its packed rows (``forward/packed_head.py``: logits divided
+by the temperature, 1.14's ``selective_log_softmax(..., temperature=)``, 1.15+'s fused head called with
+``shift_labels`` on the packed rows' needed positions); the shared prompt prefix (``forward/prefill.py``) builds
+logits as 1.9.1 does and falls back to the parent's method on the other forms, with one log line that says why
+(``prefill_reason``). ``contract.py`` pins each form's facts (``seam_violations``).
 """
 
 from __future__ import annotations
@@ -40,34 +42,46 @@ ENTROPY_GRAD_GATE = "_entropy_bonus_enabled"
 FUSED_KEYWORD = "fused_lm_head"
 FUSED_PATCH = "add_fused_lm_head"
 FUSED_OUTPUTS = ("log_probs", "entropy")
+# The fused head's keyword for labels scored as given (no shift): prefix sharing's packed rows name their positions.
+FUSED_UNSHIFTED_LABELS = "shift_labels"
+# What prefix sharing relies on inside add_fused_lm_head's patched forward, as TRL 1.15+ writes it: the backbone is
+# the model's ``base_model`` (transformers 5) called with the forward's arguments, and with ``shift_labels`` its last
+# hidden state is scored against them unshifted, so a hook on the backbone can gather the needed positions.
+FUSED_HEAD_STATEMENTS = (
+    "backbone_attr = 'base_model'",
+    "backbone_outputs = getattr(self, backbone_attr)(*args, **kwargs)",
+    "hidden_states = backbone_outputs.last_hidden_state",
+    "labels = shift_labels",
+)
 
 
 @dataclass(frozen=True)
 class LogpSeam:
     """One form of the parent's log-prob method: ``signature_method`` names its parameters; ``packed_paths`` says
-    whether the adapter's own logits paths (shared prefix, prefix sharing) reproduce its numbers; ``summary`` is the
-    form in a user's words."""
+    whether prefix sharing reproduces its numbers (``forward/packed_head.py``), ``prefill_path`` whether the shared
+    prompt prefix does; ``summary`` is the form in a user's words."""
 
     name: str
     signature_method: str
     packed_paths: bool
     summary: str
+    prefill_path: bool = False
 
 
 LOGITS = LogpSeam(
-    "logits", LOGP_METHOD, True, "log-probs from the model's logits divided by the temperature (as 1.9.1)"
+    "logits", LOGP_METHOD, True, "log-probs from the model's logits divided by the temperature (as 1.9.1)", True
 )
 VARIADIC = LogpSeam(
     "variadic",
     FULL_LOGITS_METHOD,
-    False,
+    True,
     f"{LOGP_METHOD}(model, *args, **kwargs) dispatches to {FULL_LOGITS_METHOD} (temperature inside "
     "selective_log_softmax)",
 )
 FUSED = LogpSeam(
     "fused",
     LOGP_METHOD,
-    False,
+    True,
     "fused LM head: the model returns log-probs and entropies, no logits (temperature inside the model)",
 )
 SEAMS = (LOGITS, VARIADIC, FUSED)
@@ -139,6 +153,29 @@ def seam_violations(seam: LogpSeam, methods: dict[str, ast.FunctionDef | None], 
     return problems
 
 
+def fused_head_violations(patch: ast.FunctionDef | None) -> list[str]:
+    """The facts of the parsed ``add_fused_lm_head`` prefix sharing relies on (``FUSED_HEAD_STATEMENTS``, the
+    patched forward's ``shift_labels`` keyword) that it no longer holds, in words."""
+    if patch is None:
+        return [f"TRL has no {FUSED_PATCH} where GRPOTrainer's module imports it"]
+    inner = [n for n in ast.walk(patch) if isinstance(n, ast.FunctionDef) and n is not patch]
+    problems = []
+    if not any(FUSED_UNSHIFTED_LABELS in [a.arg for a in f.args.kwonlyargs] for f in inner):
+        problems.append(f"{FUSED_PATCH}'s patched forward no longer takes {FUSED_UNSHIFTED_LABELS}=")
+    written = _statements(patch)
+    problems += [f"{FUSED_PATCH} no longer runs `{s}` (prefix sharing relies on it)" for s in FUSED_HEAD_STATEMENTS
+                 if s not in written]  # fmt: skip
+    return problems
+
+
+@functools.cache
+def installed_fused_head_violations(parent_class: type) -> tuple[str, ...]:
+    """``fused_head_violations`` of the ``add_fused_lm_head`` that ``parent_class``'s module calls."""
+    patch = getattr(inspect.getmodule(parent_class), FUSED_PATCH, None)
+    parsed = None if patch is None else ast.parse(textwrap.dedent(inspect.getsource(inspect.unwrap(patch)))).body[0]
+    return tuple(fused_head_violations(parsed))
+
+
 def parsed_method(cls: Any, name: str) -> ast.FunctionDef | None:
     """``cls.name`` parsed (unwrapped from TRL's profiling decorator), or None where the class has no such method."""
     method = getattr(cls, name, None)
@@ -159,12 +196,26 @@ def signature_method(parent_class: type):
     return getattr(parent_class, live_seam(parent_class).signature_method)
 
 
-def packed_path_reason(parent_class: type | None = None) -> str | None:
-    """Why the adapter's own logits paths (shared prefix, prefix sharing) cannot run on the installed TRL, or None."""
+def installed_seam(parent_class: type | None = None) -> LogpSeam:
+    """The form of the installed (or given) parent's log-prob method."""
     if parent_class is None:
         from trl import GRPOTrainer as parent_class
-    seam = live_seam(parent_class)
-    if seam.packed_paths:
+    return live_seam(parent_class)
+
+
+def packed_path_reason(parent_class: type | None = None) -> str | None:
+    """Why prefix sharing cannot run on the installed TRL, or None (it runs on every form, ``packed_paths``)."""
+    return _release_reason(installed_seam(parent_class), "packed_paths")
+
+
+def prefill_reason(parent_class: type | None = None) -> str | None:
+    """Why the shared prompt prefix (the no-grad masked branch, ``forward/prefill.py``) cannot run on the installed
+    TRL, or None."""
+    return _release_reason(installed_seam(parent_class), "prefill_path")
+
+
+def _release_reason(seam: LogpSeam, path: str) -> str | None:
+    if getattr(seam, path):
         return None
     import trl
 

@@ -30,7 +30,7 @@ def core_model(model):
 def model_unsupported_reason(model) -> str | None:
     """Why this model (on the installed TRL) cannot take either prefix path (its family, positions or window), or
     None."""
-    release_reason = trl_seams.packed_path_reason()  # 1.14's and 1.15+'s log-probs are not logits / temperature
+    release_reason = trl_seams.packed_path_reason()  # a log-prob form prefix sharing does not reproduce
     if release_reason is not None:
         return release_reason
     hf_model = core_model(model)

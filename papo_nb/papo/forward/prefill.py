@@ -31,6 +31,7 @@ from typing import Any
 import torch
 from transformers import DynamicCache
 
+from .. import trl_seams
 from ..layouts import sample_row_ranges
 from ..prompt_identity import group_samples
 from .common import core_model, rope_positions, whole_group_chunks
@@ -54,7 +55,7 @@ def plan(args, model) -> Plan:
     choice = args.masked_forward
     if choice == "full":
         return Plan(False, "masked_forward='full'")
-    reason = unsupported_reason(model)
+    reason = trl_seams.prefill_reason() or unsupported_reason(model)  # 1.14+'s log-probs are not logits / temperature
     if reason is None and args.masked_branch_grad:
         reason = "masked_branch_grad=True: the shared prefix is a no-grad path"
     if reason is not None and choice == "shared_prefix":

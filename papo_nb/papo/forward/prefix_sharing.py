@@ -29,7 +29,7 @@ from transformers.utils import logging
 
 from ..contract import PARENT_SHUFFLE_FUNCTION
 from ..prompt_identity import group_samples
-from . import attention_cost, flex_grouped, ranks, self_check
+from . import attention_cost, flex_grouped, packed_head, ranks, self_check
 from .common import core_model, model_unsupported_reason, whole_group_chunks
 from .grouped_attention import checkpointing_description, checkpointing_reason, grouped_attention
 from .grouped_attention import text_config as grouped_text_config
@@ -42,7 +42,6 @@ METRIC = "papo/prefix_shared"  # per log-prob call: 1 packed, 0 plain
 SHARE_METRIC = "papo/prefix_share"  # completions per packed prompt
 COST_METRIC = "papo/prefix_cost_ratio"  # per call: predicted packed / plain forward FLOPs (above 1: plain runs)
 BLOCK_KEY = "papo_prefix_block"  # per row: its block of G rows of one prompt, for the whole-group shuffle
-LOGIT_ROWS = 256  # vocabulary-sized rows per log-softmax call
 # Keywords of layouts other than Qwen-VL's flattened patch rows: a call that carries one runs the plain path.
 OTHER_LAYOUT_KEYWORDS = (
     "pixel_attention_mask",
@@ -152,24 +151,13 @@ def packed_logps_and_entropies(
 
 
 def logps_of_packed(model, batch: PackedBatch, *, temperature: float, compute_entropy: bool, entropy_grad: bool):
-    """``(logps, entropies or None)`` of the needed logits of one packed batch, one value per ``batch.rows``."""
-    from trl.trainer.utils import entropy_from_logits, selective_log_softmax
-
+    """``(logps, entropies or None)`` of the needed positions of one packed batch, one value per ``batch.rows``, as
+    the installed release computes them (``packed_head.py``: logits, 1.14's variadic method, 1.15+'s fused head)."""
     with grouped_attention(core_model(model), batch.layout):
-        picked = model(**batch.model_inputs, use_cache=False).logits[0]  # the needed positions only
-    picked.div_(temperature)  # in place, as the parent divides its logits
-    # LOGIT_ROWS rows at a time: the log-softmax temporaries stay as small as the parent's per-sequence loop keeps them
-    logps = torch.cat(
-        [
-            selective_log_softmax(rows[None], targets[None])[0]
-            for rows, targets in zip(picked.split(LOGIT_ROWS), batch.targets.split(LOGIT_ROWS), strict=True)
-        ]
-    )
-    entropies = None
-    if compute_entropy:
-        with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
-            entropies = entropy_from_logits(picked)
-    return logps, entropies
+        return packed_head.logps_and_entropies(
+            model, batch.model_inputs, batch.targets,
+            temperature=temperature, compute_entropy=compute_entropy, entropy_grad=entropy_grad,
+        )  # fmt: skip
 
 
 def bound_arguments(parent_method, trainer, args, kwargs) -> dict[str, Any]:
@@ -213,7 +201,7 @@ class PrefixSharing:
 
     def reason_now(self, model) -> str | None:
         """Why ``model`` as it is now cannot take the packed path (the static reason first), or None."""
-        return self.reason or checkpointing_reason(core_model(model))
+        return self.reason or checkpointing_reason(core_model(model)) or packed_head.release_reason(model)
 
     def supported_description(self, model) -> str:
         """What the packed path runs with on ``model`` now (``reason_now`` None), and under ``"auto"`` what its
