@@ -12,7 +12,7 @@ import pytest
 
 from papo_nb.workbook.config.params import load_params
 from papo_nb.workbook.recipe.architectures import published_config, widths
-from papo_nb.workbook.recipe.forecast import GIB, forecast, layer_bytes, memory_parts, setting
+from papo_nb.workbook.recipe.forecast import GIB, forecast, layer_bytes, memory_parts, peak, persistent_parts, setting
 from papo_nb.workbook.recipe.forecast_report import GPU_MEMORY_ENV, as_dict, verdict
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -42,7 +42,7 @@ def test_full_fsdp2_shards_fp32_master_weights_and_an_fp32_reference():
 
 
 def test_generation_holds_the_rounds_kv_cache_in_one_generate_call():
-    params = load_params(PAPO_3B)
+    params = load_params(PAPO_3B, ["use_vllm=false"])  # TRL's model.generate (the recipe colocates vLLM)
     parts = forecast(params, 80 * GIB, W3B).parts
     rows = 5 * 192  # per_device_train_batch_size x steps_per_generation
     kv_per_token = 36 * 2 * 2 * 128 * 2  # layers x (k, v) x kv heads x head_dim x bf16
@@ -52,21 +52,35 @@ def test_generation_holds_the_rounds_kv_cache_in_one_generate_call():
     assert parts["generation"] == rows * ((4096 + 2048) * kv_per_token + 151_936 * 10) + prefill
     s = replace(setting(params, W3B), use_vllm=True, vllm_share=0.3)
     assert memory_parts(s, W3B, 80 * GIB)["generation"] == 0.3 * 80 * GIB
+    assert memory_parts(replace(s, vllm_mode="server"), W3B, 80 * GIB)["generation"] == 0  # on GPUs of its own
+
+
+def test_a_colocated_vllm_engine_holds_its_share_through_training():
+    fc = forecast(load_params(PAPO_3B), 80 * GIB, W3B)  # the recipe: vLLM colocated, no sleep mode
+    assert fc.setting.use_vllm and fc.parts["generation"] == 0.3 * 80 * GIB
+    held = sum(fc.parts[p] for p in ("weights", "gradients", "optimizer", "reference", "round_tensors", "generation"))
+    train = sum(fc.parts[p] for p in ("activations", "recompute", "logprob_forward"))
+    assert fc.peak_phase == "train" and fc.total == pytest.approx(held + train)
+    asleep = forecast(load_params(PAPO_3B), 80 * GIB, W3B)
+    asleep.setting.vllm_sleep = True
+    assert peak(asleep.parts, persistent_parts(asleep.setting))[0] == pytest.approx(fc.total - fc.parts["generation"])
 
 
 def test_checkpointing_keeps_one_hidden_state_per_layer():
     s = setting(load_params(GPU_YAML), W3B)
     on = memory_parts(replace(s, checkpointing=True), W3B)["activations"]
     off = memory_parts(replace(s, checkpointing=False), W3B)["activations"]
-    tokens = 20 * (1024 + 1024)
+    assert (s.micro_batch, s.tokens, s.patches_per_row) == (10, 4096 + 1024, 1003520 // 14**2)
+    tokens = s.micro_batch * s.tokens
     assert off == tokens * (36 * layer_bytes(W3B, lora=True) + 4 * 2048)  # LoRA without checkpointing: no vision
-    assert on == tokens * (36 * 2 * 2048 + 4 * 2048) + 20 * 64 * (32 * 2 * 1280 + 6 * 1280)  # bf16 inputs, final norm
+    vision = s.micro_batch * s.patches_per_row * (32 * 2 * 1280 + 6 * 1280)  # each block's bf16 input (input grads)
+    assert on == tokens * (36 * 2 * 2048 + 4 * 2048) + vision  # bf16 layer inputs, the final norm
     assert memory_parts(replace(s, checkpointing=True), W3B)["recompute"] == tokens * layer_bytes(W3B, lora=True)
     assert 95 * 1024 < layer_bytes(W3B, lora=True) < 110 * 1024  # the issue measured about 106 KiB at 3B widths
 
 
 def test_verdict_names_the_largest_part_and_its_fix():
-    fc = forecast(load_params(PAPO_3B), 80 * GIB, W3B)
+    fc = forecast(load_params(PAPO_3B, ["use_vllm=false"]), 80 * GIB, W3B)
     v = verdict(fc)
     assert v["fits"] is False and v["part"] == "generation" and "use_vllm" in v["change"]
     assert verdict(forecast(load_params(GPU_YAML), 80 * GIB, W3B))["fits"] is True
@@ -104,7 +118,7 @@ def test_train_refuses_before_loading_when_the_run_cannot_fit(tmp_path):
     refused = cli(*args, "--gpu-memory", "24")
     assert refused.returncode == 2
     assert "the run does not fit in GPU memory" in refused.stderr
-    assert "the logprob_forward part needs 29.0 GiB" in refused.stderr  # the part and its size
+    assert "the logprob_forward part needs 14.5 GiB" in refused.stderr  # the part and its size
     assert "the GPU's 24.0 GiB" in refused.stderr and "lower per_device_train_batch_size" in refused.stderr
     assert not (tmp_path / "run").exists()  # nothing written, nothing loaded
     enough = cli(*args, "--gpu-memory", "141")
@@ -116,7 +130,7 @@ def test_train_refuses_before_loading_when_the_run_cannot_fit(tmp_path):
 def test_run_checks_the_memory_too(monkeypatch):
     from papo_nb.workbook.config.machine_checks import preflight_problems
 
-    params = load_params(PAPO_3B)
+    params = load_params(PAPO_3B, ["use_vllm=false"])
     monkeypatch.setenv(GPU_MEMORY_ENV, "80")
     problems = preflight_problems(params)
     assert any("the generation part needs 475.7 GiB" in p and "use_vllm" in p for p in problems), problems

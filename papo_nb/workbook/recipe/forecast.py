@@ -19,7 +19,8 @@ What each part counts, per GPU (P parameters, N processes, B the micro-batch, T 
 - generation: TRL 1.9.1 without vLLM generates the round's rows (B x steps_per_generation) in one
   ``model.generate``: their bf16 KV cache at full length, the next-token logits and probabilities and the prefill's
   one-layer transient; with
-  vLLM colocated, its ``vllm_gpu_memory_utilization`` share of the GPU.
+  vLLM colocated, its ``vllm_gpu_memory_utilization`` share of the GPU, held through training too (persistent
+  unless sleep mode); a vLLM server's GPUs are not this one's.
 - round_tensors: the round's buffered inputs: fp32 pixel_values of every row, ids and masks (int64), and three
   fp32 per-token log-prob vectors (old, reference, masked).
 - probe: the gamma-zero probe's float64 vectors of every trainable parameter (``PROBE_VECTORS``; sharded).
@@ -58,7 +59,13 @@ LOGPROB_BYTES = 10  # per completion logit: fp32 copy kept for the backward (4),
 MASKED_BYTES = 6  # per completion logit, no grad: bf16 logits and their fp32 copy
 GENERATION_VOCAB_BYTES = 10  # per row: the next token's bf16 logits, their fp32 copy and fp32 probabilities
 # TRL's defaults for parameters other branches add to the params (read with getattr so either merge works).
-TRL_DEFAULTS = {"gradient_checkpointing": True, "use_vllm": False, "vllm_gpu_memory_utilization": 0.3}
+TRL_DEFAULTS = {
+    "gradient_checkpointing": True,
+    "use_vllm": False,
+    "vllm_gpu_memory_utilization": 0.3,
+    "vllm_mode": "colocate",
+    "vllm_enable_sleep_mode": False,
+}
 
 
 def layer_bytes(w: Widths, lora: bool) -> int:
@@ -101,6 +108,8 @@ class Setting:
     checkpointing: bool
     use_vllm: bool
     vllm_share: float
+    vllm_mode: str  # colocate: the engine shares this GPU; server: it runs on other GPUs
+    vllm_sleep: bool  # colocate with sleep mode: the engine's memory is released during training
     beta: float
     masked_branch: bool
     probe: bool
@@ -136,6 +145,8 @@ def setting(params, w: Widths) -> Setting:
         checkpointing=bool(getattr(params, "gradient_checkpointing", TRL_DEFAULTS["gradient_checkpointing"])),
         use_vllm=bool(getattr(params, "use_vllm", TRL_DEFAULTS["use_vllm"])),
         vllm_share=float(getattr(params, "vllm_gpu_memory_utilization", TRL_DEFAULTS["vllm_gpu_memory_utilization"])),
+        vllm_mode=str(getattr(params, "vllm_mode", TRL_DEFAULTS["vllm_mode"])),
+        vllm_sleep=bool(getattr(params, "vllm_enable_sleep_mode", TRL_DEFAULTS["vllm_enable_sleep_mode"])),
         beta=params.beta,
         masked_branch=params.perception_loss_weight > 0 or params.masked_entropy_weight > 0,
         probe=params.require_gpu_contract_probe,
@@ -205,8 +216,8 @@ def recompute_bytes(s: Setting, w: Widths) -> float:
 
 
 def generation_bytes(s: Setting, w: Widths, gpu_memory: float | None) -> float:
-    if s.use_vllm:
-        return s.vllm_share * gpu_memory if gpu_memory else 0.0
+    if s.use_vllm:  # a vLLM server generates on GPUs of its own
+        return s.vllm_share * gpu_memory if gpu_memory and s.vllm_mode == "colocate" else 0.0
     kv_per_token = w.layers * 2 * w.kv_heads * w.head_dim * 2  # keys and values, bf16
     # The prefill's transient peak, one layer (block) at a time: the MLP's gate, up and activation outputs (bf16) and
     # the norm's fp32 input, for the round's prompt tokens, or for all its images' patches in the vision tower first.
@@ -241,11 +252,18 @@ def memory_parts(s: Setting, w: Widths, gpu_memory: float | None = None) -> dict
     return {name: float(parts[name]) for name in PARTS}
 
 
-def peak(parts: dict[str, float]) -> tuple[float, str]:
-    """(peak bytes, the phase at the peak): the persistent parts plus the largest phase."""
-    persistent = sum(parts[p] for p in PERSISTENT)
-    phase, size = max(((name, sum(parts[p] for p in members)) for name, members in PHASES.items()), key=lambda x: x[1])
-    return persistent + size, phase
+def persistent_parts(s: Setting) -> tuple[str, ...]:
+    """The parts held for the whole step: a colocated vLLM engine keeps its share of the GPU through training too
+    (TRL 1.9.1 frees it only with ``vllm_enable_sleep_mode``, off by default)."""
+    return PERSISTENT + (("generation",) if s.use_vllm and s.vllm_mode == "colocate" and not s.vllm_sleep else ())
+
+
+def peak(parts: dict[str, float], persistent: tuple[str, ...] = PERSISTENT) -> tuple[float, str]:
+    """(peak bytes, the phase at the peak): the ``persistent`` parts plus the largest phase."""
+    held = sum(parts[p] for p in persistent)
+    phases = {name: sum(parts[p] for p in members if p not in persistent) for name, members in PHASES.items()}
+    phase = max(phases, key=phases.get)
+    return held + phases[phase], phase
 
 
 @dataclass
@@ -265,5 +283,5 @@ def forecast(params, gpu_memory: float | None = None, w: Widths | None = None) -
     w = w or widths(published_config(params.model_name_or_path))
     s = setting(params, w)
     parts = memory_parts(s, w, gpu_memory)
-    total, phase = peak(parts)
+    total, phase = peak(parts, persistent_parts(s))
     return Forecast(params.model_name_or_path, s, w, parts, total, phase, gpu_memory)

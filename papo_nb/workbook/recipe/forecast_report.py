@@ -8,7 +8,7 @@ import os
 import sys
 from dataclasses import asdict
 
-from papo_nb.workbook.recipe.forecast import GIB, PARTS, PERSISTENT, Forecast, forecast
+from papo_nb.workbook.recipe.forecast import GIB, PARTS, Forecast, forecast
 
 GPU_MEMORY_ENV = "PAPO_NB_GPU_MEMORY_GIB"  # simulates the GPU's memory (GiB) where none is, or overrides it
 USABLE = 0.92  # of a GPU's memory the forecast may fill: CUDA context, NCCL buffers and fragmentation take the rest
@@ -31,7 +31,7 @@ def advice(fc: Forecast, part: str) -> str:
         return "lower per_device_train_batch_size (raise gradient_accumulation_steps to keep the batch)"
     if part == "generation":
         if s.use_vllm:
-            return "lower vllm_gpu_memory_utilization"
+            return "lower vllm_gpu_memory_utilization, or vllm_mode: server (vLLM on GPUs of its own)"
         return (
             "set use_vllm: true (colocated vLLM holds the cache in a fixed share), or lower steps_per_generation "
             "(TRL generates the round's rows in one model.generate)"
@@ -53,9 +53,9 @@ def advice(fc: Forecast, part: str) -> str:
 
 def largest_part(fc: Forecast) -> str:
     """The part to shrink first: the largest of the persistent parts and the phase at the peak."""
-    from papo_nb.workbook.recipe.forecast import PHASES
+    from papo_nb.workbook.recipe.forecast import PHASES, persistent_parts
 
-    members = [*PERSISTENT, *PHASES[fc.peak_phase]]
+    members = [*persistent_parts(fc.setting), *PHASES[fc.peak_phase]]
     return max(members, key=lambda p: fc.parts[p])
 
 
