@@ -334,7 +334,7 @@ def _cmd_rehearse(subparsers: Subparsers) -> None:
     p.add_argument("--json", metavar="FILE", default=None, help="write forecast and measurement per part to FILE")
 
     def handler(args: argparse.Namespace) -> int:
-        from papo_nb.workbook.recipe.rehearsal import rehearse_command
+        from papo_nb.bench.rehearsal import rehearse_command
 
         return rehearse_command(args.params_file, args.overrides, args.layers, args.json)
 

@@ -5,8 +5,8 @@ from pathlib import Path
 
 import pytest
 
+from papo_nb.bench.rehearsal import TOLERANCE, describe, run_rehearsal
 from papo_nb.workbook.config.params import load_params
-from papo_nb.workbook.recipe.rehearsal import TOLERANCE, describe, run_rehearsal
 
 ROOT = Path(__file__).resolve().parents[1]
 HELD = ("weights", "gradients", "optimizer", "activations", "logprob_forward", "masked_forward", "generation",

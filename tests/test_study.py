@@ -136,6 +136,10 @@ def test_a_study_run_that_logs_a_zero_kl_while_measuring_fails():
 
     zeros, measured = logs(kl=lambda s: 0.0), logs(kl=lambda s: 0.01 * s)
     assert not perception_kl_measured(zeros) and perception_kl_measured(measured)
+    # a confident policy's KL rounds to 0 in fp32 while its masked entropy still moves: the branch ran
+    rounded = [{"perception_kl": 0.0, "masked_entropy": 0.05006, "original_entropy": 0.05008}]
+    assert perception_kl_measured(rounded)
+    assert not perception_kl_measured([{"perception_kl": 0.0, "masked_entropy": 0.05, "original_entropy": 0.05}])
     on, off = SimpleNamespace(measure_perception_kl=True), SimpleNamespace(measure_perception_kl=False)
     with pytest.raises(RuntimeError, match="grpo .*seed 3.*measure_perception_kl=True.*0 at all 30 steps"):
         require_measured_kl(on, "grpo", 3, 0.0, zeros)

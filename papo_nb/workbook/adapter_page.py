@@ -93,7 +93,7 @@ def config_markdown() -> str:
     lines = ["| field | type | default | help |", "|---|---|---|---|"]
     for field in papo_config.papo_fields():
         choices = field.metadata.get("choices")
-        help_text = field.metadata.get("help", "") + (f" Choices: {', '.join(choices)}." if choices else "")
+        help_text = field.metadata.get("help", "") + (f" Choices: {', '.join(map(repr, choices))}." if choices else "")
         cell_type, help_cell = (text.replace("|", "\\|") for text in (str(field.type), help_text))
         lines.append(f"| `{field.name}` | `{cell_type}` | {_default(field)} | {help_cell} |")
     return "\n".join(lines) + "\n"

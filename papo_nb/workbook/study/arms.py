@@ -62,6 +62,7 @@ STEP_METRICS = (
     "perception_kl",
     "entropy",
     "masked_entropy",
+    "original_entropy",  # beside masked_entropy: the masked branch ran where they differ (perception_kl_measured)
     "clip_ratio/high_mean",
     "perception_gamma",
     "vppo/kept_token_share",
@@ -177,9 +178,16 @@ def _step_rows(log_history: list[dict]) -> list[dict]:
 
 
 def perception_kl_measured(step_logs: list[dict]) -> bool:
-    """True when the masked branch ran: some logged perception KL is not 0. A skipped branch logs exactly 0 at every
-    step, which a real KL between two forwards on different images never is."""
-    return any(row.get("perception_kl", 0.0) != 0.0 for row in step_logs)
+    """True when the masked branch ran: some logged perception KL is not 0, or the masked entropy differs from the
+    original one. A skipped branch logs neither (older runs logged a KL of 0 and the original entropy under the
+    masked name); a confident policy's real KL can round to 0 in fp32 at every step, its two entropies do not meet."""
+
+    def entropies_differ(row: dict) -> bool:
+        return (
+            "masked_entropy" in row and "original_entropy" in row and row["masked_entropy"] != row["original_entropy"]
+        )
+
+    return any(row.get("perception_kl", 0.0) != 0.0 or entropies_differ(row) for row in step_logs)
 
 
 def require_measured_kl(params: WorkbookParams, arm: str, seed: int, gamma: float, step_logs: list[dict]) -> None:

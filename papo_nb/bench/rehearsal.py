@@ -21,9 +21,9 @@ from pathlib import Path
 
 import torch
 
+from papo_nb.bench.rehearsal_measure import Measurements
 from papo_nb.workbook.recipe.architectures import published_config, widths, with_depth
 from papo_nb.workbook.recipe.forecast import PARTS, memory_parts, setting
-from papo_nb.workbook.recipe.rehearsal_measure import Measurements
 
 TOLERANCE = 0.15  # the forecast within 15% of the measurement, per part
 REHEARSAL_COMPLETION = 16  # generated tokens per completion on the CPU
@@ -87,7 +87,7 @@ def shortened(params, completion: int) -> tuple[object, dict]:
 def run_rehearsal(params, layers: int, completion: int = REHEARSAL_COMPLETION) -> dict:
     """Two optimizer steps of ``params`` at ``layers`` depth on the CPU; the measured parts, the forecast at the
     rehearsal's settings, the phase times and what was shortened."""
-    from papo_nb.workbook.recipe.rehearsal_step import rehearse_step
+    from papo_nb.bench.rehearsal_step import rehearse_step
 
     short, changed = shortened(params, completion)
     with tempfile.TemporaryDirectory(prefix="papo_nb_rehearsal_") as tmp:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from papo_nb.workbook.recipe.rehearsal_measure import Measurements, nested_tensors, storage_bytes
+from papo_nb.bench.rehearsal_measure import Measurements, nested_tensors, storage_bytes
 
 
 def policy(params, folder: Path, lora: bool, checkpointing: bool):
