@@ -304,7 +304,7 @@ def _cmd_preflight(subparsers: Subparsers) -> None:
     def handler(args: argparse.Namespace) -> int:
         from papo_nb.workbook.config.params import ParamsError, load_params
         from papo_nb.workbook.recipe.forecast import forecast
-        from papo_nb.workbook.recipe.forecast_report import as_dict, describe, gpu_memory_here
+        from papo_nb.workbook.recipe.forecast_report import as_dict, describe, gpu_memory_here, verdict
 
         _simulate_gpu_memory(args)
         overrides = [*args.overrides, *([f"num_processes={args.gpus}"] if args.gpus else [])]
@@ -314,7 +314,7 @@ def _cmd_preflight(subparsers: Subparsers) -> None:
             print(f"papo-nb preflight: error: {exc}", file=sys.stderr)
             return 2
         print(json.dumps(as_dict(fc), indent=1) if args.json else describe(fc))
-        return 1 if as_dict(fc)["verdict"]["fits"] is False else 0
+        return 1 if verdict(fc)["fits"] is False else 0
 
     p.set_defaults(handler=handler)
 

@@ -118,7 +118,9 @@ def as_dict(fc: Forecast) -> dict:
 def describe(fc: Forecast) -> str:
     """The table ``papo-nb preflight`` prints."""
     s, d = fc.setting, as_dict(fc)
-    engine = f"vLLM colocate ({s.vllm_share:.0%} of the GPU)" if s.use_vllm else "HF model.generate (TRL, no vLLM)"
+    engine = "HF model.generate (TRL, no vLLM)"
+    if s.use_vllm:
+        engine = f"vLLM colocate ({s.vllm_share:.0%} of the GPU)" if s.vllm_mode == "colocate" else "vLLM server"
     lines = [
         f"model {fc.model}: {fc.widths.parameters / 1e9:.2f}B parameters, {fc.widths.layers} layers",
         f"parallelism: {s.processes} process(es), {'FSDP2 sharded' if s.fsdp else 'replicated (DDP or one GPU)'}",
