@@ -52,9 +52,11 @@ class GenerateClock:
         model.generate = timed
 
 
-def wide_setup(
+def model_setup(
     layout: Layout,
     *,
+    family: str,
+    size: str,
     n_prompts: int,
     steps: int,
     image_px: int,
@@ -64,11 +66,13 @@ def wide_setup(
     cache_dir,
     device: str,
 ) -> harness.BenchSetup:
-    """The wide LoRA model and its processor for ``layout``'s batches, on ``device``, its images at ``image_px``."""
+    """The tiny-family LoRA model (``family`` at ``size``) and its processor for ``layout``'s batches, on
+    ``device``, its images at ``image_px``."""
     rows = n_prompts * layout.group_size
     settings = harness.bench_params(
         seed,
         n_prompts,
+        model_name_or_path=f"tiny:{family}",
         num_generations=layout.group_size,
         per_device_train_batch_size=rows,
         max_completion_length=completion,
@@ -77,7 +81,7 @@ def wide_setup(
     )
     setup = harness.tiny_setup(
         settings,
-        "wide",
+        size,
         seed=seed,
         cache_dir=cache_dir,
         work_dir=work,
@@ -124,6 +128,7 @@ def one_run(trainer, clock: GenerateClock, device: str, steps: int) -> dict[str,
     """One ``train()`` of ``steps`` optimizer steps; per-step numbers from its wall and process CPU time, the
     generate clock and the trainer's masked-branch clock (``*_cpu_s``: CPU seconds, robust to a shared machine)."""
     from papo_nb.papo.forward import prefill as shared_prefix
+    from papo_nb.papo.forward import prefix_sharing
 
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     branch = getattr(getattr(trainer, "masked_branch", None), "clock", None)
@@ -143,6 +148,8 @@ def one_run(trainer, clock: GenerateClock, device: str, steps: int) -> dict[str,
     shares = [
         row[shared_prefix.SHARE_METRIC] for row in trainer.state.log_history if shared_prefix.SHARE_METRIC in row
     ]
+    # the fraction of log-prob calls that ran packed (None: a trainer without prefix sharing, TRL's own)
+    packed = [row[prefix_sharing.METRIC] for row in trainer.state.log_history if prefix_sharing.METRIC in row]
     generate, generate_cpu = clock.seconds - before[0], clock.cpu_seconds - before[1]
     masked = (branch.seconds - before[2]) if branch else 0.0
     masked_cpu = (branch.cpu_seconds - before[3]) if branch else 0.0
@@ -155,6 +162,7 @@ def one_run(trainer, clock: GenerateClock, device: str, steps: int) -> dict[str,
         no_sampling_cpu_s=(cpu - generate_cpu) / n,
         masked_cpu_s=masked_cpu / n,
         share=statistics.fmean(shares) if shares else None,
+        packed=statistics.fmean(packed) if packed else (0.0 if hasattr(trainer, "prefix_sharing") else None),
         steps=n,
     )
 
@@ -236,14 +244,17 @@ MEDIAN_KEYS = (
 def median_run(samples: list[dict[str, Any]]) -> dict[str, Any]:
     """The median of each timing over a variant's runs, and the mean masked-branch share where one was measured."""
     row: dict[str, Any] = {key: statistics.median(s[key] for s in samples) for key in MEDIAN_KEYS}
-    shares = [s["share"] for s in samples if s["share"] is not None]
-    row["share"] = statistics.fmean(shares) if shares else None
+    for key in ("share", "packed"):
+        measured = [s[key] for s in samples if s[key] is not None]
+        row[key] = statistics.fmean(measured) if measured else None
     return row
 
 
 def measure_layout(layout: Layout, args, work: Path) -> dict[str, Any]:
-    setup = wide_setup(
+    setup = model_setup(
         layout,
+        family=args.family,
+        size=args.size,
         n_prompts=args.prompts,
         steps=args.steps,
         image_px=args.image_px,
@@ -269,6 +280,8 @@ def measure_layout(layout: Layout, args, work: Path) -> dict[str, Any]:
         steps_per_round=layout.steps_per_round,
         rows_per_step=args.prompts * layout.group_size,
         n_params=setup.n_params,
+        # as the timed train() calls left the model: TRL turns checkpointing on at train() start (its default)
+        gradient_checkpointing=bool(core_model(model).is_gradient_checkpointing),
         **shape,
     )
     out["flop_bound"] = flop_bound(shape["P"], shape["R"], layout.group_size)
@@ -278,6 +291,8 @@ def measure_layout(layout: Layout, args, work: Path) -> dict[str, Any]:
         out[name]["peak_mib"] = peaks.get(name)
         out[name]["flop_ratio"] = flop_ratio(name, shape["P"], shape["R"], layout.group_size, steps, widths)
         out[name]["flop_ratio_tokens"] = flop_ratio(name, shape["P"], shape["R"], layout.group_size, steps)
+        plan = getattr(trainers[name], "forward_plan", None)  # as it stood after the runs (TRL's GRPO: none)
+        out[name]["forward_plan"] = None if plan is None else plan.describe()
     stored = args.prompts * layout.group_size * layout.steps_per_round * shape["R"] * 4
     out["stored_branch_kib_per_round"] = stored / 1024  # rows x completion tokens fp32, what the rollout path keeps
     pairs = [(name, "grpo") for name in args.variants if name != "grpo"]
