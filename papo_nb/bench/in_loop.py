@@ -159,6 +159,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--size", default="wide", choices=("tiny", "wide"), help="wide: Qwen2-VL and Qwen2.5-VL only")
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     parser.add_argument("--no-memory", dest="memory", action="store_false")
+    parser.add_argument("--memory-repeats", type=int, default=1, help="peak measurements per variant (median)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--cache-dir", default=None)
     parser.add_argument("--out", type=Path, default=None)
@@ -196,6 +197,7 @@ def main(argv: list[str] | None = None) -> int:
         threads=torch.get_num_threads(),
         repeats=args.repeats,
         warmup=args.warmup,
+        memory_repeats=args.memory_repeats if args.memory else 0,
         prompts=args.prompts,
         steps=args.steps,
         load_before=[round(x, 2) for x in os.getloadavg()],

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from papo_nb.bench import harness
+from papo_nb.bench.memory import status_kib
 from papo_nb.papo.forward import attention_cost
 from papo_nb.papo.forward.common import core_model
 from papo_nb.papo.forward.grouped_attention import text_config
@@ -35,10 +36,12 @@ LAYOUTS = tuple(Layout(g, k) for g in (5, 8) for k in (1, 3))
 
 
 class GenerateClock:
-    """Wall and process CPU seconds spent inside ``model.generate`` (an instance attribute wrapping the method)."""
+    """Wall and process CPU seconds spent inside ``model.generate`` (an instance attribute wrapping the method); while
+    ``high_water_kib`` is a list, the resident high-water mark after each call is appended to it (``peak_mib``)."""
 
     def __init__(self, model):
         self.seconds = self.cpu_seconds = 0.0
+        self.high_water_kib: list[int] | None = None
         inner = model.generate
 
         def timed(*args, **kwargs):
@@ -48,6 +51,8 @@ class GenerateClock:
             finally:
                 self.seconds += time.perf_counter() - wall
                 self.cpu_seconds += time.process_time() - cpu
+                if self.high_water_kib is not None:
+                    self.high_water_kib.append(status_kib("VmHWM"))
 
         model.generate = timed
 
@@ -204,15 +209,39 @@ def flop_ratio(variant: str, P: float, R: float, G: int, steps_per_round: int, w
     }[variant]
 
 
-def peak_mib(trainer, device: str, steps: int) -> float:
+def peak_mib(trainer, clock: GenerateClock, device: str, steps: int) -> tuple[float, float | None]:
     """Peak memory above the start of a ``train()`` of ``steps`` steps (one round: the rollout pass included): the
     CUDA allocator's peak on a GPU, resident memory on the CPU (``memory.rss_peak``; torch's profiler events, exact
-    but kept per allocation, outgrew the machine at R 1024)."""
+    but kept per allocation, outgrew the machine at R 1024); and on the CPU the resident high-water mark reached by
+    the end of the sampling call (which every variant makes alike), above the same start (None on a GPU)."""
     from papo_nb.bench.memory import cuda_peak, rss_peak
 
     trainer.args.max_steps = steps
-    peak = cuda_peak if device == "cuda" else rss_peak
-    return peak(trainer.train)["peak_bytes"] / 2**20
+    if device == "cuda":
+        return cuda_peak(trainer.train)["peak_bytes"] / 2**20, None
+    clock.high_water_kib = []
+    try:
+        measured = rss_peak(trainer.train)
+    finally:
+        sampled, clock.high_water_kib = max(clock.high_water_kib), None
+    return measured["peak_bytes"] / 2**20, (sampled * 1024 - measured["rss_before_bytes"]) / 2**20
+
+
+def peaks_mib(trainers: dict, clock: GenerateClock, args, steps: int) -> dict[str, dict[str, Any]]:
+    """``args.memory_repeats`` peak measurements per variant, interleaved: their median and every run's peak and
+    sampling high-water mark (a tiny model's RSS peaks differ by a few MiB from run to run)."""
+    runs: dict[str, list[tuple[float, float | None]]] = {name: [] for name in trainers}
+    for _ in range(args.memory_repeats):
+        for name, trainer in trainers.items():
+            runs[name].append(peak_mib(trainer, clock, args.device, steps))
+    return {
+        name: dict(
+            peak_mib=statistics.median(peak for peak, _ in measured),
+            peak_mib_runs=[peak for peak, _ in measured],
+            sampling_peak_mib_runs=[sampled for _, sampled in measured],
+        )
+        for name, measured in runs.items()
+    }
 
 
 def interleaved_runs(trainers: dict, clock: GenerateClock, layout: Layout, args) -> dict[str, list[dict[str, Any]]]:
@@ -273,7 +302,7 @@ def measure_layout(layout: Layout, args, work: Path) -> dict[str, Any]:
     shape = token_shape(papo, trainers["grpo"].train_dataset, args.prompts * layout.steps_per_round)
     runs = interleaved_runs(trainers, clock, layout, args)
     steps = layout.steps_per_round
-    peaks = {name: peak_mib(trainers[name], args.device, steps) for name in args.variants} if args.memory else {}
+    peaks = peaks_mib(trainers, clock, args, steps) if args.memory else {}
     out: dict[str, Any] = dict(
         layout=layout.name,
         G=layout.group_size,
@@ -288,7 +317,7 @@ def measure_layout(layout: Layout, args, work: Path) -> dict[str, Any]:
     widths = attention_cost.TextWidths.of(text_config(core_model(model)))
     for name in args.variants:
         out[name] = median_run(runs[name])
-        out[name]["peak_mib"] = peaks.get(name)
+        out[name].update(peaks.get(name, dict(peak_mib=None)))
         out[name]["flop_ratio"] = flop_ratio(name, shape["P"], shape["R"], layout.group_size, steps, widths)
         out[name]["flop_ratio_tokens"] = flop_ratio(name, shape["P"], shape["R"], layout.group_size, steps)
         plan = getattr(trainers[name], "forward_plan", None)  # as it stood after the runs (TRL's GRPO: none)
