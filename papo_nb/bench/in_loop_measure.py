@@ -310,7 +310,7 @@ def measure_layout(layout: Layout, args, work: Path) -> dict[str, Any]:
         rows_per_step=args.prompts * layout.group_size,
         n_params=setup.n_params,
         # as the timed train() calls left the model: TRL turns checkpointing on at train() start (its default)
-        gradient_checkpointing=bool(core_model(model).is_gradient_checkpointing),
+        gradient_checkpointing=bool(core_model(model).is_activation_checkpointing),
         **shape,
     )
     out["flop_bound"] = flop_bound(shape["P"], shape["R"], layout.group_size)
