@@ -364,3 +364,7 @@ def test_in_loop_benchmark_reports_every_variant_and_ratio(tmp_path):
         assert layout[name]["flop_ratio"] == pytest.approx(with_attention, rel=1e-12), name
     assert layout["grpo_shared"]["flop_ratio"] < layout["papo_shared"]["flop_ratio"] < 1.0
     assert "papo_shared/grpo_no_sampling_cpu_s" in layout and "papo_shared/papo_rollout_no_sampling_cpu_s" in layout
+    # TRL's default checkpointing on in the timed calls; the shared variants packed every log-prob call, the plain none
+    assert layout["gradient_checkpointing"] is True
+    assert layout["papo_shared"]["packed"] == layout["grpo_shared"]["packed"] == 1.0
+    assert layout["papo_rollout"]["packed"] == 0.0 and layout["grpo"]["packed"] is None

@@ -8,14 +8,15 @@ Variants, at G = 5 and 8 completions per prompt and at 1 and 3 optimizer steps p
     grpo_shared     PAPOGTrainer at gamma 0 (no masked branch: GRPO) with ``prefix_sharing=True`` (issue 34)
     papo_shared     PAPOGTrainer, ``masked_branch="rollout"``, ``prefix_sharing=True``
 
-Each measurement is one ``trainer.train()`` of ``--steps`` optimizer steps on one shared LoRA model (the "wide"
-tiny Qwen2-VL, 30.6M parameters), one thread, the variants interleaved round by round. Completions are forced to
-their full length (``min_new_tokens``), so that the weights a variant leaves behind do not change the next one's
-work. Per optimizer step it reports the wall time; the time without the sampling call itself (``model.generate``,
-timed around the call) with the masked branch counted wherever it runs; the masked branch's own time
+Each measurement is one ``trainer.train()`` of ``--steps`` optimizer steps on one shared LoRA model (by default the
+"wide" tiny Qwen2-VL, 30.6M parameters; ``--family`` and ``--size`` pick another testbed build), one thread, with TRL's
+default gradient checkpointing (recorded per layout), the variants interleaved round by round. Completions are forced
+to their full length (``min_new_tokens``), so that the weights a variant leaves behind do not change the next one's
+work. Per optimizer step it reports the wall time; the time without the sampling call itself (``model.generate``, timed
+around the call) with the masked branch counted wherever it runs; the masked branch's own time
 (``PAPOGTrainer.masked_branch.clock``); completions per prefill (``papo/masked_forward_share``); and the peak of
-resident memory above the start of a separate, untimed ``train()`` (``memory.rss_peak``; the CUDA allocator's peak
-on a GPU).
+resident memory above the start of a separate, untimed ``train()`` (``memory.rss_peak``; the CUDA allocator's peak on a
+GPU).
 
 The FLOP model of the no-sampling step: GRPO costs ``k * G * (P + R)`` per prompt (forward and backward, k = 3),
 the masked branch ``P + G * R`` (one prefill of the prompt and image, G completions); its bound on the ratio is
@@ -39,8 +40,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import trl
 
 from papo_nb.bench.in_loop_measure import LAYOUTS, VARIANTS, measure_layout
+
+FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")  # the families prefix sharing runs on (docs/families.md)
+WIDE_FAMILIES = ("qwen2_vl", "qwen2_5_vl")  # testbed/models.py's two sizes; the others have the tiny build only
 
 TARGET_RATIO = 1.10  # PAPO-G (rollout) / GRPO without sampling, G = 5, 3 steps per round
 SHARED_TARGET_RATIO = 0.60  # PAPO-G with prefix sharing / TRL's GRPO without sampling, G = 5 (issue 34)
@@ -49,8 +54,10 @@ FLOP_SLACK = 0.05
 
 def markdown(results: dict[str, Any]) -> str:
     c = "_cpu" if results["clock"] == "cpu" else ""
+    checkpointing = sorted({"on" if layout["gradient_checkpointing"] else "off" for layout in results["layouts"]})
     lines = [
-        f"In-loop benchmark ({results['device']}, {results['threads']} thread(s), load average "
+        f"In-loop benchmark (TRL {results['trl']}, {results['size']} {results['family']}, gradient checkpointing "
+        f"{'/'.join(checkpointing)}; {results['device']}, {results['threads']} thread(s), load average "
         f"{results['load_before']} before, {results['load_after']} after; {results['repeats']} interleaved "
         f"rounds after {results['warmup']} warm-up, {results['prompts']} prompts per step, {results['steps']} "
         f"optimizer steps per train(); times are {results['clock']} seconds per optimizer step)",
@@ -148,8 +155,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--prompts", type=int, default=2, help="prompts per optimizer step")
     parser.add_argument("--image-px", type=int, default=224, help="image side: (px/28)^2 image tokens")
     parser.add_argument("--completion", type=int, default=16, help="completion tokens")
+    parser.add_argument("--family", default="qwen2_vl", choices=FAMILIES, help="the testbed's tiny build")
+    parser.add_argument("--size", default="wide", choices=("tiny", "wide"), help="wide: Qwen2-VL and Qwen2.5-VL only")
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     parser.add_argument("--no-memory", dest="memory", action="store_false")
+    parser.add_argument("--memory-repeats", type=int, default=1, help="peak measurements per variant (median)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--cache-dir", default=None)
     parser.add_argument("--out", type=Path, default=None)
@@ -157,6 +167,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.quick:
         args.repeats, args.warmup, args.prompts = 2, 1, 1
+    if args.size == "wide" and args.family not in WIDE_FAMILIES:
+        parser.error(f"--size=wide --family={args.family}: the wide build exists for {', '.join(WIDE_FAMILIES)}")
     args.clock = args.clock or ("wall" if args.device == "cuda" else "cpu")
     known = {layout.name: layout for layout in LAYOUTS}
     chosen = [known[name] for name in args.layouts.split(",") if name in known]
@@ -175,11 +187,17 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(1)
     results: dict[str, Any] = dict(
+        trl=trl.__version__,
+        family=args.family,
+        size=args.size,
+        completion=args.completion,
+        image_px=args.image_px,
         clock=args.clock,
         device=args.device,
         threads=torch.get_num_threads(),
         repeats=args.repeats,
         warmup=args.warmup,
+        memory_repeats=args.memory_repeats if args.memory else 0,
         prompts=args.prompts,
         steps=args.steps,
         load_before=[round(x, 2) for x in os.getloadavg()],

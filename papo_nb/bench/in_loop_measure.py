@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from papo_nb.bench import harness
+from papo_nb.bench.memory import status_kib
 from papo_nb.papo.forward import attention_cost
 from papo_nb.papo.forward.common import core_model
 from papo_nb.papo.forward.grouped_attention import text_config
@@ -35,10 +36,12 @@ LAYOUTS = tuple(Layout(g, k) for g in (5, 8) for k in (1, 3))
 
 
 class GenerateClock:
-    """Wall and process CPU seconds spent inside ``model.generate`` (an instance attribute wrapping the method)."""
+    """Wall and process CPU seconds spent inside ``model.generate`` (an instance attribute wrapping the method); while
+    ``high_water_kib`` is a list, the resident high-water mark after each call is appended to it (``peak_mib``)."""
 
     def __init__(self, model):
         self.seconds = self.cpu_seconds = 0.0
+        self.high_water_kib: list[int] | None = None
         inner = model.generate
 
         def timed(*args, **kwargs):
@@ -48,13 +51,17 @@ class GenerateClock:
             finally:
                 self.seconds += time.perf_counter() - wall
                 self.cpu_seconds += time.process_time() - cpu
+                if self.high_water_kib is not None:
+                    self.high_water_kib.append(status_kib("VmHWM"))
 
         model.generate = timed
 
 
-def wide_setup(
+def model_setup(
     layout: Layout,
     *,
+    family: str,
+    size: str,
     n_prompts: int,
     steps: int,
     image_px: int,
@@ -64,11 +71,13 @@ def wide_setup(
     cache_dir,
     device: str,
 ) -> harness.BenchSetup:
-    """The wide LoRA model and its processor for ``layout``'s batches, on ``device``, its images at ``image_px``."""
+    """The tiny-family LoRA model (``family`` at ``size``) and its processor for ``layout``'s batches, on
+    ``device``, its images at ``image_px``."""
     rows = n_prompts * layout.group_size
     settings = harness.bench_params(
         seed,
         n_prompts,
+        model_name_or_path=f"tiny:{family}",
         num_generations=layout.group_size,
         per_device_train_batch_size=rows,
         max_completion_length=completion,
@@ -77,7 +86,7 @@ def wide_setup(
     )
     setup = harness.tiny_setup(
         settings,
-        "wide",
+        size,
         seed=seed,
         cache_dir=cache_dir,
         work_dir=work,
@@ -124,6 +133,7 @@ def one_run(trainer, clock: GenerateClock, device: str, steps: int) -> dict[str,
     """One ``train()`` of ``steps`` optimizer steps; per-step numbers from its wall and process CPU time, the
     generate clock and the trainer's masked-branch clock (``*_cpu_s``: CPU seconds, robust to a shared machine)."""
     from papo_nb.papo.forward import prefill as shared_prefix
+    from papo_nb.papo.forward import prefix_sharing
 
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     branch = getattr(getattr(trainer, "masked_branch", None), "clock", None)
@@ -143,6 +153,8 @@ def one_run(trainer, clock: GenerateClock, device: str, steps: int) -> dict[str,
     shares = [
         row[shared_prefix.SHARE_METRIC] for row in trainer.state.log_history if shared_prefix.SHARE_METRIC in row
     ]
+    # the fraction of log-prob calls that ran packed (None: a trainer without prefix sharing, TRL's own)
+    packed = [row[prefix_sharing.METRIC] for row in trainer.state.log_history if prefix_sharing.METRIC in row]
     generate, generate_cpu = clock.seconds - before[0], clock.cpu_seconds - before[1]
     masked = (branch.seconds - before[2]) if branch else 0.0
     masked_cpu = (branch.cpu_seconds - before[3]) if branch else 0.0
@@ -155,6 +167,7 @@ def one_run(trainer, clock: GenerateClock, device: str, steps: int) -> dict[str,
         no_sampling_cpu_s=(cpu - generate_cpu) / n,
         masked_cpu_s=masked_cpu / n,
         share=statistics.fmean(shares) if shares else None,
+        packed=statistics.fmean(packed) if packed else (0.0 if hasattr(trainer, "prefix_sharing") else None),
         steps=n,
     )
 
@@ -196,15 +209,39 @@ def flop_ratio(variant: str, P: float, R: float, G: int, steps_per_round: int, w
     }[variant]
 
 
-def peak_mib(trainer, device: str, steps: int) -> float:
+def peak_mib(trainer, clock: GenerateClock, device: str, steps: int) -> tuple[float, float | None]:
     """Peak memory above the start of a ``train()`` of ``steps`` steps (one round: the rollout pass included): the
     CUDA allocator's peak on a GPU, resident memory on the CPU (``memory.rss_peak``; torch's profiler events, exact
-    but kept per allocation, outgrew the machine at R 1024)."""
+    but kept per allocation, outgrew the machine at R 1024); and on the CPU the resident high-water mark reached by
+    the end of the sampling call (which every variant makes alike), above the same start (None on a GPU)."""
     from papo_nb.bench.memory import cuda_peak, rss_peak
 
     trainer.args.max_steps = steps
-    peak = cuda_peak if device == "cuda" else rss_peak
-    return peak(trainer.train)["peak_bytes"] / 2**20
+    if device == "cuda":
+        return cuda_peak(trainer.train)["peak_bytes"] / 2**20, None
+    clock.high_water_kib = []
+    try:
+        measured = rss_peak(trainer.train)
+    finally:
+        sampled, clock.high_water_kib = max(clock.high_water_kib), None
+    return measured["peak_bytes"] / 2**20, (sampled * 1024 - measured["rss_before_bytes"]) / 2**20
+
+
+def peaks_mib(trainers: dict, clock: GenerateClock, args, steps: int) -> dict[str, dict[str, Any]]:
+    """``args.memory_repeats`` peak measurements per variant, interleaved: their median and every run's peak and
+    sampling high-water mark (a tiny model's RSS peaks differ by a few MiB from run to run)."""
+    runs: dict[str, list[tuple[float, float | None]]] = {name: [] for name in trainers}
+    for _ in range(args.memory_repeats):
+        for name, trainer in trainers.items():
+            runs[name].append(peak_mib(trainer, clock, args.device, steps))
+    return {
+        name: dict(
+            peak_mib=statistics.median(peak for peak, _ in measured),
+            peak_mib_runs=[peak for peak, _ in measured],
+            sampling_peak_mib_runs=[sampled for _, sampled in measured],
+        )
+        for name, measured in runs.items()
+    }
 
 
 def interleaved_runs(trainers: dict, clock: GenerateClock, layout: Layout, args) -> dict[str, list[dict[str, Any]]]:
@@ -236,14 +273,17 @@ MEDIAN_KEYS = (
 def median_run(samples: list[dict[str, Any]]) -> dict[str, Any]:
     """The median of each timing over a variant's runs, and the mean masked-branch share where one was measured."""
     row: dict[str, Any] = {key: statistics.median(s[key] for s in samples) for key in MEDIAN_KEYS}
-    shares = [s["share"] for s in samples if s["share"] is not None]
-    row["share"] = statistics.fmean(shares) if shares else None
+    for key in ("share", "packed"):
+        measured = [s[key] for s in samples if s[key] is not None]
+        row[key] = statistics.fmean(measured) if measured else None
     return row
 
 
 def measure_layout(layout: Layout, args, work: Path) -> dict[str, Any]:
-    setup = wide_setup(
+    setup = model_setup(
         layout,
+        family=args.family,
+        size=args.size,
         n_prompts=args.prompts,
         steps=args.steps,
         image_px=args.image_px,
@@ -262,22 +302,26 @@ def measure_layout(layout: Layout, args, work: Path) -> dict[str, Any]:
     shape = token_shape(papo, trainers["grpo"].train_dataset, args.prompts * layout.steps_per_round)
     runs = interleaved_runs(trainers, clock, layout, args)
     steps = layout.steps_per_round
-    peaks = {name: peak_mib(trainers[name], args.device, steps) for name in args.variants} if args.memory else {}
+    peaks = peaks_mib(trainers, clock, args, steps) if args.memory else {}
     out: dict[str, Any] = dict(
         layout=layout.name,
         G=layout.group_size,
         steps_per_round=layout.steps_per_round,
         rows_per_step=args.prompts * layout.group_size,
         n_params=setup.n_params,
+        # as the timed train() calls left the model: TRL turns checkpointing on at train() start (its default)
+        gradient_checkpointing=bool(core_model(model).is_activation_checkpointing),
         **shape,
     )
     out["flop_bound"] = flop_bound(shape["P"], shape["R"], layout.group_size)
     widths = attention_cost.TextWidths.of(text_config(core_model(model)))
     for name in args.variants:
         out[name] = median_run(runs[name])
-        out[name]["peak_mib"] = peaks.get(name)
+        out[name].update(peaks.get(name, dict(peak_mib=None)))
         out[name]["flop_ratio"] = flop_ratio(name, shape["P"], shape["R"], layout.group_size, steps, widths)
         out[name]["flop_ratio_tokens"] = flop_ratio(name, shape["P"], shape["R"], layout.group_size, steps)
+        plan = getattr(trainers[name], "forward_plan", None)  # as it stood after the runs (TRL's GRPO: none)
+        out[name]["forward_plan"] = None if plan is None else plan.describe()
     stored = args.prompts * layout.group_size * layout.steps_per_round * shape["R"] * 4
     out["stored_branch_kib_per_round"] = stored / 1024  # rows x completion tokens fp32, what the rollout path keeps
     pairs = [(name, "grpo") for name in args.variants if name != "grpo"]
