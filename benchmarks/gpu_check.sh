@@ -82,7 +82,7 @@ if [[ "${FLEX:-1}" != 0 ]]; then
 fi
 # Issue 53: the memory forecast against the run at full depth (K = the model's 36 layers). The forecast for this GPU
 # first (papo-nb preflight, no weights), then the rehearsal of gpu.yaml at full depth. The rehearsal measures on the
-# CPU (papo_nb/bench/rehearsal_step.py runs CPU autocast): on this machine's 128 GB it holds the full-depth
+# CPU (papo_nb/bench/rehearsal.py: trainer.train() with use_cpu): on this machine's 128 GB it holds the full-depth
 # model; measuring it on CUDA itself is not built yet. REHEARSAL=0 skips it.
 if [[ "${REHEARSAL:-1}" != 0 ]]; then
   (cd "$ROOT" && "$PYTHON" -m papo_nb.cli preflight params/gpu.yaml --json > "$OUT_DIR/forecast_gpu_yaml.json"

@@ -3,12 +3,16 @@ against the measurement part by part.
 
 A random-weight model is built from the published configuration (``architectures``) with K decoder layers and K
 vision blocks, saved with an offline processor (the testbed's tokenizer, the model's real patch and merge sizes), and
-trained for two optimizer steps phase by phase as TRL 1.9.1 runs them for one process (``rehearsal_step``: LoRA
-from the builder's ``lora_config`` or full fine-tuning, bf16 autocast, checkpointing as configured, the reference
-model, the masked branch), with TRL's own log-prob function; not through ``GRPOTrainer`` itself, whose CPU run at
-the Qwen vocabulary stalls in the frozen bf16 lm_head on a sliced input (``rehearsal_step.policy``).
-The micro-batch is kept; the completions, the accumulation steps and the round's rows are shortened to fit the CPU
-(``shortened`` says how). The forecast is computed at the
+trained for two optimizer steps through the params file's own training path: ``prepare_training`` (the builder's
+data loading, reward check, ``load_policy``, ``papo_config`` and ``build_trainer``: the PAPOGTrainer with its LoRA
+or full fine-tuning, checkpointing, masked branch, prefix sharing and probe as the params set them) and
+``trainer.train()``, on rows of the params' schema whose images are exactly ``max_pixels``. Three things differ from
+the GPU run, none of them in what the trainer computes: the config asks for bf16 autocast on the CPU
+(``use_cpu``), the weights are cast to bf16 after loading (``load_policy`` loads fp32 off CUDA), and the lm_head of
+the policy and of TRL's reference model gets its input contiguous (``contiguous_head_input``: on this CPU the
+trainer otherwise stalls there). ``rehearsal_measure`` attaches the measurements from outside.
+The micro-batch is kept; the completions, the accumulation steps and the round's rows are shortened to fit the CPU,
+generation is TRL's ``model.generate`` (no vLLM) (``shortened`` says how). The forecast is computed at the
 shortened settings and the rehearsal's model (one process, no FSDP) and set beside the measurement.
 """
 
@@ -21,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from papo_nb.bench.rehearsal_measure import Measurements
+from papo_nb.bench.rehearsal_measure import Measurements, TrainerInstruments
 from papo_nb.workbook.recipe.architectures import published_config, widths, with_depth
 from papo_nb.workbook.recipe.forecast import PARTS, memory_parts, setting
 
@@ -79,32 +83,80 @@ def shortened(params, completion: int) -> tuple[object, dict]:
         "num_processes": 1,
         "accelerate_config": "",
         "device": "cpu",
+        "use_vllm": False,  # TRL's model.generate: no vLLM on the CPU
     }
     changed = {k: {"file": getattr(params, k), "rehearsal": v} for k, v in update.items() if getattr(params, k) != v}
     return params.model_copy(update=update), changed
 
 
+def rehearsal_rows(params, folder: Path, rows: int = 8) -> dict:
+    """A folder of ``rows`` rows in the params' schema (official or own), each with one image of exactly
+    ``max_pixels`` (whole 28 x 28 merged patches), and the params' fields that point the data at it."""
+    import datasets
+    from PIL import Image
+
+    merged = params.max_pixels // 784
+    short_side = max(d for d in range(1, int(merged**0.5) + 1) if merged % d == 0)
+    size = (28 * (merged // short_side), 28 * short_side)
+    # distinct prompts (as a real round's): the masked branch's shared prefix groups rows by prompt and image
+    images = [Image.new("RGB", size, (30 * i, 60, 200)) for i in range(rows)]
+    questions = [f"<image>How many shapes are there in picture {i}?" for i in range(rows)]
+    answers = ["3"] * rows
+    if params.dataset_schema == "official":
+        table = datasets.Dataset.from_dict({"problem": questions, "answer": answers, "images": [[i] for i in images]})
+        table.save_to_disk(str(folder))
+        return {"dataset": str(folder), "validation_dataset": str(folder)}
+    table = datasets.Dataset.from_dict({"prompt": questions, "image": images, "answer": answers})
+    datasets.DatasetDict({params.train_split: table, params.eval_split: table}).save_to_disk(str(folder))
+    return {"dataset": str(folder)}
+
+
+def as_loaded_on_cuda(model) -> None:
+    """The weights in the dtype ``load_policy`` gives them on CUDA (bf16; on the CPU it loads fp32): every
+    parameter but peft's fp32 adapters, before the optimizer exists."""
+    for name, p in model.named_parameters():
+        if p.dtype == torch.float32 and "lora_" not in name:
+            p.data = p.data.to(torch.bfloat16)
+
+
+def contiguous_head_input(model) -> None:
+    """On this CPU (torch 2.14) a bf16 linear whose weight is frozen and whose 3-D input is a slice (transformers'
+    ``logits_to_keep``) takes about 90 times longer than on the same input made contiguous: minutes at Qwen's
+    vocabulary. The lm_head gets its input contiguous: the same numbers, a copy of the kept positions' states."""
+    model.get_output_embeddings().register_forward_pre_hook(lambda module, args: (args[0].contiguous(), *args[1:]))
+
+
 def run_rehearsal(params, layers: int, completion: int = REHEARSAL_COMPLETION) -> dict:
-    """Two optimizer steps of ``params`` at ``layers`` depth on the CPU; the measured parts, the forecast at the
-    rehearsal's settings, the phase times and what was shortened."""
-    from papo_nb.bench.rehearsal_step import rehearse_step
+    """Two optimizer steps of ``params`` at ``layers`` depth on the CPU through ``trainer.train()``; the measured
+    parts, the forecast at the rehearsal's settings, the phase times and what was shortened."""
+    from papo_nb.workbook.training.builder import prepare_training
 
     short, changed = shortened(params, completion)
     with tempfile.TemporaryDirectory(prefix="papo_nb_rehearsal_") as tmp:
         folder = rehearsal_folder(short, layers, Path(tmp) / "model")
+        data = rehearsal_rows(short, Path(tmp) / "rows")
+        short = short.model_copy(
+            update={"model_name_or_path": str(folder), "n_train_prompts": 8, "n_eval_prompts": 2, **data}
+        )
         config = published_config(str(folder))
         s = setting(params, widths(config))
+        trainer, _, _ = prepare_training(short, Path(tmp) / "run", bf16=True, use_cpu=True)
+        as_loaded_on_cuda(trainer.model)
+        for model in (trainer.model, trainer.ref_model):
+            if model is not None:
+                contiguous_head_input(model)
         measurements = Measurements(config.get_text_config().vocab_size)
+        TrainerInstruments(trainer, measurements).attach()
         with measurements.timed("two_optimizer_steps"):
-            lengths = rehearse_step(short, folder, s.lora, s.checkpointing, measurements)
-    return compare(params, short, s, config, measurements, changed, layers, lengths)
+            trainer.train()
+    return compare(params, short, s, config, measurements, changed, layers, measurements.lengths)
 
 
 def compare(params, short, s_file, config, measurements: Measurements, changed: dict, layers: int, lengths) -> dict:
     """The forecast at the rehearsal's settings beside the measurement, part by part."""
     w = widths(config)
     s = replace(
-        setting(short, w), checkpointing=s_file.checkpointing, use_vllm=False, cpu_attention=True, **lengths,
+        setting(short, w), checkpointing=s_file.checkpointing, use_vllm=False, **lengths,
     )  # fmt: skip
     forecast_parts = memory_parts(s, w)
     table = {}

@@ -15,7 +15,9 @@ What each part counts, per GPU (P parameters, N processes, B the micro-batch, T 
 - logprob_forward: the micro-batch's completion logits as TRL 1.9.1 makes them under accelerate's autocast
   (bf16 from the lm_head, converted to fp32 by ``convert_outputs_to_fp32``, kept for the backward, plus its fp32
   gradient): 10 bytes per logit.
-- masked_forward: the masked branch's no-grad forward of one micro-batch (bf16 and fp32 logits).
+- masked_forward: the masked branch's no-grad forward (bf16 and fp32 logits): of one micro-batch at C + 1
+  positions, or with the shared prompt prefix (``papo.forward.prefill``, ``masked_forward`` auto) of one chunk of
+  whole prompts at C - 1 positions (``masked_logits``; the prefill's last-token logits, one row per prompt, apart).
 - generation: TRL 1.9.1 without vLLM generates the round's rows (B x steps_per_generation) in one
   ``model.generate``: their bf16 KV cache at full length, the next-token logits and probabilities and the prefill's
   one-layer transient; with
@@ -115,7 +117,8 @@ class Setting:
     probe: bool
     freeze_vision: bool
     lora_r: int
-    cpu_attention: bool = False  # the rehearsal's CPU SDPA materialises each image's full-attention scores
+    masked_shared: bool = False  # the masked branch runs through the shared prompt prefix (prefill.py)
+    masked_chunk_rows: int = 0  # rows of one shared-prefix completion forward
 
     @property
     def tokens(self) -> int:
@@ -152,7 +155,31 @@ def setting(params, w: Widths) -> Setting:
         probe=params.require_gpu_contract_probe,
         freeze_vision=params.freeze_vision_tower,
         lora_r=params.lora_r,
+        **masked_form(params),
     )
+
+
+def masked_form(params) -> dict:
+    """Whether the masked branch takes the shared prompt prefix and how many completion rows one of its forwards
+    holds (``papo.forward.masked_branch``): under no-grad with ``masked_forward`` not 'full', once per round
+    (``masked_branch='rollout'``: chunks of whole prompts of at most max(B, G) rows on one process, B rows under
+    several) or per micro-batch (one prompt's rows, B under several; per-completion masks on one process leave no
+    prompt with two rows: the full forward)."""
+    rows, group, processes = params.per_device_train_batch_size, params.num_generations, params.num_processes
+    rollout = getattr(params, "masked_branch", "rollout") == "rollout"
+    shared = (
+        getattr(params, "masked_forward", "auto") != "full"
+        and not params.masked_branch_grad
+        and group > 1
+        and (rollout or processes > 1 or getattr(params, "mask_sharing", "prompt") == "prompt")
+    )
+    if not shared:
+        return {"masked_shared": False, "masked_chunk_rows": 0}
+    if processes > 1:
+        chunk = rows
+    else:
+        chunk = max(rows, group) // group * group if rollout else min(rows, group)
+    return {"masked_shared": True, "masked_chunk_rows": chunk}
 
 
 def trainable_parameters(s: Setting, w: Widths) -> int:
@@ -222,10 +249,32 @@ def generation_bytes(s: Setting, w: Widths, gpu_memory: float | None) -> float:
     # The prefill's transient peak, one layer (block) at a time: the MLP's gate, up and activation outputs (bf16) and
     # the norm's fp32 input, for the round's prompt tokens, or for all its images' patches in the vision tower first.
     text = s.round_rows * s.prompt_tokens * (6 * w.intermediate + 4 * w.hidden)
-    vision = s.round_rows * s.patches_per_row * (6 * w.vision_intermediate + 4 * w.vision_hidden)
-    if s.cpu_attention:  # one image's scores and their softmax, fp32 (flash attention on a GPU keeps none)
-        vision += s.patches_per_row**2 * w.vision_heads * 4 * 2
+    vision = s.round_rows * s.patches_per_row * vision_prefill_bytes(w)
     return s.round_rows * (s.tokens * kv_per_token + w.vocab * GENERATION_VOCAB_BYTES) + max(text, vision)
+
+
+def masked_logits(s: Setting, w: Widths) -> int:
+    """Vocabulary logits one masked-branch forward holds: the micro-batch at C + 1 positions (TRL's
+    ``logits_to_keep + 1``), or a shared-prefix chunk at C - 1 (the first token is scored from the prefill's last
+    logit, the completion forward sees tokens 0 .. C - 2)."""
+    if s.masked_shared:
+        return s.masked_chunk_rows * max(s.completion_tokens - 1, 0) * w.vocab
+    return s.micro_batch * (s.completion_tokens + 1) * w.vocab
+
+
+def vision_prefill_bytes(w: Widths) -> int:
+    """Per patch, the vision tower's transient peak in a no-grad forward of every image at once (bf16 autocast):
+    in the attention, where the rotary embedding runs in fp32 (``apply_rotary_pos_emb_vision``), the block's
+    input and normed input, the qkv output (6h), q and k in fp32 (8h), q's rotated copy (4h) and k's three fp32
+    temporaries (12h), cos and sin (fp32, head width each); or in the MLP, the gated (SiLU) MLP's three or the GELU
+    MLP's two intermediate outputs. The attention itself keeps no scores (the CPU's SDPA and flash attention both
+    work in blocks). Measured on Qwen2.5-VL's block at 1,024 and 5,120 patches per image: 44,178 B per patch,
+    this formula 44,160."""
+    h, i, head = w.vision_hidden, w.vision_intermediate, w.vision_hidden // w.vision_heads
+    normed = 4 * h if w.vision_norm == "layernorm" else 2 * h  # autocast runs LayerNorm in fp32; RMSNorm casts back
+    attention = 2 * h + normed + 30 * h + 8 * head
+    mlp = 2 * h + normed + (4 * i if w.vision_norm == "layernorm" else 6 * i)
+    return max(attention, mlp)
 
 
 def round_tensor_bytes(s: Setting, w: Widths) -> float:
@@ -244,7 +293,7 @@ def memory_parts(s: Setting, w: Widths, gpu_memory: float | None = None) -> dict
         activations=activation_bytes(s, w),
         recompute=recompute_bytes(s, w),
         logprob_forward=logits * LOGPROB_BYTES,
-        masked_forward=logits * MASKED_BYTES if s.masked_branch else 0.0,
+        masked_forward=masked_logits(s, w) * MASKED_BYTES if s.masked_branch else 0.0,
         generation=generation_bytes(s, w, gpu_memory),
         round_tensors=round_tensor_bytes(s, w),
         probe=PROBE_VECTORS * trainable_parameters(s, w) * 8 / shards if s.probe else 0.0,
