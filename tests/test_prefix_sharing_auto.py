@@ -187,6 +187,25 @@ def test_a_run_whose_layout_is_wrong_trains_as_the_plain_forward(qwen25, tmp_pat
     assert run.forward_plan.log_prob_forward == "plain per completion"
 
 
+@pytest.mark.model
+@pytest.mark.slow
+def test_auto_under_bf16_mixed_precision_checks_at_the_precision_it_computed_in(qwen25, tmp_path):
+    """A ``train()`` step under ``bf16=True`` (accelerate's autocast inside the wrapped forward): TRL's log-probs come
+    back float32, but both forwards ran their matmuls in bf16, so the check holds them to bf16's bound and sharing
+    stays on; the float32 bound (main before this test) turned it off on roundoff alone. The difference it found is
+    above float32's bound, so the test would fail had the check used the log-probs' dtype."""
+    if RELEASE_REASON is not None:
+        pytest.skip(f"this release's packed path waits: {RELEASE_REASON}")
+    run, _, _ = one_round(qwen25["folder"], qwen25["dataset"], tmp_path / "bf16", prefix_sharing="auto", bf16=True)
+    check = run.prefix_sharing.checked
+    print(f"bf16 mixed precision, first-batch check: {check.describe()}")
+    assert check.bound == self_check.LOGP_BOUNDS[torch.bfloat16]
+    assert check.passed and check.max_difference > self_check.LOGP_BOUNDS[torch.float32]
+    flags = [h[prefix_sharing.METRIC] for h in run.state.log_history if prefix_sharing.METRIC in h]
+    assert flags and all(flag == 1.0 for flag in flags)
+    assert run.forward_plan.log_prob_forward == "packed per prompt group"
+
+
 def text_model():
     from transformers import Qwen2Config, Qwen2ForCausalLM
 

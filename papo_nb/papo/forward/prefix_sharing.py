@@ -182,6 +182,8 @@ class PrefixSharing:
         self.mode = args.prefix_sharing
         self.processes = processes
         self.kernel = args.grouped_attention_kernel  # the grouped attention's kernel (flex_grouped.py)
+        # accelerate applies mixed precision inside the wrapped model's forward, out of sight of the check's caller
+        self.mixed_precision = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else None
         self.enabled = self.mode is not False
         self.reason = None if self.enabled else "prefix_sharing=False"
         if self.enabled:
@@ -247,7 +249,7 @@ class PrefixSharing:
             model, arguments, temperature=temperature, entropy_grad=entropy_grad, batches=batches
         )
         if self.mode == "auto" and self.checked is None:
-            plain = self.first_batch_check(arguments, logps, plain_forward)
+            plain = self.first_batch_check(arguments, logps, plain_forward, self.compute_dtypes(model))
             if plain is not None:
                 self.metrics[mode][METRIC].append(0.0)
                 return plain
@@ -256,15 +258,26 @@ class PrefixSharing:
         self.note(True, f"each prompt group packed once, its images once; {self.supported_description(model)}")
         return logps, entropies, aux
 
-    def first_batch_check(self, arguments: dict[str, Any], packed_logps: torch.Tensor, plain_forward):
-        """``"auto"``'s check of its first packed call against ``plain_forward``: None where it matches (sharing
-        stays on), else the plain result, with sharing off for the run and one warning naming the difference."""
+    def compute_dtypes(self, model) -> tuple[torch.dtype, ...]:
+        """The precisions the call's forwards compute in besides their outputs': the trainer's mixed precision, an
+        autocast open around the call, the output head's weight."""
+        device = next(core_model(model).parameters()).device.type
+        autocast = (torch.get_autocast_dtype(device),) if torch.is_autocast_enabled(device) else ()
+        mixed = (self.mixed_precision,) if self.mixed_precision is not None else ()
+        head = core_model(model).get_output_embeddings()
+        return (*mixed, *autocast, *((head.weight.dtype,) if head is not None else ()))
+
+    def first_batch_check(self, arguments: dict[str, Any], packed_logps: torch.Tensor, plain_forward,
+                          compute_dtypes=()):  # fmt: skip
+        """``"auto"``'s check of its first packed call against ``plain_forward``, within the bound of the
+        precision they computed in (``compute_dtypes``): None where it matches (sharing stays on), else the plain
+        result, with sharing off for the run and one warning naming the difference."""
         if plain_forward is None:
             raise TypeError("prefix_sharing='auto' needs the call's plain_forward for its first-batch check")
         with torch.no_grad():
             plain = plain_forward()
         completion_mask = arguments["attention_mask"][:, -arguments["logits_to_keep"] :]
-        self.checked = self_check.compare(packed_logps, plain[0], completion_mask)
+        self.checked = self_check.compare(packed_logps, plain[0], completion_mask, compute_dtypes)
         passed = self.checked.passed
         if passed if self.paired_device is None else ranks.all_ranks(self.paired_device, passed):
             logger.info("PAPO-G prefix sharing: first packed batch matches the plain forward, %s",

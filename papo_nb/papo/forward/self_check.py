@@ -12,6 +12,12 @@ The bounds sit between the roundoff the exactness tests measure and the error of
   (0.030, 0.0038); tiny Qwen2-VL and Qwen2.5-VL, the batch of ``tests/test_prefix_sharing.py``. Bounds four steps:
   0.125 and 0.0156. A wrong layout that moves log-probs by less is inside the dtype's own resolution and is not told
   apart from roundoff (the fp32 negative controls, 1.3e-3 to 3.6e-2, all are in bf16): a run in fp32 checks tighter.
+
+The bound is that of the precision the forward computed in, not of the log-probs it returns: under bf16 mixed
+precision TRL's log-probs are float32 (accelerate converts the outputs, TRL's log-softmax runs in float32) while every
+matmul ran in bf16, and the float32 bound would turn sharing off on roundoff alone (the rehearsal at Qwen2.5-VL-3B
+widths measured 0.008 to 0.016 there). ``compute_dtypes`` names the mixed-precision, autocast and weight dtypes; the
+loosest bound of those and the log-probs' dtype applies.
 """
 
 from __future__ import annotations
@@ -44,13 +50,16 @@ class SelfCheck:
         )
 
 
-def compare(packed_logps: torch.Tensor, plain_logps: torch.Tensor, completion_mask: torch.Tensor) -> SelfCheck:
-    """``packed_logps`` against ``plain_logps`` (each ``(B, logits_to_keep)``) where ``completion_mask`` is set; a
-    non-finite difference counts as infinite."""
+def compare(
+    packed_logps: torch.Tensor, plain_logps: torch.Tensor, completion_mask: torch.Tensor, compute_dtypes=()
+) -> SelfCheck:
+    """``packed_logps`` against ``plain_logps`` (each ``(B, logits_to_keep)``) where ``completion_mask`` is set,
+    within the loosest bound of the log-probs' dtype and ``compute_dtypes``; a non-finite difference counts as
+    infinite."""
     difference = (packed_logps.detach().double() - plain_logps.detach().double()).abs()
     difference = torch.where(difference.isfinite(), difference, torch.inf)
     difference = torch.where(completion_mask.bool(), difference, 0.0)
     flat = int(difference.argmax())
     row, token = divmod(flat, difference.shape[1])
-    bound = LOGP_BOUNDS.get(plain_logps.dtype, LOGP_BOUNDS[torch.float32])
+    bound = max(LOGP_BOUNDS.get(dtype, LOGP_BOUNDS[torch.float32]) for dtype in (plain_logps.dtype, *compute_dtypes))
     return SelfCheck(max_difference=float(difference.max()), row=row, token=token, bound=bound)
