@@ -28,8 +28,9 @@ def index_page(result, seconds: float) -> str:
         "# An executed smoke workbook",
         "",
         "Written by `python -m papo_nb.infra.smoke_report` (`params/smoke.yaml`, the shipped `testbed:shapes_boxed` "
-        f"weights) on {platform.machine()}, {time.strftime('%Y-%m-%d', time.gmtime())}. Each page is the executed "
-        "notebook; its last cell says what the run showed.",
+        "weights; 04's study on `testbed:shapes_shortcut`'s) on "
+        f"{platform.machine()}, {time.strftime('%Y-%m-%d', time.gmtime())}. Each page is the executed notebook; its "
+        "last cell says what the run showed.",
         "",
         "| notebook | status | wall s | page |",
         "|---|---|---:|---|",

@@ -18,8 +18,6 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
-    NonNegativeFloat,
-    PositiveFloat,
     ValidationError,
     create_model,
     field_validator,
@@ -28,6 +26,7 @@ from pydantic import (
 
 from papo_nb.papo.papo_config import FIELD_RULES, PAPOGConfig, field_problem, papo_fields
 from papo_nb.papo.vppo.vppo_config import VPPO_FIELD_RULES, VPPO_FIXED, VPPOConfig
+from papo_nb.workbook.config.study_params import StudyParams
 from papo_nb.workbook.config.vllm_params import VLLMParams
 
 
@@ -116,9 +115,10 @@ PAPOParams = create_model(
 )
 
 
-class WorkbookParams(PAPOParams, VLLMParams):
+class WorkbookParams(PAPOParams, VLLMParams, StudyParams):
     """Every workbook parameter, documented; defaults are the CPU smoke run on the tiny offline model. The vLLM
-    rollout fields come from ``VLLMParams`` (config.vllm_params)."""
+    rollout fields come from ``VLLMParams`` (config.vllm_params), notebook 04's from ``StudyParams``
+    (config.study_params)."""
 
     model_config = ConfigDict(extra="forbid", strict=True, validate_assignment=True)
 
@@ -196,53 +196,6 @@ class WorkbookParams(PAPOParams, VLLMParams):
         "init_adapter",
         description="KL reference (beta > 0) with init_adapter set: a frozen copy of that adapter (TRL's "
         "default) or the base model with adapters disabled; without init_adapter both are the base model",
-    )
-
-    # --- 04 method study (GRPO vs PAPO-G; defaults: the reduced study the smoke run executes) ---
-    study_seeds: list[int] = Field(
-        default_factory=lambda: [0],
-        min_length=1,
-        description="seeds of every study arm (paired: the same seeds, data and masks in each arm); paper-style "
-        "evidence needs at least 3",
-    )
-    study_collapse_gammas: list[NonNegativeFloat] = Field(
-        default_factory=lambda: [1.0],
-        min_length=1,
-        description="gammas of the dose-response sweep, each trained at every study seed; the smallest flagged by "
-        "the collapse detector on most seeds is the collapse arm, or the largest when none collapses",
-    )
-    study_gamma_fractions: list[PositiveFloat] = Field(
-        default_factory=list,
-        description="fractions of the collapse gamma the PAPO-G arms run at, beside GRPO and the recipe's gamma "
-        "(the paper's recipe sits at 1/2 of it); the collapse gamma is then searched on the first seed, "
-        "study_collapse_gammas in turn and a bisection below the first collapse; empty: the sweep design (every "
-        "study_collapse_gammas at every seed)",
-    )
-    study_search_steps: int = Field(
-        2, ge=0, le=8, description="bisection steps (geometric midpoints) of the collapse-gamma search"
-    )
-    study_search_seed: int | None = Field(
-        None, description="seed of the collapse-gamma and control searches, one no arm uses (item 5 of issue 41); "
-        "None: the first study seed",
-    )  # fmt: skip
-    study_control_betas: list[PositiveFloat] = Field(
-        default_factory=list, description="calibrated design: ladder of beta values for the GRPO control held back "
-        "by the reference KL, matched to the strongest PAPO-G arm's end reward (study.controls); empty: no control",
-    )  # fmt: skip
-    study_control_learning_rates: list[PositiveFloat] = Field(
-        default_factory=list, description="calibrated design: ladder of learning rates for the GRPO control held "
-        "back by a smaller step, matched like study_control_betas; empty: no control",
-    )  # fmt: skip
-    study_eval_samples: int = Field(
-        4, ge=1, le=64, description="k of the held-out avg@k at temperature 1.0 (paper: avg@8)"
-    )
-    study_vppo: bool = Field(
-        False,
-        description="also train a VPPO arm at every study seed (method 'vppo' at gamma 0 with vppo_token_fraction "
-        "and vppo_advantage_scale_min; everything else as the GRPO arm), paired with GRPO and PAPO-G",
-    )
-    study_report_dir: str = Field(
-        "", description="folder the study writes its results page into (docs/study/<name>); empty: none"
     )
 
     # --- scale-out (papo-nb train) ---
@@ -352,6 +305,11 @@ class WorkbookParams(PAPOParams, VLLMParams):
             )
         return self
 
+    @model_validator(mode="after")
+    def _study_params_valid(self):
+        study_params_applied(self)
+        return self
+
     @field_validator("eval_checkpoint")
     @classmethod
     def _known_workbook_checkpoint(cls, value: str) -> str:
@@ -371,6 +329,25 @@ class WorkbookParams(PAPOParams, VLLMParams):
     @classmethod
     def field_names(cls) -> set[str]:
         return set(cls.model_fields)
+
+
+def study_params_applied(params: WorkbookParams) -> WorkbookParams:
+    """``params`` with its ``study_params`` in place of the workbook's values (notebook 04 runs on these), validated
+    as one set; ValueError names a key that is not a parameter or a value that is invalid."""
+    if not params.study_params:
+        return params
+    unknown = sorted(set(params.study_params) - (WorkbookParams.field_names() - {"study_params"}))
+    if unknown:
+        raise ValueError(
+            f"parameter 'study_params' = {params.study_params!r}: {', '.join(map(repr, unknown))} is not a workbook "
+            "parameter it can set (any WorkbookParams field but study_params)"
+        )
+    values = params.model_dump(exclude={"study_params"}) | params.study_params
+    try:
+        return WorkbookParams.model_validate(values)
+    except ValidationError as exc:
+        problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
+        raise ValueError(f"parameter 'study_params' = {params.study_params!r} is invalid: {problems}") from None
 
 
 def _describe(error: dict[str, Any], source: str) -> str:

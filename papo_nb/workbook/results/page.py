@@ -26,6 +26,7 @@ from papo_nb.workbook.results.signal import SIGNAL_TAG, ZERO_STD_FLAG, signal_he
 NOTE_TAG = "mlflow.note.content"  # what MLflow's UI shows as the run's Description
 VERDICT_TAG, PROBE_STATUS_TAG, PROBE_WARNING_TAG = "papo_nb.verdict", "papo_nb.probe_status", "papo_nb.probe_warning"
 CALIBRATION_TAG = "papo_nb.calibration_verdict"
+STUDY_VERDICT_TAG = "papo_nb.study_verdict"  # 04's calibrated design: GRPO's drift and PAPO-G against it
 SKIPPED_ARTIFACT_FOLDERS = ("table_images",)  # thousands of thumbnails: the tables that hold them are listed instead
 
 # Child metric -> the workbook run's headline metric. The first notebook that logged the child metric supplies it.
@@ -102,7 +103,8 @@ def _number(value: float | None, digits: int = 3) -> str:
 
 
 def verdict_lines(record: RunRecord) -> list[str]:
-    """The contract verdict, the calibration verdict and the probe's status with its power, as the run tagged them."""
+    """The contract verdict, the calibration verdict, the probe's status with its power and the method study's verdict
+    (04's calibrated design), as the run tagged them."""
     lines = []
     if VERDICT_TAG in record.tags:
         lines.append(f"- **Contract verdict**: {record.tags[VERDICT_TAG]}")
@@ -120,6 +122,8 @@ def verdict_lines(record: RunRecord) -> list[str]:
         )
     if PROBE_WARNING_TAG in record.tags:
         lines.append(f"- **Probe warning**: {record.tags[PROBE_WARNING_TAG]}")
+    if STUDY_VERDICT_TAG in record.tags:
+        lines.append(f"- **Method study**: {record.tags[STUDY_VERDICT_TAG]}")
     return lines
 
 

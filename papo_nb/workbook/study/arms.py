@@ -30,25 +30,31 @@ from papo_nb.workbook.config.metric_keys import HELDOUT_ACCURACY
 from papo_nb.workbook.config.params import WorkbookParams
 from papo_nb.workbook.evaluation.benchmarks import score_items
 from papo_nb.workbook.evaluation.eval_review import prompt_text
-from papo_nb.workbook.study.collapse import CollapseRule, detect_collapse, heldout_verdict
-from papo_nb.workbook.study.controls import CONTROL_PARAMS, GRPO_BETA, GRPO_LR, ControlMatch, end_reward, match_control
+from papo_nb.workbook.study.collapse import CollapseRule, collapse_margin, detect_collapse, heldout_verdict
+from papo_nb.workbook.study.controls import CONTROL_PARAMS, GRPO_BETA, GRPO_LR, ControlMatch, match_controls
 from papo_nb.workbook.study.errors import prior_errors
 from papo_nb.workbook.study.placebo import MEAN_FILL_KL_MATCHED, MEAN_FILL_PAPO_G, PLACEBO, PLACEBO_KL_MATCHED
-from papo_nb.workbook.study.search import FRACTION_NAMES, fraction_arm, search_collapse_gamma
+from papo_nb.workbook.study.search import (
+    FRACTION_NAMES,
+    entropy_arms,
+    fraction_arm,
+    is_entropy_arm,
+    search_collapse_gamma,
+)
 from papo_nb.workbook.training.builder import EVAL_SEED_OFFSET, load_datasets, load_policy, prepare_training
 from papo_nb.workbook.training.completions import log_completions
 
 GRPO, PAPO_G, PAPO_G_COLLAPSE = "grpo", "papo_g", "papo_g_collapse"
 VPPO = "vppo"  # with study_vppo: VPPOTrainer at gamma 0 (token filtering and advantage shaping), else as GRPO
 SWEEP, SEARCH = "sweep", "search"
-CONTROL_SEARCH = "control_search"  # the matched controls' search runs (and the target's), on the search seed
 CONSISTENT_SEED_OFFSET = 1  # the in-distribution held-out items: a stream of their own
 # One colour per arm in the figures and in MLflow (the ``mlflow.runColor`` tag): matplotlib's tab:blue, tab:green,
-# tab:red and tab:gray, and for the calibrated design's fraction arms tab:purple, tab:brown and tab:pink.
+# tab:red and tab:gray, and for the calibrated design's fraction arms tab:purple, tab:brown, tab:pink and (1x) tab20's
+# light purple.
 ARM_COLOURS = {
     GRPO: "#1f77b4", PAPO_G: "#2ca02c", PAPO_G_COLLAPSE: "#d62728", SWEEP: "#7f7f7f", SEARCH: "#7f7f7f",
     VPPO: "#bcbd22",  # tab:olive
-    **dict(zip(map(fraction_arm, FRACTION_NAMES), ("#9467bd", "#8c564b", "#e377c2"))),
+    **dict(zip(map(fraction_arm, FRACTION_NAMES), ("#9467bd", "#8c564b", "#e377c2", "#c5b0d5"))),
     # the controls: GRPO's in GRPO's blues, the placebos in orange, PAPO-G with the placebo's fill in PAPO-G's greens
     GRPO_BETA: "#aec7e8", GRPO_LR: "#393b79", PLACEBO: "#ff7f0e", PLACEBO_KL_MATCHED: "#ffbb78",
     MEAN_FILL_PAPO_G: "#98df8a", MEAN_FILL_KL_MATCHED: "#637939",
@@ -106,6 +112,20 @@ class Study:
 
     def collapses(self) -> dict[str, dict[int, dict]]:
         return {arm: {s: r.collapse for s, r in runs.items()} for arm, runs in self.by_arm().items()}
+
+    def treatment(self) -> str:
+        """The arm the power table and the paper's claims set against GRPO: PAPO-G at the recipe's gamma where it
+        ran, else the PAPO-G arm at the largest fraction of the collapse gamma (``study_recipe_arm`` off)."""
+        arms = self.by_arm()
+        if PAPO_G in arms or not plain_papo_arms(arms):
+            return PAPO_G
+        return max(plain_papo_arms(arms), key=lambda arm: next(iter(arms[arm].values())).gamma)
+
+
+def plain_papo_arms(arms) -> list[str]:
+    """The PAPO-G arms among ``arms`` (names), at any gamma, without the double entropy loss; not the collapse arm
+    (a search run reused at one seed)."""
+    return [arm for arm in arms if arm.startswith(PAPO_G) and arm != PAPO_G_COLLAPSE and not is_entropy_arm(arm)]
 
 
 # --------------------------------------------------------------------------------------------
@@ -269,7 +289,7 @@ def _log_scores(trainer, data, params: WorkbookParams) -> dict[str, float]:
 def _log_collapse(step_logs: list[dict], scores: dict[str, float], rule: CollapseRule, control, *, heldout: bool):
     """The run's collapse verdict from its step logs (with ``heldout``, weighed with its held-out ``scores`` against
     ``control``'s: ``collapse.heldout_verdict``), logged as ``ARM_COLLAPSE`` and two metrics."""
-    collapse = detect_collapse(step_logs, rule)
+    collapse = detect_collapse(step_logs, rule) | {"margin": collapse_margin(step_logs, rule)}
     if heldout:
         collapse = heldout_verdict(collapse, scores, control, rule)
     mlflow.log_dict(collapse, ARM_COLLAPSE)
@@ -354,18 +374,28 @@ def _calibrated_study(params: WorkbookParams, train, data, log) -> Study:
         run = train(SEARCH, search_seed, gamma, control=grpo[search_seed].scores if grpo else None)
         study.sweep.append(run)
         verdict = run.collapse
-        log(f"search gamma={gamma:g} seed={search_seed}: collapsed={verdict['collapsed']} ({verdict['mode']})")
+        margin = ", ".join(f"{k} {v:.2f}" for k, v in verdict["margin"].items())
+        log(
+            f"search gamma={gamma:g} seed={search_seed}: collapsed={verdict['collapsed']} ({verdict['mode']}); "
+            f"peak over firing level: {margin}"
+        )
         return run.collapse
 
-    _, study.collapse_gamma, study.collapse_found = search_collapse_gamma(
-        search_run, list(params.study_collapse_gammas), healthy=params.perception_loss_weight,
-        steps=params.study_search_steps,
-    )  # fmt: skip
+    if params.study_collapse_gamma is None:
+        _, study.collapse_gamma, study.collapse_found = search_collapse_gamma(
+            search_run, list(params.study_collapse_gammas), healthy=params.perception_loss_weight,
+            steps=params.study_search_steps,
+        )  # fmt: skip
+    else:  # an earlier search's (a published page's): no search run here
+        study.collapse_gamma, study.collapse_found = params.study_collapse_gamma, True
+        log(f"collapse gamma {study.collapse_gamma:g}: given (study_collapse_gamma), not searched here")
     _record_collapse_gamma(study)
-    arms = [(PAPO_G, params.perception_loss_weight, {})]
+    arms = [(PAPO_G, params.perception_loss_weight, {})] if params.study_recipe_arm else []
     arms += [(fraction_arm(f), float(f"{f * study.collapse_gamma:.4g}"), {}) for f in params.study_gamma_fractions]
-    study.controls = _match_controls(params, train, search_seed, strongest=arms[-1], log=log)
+    study.controls = match_controls(params, train, search_seed, strongest=arms[-1], log=log)
     arms += [(m.arm, 0.0, {CONTROL_PARAMS[m.arm]: m.value}) for m in study.controls]
+    recipe = params.perception_loss_weight if params.study_recipe_arm else None
+    arms += entropy_arms(params.study_entropy_weights, params.study_entropy_fractions, study.collapse_gamma, recipe)
     arms[1:1] = _vppo_arm(params)
     for seed in seeds:
         if seed not in grpo:
@@ -378,29 +408,6 @@ def _calibrated_study(params: WorkbookParams, train, data, log) -> Study:
             log(f"{arm} gamma={gamma:g} {overrides or ''} seed={seed}: avg_at_k {score:.3f}")
     study.runs.extend(_as_arm(run, PAPO_G_COLLAPSE) for run in study.sweep if run.gamma == study.collapse_gamma)
     return study
-
-
-def _match_controls(params: WorkbookParams, train, seed: int, strongest: tuple, log) -> list[ControlMatch]:
-    """The matched controls (``study.controls``): the strongest PAPO-G arm trained on the search seed sets the
-    target end reward, and each control's ladder is searched there (none without a ladder)."""
-    ladders = {GRPO_BETA: params.study_control_betas, GRPO_LR: params.study_control_learning_rates}
-    if not any(ladders.values()):
-        return []
-    arm, gamma, _ = strongest
-    target = end_reward(train(f"{CONTROL_SEARCH}_{arm}", seed, gamma).step_logs)
-    log(f"control target: {arm} (gamma {gamma:g}) on seed {seed} ends at accuracy reward {target:.3f}")
-    matches = []
-    for control, ladder in ladders.items():
-        if not ladder:
-            continue
-        knob = CONTROL_PARAMS[control]
-
-        def control_reward(value: float, knob: str = knob) -> float:
-            return end_reward(train(CONTROL_SEARCH, seed, 0.0, overrides={knob: value}).step_logs)
-
-        matches.append(match_control(control, list(ladder), target, control_reward))
-        log(f"{control}: {knob} {matches[-1].value:g}, end reward {matches[-1].margin:+.3f} from the target")
-    return matches
 
 
 def _vppo_arm(params: WorkbookParams) -> list[tuple[str, float, dict]]:

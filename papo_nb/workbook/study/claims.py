@@ -164,7 +164,11 @@ def reliance_claim(compare) -> dict:
 
 
 def collapse_claim(collapse: dict[str, dict[int, dict]], treatment: str, collapsing: str) -> dict:
-    """Holds when most runs of the collapsing arm were flagged and none of the treatment arm."""
+    """Holds when most runs of the collapsing arm were flagged and none of the treatment arm; not tested where no
+    run trained at the collapse gamma (it was given, not searched)."""
+    if collapsing not in collapse:
+        return {"claim": "collapse", "paper": PAPER_CLAIMS["collapse"], "here": f"no {collapsing} run",
+                "verdict": "not tested here: no run at the collapse gamma (given, not searched)"}  # fmt: skip
     flagged = {arm: sum(r["collapsed"] for r in by_seed.values()) for arm, by_seed in collapse.items()}
     runs = {arm: len(by_seed) for arm, by_seed in collapse.items()}
     holds = flagged.get(collapsing, 0) > runs.get(collapsing, 0) / 2 and flagged.get(treatment, 0) == 0

@@ -158,3 +158,23 @@ def heldout_verdict(verdict: dict, scores: dict[str, float], control: dict[str, 
         broken = "broken output (held-out accuracy 0)"
         verdict["mode"] = f"{verdict['mode']}; {broken}" if verdict["mode"] else broken
     return verdict
+
+
+def collapse_margin(step_logs: list[dict], rule: CollapseRule | None = None) -> dict[str, float]:
+    """How near each of the paper's KL_prcp-hacking symptoms came to firing over the run: the largest windowed value
+    (the mean of ``rule.window`` logged values, as ``detect_collapse`` reads them) over the level where it fires, so
+    1.0 or more fired and 0.8 stopped 20% short. ``perception_kl_rise``: the KL over ``kl_factor`` times its
+    baseline; each entropy: its rise over the larger of ``entropy_factor`` times the baseline and the baseline plus
+    ``entropy_min_rise``. A search call's verdict with this beside it says how close the call was."""
+    rule = rule or CollapseRule()
+    margins = {}
+    for symptom, factor in (("perception_kl_rise", rule.kl_factor), ("entropy_rise", None),
+                            ("masked_entropy_rise", None)):  # fmt: skip
+        values = [v for _, v in _series(step_logs, SYMPTOMS[symptom][0])]
+        if len(values) <= rule.baseline_steps or len(values) < rule.window:
+            continue
+        baseline = median(values[: rule.baseline_steps])
+        level = factor * baseline if factor else max(rule.entropy_factor * baseline, baseline + rule.entropy_min_rise)
+        peak = max(mean(values[i - rule.window : i]) for i in range(rule.window, len(values) + 1))
+        margins[symptom] = peak / level if level > 0 else math.nan
+    return margins

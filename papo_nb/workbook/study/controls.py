@@ -23,6 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from statistics import mean
 
+from papo_nb.workbook.config.params import WorkbookParams
 from papo_nb.workbook.study.placebo import PLACEBO_CONTROLS
 
 REWARD_KEY = "rewards/accuracy_reward/mean"
@@ -30,6 +31,7 @@ END_REWARD_WINDOW = 10  # logged rollout batches averaged for "the end of traini
 GRPO_BETA, GRPO_LR = "grpo_beta", "grpo_lr"
 CONTROL_PARAMS = {GRPO_BETA: "beta", GRPO_LR: "learning_rate"}  # each control arm and the knob it turns
 CONTROL_ARMS = tuple(CONTROL_PARAMS)
+CONTROL_SEARCH = "control_search"  # the matched controls' search runs (and the target's), on the search seed
 COMPARED_CONTROLS = (*CONTROL_ARMS, *PLACEBO_CONTROLS)  # every control PAPO-G is weighed against, placebos included
 
 
@@ -135,3 +137,26 @@ def control_verdict(rows: list[dict], treatment: str, primary: str, gap: str, wh
         f"(p = {row['p_value']:.2g}, {row['pairs']} seed pairs) on prior-breaking avg@k."
     )
     return f"{first} {second}"
+
+
+def match_controls(params: WorkbookParams, train, seed: int, strongest: tuple, log) -> list[ControlMatch]:
+    """The matched controls (``study.controls``): the strongest PAPO-G arm trained on the search seed sets the
+    target end reward, and each control's ladder is searched there (none without a ladder)."""
+    ladders = {GRPO_BETA: params.study_control_betas, GRPO_LR: params.study_control_learning_rates}
+    if not any(ladders.values()):
+        return []
+    arm, gamma, _ = strongest
+    target = end_reward(train(f"{CONTROL_SEARCH}_{arm}", seed, gamma).step_logs)
+    log(f"control target: {arm} (gamma {gamma:g}) on seed {seed} ends at accuracy reward {target:.3f}")
+    matches = []
+    for control, ladder in ladders.items():
+        if not ladder:
+            continue
+        knob = CONTROL_PARAMS[control]
+
+        def control_reward(value: float, knob: str = knob) -> float:
+            return end_reward(train(CONTROL_SEARCH, seed, 0.0, overrides={knob: value}).step_logs)
+
+        matches.append(match_control(control, list(ladder), target, control_reward))
+        log(f"{control}: {knob} {matches[-1].value:g}, end reward {matches[-1].margin:+.3f} from the target")
+    return matches

@@ -17,6 +17,7 @@ from papo_nb.workbook.study.arms import VPPO, Study, StudyRun, perception_kl_mea
 from papo_nb.workbook.study.controls import CONTROL_ARMS
 from papo_nb.workbook.study.placebo import PLACEBO_ARMS
 from papo_nb.workbook.study.power import effect_verdict, power_row
+from papo_nb.workbook.study.search import is_entropy_arm
 from papo_nb.workbook.study.stats import mean_ci, paired_test
 
 END_WINDOW = 3  # logged steps averaged for "at the end of training"
@@ -25,6 +26,12 @@ END_METRICS = ("perception_kl", "entropy", "masked_entropy")
 # arms that are not a point of the dose-response: the gamma-0 matched controls (GRPO held back another way), VPPO
 # (another use of the perception KL), and the placebo arms, at a PAPO-G gamma with another mask; arms of their own
 OFF_DOSE_ARMS = (*CONTROL_ARMS, VPPO, *PLACEBO_ARMS)
+
+
+def off_dose(arm: str | None) -> bool:
+    """Not a point of the dose-response: an ``OFF_DOSE_ARMS`` arm, or PAPO-G with the double entropy loss (at a
+    gamma the plain arm also runs at)."""
+    return arm in OFF_DOSE_ARMS or (arm is not None and is_entropy_arm(arm))
 
 
 def _end_value(run: StudyRun, key: str) -> float:
@@ -40,7 +47,7 @@ def runs_by_gamma(study: Study) -> dict[float, dict[int, StudyRun]]:
     trained as: a sweep or search run counted as the collapse arm stays a sweep or search run)."""
     grouped: dict[float, dict[int, StudyRun]] = {}
     for run in [*study.runs, *study.sweep]:
-        if run.arm not in OFF_DOSE_ARMS:
+        if not off_dose(run.arm):
             grouped.setdefault(run.gamma, {})[run.seed] = run
     return dict(sorted(grouped.items()))
 
@@ -157,7 +164,7 @@ def run_records(study: Study) -> list[dict]:
 def _every_run(study: Study) -> list[StudyRun]:
     """Every trained run once: by gamma (``runs_by_gamma``), then the off-dose arms' runs (controls, VPPO)."""
     dosed = [run for _, by_seed in runs_by_gamma(study).items() for _, run in sorted(by_seed.items())]
-    return dosed + [run for run in study.runs if run.arm in OFF_DOSE_ARMS]
+    return dosed + [run for run in study.runs if off_dose(run.arm)]
 
 
 def _verdict_record(run: StudyRun) -> dict:
@@ -179,7 +186,7 @@ def dose_contrasts(records: list[dict]) -> list[dict]:
     difference, its p-value, the MDE at 80% power and the verdict (``power.effect_verdict``)."""
     scores: dict[float, dict[int, dict]] = {}
     for record in records:
-        if record.get("arm") not in OFF_DOSE_ARMS:
+        if not off_dose(record.get("arm")):
             scores.setdefault(record["gamma"], {})[record["seed"]] = record["scores"]
     control = scores.get(0.0, {})
     rows = []

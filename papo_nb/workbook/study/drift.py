@@ -110,3 +110,35 @@ def counteract_claim(drift: list[dict], verdicts: list[dict], control: str, metr
     else:
         verdict = "does not hold here: no PAPO-G arm beat GRPO"
     return {"claim": "counteracts drift", "here": here, "verdict": verdict}
+
+
+def verdict_line(drift: list[dict], verdicts: list[dict], claim: dict, control: str, metric: str = PRIMARY) -> str:
+    """The calibrated study in one line, with its numbers: the claim's verdict, the control's drift with its 95% CI
+    and p over seeds, and each arm minus the control with its CI, p and MDE (what a run too small to detect an
+    effect could not have seen)."""
+    grpo = next((row for row in drift if row["arm"] == control and row["metric"] == metric), None)
+    if grpo is None:
+        return f"{claim['verdict']}."
+    arms = "; ".join(
+        f"{row['arm']} (gamma {row['gamma']:g}) - {control} {row['diff']:+.3f} +/- {row['diff_ci95']:.3f} "
+        f"(p = {row['p_value']:.2g}, MDE {row['mde']:.3f})"
+        for row in verdicts
+    )
+    return (
+        f"{claim['verdict']}. On {metric}, {control} {grpo['step_0']:.3f} -> {grpo['end']:.3f}: drift "
+        f"{grpo['drift']:+.3f} +/- {grpo['drift_ci95']:.3f} (p = {grpo['p_value']:.2g}, {grpo['seeds']} seeds); "
+        f"{arms}."
+    )
+
+
+def verdict_metrics(drift: list[dict], verdicts: list[dict], control: str, metric: str = PRIMARY) -> dict:
+    """``verdict_line``'s numbers as MLflow metrics: ``study/drift/<control>`` (and ``_ci95``), and per arm
+    ``study/vs_<control>/<arm>`` with ``_ci95``, ``_p`` and ``_mde``."""
+    values = {}
+    for row in drift:
+        if row["arm"] == control and row["metric"] == metric:
+            values |= {f"study/drift/{control}": row["drift"], f"study/drift_ci95/{control}": row["drift_ci95"]}
+    for row in verdicts:
+        for key, name in (("diff", ""), ("diff_ci95", "_ci95"), ("p_value", "_p"), ("mde", "_mde")):
+            values[f"study/vs_{control}{name}/{row['arm']}"] = row[key]
+    return values

@@ -15,7 +15,7 @@ from statistics import mean
 
 from papo_nb.workbook.study import drift, errors, tables
 from papo_nb.workbook.study import stats as study_stats
-from papo_nb.workbook.study.arms import GRPO, PAPO_G, PAPO_G_COLLAPSE, Study
+from papo_nb.workbook.study.arms import GRPO, Study, plain_papo_arms
 from papo_nb.workbook.study.controls import END_REWARD_WINDOW, end_reward
 from papo_nb.workbook.study.placebo import (
     MEAN_FILL_KL_MATCHED,
@@ -32,7 +32,7 @@ METRICS = (drift.PRIMARY, GAP, drift.CONSISTENT, errors.PRIOR, TRAIN_ACCURACY)
 
 def strongest_papo_g(study: Study) -> str | None:
     """The PAPO-G arm of the largest gamma on every seed (the one the controls are matched to); None without one."""
-    arms = {arm: runs for arm, runs in study.by_arm().items() if arm.startswith(PAPO_G) and arm != PAPO_G_COLLAPSE}
+    arms = {arm: runs for arm, runs in study.by_arm().items() if arm in plain_papo_arms(study.by_arm())}
     return max(arms, key=lambda arm: next(iter(arms[arm].values())).gamma) if arms else None
 
 

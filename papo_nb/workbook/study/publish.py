@@ -27,7 +27,7 @@ from papo_nb.workbook.study import (
     warm_starts,
 )
 from papo_nb.workbook.study import stats as study_stats
-from papo_nb.workbook.study.arms import GRPO, PAPO_G, PAPO_G_COLLAPSE, SEARCH, SWEEP, Study
+from papo_nb.workbook.study.arms import GRPO, PAPO_G, PAPO_G_COLLAPSE, SEARCH, SWEEP, Study, plain_papo_arms
 from papo_nb.workbook.study.claims import claims_table
 
 PAGE = "results.md"
@@ -77,9 +77,9 @@ def write_results_page(
     chance, vision_items = report.study_chance(params)
     metrics = list(tables.TABLE_METRICS)
     table = tables.comparison_table(study_stats.summary_rows(scores, metrics, control=GRPO), control=GRPO)
-    arms = {"control": GRPO, "treatment": PAPO_G, "collapse": PAPO_G_COLLAPSE}
+    arms = {"control": GRPO, "treatment": study.treatment(), "collapse": PAPO_G_COLLAPSE}
     claims = claims_table(scores, study.collapses(), arms, chance=chance, vision_items=vision_items)
-    power_rows = power.power_table(scores, metrics, GRPO, PAPO_G, target=0.02)
+    power_rows = power.power_table(scores, metrics, GRPO, study.treatment(), target=0.02)
     settings = "\n".join(f"- `{name}`: {getattr(params, name)!r}" for name in SETTINGS)
     sections = [
         f"# Method study: {params.model_name_or_path}, {params.finetuning}, seeds {list(params.study_seeds)}",
@@ -127,7 +127,7 @@ def calibrated_tables(start: dict, results: dict[str, dict[int, dict]], gammas: 
 def control_tables(results: dict[str, dict[int, dict]], gammas: dict[str, float]) -> tuple[list[dict], str]:
     """(the strongest PAPO-G arm against GRPO and each matched control, the two-sentence verdict); no rows and a
     verdict that says so without a control."""
-    papo = [arm for arm in results if arm.startswith(PAPO_G) and arm != PAPO_G_COLLAPSE]
+    papo = plain_papo_arms(results)
     if not papo:
         return [], "No PAPO-G arm ran."
     strongest = max(papo, key=lambda arm: gammas[arm])
@@ -165,6 +165,13 @@ def counteract_verdict(study: Study) -> str:
     return _calibrated_tables(study)[2]["verdict"]
 
 
+def study_verdict(study: Study) -> tuple[str, dict[str, float]]:
+    """The calibrated study's verdict with GRPO's drift and each arm against GRPO (``drift.verdict_line``), and its
+    numbers as metrics (``drift.verdict_metrics``)."""
+    drift_table, verdicts, claim = _calibrated_tables(study)
+    return drift.verdict_line(drift_table, verdicts, claim, GRPO), drift.verdict_metrics(drift_table, verdicts, GRPO)
+
+
 def calibrated_sections(study: Study) -> list[str]:
     """The calibrated design's sections (none for a sweep study): each arm's drift from the warm start, the
     collapse-gamma search, each PAPO-G arm against GRPO, and the claim they test."""
@@ -177,11 +184,7 @@ def calibrated_sections(study: Study) -> list[str]:
         "Every run and the warm-start policy are scored on the same held-out items; drift is the end score minus "
         "the warm start's, mean over seeds with its 95% CI; p: one-sample t-test that it is 0.\n\n"
         + tables.records_markdown(drift_table),
-        f"## Collapse-gamma search (one seed): collapse at gamma {study.collapse_gamma:g}"
-        + ("" if study.collapse_found else " (none collapsed: the ladder's largest)")
-        + "\nThe ladder `study_collapse_gammas` in turn until a run collapses, then geometric bisection below it "
-        "(`study_search_steps`); `detected_by` says whether the step logs or the held-out score flagged it.\n\n"
-        + _sweep_markdown(study),
+        _search_section(study),
         *_control_sections(study),
         *placebo_arm.placebo_sections(study),
         *vppo_arm.vppo_sections(study),
@@ -198,6 +201,22 @@ def calibrated_sections(study: Study) -> list[str]:
         "the prior against the image (the paper's perception-error category; it reports 30.5% fewer perception "
         "errors for PAPO).\n\n" + tables.records_markdown(verdicts),
     ]
+
+
+def _search_section(study: Study) -> str:
+    """The collapse-gamma search's runs, or, where the gamma was given (``study_collapse_gamma``), that it was."""
+    if not study.sweep:
+        return (
+            f"## Collapse gamma {study.collapse_gamma:g}: given, not searched here\n`study_collapse_gamma`, an "
+            "earlier search's on this warm start (the params file names its page); no search run in this study."
+        )
+    return (
+        f"## Collapse-gamma search (one seed): collapse at gamma {study.collapse_gamma:g}"
+        + ("" if study.collapse_found else " (none collapsed: the ladder's largest)")
+        + "\nThe ladder `study_collapse_gammas` in turn until a run collapses, then geometric bisection below it "
+        "(`study_search_steps`); `detected_by` says whether the step logs or the held-out score flagged it.\n\n"
+        + _sweep_markdown(study)
+    )
 
 
 def _split_markdown(scores: dict[str, dict[int, dict]]) -> str:
@@ -261,6 +280,7 @@ def write_page_files(folder: Path, study: Study, card: dict, figures: dict[str, 
 
 def write_summary(folder: Path, params: WorkbookParams, study: Study, scores: dict, power_rows: list[dict]) -> None:
     """``summary.json``: the page's verdicts, which ``summary_markdown`` sets side by side across pages."""
+    treatment = study.treatment()
     summary = {
         "testbed": params.model_name_or_path,
         "finetuning": params.finetuning,
@@ -268,9 +288,9 @@ def write_summary(folder: Path, params: WorkbookParams, study: Study, scores: di
         "collapse_gamma": study.collapse_gamma,
         "collapse_found": study.collapse_found,
         "grpo": {m: _arm_mean(scores, GRPO, m) for m in SUMMARY_METRICS},
-        "papo_g": {m: _arm_mean(scores, PAPO_G, m) for m in SUMMARY_METRICS},
+        "papo_g": {m: _arm_mean(scores, treatment, m) for m in SUMMARY_METRICS},
         "papo_g_vs_grpo": {
-            row["metric"]: _effect(scores, row) for row in power_rows if row["metric"] in SUMMARY_METRICS
+            row["metric"]: _effect(scores, row, treatment) for row in power_rows if row["metric"] in SUMMARY_METRICS
         },
     }
     if study.start_scores:
@@ -299,11 +319,11 @@ def _arm_mean(scores: dict, arm: str, metric: str) -> float:
     return study_stats.mean_ci([by_seed[metric] for by_seed in scores[arm].values()])[0]
 
 
-def _effect(scores: dict, power_row: dict) -> dict:
-    """PAPO-G - GRPO on one metric: the paired test, its MDE and the verdict the claims table words."""
+def _effect(scores: dict, power_row: dict, treatment: str = PAPO_G) -> dict:
+    """PAPO-G (``treatment``) - GRPO on one metric: the paired test, its MDE and the verdict the claims table words."""
     metric, seeds = power_row["metric"], sorted(scores[GRPO])
     test = study_stats.paired_test(
-        [scores[PAPO_G][s][metric] for s in seeds], [scores[GRPO][s][metric] for s in seeds]
+        [scores[treatment][s][metric] for s in seeds], [scores[GRPO][s][metric] for s in seeds]
     )
     verdict = power.effect_verdict(test["diff"], test["p_value"], power_row["mde"])
     return {"diff": test["diff"], "p_value": test["p_value"], "mde": power_row["mde"], "verdict": verdict}

@@ -56,11 +56,18 @@ def sweep_rows(study: Study) -> list[dict]:
             "detected_by": ", ".join(
                 r.collapse.get("detected_by") or (["step logs"] if r.collapse["collapsed"] else [])
             ),
+            # how near each hacking symptom came to firing (collapse.collapse_margin; 1.0 fires); a page's runs
+            # recorded before the margin existed show none
+            **({"margin": _margin(r.collapse["margin"])} if "margin" in r.collapse else {}),
             "avg_at_k (all)": r.scores["avg_at_k/original/all"],
             "run_id": r.run_id,
         }
         for r in study.sweep
     ]
+
+
+def _margin(margin: dict[str, float]) -> str:
+    return ", ".join(f"{symptom.removesuffix('_rise')} {value:.2f}" for symptom, value in margin.items())
 
 
 def collapse_rows(study: Study) -> list[dict]:

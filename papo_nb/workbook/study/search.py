@@ -13,12 +13,23 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 
-FRACTION_NAMES = {0.125: "eighth", 0.25: "quarter", 0.5: "half"}
+FRACTION_NAMES = {0.125: "eighth", 0.25: "quarter", 0.5: "half", 1.0: "x1"}
+ENTROPY_TAG = "_entropy"  # PAPO-G with the double entropy loss: the arm's name ends in _entropy<weight>
 
 
 def fraction_arm(fraction: float) -> str:
     """The arm name of PAPO-G at ``fraction`` of the collapse gamma: ``papo_g_half``, or ``papo_g_x0.3``."""
     return f"papo_g_{FRACTION_NAMES.get(fraction, f'x{fraction:g}')}"
+
+
+def entropy_arm(arm: str, weight: float) -> str:
+    """``arm`` with the double entropy loss at ``weight`` on both terms: ``papo_g_half_entropy0.05``."""
+    return f"{arm}{ENTROPY_TAG}{weight:g}"
+
+
+def is_entropy_arm(arm: str) -> bool:
+    """An arm with the double entropy loss: off the dose-response, whose points are PAPO-G without it."""
+    return ENTROPY_TAG in arm
 
 
 def geometric_midpoint(low: float, high: float) -> float:
@@ -53,3 +64,19 @@ def search_collapse_gamma(
         else:
             low = middle
     return tried, high, True
+
+
+def entropy_arms(
+    weights: list[float], fractions: list[float], collapse_gamma: float, recipe_gamma: float | None
+) -> list[tuple[str, float, dict]]:
+    """The paper's remedy for collapse as arms (name, gamma, overrides): PAPO-G with the double entropy loss at each
+    of ``weights`` on both terms, at ``recipe_gamma`` (None: not there) and at each of ``fractions`` of the collapse
+    gamma, beside the plain arms at the same gammas."""
+    arms = []
+    for weight in weights:
+        both = {"original_entropy_weight": weight, "masked_entropy_weight": weight}
+        if recipe_gamma is not None:
+            arms.append((entropy_arm("papo_g", weight), recipe_gamma, both))
+        for fraction in fractions:
+            arms.append((entropy_arm(fraction_arm(fraction), weight), float(f"{fraction * collapse_gamma:.4g}"), both))
+    return arms

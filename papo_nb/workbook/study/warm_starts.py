@@ -282,3 +282,22 @@ def pooled_line(data: dict) -> dict:
         "placebo_holds": placebo["diff"] > 0 and placebo["p_value"] < 0.05,
         "specific": "shown" if "Perception-specific: shown" in two_sentence_verdict(data) else "not shown",
     }
+
+
+DOCS_STUDY = Path(__file__).resolve().parents[3] / "docs" / "study"
+
+
+def one_warm_start_note(weights_sha256: str, finetuning: str, root: Path = DOCS_STUDY) -> str:
+    """What a study on one warm start can say, beside what the pooled page that lists its weights (same finetuning)
+    found over all its warm starts: a reader must not take one policy's result for the testbed's."""
+    said = f"**One warm start.** This study trained one policy (weights `{weights_sha256[:12]}`)"
+    for folder, data in pooled_pages(root):
+        builds = [b for b in data["warm_starts"] if b["weights_sha256"] == weights_sha256]
+        if builds and finetuning_of(data, root) == finetuning:
+            line = pooled_line(data)
+            return (
+                f"{said}: warm start {builds[0]['build']} of the {line['warm_starts']} that "
+                f"`docs/study/{folder.name}` pools. Over all of them GRPO's drift is {line['drift']}, and PAPO-G "
+                f"minus GRPO: {line['papo_g']}: what this run shows holds for this warm start, not for the testbed."
+            )
+    return f"{said}; no pooled page under `docs/study` lists it, so nothing here speaks for other warm starts."
