@@ -140,7 +140,10 @@ def run_rehearsal(params, layers: int, completion: int = REHEARSAL_COMPLETION) -
         )
         config = published_config(str(folder))
         s = setting(params, widths(config))
-        trainer, _, _ = prepare_training(short, Path(tmp) / "run", bf16=True, use_cpu=True)
+        # The forecast is the plain forward's: the memory a run falls back to when "auto" turns sharing off (its
+        # first-batch check, a batch it cannot pack); sharing only lowers it (docs/performance.md).
+        changed["prefix_sharing"] = {"file": getattr(params, "prefix_sharing", "auto"), "rehearsal": False}
+        trainer, _, _ = prepare_training(short, Path(tmp) / "run", bf16=True, use_cpu=True, prefix_sharing=False)
         as_loaded_on_cuda(trainer.model)
         for model in (trainer.model, trainer.ref_model):
             if model is not None:
