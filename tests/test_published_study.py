@@ -78,12 +78,13 @@ def test_the_summary_and_the_readme_table_are_the_pages_verdicts():
 
 
 def test_the_readme_block_is_replaced_in_place():
-    from papo_nb.workbook.study.publish import README_MARKERS, replace_block
+    from papo_nb.workbook.doc_blocks import replace_block
+    from papo_nb.workbook.study.publish import README_MARKERS
 
     start, end = README_MARKERS
-    assert replace_block(f"a\n{start}\nold\n{end}\nb\n", "new\n") == f"a\n{start}\nnew\n{end}\nb\n"
+    assert replace_block(f"a\n{start}\nold\n{end}\nb\n", "new\n", README_MARKERS) == f"a\n{start}\nnew\n{end}\nb\n"
     with pytest.raises(ValueError, match="study-summary"):
-        replace_block("no markers", "new\n")
+        replace_block("no markers", "new\n", README_MARKERS)
 
 
 CALIBRATED_PAGES = sorted(path.parent for path in (ROOT / "docs" / "study").glob("*/start_scores.json"))

@@ -12,6 +12,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from papo_nb.workbook.doc_blocks import replace_block
+
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "docs" / "in_loop"
 DOC = ROOT / "docs" / "performance.md"
@@ -130,9 +132,7 @@ def table(runs: list[dict[str, Any]]) -> str:
 
 def document(text: str, runs: list[dict[str, Any]]) -> str:
     """``text`` (docs/performance.md) with the table between its markers replaced by the one ``runs`` make."""
-    head, rest = text.split(BEGIN, 1)
-    _, tail = rest.split(END, 1)
-    return f"{head}{BEGIN}\n{table(runs)}\n{END}{tail}"
+    return replace_block(text, f"{table(runs)}\n", (BEGIN, END))
 
 
 if __name__ == "__main__":

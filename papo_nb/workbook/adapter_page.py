@@ -22,7 +22,7 @@ from trl import GRPOTrainer
 
 from papo_nb.papo import PAPOGTrainer, papo_config
 from papo_nb.papo.forward import prefill, prefix_sharing
-from papo_nb.workbook.study.publish import replace_block
+from papo_nb.workbook.doc_blocks import replace_block
 
 PAGE = Path(__file__).resolve().parents[2] / "docs" / "adapter.md"
 ADAPTER = Path(papo_config.__file__).parent

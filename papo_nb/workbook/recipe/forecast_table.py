@@ -7,6 +7,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from papo_nb.workbook.doc_blocks import replace_block
 from papo_nb.workbook.recipe.architectures import published_config, widths
 from papo_nb.workbook.recipe.forecast import GIB, forecast
 from papo_nb.workbook.recipe.forecast_report import advice, largest_part, step_seconds, verdict
@@ -61,9 +62,7 @@ def table() -> str:
 
 def document(text: str) -> str:
     """``text`` (docs/recipe.md) with the table between its markers replaced by today's."""
-    head, rest = text.split(BEGIN, 1)
-    _, tail = rest.split(END, 1)
-    return f"{head}{BEGIN}\n{table()}\n{END}{tail}"
+    return replace_block(text, f"{table()}\n", (BEGIN, END))
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ from pathlib import Path
 from matplotlib.figure import Figure
 
 from papo_nb.workbook.config.params import WorkbookParams
+from papo_nb.workbook.doc_blocks import replace_block
 from papo_nb.workbook.study import (
     controls,
     dose,
@@ -378,15 +379,6 @@ def summary_markdown(root: str | Path, link_prefix: str = "") -> str:
     return "\n".join(lines) + "\n"
 
 
-def replace_block(text: str, block: str, markers: tuple[str, str] | None = None) -> str:
-    """``text`` with the lines between ``markers`` (``README_MARKERS``) replaced by ``block``."""
-    start, end = markers or README_MARKERS
-    if start not in text or end not in text:
-        raise ValueError(f"README has no {start} ... {end} block to write the study summary into")
-    head, rest = text.split(start, 1)
-    return f"{head}{start}\n{block}{end}{rest.split(end, 1)[1]}"
-
-
 README_MARKERS = ("<!-- study-summary:start -->", "<!-- study-summary:end -->")
 # The pages kept for the record but out of the summary (issue 41): the 2025 sweep design, run from a warm start that
 # no longer exists and whose weights were not kept ("not pinned"), so no number on them is comparable with a pinned
@@ -419,7 +411,7 @@ def main(root: str | Path = "docs/study", targets=SUMMARY_TARGETS) -> None:
     (root / SUMMARY_PAGE).write_text(summary_markdown(root))
     for target, prefix in targets:
         path = Path(target)
-        path.write_text(replace_block(path.read_text(), summary_markdown(root, link_prefix=prefix)))
+        path.write_text(replace_block(path.read_text(), summary_markdown(root, link_prefix=prefix), README_MARKERS))
     readme, prefix = Path(VERDICT_TARGET[0]), VERDICT_TARGET[1]  # only from a root that has pooled pages
     if pooled_summary.pooled(root) and readme.is_file() and VERDICT_MARKERS[0] in readme.read_text():
         readme.write_text(
