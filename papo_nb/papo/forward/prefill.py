@@ -55,16 +55,26 @@ def plan(args, model) -> Plan:
     choice = args.masked_forward
     if choice == "full":
         return Plan(False, "masked_forward='full'")
-    reason = trl_seams.prefill_reason() or unsupported_reason(model)  # 1.14+'s log-probs are not logits / temperature
-    if reason is None and args.masked_branch_grad:
-        reason = "masked_branch_grad=True: the shared prefix is a no-grad path"
+    # 1.14+'s log-probs are not logits / temperature
+    reason = trl_seams.prefill_reason() or unsupported_reason(model) or config_reason(args)
     if reason is not None and choice == "shared_prefix":
         raise ValueError(
             f"PAPOGConfig.masked_forward='shared_prefix' cannot run: {reason}; allowed here: 'auto' or 'full'"
         )
-    if reason is None and choice == "auto" and args.mask_sharing != "prompt":
-        reason = f"mask_sharing={args.mask_sharing!r}: no two completions share a masked image"
     return Plan(reason is None, reason or f"masked_forward={choice!r}")
+
+
+def config_reason(args) -> str | None:
+    """Why the config alone keeps the masked branch off the shared prefix, or None (``plan``'s config part: the
+    memory forecast reads it from the params before any model exists). ``"auto"`` also leaves it where no two
+    completions share a masked image; ``"shared_prefix"`` is not refused for that."""
+    if args.masked_forward == "full":
+        return "masked_forward='full'"
+    if args.masked_branch_grad:
+        return "masked_branch_grad=True: the shared prefix is a no-grad path"
+    if args.masked_forward == "auto" and args.mask_sharing != "prompt":
+        return f"mask_sharing={args.mask_sharing!r}: no two completions share a masked image"
+    return None
 
 
 def prompt_groups(inputs: dict[str, Any], pixel_values: torch.Tensor | None) -> list[list[int]]:

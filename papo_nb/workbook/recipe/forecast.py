@@ -34,6 +34,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from papo_nb.papo import trl_seams
+from papo_nb.papo.forward import prefill
 from papo_nb.workbook.recipe.architectures import Widths, published_config, widths
 
 GIB = 1024**3
@@ -160,20 +162,16 @@ def setting(params, w: Widths) -> Setting:
 
 
 def masked_form(params) -> dict:
-    """Whether the masked branch takes the shared prompt prefix and how many completion rows one of its forwards
-    holds (``papo.forward.masked_branch``): under no-grad with ``masked_forward`` not 'full', once per round
+    """Whether the masked branch takes the shared prompt prefix (the trainer's own choice from the config and the
+    installed TRL, ``papo.forward.prefill.plan``; every Qwen-VL family the forecast knows supports it) and how many
+    completion rows one of its forwards holds (``papo.forward.masked_branch``): once per round
     (``masked_branch='rollout'``: chunks of whole prompts of at most max(B, G) rows on one process, B rows under
     several) or per micro-batch (one prompt's rows, B under several; per-completion masks on one process leave no
     prompt with two rows: the full forward)."""
     rows, group, processes = params.per_device_train_batch_size, params.num_generations, params.num_processes
-    rollout = getattr(params, "masked_branch", "rollout") == "rollout"
-    shared = (
-        getattr(params, "masked_forward", "auto") != "full"
-        and not params.masked_branch_grad
-        and group > 1
-        and (rollout or processes > 1 or getattr(params, "mask_sharing", "prompt") == "prompt")
-    )
-    if not shared:
+    rollout = params.masked_branch == "rollout"
+    single_rows = not rollout and processes == 1 and params.mask_sharing != "prompt"
+    if group < 2 or single_rows or trl_seams.prefill_reason() or prefill.config_reason(params):
         return {"masked_shared": False, "masked_chunk_rows": 0}
     if processes > 1:
         chunk = rows
