@@ -84,6 +84,9 @@ def shortened(params, completion: int) -> tuple[object, dict]:
         "accelerate_config": "",
         "device": "cpu",
         "use_vllm": False,  # TRL's model.generate: no vLLM on the CPU
+        # The forecast is the plain forward's: the memory a run falls back to when "auto" turns sharing off (its
+        # first-batch check, a batch it cannot pack); sharing only lowers it (docs/performance.md).
+        "prefix_sharing": False,
     }
     changed = {k: {"file": getattr(params, k), "rehearsal": v} for k, v in update.items() if getattr(params, k) != v}
     return params.model_copy(update=update), changed
@@ -140,10 +143,7 @@ def run_rehearsal(params, layers: int, completion: int = REHEARSAL_COMPLETION) -
         )
         config = published_config(str(folder))
         s = setting(params, widths(config))
-        # The forecast is the plain forward's: the memory a run falls back to when "auto" turns sharing off (its
-        # first-batch check, a batch it cannot pack); sharing only lowers it (docs/performance.md).
-        changed["prefix_sharing"] = {"file": getattr(params, "prefix_sharing", "auto"), "rehearsal": False}
-        trainer, _, _ = prepare_training(short, Path(tmp) / "run", bf16=True, use_cpu=True, prefix_sharing=False)
+        trainer, _, _ = prepare_training(short, Path(tmp) / "run", bf16=True, use_cpu=True)
         as_loaded_on_cuda(trainer.model)
         for model in (trainer.model, trainer.ref_model):
             if model is not None:
