@@ -5,10 +5,15 @@ seeds, beside the page's own runs on the pinned seed-0 build.
     OMP_NUM_THREADS=1 .venv/bin/python docs/measurements/warm_starts_shortcut.py train BUILD OUT [PARAMS]
     .venv/bin/python docs/measurements/warm_starts_shortcut.py page OUT [OUT ...]
     .venv/bin/python docs/measurements/warm_starts_shortcut.py full-page OUT [OUT ...]
+    .venv/bin/python docs/measurements/warm_starts_shortcut.py calibrated-page OUT [OUT ...]
+    .venv/bin/python docs/measurements/warm_starts_shortcut.py search-from-store OUT
 
 
 ``full-page`` writes the ``OUT``s trained with ``params/study_controls_full.yaml`` (full fine-tuning) as
-``docs/study/shortcut_controls_full/``.
+``docs/study/shortcut_controls_full/``, ``calibrated-page`` those trained with ``params/study_calibrated.yaml`` (issue
+56: each warm start at its own collapse gamma, every arm and each search call kept) as
+``docs/study/shortcut_calibrated/`` (``papo_nb.workbook.study.calibrated``). ``search-from-store`` adds the search
+calls to a ``results.json`` written before ``train`` recorded them, from the runs' own MLflow store.
 
 ``train`` builds the warm start of build seed ``BUILD`` (``papo_nb.testbed.policy.build_testbed``: a build that misses
 its card's goal raises) and runs notebook 04's calibrated study on it (``papo_nb.workbook.study.arms.run_study``: the
@@ -75,15 +80,53 @@ def train(build: int, out: Path, params_file: str = PARAMS) -> None:
         "collapse_gamma": study.collapse_gamma, "collapse_found": study.collapse_found,
         "controls": [asdict(c) for c in study.controls], "kl_matched_gamma": matched,
         "seconds": round(time.time() - started), "runs": [asdict(r) for r in runs],
+        "search": [asdict(r) for r in study.sweep],
     }  # fmt: skip
     (out / "results.json").write_text(json.dumps(record))
     print(f"build {build}: {len(runs)} runs in {record['seconds']} s", flush=True)
+
+
+def search_from_store(out: Path) -> None:
+    """Add the search runs (``search``: every call, the collapse gamma's too) to an ``OUT/results.json`` written
+    before ``train`` recorded them, read back from the MLflow store the runs logged to (``OUT/mlflow.db``): each
+    call's gamma, seed, per-step logs and collapse verdict."""
+    from mlflow import MlflowClient
+    from mlflow.artifacts import load_dict
+
+    from papo_nb.workbook.config.evidence_names import ARM_COLLAPSE
+    from papo_nb.workbook.study.arms import PAPO_G_COLLAPSE, SEARCH, STEP_METRICS
+
+    record = json.loads((out / "results.json").read_text())
+    client = MlflowClient(f"sqlite:///{out}/mlflow.db")
+    experiment = client.search_experiments()[0].experiment_id
+    found = [run for arm in (SEARCH, PAPO_G_COLLAPSE)  # the call at the collapse gamma is named the collapse arm
+             for run in client.search_runs(experiment, f"tags.papo_nb.study_arm = '{arm}'")]  # fmt: skip
+    search = []
+    for run in sorted(found, key=lambda r: r.info.start_time):
+        steps: dict[int, dict] = {}
+        for key in STEP_METRICS:
+            for metric in client.get_metric_history(run.info.run_id, key):
+                steps.setdefault(metric.step, {"step": metric.step})[key] = metric.value
+        search.append({
+            "arm": SEARCH, "seed": int(run.data.params["seed"]), "gamma": float(run.data.params["gamma"]),
+            "run_id": run.info.run_id, "step_logs": [steps[s] for s in sorted(steps)],
+            "collapse": load_dict(f"{run.info.artifact_uri}/{ARM_COLLAPSE}"),
+        })  # fmt: skip
+    record["search"] = search
+    (out / "results.json").write_text(json.dumps(record))
+    print(f"{out}: {len(search)} search runs from the store", flush=True)
 
 
 if __name__ == "__main__":
     command, *rest = sys.argv[1:]
     if command == "train":
         train(int(rest[0]), Path(rest[1]), *rest[2:])
+    elif command == "calibrated-page":  # issue 56: every warm start at its own collapse gamma
+        from papo_nb.workbook.study.calibrated import write_page as write_calibrated_page
+
+        print(write_calibrated_page([Path(p) for p in rest]))
+    elif command == "search-from-store":
+        search_from_store(Path(rest[0]))
     elif command in ("page", "full-page"):
         from papo_nb.workbook.study.warm_starts import write_page
 
@@ -92,4 +135,5 @@ if __name__ == "__main__":
         else:
             write_page(FULL_PAGE, [Path(p) for p in rest])
     else:
-        raise SystemExit(f"command={command!r} is unknown; allowed: train, page, full-page")
+        allowed = "train, search-from-store, page, full-page, calibrated-page"
+        raise SystemExit(f"command={command!r} is unknown; allowed: {allowed}")

@@ -21,9 +21,11 @@ import yaml
 from scipy import stats as scipy_stats
 
 from papo_nb.workbook.config.params import WorkbookParams
+from papo_nb.workbook.study.collapse import SYMPTOMS
 from papo_nb.workbook.study.drift import CONSISTENT, EQUIVALENCE_MARGIN, PRIMARY
 from papo_nb.workbook.study.errors import DECOY, PRIOR
 from papo_nb.workbook.study.power import effect_verdict
+from papo_nb.workbook.study.search import ENTROPY_TAG
 from papo_nb.workbook.study.stats import equivalence_test, mean_ci, paired_tests_with_power
 
 METRICS = (PRIMARY, "avg_at_k/gap/vision", CONSISTENT, PRIOR, DECOY)
@@ -38,12 +40,14 @@ CONTRASTS = (
 )
 ARMS = tuple(dict.fromkeys(arm for pair in CONTRASTS for arm in pair))
 RUNS_FILE, PAGE_FILE = "runs.json", "results.md"
+SEARCH_LOG_KEYS = ("step", *(metric for metric, _ in SYMPTOMS.values()))  # what the collapse detector reads
 
 
-def collect(outs: list[Path], controls_page: Path | None = None) -> dict:
+def collect(outs: list[Path], controls_page: Path | None = None, arms: tuple[str, ...] | None = ARMS) -> dict:
     """The page's data: the params file its runs share, and one entry per warm start (its build seed, weights' hash,
-    SFT steps, start scores and runs: ``ARMS`` only, with ``METRICS`` and the collapse verdict), from each
-    ``OUT/results.json``, after the controls page's own runs where ``controls_page`` is given (its build 0)."""
+    SFT steps, start scores and runs: ``arms`` only, every arm where None, with ``METRICS`` and the collapse
+    verdict; where the record holds them, its collapse search's calls), from each ``OUT/results.json``, after the
+    controls page's own runs where ``controls_page`` is given (its build 0)."""
     records = [json.loads((out / "results.json").read_text()) for out in outs]
     if controls_page is not None:
         seed_0 = {
@@ -58,19 +62,28 @@ def collect(outs: list[Path], controls_page: Path | None = None) -> dict:
         raise ValueError(
             f"the warm starts' runs used different params files {sorted(params)}; a page pairs one design"
         )
-    return {"params": params.pop(), "warm_starts": [_warm_start(record) for record in records]}
+    return {"params": params.pop(), "warm_starts": [_warm_start(record, arms) for record in records]}
 
 
-def _warm_start(record: dict) -> dict:
+def _warm_start(record: dict, arms: tuple[str, ...] | None) -> dict:
     card = record["card"]
     runs = [
         {"arm": r["arm"], "seed": r["seed"], "gamma": r["gamma"], "collapsed": bool(r["collapse"]["collapsed"]),
          "scores": {m: r["scores"][m] for m in METRICS if m in r["scores"]}}
-        for r in record["runs"] if r["arm"] in ARMS
+        for r in record["runs"] if arms is None or r["arm"] in arms
     ]  # fmt: skip
-    return {"build": card["seed"], "weights_sha256": card["weights_sha256"], "sft_steps": card["sft_steps"],
-            "start_scores": {m: record["start_scores"][m] for m in METRICS if m in record["start_scores"]},
-            "runs": runs}  # fmt: skip
+    build = {"build": card["seed"], "weights_sha256": card["weights_sha256"], "sft_steps": card["sft_steps"],
+             "start_scores": {m: record["start_scores"][m] for m in METRICS if m in record["start_scores"]},
+             "runs": runs}  # fmt: skip
+    if "search" in record:  # the calls in the order made, each with the step logs the detector read
+        build["collapse_gamma"], build["collapse_found"] = record["collapse_gamma"], record["collapse_found"]
+        build["search"] = [
+            {"gamma": r["gamma"], "seed": r["seed"], "collapsed": bool(r["collapse"]["collapsed"]),
+             "mode": r["collapse"]["mode"], "margin": r["collapse"]["margin"],
+             "step_logs": [{k: v for k, v in row.items() if k in SEARCH_LOG_KEYS} for row in r["step_logs"]]}
+            for r in record["search"]
+        ]  # fmt: skip
+    return build
 
 
 def paired(build: dict, treatment: str, control: str, metric: str) -> tuple[list[float], list[float]]:
@@ -108,11 +121,11 @@ def _contrast(treatment: list[float], control: list[float]) -> dict:
     return paired_tests_with_power(treatment, control)
 
 
-def drift_rows(data: dict, metric: str = PRIMARY) -> list[dict]:
-    """GRPO's end minus its warm start's score before RL, per warm start and pooled, with a one-sample t-test."""
+def drift_rows(data: dict, metric: str = PRIMARY, arm: str = GRPO) -> list[dict]:
+    """``arm``'s end minus its warm start's score before RL, per warm start and pooled, with a one-sample t-test."""
     rows, pooled = [], []
     for build in data["warm_starts"]:
-        ends = [r["scores"][metric] for r in build["runs"] if r["arm"] == GRPO and metric in r["scores"]]
+        ends = [r["scores"][metric] for r in build["runs"] if r["arm"] == arm and metric in r["scores"]]
         drifts = [end - build["start_scores"][metric] for end in ends]
         rows.append(_drift(f"warm start {build['build']}", build["start_scores"][metric], drifts))
         pooled += drifts
@@ -151,7 +164,7 @@ def render(data: dict) -> str:
         "",
         "| | before RL | GRPO end | drift [95% CI] | p | seeds |",
         "|---|---|---|---|---|---|",
-        *(_drift_line(r) for r in drift_rows(data)),
+        *(drift_line(r) for r in drift_rows(data)),
         "",
         "## Verdict",
         "",
@@ -162,14 +175,14 @@ def render(data: dict) -> str:
     ]
     for treatment, control in CONTRASTS:
         pooled = contrast_rows(data, treatment, control)[-1]
-        said = _effect(pooled)
+        said = effect(pooled)
         lines.append(f"- {treatment} - {control}: {said}; positive on {pooled['positive_warm_starts']} warm starts")
     for metric in METRICS:
-        lines += ["", f"## {metric}", "", _table(data, metric, per_warm_start=metric == PRIMARY)]
+        lines += ["", f"## {metric}", "", contrast_table(data, metric, per_warm_start=metric == PRIMARY)]
     return "\n".join(lines) + "\n"
 
 
-def _effect(row: dict) -> str:
+def effect(row: dict) -> str:
     return effect_verdict(row["diff"], row["p_value"], row["mde"])
 
 
@@ -185,19 +198,19 @@ def two_sentence_verdict(data: dict) -> str:
     first = (
         f"GRPO's drift on {PRIMARY}, pooled over {drift['seeds']} runs on {len(per_warm_start)} warm starts, is "
         f"{drift['drift']:+.3f} +/- {drift['drift_ci95']:.3f} (p = {drift['p_value']:.2g}; {negative}); "
-        f"PAPO-G ({PAPO_G}) against GRPO: {_effect(against_grpo)}, {against_grpo['collapsed']} of {runs} PAPO-G runs "
+        f"PAPO-G ({PAPO_G}) against GRPO: {effect(against_grpo)}, {against_grpo['collapsed']} of {runs} PAPO-G runs "
         "collapsed."
     )
     beats = {pair: r["diff"] > 0 and r["p_value"] < 0.05 for pair, r in pooled.items()}
     place = pooled[CONTRASTS[-1]]
     specific = all(beats.values())
     controls = "; ".join(
-        f"against {control} {_effect(r)}"
+        f"against {control} {effect(r)}"
         for (treatment, control), r in pooled.items() if treatment == PAPO_G and control != GRPO
     )  # fmt: skip
     second = (
         f"Perception-specific: {'shown' if specific else 'not shown'} ({controls}; its mask against the placebo's at "
-        f"the same fill {_effect(place)}, TOST +-{EQUIVALENCE_MARGIN} "
+        f"the same fill {effect(place)}, TOST +-{EQUIVALENCE_MARGIN} "
         f"p = {place['equivalence_p']:.2g})."
     )
     return f"{first} {second}"
@@ -208,20 +221,20 @@ def _gamma(build: dict, arm: str) -> str:
     return ", ".join(f"{g:g}" for g in sorted(gammas)) or "not run"
 
 
-def _drift_line(r: dict) -> str:
+def drift_line(r: dict) -> str:
     start = "" if math.isnan(r["start"]) else f"{r['start']:.3f}"
     end = "" if math.isnan(r["start"]) else f"{r['end']:.3f}"
     drift = f"{r['drift']:+.3f} +/- {r['drift_ci95']:.3f}"
     return f"| {r['label']} | {start} | {end} | {drift} | {r['p_value']:.2g} | {r['seeds']} |"
 
 
-def _table(data: dict, metric: str, per_warm_start: bool) -> str:
+def contrast_table(data: dict, metric: str, per_warm_start: bool, contrasts=CONTRASTS) -> str:
     lines = [
         "| treatment - control | | difference [95% CI] | t p | sign p | Wilcoxon p | MDE | TOST p (+-0.02) | pairs "
         "| treatment runs collapsed | warm starts positive (between p) |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for treatment, control in CONTRASTS:
+    for treatment, control in contrasts:
         rows = contrast_rows(data, treatment, control, metric)
         for r in rows if per_warm_start else rows[-1:]:
             pooled = r["label"] == "pooled"
@@ -264,6 +277,12 @@ def finetuning_of(data: dict, root: Path) -> str:
     return yaml.safe_load(path.read_text()).get("finetuning", WorkbookParams.model_fields["finetuning"].default)
 
 
+def _against_grpo(data: dict, arm: str) -> str:
+    pooled = contrast_rows(data, arm, GRPO)[-1]
+    runs = sum(1 for b in data["warm_starts"] for r in b["runs"] if r["arm"] == arm)
+    return f"{effect(pooled)}, {pooled['collapsed']} of {runs} runs collapsed"
+
+
 def pooled_line(data: dict) -> dict:
     """The pooled verdicts a summary row states: GRPO's drift and PAPO-G against GRPO, over every warm start."""
     drift = drift_rows(data)[-1]
@@ -271,14 +290,18 @@ def pooled_line(data: dict) -> dict:
     placebo = contrast_rows(data, PAPO_G, "placebo_kl_matched")[-1]
     runs = sum(1 for b in data["warm_starts"] for r in b["runs"] if r["arm"] == PAPO_G)
     negative = sum(r["drift"] < 0 for r in drift_rows(data)[:-1])
+    remedies = sorted({r["arm"] for b in data["warm_starts"] for r in b["runs"]
+                       if r["arm"].startswith(PAPO_G + ENTROPY_TAG)})  # fmt: skip
+    remedy = "".join(f"; with the double entropy loss {arm.split(ENTROPY_TAG)[1]}: {_against_grpo(data, arm)}"
+                     for arm in remedies)  # fmt: skip
     return {
         "warm_starts": len(data["warm_starts"]),
         "pairs": against["pairs"],
         "drift": f"{drift['drift']:+.3f} +/- {drift['drift_ci95']:.3f} (p = {drift['p_value']:.2g}; negative on "
         f"{negative} of {len(data['warm_starts'])} warm starts)",
-        "papo_g": f"{_effect(against)}; {against['collapsed']} of {runs} runs collapsed",
+        "papo_g": f"{effect(against)}; {against['collapsed']} of {runs} runs collapsed{remedy}",
         "papo_g_holds": against["diff"] > 0 and against["p_value"] < 0.05,
-        "placebo": f"against the KL-matched placebo: {_effect(placebo)}",
+        "placebo": f"against the KL-matched placebo: {effect(placebo)}",
         "placebo_holds": placebo["diff"] > 0 and placebo["p_value"] < 0.05,
         "specific": "shown" if "Perception-specific: shown" in two_sentence_verdict(data) else "not shown",
     }
@@ -288,16 +311,19 @@ DOCS_STUDY = Path(__file__).resolve().parents[3] / "docs" / "study"
 
 
 def one_warm_start_note(weights_sha256: str, finetuning: str, root: Path = DOCS_STUDY) -> str:
-    """What a study on one warm start can say, beside what the pooled page that lists its weights (same finetuning)
+    """What a study on one warm start can say, beside what each pooled page that lists its weights (same finetuning)
     found over all its warm starts: a reader must not take one policy's result for the testbed's."""
     said = f"**One warm start.** This study trained one policy (weights `{weights_sha256[:12]}`)"
+    pages = []
     for folder, data in pooled_pages(root):
         builds = [b for b in data["warm_starts"] if b["weights_sha256"] == weights_sha256]
         if builds and finetuning_of(data, root) == finetuning:
             line = pooled_line(data)
-            return (
-                f"{said}: warm start {builds[0]['build']} of the {line['warm_starts']} that "
-                f"`docs/study/{folder.name}` pools. Over all of them GRPO's drift is {line['drift']}, and PAPO-G "
-                f"minus GRPO: {line['papo_g']}: what this run shows holds for this warm start, not for the testbed."
+            pages.append(
+                f"warm start {builds[0]['build']} of the {line['warm_starts']} that `docs/study/{folder.name}` pools "
+                f"(`{data['params']}`; over all of them GRPO's drift is {line['drift']}, and PAPO-G minus GRPO: "
+                f"{line['papo_g']})"
             )
-    return f"{said}; no pooled page under `docs/study` lists it, so nothing here speaks for other warm starts."
+    if not pages:
+        return f"{said}; no pooled page under `docs/study` lists it, so nothing here speaks for other warm starts."
+    return f"{said}: {'; and '.join(pages)}. What this run shows holds for this warm start, not for the testbed."
