@@ -40,9 +40,9 @@ ARMS = tuple(dict.fromkeys(arm for pair in CONTRASTS for arm in pair))
 RUNS_FILE, PAGE_FILE = "runs.json", "results.md"
 
 
-def collect(outs: list[Path], controls_page: Path | None = None) -> dict:
+def collect(outs: list[Path], controls_page: Path | None = None, arms: tuple[str, ...] = ARMS) -> dict:
     """The page's data: the params file its runs share, and one entry per warm start (its build seed, weights' hash,
-    SFT steps, start scores and runs: ``ARMS`` only, with ``METRICS`` and the collapse verdict), from each
+    SFT steps, start scores and runs: ``arms`` only, with ``METRICS`` and the collapse verdict), from each
     ``OUT/results.json``, after the controls page's own runs where ``controls_page`` is given (its build 0)."""
     records = [json.loads((out / "results.json").read_text()) for out in outs]
     if controls_page is not None:
@@ -58,15 +58,15 @@ def collect(outs: list[Path], controls_page: Path | None = None) -> dict:
         raise ValueError(
             f"the warm starts' runs used different params files {sorted(params)}; a page pairs one design"
         )
-    return {"params": params.pop(), "warm_starts": [_warm_start(record) for record in records]}
+    return {"params": params.pop(), "warm_starts": [_warm_start(record, arms) for record in records]}
 
 
-def _warm_start(record: dict) -> dict:
+def _warm_start(record: dict, arms: tuple[str, ...]) -> dict:
     card = record["card"]
     runs = [
         {"arm": r["arm"], "seed": r["seed"], "gamma": r["gamma"], "collapsed": bool(r["collapse"]["collapsed"]),
          "scores": {m: r["scores"][m] for m in METRICS if m in r["scores"]}}
-        for r in record["runs"] if r["arm"] in ARMS
+        for r in record["runs"] if r["arm"] in arms
     ]  # fmt: skip
     return {"build": card["seed"], "weights_sha256": card["weights_sha256"], "sft_steps": card["sft_steps"],
             "start_scores": {m: record["start_scores"][m] for m in METRICS if m in record["start_scores"]},
@@ -142,8 +142,8 @@ def render(data: dict) -> str:
         "| warm start | weights (SHA-256) | SFT steps | PAPO-G gamma | placebo gamma |",
         "|---|---|---|---|---|",
         *(
-            f"| {b['build']} | `{b['weights_sha256'][:12]}` | {b['sft_steps']} | {_gamma(b, PAPO_G)} | "
-            f"{_gamma(b, 'placebo_kl_matched')} |"
+            f"| {b['build']} | `{b['weights_sha256'][:12]}` | {b['sft_steps']} | {arm_gammas(b, PAPO_G)} | "
+            f"{arm_gammas(b, 'placebo_kl_matched')} |"
             for b in builds
         ),  # fmt: skip
         "",
@@ -151,7 +151,7 @@ def render(data: dict) -> str:
         "",
         "| | before RL | GRPO end | drift [95% CI] | p | seeds |",
         "|---|---|---|---|---|---|",
-        *(_drift_line(r) for r in drift_rows(data)),
+        *(drift_line(r) for r in drift_rows(data)),
         "",
         "## Verdict",
         "",
@@ -162,14 +162,14 @@ def render(data: dict) -> str:
     ]
     for treatment, control in CONTRASTS:
         pooled = contrast_rows(data, treatment, control)[-1]
-        said = _effect(pooled)
+        said = effect(pooled)
         lines.append(f"- {treatment} - {control}: {said}; positive on {pooled['positive_warm_starts']} warm starts")
     for metric in METRICS:
-        lines += ["", f"## {metric}", "", _table(data, metric, per_warm_start=metric == PRIMARY)]
+        lines += ["", f"## {metric}", "", contrast_table(data, metric, per_warm_start=metric == PRIMARY)]
     return "\n".join(lines) + "\n"
 
 
-def _effect(row: dict) -> str:
+def effect(row: dict) -> str:
     return effect_verdict(row["diff"], row["p_value"], row["mde"])
 
 
@@ -185,43 +185,44 @@ def two_sentence_verdict(data: dict) -> str:
     first = (
         f"GRPO's drift on {PRIMARY}, pooled over {drift['seeds']} runs on {len(per_warm_start)} warm starts, is "
         f"{drift['drift']:+.3f} +/- {drift['drift_ci95']:.3f} (p = {drift['p_value']:.2g}; {negative}); "
-        f"PAPO-G ({PAPO_G}) against GRPO: {_effect(against_grpo)}, {against_grpo['collapsed']} of {runs} PAPO-G runs "
+        f"PAPO-G ({PAPO_G}) against GRPO: {effect(against_grpo)}, {against_grpo['collapsed']} of {runs} PAPO-G runs "
         "collapsed."
     )
     beats = {pair: r["diff"] > 0 and r["p_value"] < 0.05 for pair, r in pooled.items()}
     place = pooled[CONTRASTS[-1]]
     specific = all(beats.values())
     controls = "; ".join(
-        f"against {control} {_effect(r)}"
+        f"against {control} {effect(r)}"
         for (treatment, control), r in pooled.items() if treatment == PAPO_G and control != GRPO
     )  # fmt: skip
     second = (
         f"Perception-specific: {'shown' if specific else 'not shown'} ({controls}; its mask against the placebo's at "
-        f"the same fill {_effect(place)}, TOST +-{EQUIVALENCE_MARGIN} "
+        f"the same fill {effect(place)}, TOST +-{EQUIVALENCE_MARGIN} "
         f"p = {place['equivalence_p']:.2g})."
     )
     return f"{first} {second}"
 
 
-def _gamma(build: dict, arm: str) -> str:
+def arm_gammas(build: dict, arm: str) -> str:
     gammas = {r["gamma"] for r in build["runs"] if r["arm"] == arm}
     return ", ".join(f"{g:g}" for g in sorted(gammas)) or "not run"
 
 
-def _drift_line(r: dict) -> str:
+def drift_line(r: dict) -> str:
     start = "" if math.isnan(r["start"]) else f"{r['start']:.3f}"
     end = "" if math.isnan(r["start"]) else f"{r['end']:.3f}"
     drift = f"{r['drift']:+.3f} +/- {r['drift_ci95']:.3f}"
     return f"| {r['label']} | {start} | {end} | {drift} | {r['p_value']:.2g} | {r['seeds']} |"
 
 
-def _table(data: dict, metric: str, per_warm_start: bool) -> str:
+def contrast_table(data: dict, metric: str, per_warm_start: bool, contrasts=CONTRASTS) -> str:
+    """Every contrast of ``contrasts`` on ``metric``: pooled, and warm start by warm start where ``per_warm_start``."""
     lines = [
         "| treatment - control | | difference [95% CI] | t p | sign p | Wilcoxon p | MDE | TOST p (+-0.02) | pairs "
         "| treatment runs collapsed | warm starts positive (between p) |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for treatment, control in CONTRASTS:
+    for treatment, control in contrasts:
         rows = contrast_rows(data, treatment, control, metric)
         for r in rows if per_warm_start else rows[-1:]:
             pooled = r["label"] == "pooled"
@@ -235,13 +236,17 @@ def _table(data: dict, metric: str, per_warm_start: bool) -> str:
     return "\n".join(lines)
 
 
-def write_page(page: Path, outs: list[Path], controls_page: Path | None = None) -> Path:
-    """Collect the runs (``collect``), write them and the page rendered from them; returns the page's path. The page
-    names each warm start's weights in its runs (no ``testbed_card.json``: it is not a notebook 04 page)."""
+def write_page(
+    page: Path, outs: list[Path], controls_page: Path | None = None, *, arms: tuple[str, ...] = ARMS,
+    runs_file: str = RUNS_FILE, render_page=render,
+) -> Path:  # fmt: skip
+    """Collect the runs (``collect``: ``arms``' only), write them to ``runs_file`` and the page ``render_page``
+    renders from them; returns the page's path. The page names each warm start's weights in its runs (no
+    ``testbed_card.json``: it is not a notebook 04 page)."""
     page.mkdir(parents=True, exist_ok=True)
-    data = collect(outs, controls_page)
-    (page / RUNS_FILE).write_text(json.dumps(data, indent=1) + "\n")
-    (page / PAGE_FILE).write_text(render(data))
+    data = collect(outs, controls_page, arms)
+    (page / runs_file).write_text(json.dumps(data, indent=1) + "\n")
+    (page / PAGE_FILE).write_text(render_page(data))
     return page / PAGE_FILE
 
 
@@ -276,9 +281,9 @@ def pooled_line(data: dict) -> dict:
         "pairs": against["pairs"],
         "drift": f"{drift['drift']:+.3f} +/- {drift['drift_ci95']:.3f} (p = {drift['p_value']:.2g}; negative on "
         f"{negative} of {len(data['warm_starts'])} warm starts)",
-        "papo_g": f"{_effect(against)}; {against['collapsed']} of {runs} runs collapsed",
+        "papo_g": f"{effect(against)}; {against['collapsed']} of {runs} runs collapsed",
         "papo_g_holds": against["diff"] > 0 and against["p_value"] < 0.05,
-        "placebo": f"against the KL-matched placebo: {_effect(placebo)}",
+        "placebo": f"against the KL-matched placebo: {effect(placebo)}",
         "placebo_holds": placebo["diff"] > 0 and placebo["p_value"] < 0.05,
         "specific": "shown" if "Perception-specific: shown" in two_sentence_verdict(data) else "not shown",
     }
