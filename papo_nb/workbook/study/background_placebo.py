@@ -3,9 +3,9 @@ pooled: ``docs/study/shortcut_grey_placebo``.
 
 On ``testbed:shapes_shortcut_grey`` the background is grey, so PAPO-G's own black fill changes background pixels and
 the placebo (``placebo.PLACEBO_BLACK``: the same black fill over background units only) needs no other fill. The
-page pairs PAPO-G (``papo_g_half``) against that placebo at the KL-matched gamma (the verdict: a paired difference
-and a TOST for equivalence), against the placebo at PAPO-G's own gamma, and against GRPO, and the placebo against
-GRPO, with GRPO's drift; the arithmetic is ``warm_starts``' (``contrast_rows``, ``drift_rows``, ``contrast_table``).
+page pairs PAPO-G (``papo_g_half``) against that placebo at the KL-matched gamma and at PAPO-G's own gamma (the
+verdict: paired differences and TOSTs for equivalence) and against GRPO, and each placebo against GRPO, with GRPO's
+drift; the arithmetic is ``warm_starts``' (``contrast_rows``, ``drift_rows``, ``contrast_table``).
 ``docs/measurements/placebo_background.py`` trains the runs and calls ``write_page``; ``rerender`` rewrites the page
 from its own data file (``RUNS_FILE``, not ``runs.json``: ``publish`` reads that name as a notebook 04 page's).
 """
@@ -18,42 +18,68 @@ from pathlib import Path
 from papo_nb.workbook.study import warm_starts
 from papo_nb.workbook.study.drift import EQUIVALENCE_MARGIN, PRIMARY
 from papo_nb.workbook.study.placebo import PLACEBO_BLACK, PLACEBO_BLACK_KL_MATCHED
-from papo_nb.workbook.study.warm_starts import GRPO, METRICS, PAGE_FILE, PAPO_G, contrast_rows, drift_rows, effect
+from papo_nb.workbook.study.warm_starts import (
+    GRPO,
+    METRICS,
+    PAGE_FILE,
+    PAPO_G,
+    contrast_rows,
+    drift_rows,
+    effect,
+    gammas_of,
+)
 
 RUNS_FILE = "placebo_runs.json"
-# (treatment, control); the first is the verdict's: only the mask's place differs, at a matched term strength
+# (treatment, control); the first two are the verdict's: the same black fill over background units only, at the gamma
+# that matches its starting perception KL to PAPO-G's and at PAPO-G's own
 CONTRASTS = (
     (PAPO_G, PLACEBO_BLACK_KL_MATCHED),
     (PAPO_G, PLACEBO_BLACK),
     (PAPO_G, GRPO),
     (PLACEBO_BLACK_KL_MATCHED, GRPO),
+    (PLACEBO_BLACK, GRPO),
 )
 ARMS = tuple(dict.fromkeys(arm for pair in CONTRASTS for arm in pair))
 
 
+def place_finding(row: dict) -> str:
+    """What one pooled PAPO-G - placebo row shows: a difference the paired test detects, an equivalence the TOST
+    shows within +-``EQUIVALENCE_MARGIN``, or neither."""
+    if row["p_value"] < 0.05:
+        return f"{'a gain' if row['diff'] > 0 else 'a loss'} the paired test detects"
+    if row["equivalence_p"] < 0.05:
+        return f"equivalent within +-{EQUIVALENCE_MARGIN}"
+    return "neither a difference nor equivalence shown (inconclusive at this power)"
+
+
 def verdict(data: dict) -> str:
-    """Two sentences from the pooled numbers: PAPO-G against the KL-matched black-fill placebo (a difference the
-    paired test detects, an equivalence TOST shows within +-``EQUIVALENCE_MARGIN``, or neither), then against GRPO
-    beside GRPO's drift."""
-    place = contrast_rows(data, *CONTRASTS[0])[-1]
-    against_grpo = contrast_rows(data, PAPO_G, GRPO)[-1]
-    drift = drift_rows(data)[-1]
-    detected = place["p_value"] < 0.05
-    equivalent = place["equivalence_p"] < 0.05
-    if detected:
-        finding = f"the mask's place matters ({'a gain' if place['diff'] > 0 else 'a loss'} the paired test detects)"
-    elif equivalent:
-        finding = f"the mask's place is shown not to matter by more than {EQUIVALENCE_MARGIN}"
-    else:
-        finding = "neither a difference nor equivalence is shown (inconclusive at this power)"
+    """Two sentences from the pooled numbers: PAPO-G against the black-fill placebo at PAPO-G's own gamma and at the
+    KL-matched gamma (how far that gamma is from PAPO-G's, how many placebo runs collapsed there); then PAPO-G against
+    GRPO beside GRPO's drift."""
+    matched, same = (contrast_rows(data, *pair)[-1] for pair in CONTRASTS[:2])
+    against_grpo, drift = contrast_rows(data, PAPO_G, GRPO)[-1], drift_rows(data)[-1]
+    placebo_runs = [r for b in data["warm_starts"] for r in b["runs"] if r["arm"] == PLACEBO_BLACK_KL_MATCHED]
+    collapsed = sum(r["collapsed"] for r in placebo_runs)
+    scales = [
+        max(gammas_of(b, PLACEBO_BLACK_KL_MATCHED)) / max(gammas_of(b, PAPO_G))
+        for b in data["warm_starts"] if gammas_of(b, PAPO_G) and gammas_of(b, PLACEBO_BLACK_KL_MATCHED)
+    ]  # fmt: skip
+    mostly_collapsed = collapsed > len(placebo_runs) / 2
+    caveat = ", so there it weighs PAPO-G against a collapsed policy, not the mask's place" if mostly_collapsed else ""
+    ratio = f"{min(scales):.3g} to {max(scales):.3g} times"
     first = (
-        f"On {PRIMARY}, pooled over {place['pairs']} (warm start, seed) pairs on {len(data['warm_starts'])} warm "
-        f"starts, PAPO-G minus the black-fill background placebo at the KL-matched gamma is {effect(place)}, TOST "
-        f"+-{EQUIVALENCE_MARGIN} p = {place['equivalence_p']:.2g}: {finding}."
+        f"On {PRIMARY}, pooled over {matched['pairs']} (warm start, seed) pairs on {len(data['warm_starts'])} warm "
+        f"starts, PAPO-G minus the black-fill background placebo at PAPO-G's own gamma, where the placebo's "
+        f"perception KL starts {ratio} smaller, is {effect(same)}, TOST +-{EQUIVALENCE_MARGIN} p = "
+        f"{same['equivalence_p']:.2g}: {place_finding(same)}; at the KL-matched gamma ({ratio} PAPO-G's) it is "
+        f"{effect(matched)}, TOST p = {matched['equivalence_p']:.2g}, with {collapsed} of {len(placebo_runs)} "
+        f"placebo runs collapsed{caveat}."
     )
+    papo_runs = sum(1 for b in data["warm_starts"] for r in b["runs"] if r["arm"] == PAPO_G)
     second = (
-        f"PAPO-G minus GRPO is {effect(against_grpo)}, with GRPO's drift from the warm start "
-        f"{drift['drift']:+.3f} +/- {drift['drift_ci95']:.3f} (p = {drift['p_value']:.2g})."
+        f"PAPO-G minus GRPO is {effect(against_grpo)}, with {against_grpo['collapsed']} of {papo_runs} PAPO-G runs "
+        f"collapsed, and GRPO's drift from the warm start is {drift['drift']:+.3f} +/- {drift['drift_ci95']:.3f} "
+        f"(p = {drift['p_value']:.2g})."
     )
     return f"{first} {second}"
 

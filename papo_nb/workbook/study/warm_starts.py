@@ -203,9 +203,13 @@ def two_sentence_verdict(data: dict) -> str:
     return f"{first} {second}"
 
 
+def gammas_of(build: dict, arm: str) -> list[float]:
+    """The gammas ``arm`` ran at on one warm start, ascending (none where it did not run)."""
+    return sorted({r["gamma"] for r in build["runs"] if r["arm"] == arm})
+
+
 def arm_gammas(build: dict, arm: str) -> str:
-    gammas = {r["gamma"] for r in build["runs"] if r["arm"] == arm}
-    return ", ".join(f"{g:g}" for g in sorted(gammas)) or "not run"
+    return ", ".join(f"{g:g}" for g in gammas_of(build, arm)) or "not run"
 
 
 def drift_line(r: dict) -> str:
