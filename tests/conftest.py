@@ -17,7 +17,6 @@ MARKER_OF_FIXTURE = {
     "tiny_vlm_path": "model",
     "testbed_path": "model",
     "prior_testbed_path": "model",
-    "shortcut_testbed_path": "model",
     "smoke_workbook": "notebook",
 }
 
@@ -65,14 +64,6 @@ def prior_testbed_path():
     from papo_nb.testbed.policy import pinned_testbed
 
     return pinned_testbed("shapes_prior")
-
-
-@pytest.fixture(scope="session")
-def shortcut_testbed_path():
-    """Folder of the shortcut testbed (testbed:shapes_shortcut): the shipped seed-0 weights."""
-    from papo_nb.testbed.policy import pinned_testbed
-
-    return pinned_testbed("shapes_shortcut")
 
 
 @pytest.fixture(scope="session")

@@ -107,4 +107,5 @@ def test_the_page_pools_six_warm_starts_build_0_the_shipped_one_every_arm_on_fiv
     assert len(calibrated.remedy_arms(data)) == 6
     for build in data["warm_starts"]:
         for arm in arms:
-            assert sorted(r["seed"] for r in build["runs"] if r["arm"] == arm) == [0, 1, 2, 3, 4], (build["build"], arm)
+            seeds = sorted(r["seed"] for r in build["runs"] if r["arm"] == arm)
+            assert seeds == [0, 1, 2, 3, 4], (build["build"], arm)

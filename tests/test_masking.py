@@ -16,7 +16,14 @@ from transformers import Qwen2VLImageProcessor
 
 from papo_nb.papo import PAPOGConfig, layouts, masking, prompt_identity
 from papo_nb.testbed import raw_masks
-from papo_nb.testbed.perception import SQUARE_UNITS, make_item, make_perception_dataset
+from papo_nb.testbed.perception import (
+    GREY,
+    SQUARE_UNITS,
+    TESTBED_RECIPES,
+    held_out_items,
+    make_item,
+    make_perception_dataset,
+)
 
 
 @pytest.fixture(scope="module")
@@ -257,6 +264,21 @@ def test_the_testbed_square_units_are_the_processor_rows_that_show_the_square():
     assert len(seen) >= 12, "the items should put the square in most cells"
 
 
+def test_on_the_grey_testbed_square_units_are_the_rows_that_differ_from_the_grey_background():
+    """Issue 56: on shapes_shortcut_grey the column names exactly the processed rows that are not the background's
+    grey (not "not black": every row there is not black), so a mask over the other units never covers the square."""
+    processor = Qwen2VLImageProcessor(min_pixels=56 * 56, max_pixels=56 * 56)
+    grey = torch.tensor(GREY) / 255
+    grey = ((grey - torch.tensor(processor.image_mean)) / torch.tensor(processor.image_std))[:, None]
+    data = held_out_items("shapes_shortcut_grey", 40, seed=5, prior_rate=0.0)
+    for image, units in zip(data["image"], data[SQUARE_UNITS]):
+        rows = processor(images=[image], return_tensors="pt")["pixel_values"].view(16, 3, -1)
+        shown = [i for i in range(16) if not torch.allclose(rows[i], grey.expand_as(rows[i]), atol=1e-5)]
+        assert units == shown and len(shown) == 1
+        assert image.getpixel((0, 0) if shown != [0] else (55, 55)) == GREY
+    assert TESTBED_RECIPES["shapes_shortcut_grey"].background == GREY != (0, 0, 0)
+
+
 @pytest.mark.model
 def test_the_placebo_batch_masks_background_only_and_its_kl_is_not_zero(tiny_vlm_path, tmp_path):
     """The placebo (issue 41) through the real trainer on testbed items: TRL's generation carries the dataset's
@@ -287,3 +309,34 @@ def test_the_placebo_batch_masks_background_only_and_its_kl_is_not_zero(tiny_vlm
     trainer.args.mask_fill = "black"
     black_over_black = trainer.masked_pixel_values(batch)  # equal up to the processor's float rounding of black
     assert torch.allclose(black_over_black, batch["pixel_values"], atol=1e-6, rtol=0), "black over black changed"
+
+
+@pytest.mark.model
+def test_on_the_grey_testbed_papo_g_black_fill_over_background_units_changes_them(tiny_vlm_path, tmp_path):
+    """Issue 56: the black-fill placebo on shapes_shortcut_grey's items, through the real trainer's masking: it keeps
+    every patch that shows the square and fills round(0.6 * 16) = 10 of the 15 grey background patches with black,
+    which changes them (on the black testbed the same fill changed nothing), and its perception KL is not zero."""
+    from tiny_trainers import tiny_trainer
+
+    from papo_nb.testbed.models import load_vlm
+    from papo_nb.workbook.rollouts import rollout_batch
+
+    model, processor = load_vlm(str(tiny_vlm_path))
+    data = held_out_items("shapes_shortcut_grey", 4, seed=0, prior_rate=0.0)
+    trainer = tiny_trainer(
+        model, processor, data, tmp_path, mask_fill="black", mask_excluded_column=SQUARE_UNITS, mask_ratio=0.6
+    )
+    batch = rollout_batch(trainer, data, n_prompts=2, seed=0)
+    masked = trainer.masked_pixel_values(batch)
+    rows = batch["pixel_values"].view(-1, 16, batch["pixel_values"].shape[1])
+    black = layouts.black_pixel_values(processor.image_processor.image_mean, processor.image_processor.image_std)
+    for sample, units in enumerate(batch[masking.EXCLUDED_UNITS_KEY].tolist()):
+        square = [u for u in units if u >= 0]
+        assert square == data[sample // trainer.num_generations][SQUARE_UNITS]
+        changed = (masked.view_as(rows)[sample] != rows[sample]).any(dim=1)
+        assert not changed[square].any(), "the placebo covered the square"
+        assert int(changed.sum()) == 10
+        filled = masked.view_as(rows)[sample][changed].view(10, 3, -1)
+        assert torch.allclose(filled, black[None, :, None].expand_as(filled), atol=1e-6), "the fill is not black"
+    _, terms = trainer.papo_loss_parts(trainer.model, batch)
+    assert terms.kl_sum.item() > 0

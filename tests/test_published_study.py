@@ -17,9 +17,12 @@ PUBLISHED_CARDS = sorted((ROOT / "docs" / "study").glob("*/testbed_card.json"))
 
 def lists_warm_starts(page: Path) -> bool:
     """A page of ``warm_starts.write_page`` names each warm start's weights in its runs, no card
-    (tests/test_warm_starts.py checks them)."""
-    runs = page.parent / "runs.json"
-    return runs.is_file() and "warm_starts" in json.loads(runs.read_text())
+    (tests/test_warm_starts.py checks them; the background placebo's page, in a data file of its own name,
+    tests/test_background_placebo.py)."""
+    from papo_nb.workbook.study.background_placebo import RUNS_FILE as PLACEBO_RUNS
+
+    files = [page.parent / name for name in ("runs.json", PLACEBO_RUNS)]
+    return any(runs.is_file() and "warm_starts" in json.loads(runs.read_text()) for runs in files)
 
 
 def test_every_study_page_publishes_its_testbed_card():

@@ -357,6 +357,35 @@ def test_a_changed_recipe_is_cached_apart():
     assert len({r.digest for r in perception.TESTBED_RECIPES.values()}) == len(perception.TESTBEDS)
 
 
+# the cache names of the shipped builds (testbed-<name>-seed<s>-v3-<digest>): a new recipe field must not move them
+BLACK_BACKGROUND_DIGESTS = {"shapes": "9a689caf", "shapes_boxed": "42aa0f89", "shapes_prior": "15e4921a",
+                            "shapes_shortcut": "9283d623"}  # fmt: skip
+
+
+def test_the_grey_testbed_is_the_shortcut_recipe_on_grey_everywhere_and_the_black_recipes_keep_their_caches():
+    """Issue 56: shapes_shortcut_grey differs from shapes_shortcut only in its background, which its warm start, its
+    task and its held-out items all draw (the same draws otherwise: the square, its colour and its decoy match
+    pixel for pixel), while the recipes drawn on black keep their digests."""
+    recipes = perception.TESTBED_RECIPES
+    assert {name: recipes[name].digest for name in BLACK_BACKGROUND_DIGESTS} == BLACK_BACKGROUND_DIGESTS
+    grey, black = recipes["shapes_shortcut_grey"], recipes["shapes_shortcut"]
+    assert dataclasses.replace(grey, background=black.background) == black and grey.digest != black.digest
+    assert grey.background not in (*COLOURS.values(), (0, 0, 0))
+    names = ("shapes_shortcut_grey", "shapes_shortcut")
+    drawn = {
+        "warm start": [perception.warm_start_items(random.Random(3), 450, r) for r in (grey, black)],
+        "task": [list(perception.task_datasets(n, 6, 1, seed=4, eval_seed=5)[0]) for n in names],
+        "held-out": [list(perception.held_out_items(n, 6, 5, 0.0)) for n in names],
+    }
+    for where, (on_grey, on_black) in drawn.items():
+        for a, b in zip(on_grey, on_black):
+            assert a["answer"] == b["answer"] and a[perception.SQUARE_UNITS] == b[perception.SQUARE_UNITS], where
+            grey_pixels, black_pixels = (torch.tensor(list(item["image"].getdata())) for item in (a, b))
+            background = (black_pixels == 0).all(dim=1)
+            assert (grey_pixels[background] == torch.tensor(grey.background)).all(), where
+            assert torch.equal(grey_pixels[~background], black_pixels[~background]) and background.any(), where
+
+
 @pytest.mark.model
 @pytest.mark.slow
 def test_the_prior_testbed_follows_the_text_when_blind_and_reads_the_image_when_it_can(prior_testbed_path):
@@ -413,10 +442,14 @@ def test_the_shortcut_warm_start_draws_its_decoys_apart_from_the_number():
     assert rate == 0.5 and abs(present - 2 / 3) < 0.05, present
 
 
+SHORTCUT_TESTBEDS = ("shapes_shortcut", "shapes_shortcut_grey")  # the same recipe on black and on grey (issue 56)
+
+
 @pytest.mark.model
 @pytest.mark.slow
-def test_the_shortcut_testbed_is_an_imperfect_reader_that_leans_on_the_number(shortcut_testbed_path):
-    card = testbed_policy.read_card(shortcut_testbed_path)
+@pytest.mark.parametrize("name", SHORTCUT_TESTBEDS)
+def test_the_shortcut_testbed_is_an_imperfect_reader_that_leans_on_the_number(name):
+    card = testbed_policy.read_card(testbed_policy.pinned_testbed(name))
     accuracy, chance = card["greedy_accuracy"], perception.CHANCE_VISION
     assert card["prior_rate"] == 0.9 and card["warm_start_prior_rate"] == 0.5 and card["kinds"] == ["vision"]
     low, high = card["vision_band"]
@@ -431,11 +464,13 @@ def test_the_shortcut_testbed_is_an_imperfect_reader_that_leans_on_the_number(sh
 
 @pytest.mark.model
 @pytest.mark.slow
-def test_the_shipped_shortcut_testbed_scores_its_card_on_this_float_path(shortcut_testbed_path):
+@pytest.mark.parametrize("name", SHORTCUT_TESTBEDS)
+def test_the_shipped_shortcut_testbed_scores_its_card_on_this_float_path(name):
     """The card is exact on any machine: the shipped weights, rescored on this CPU's kernels (CI reruns this file on
     another ATEN_CPU_CAPABILITY), give the card's accuracies to within a greedy tie or two."""
     from papo_nb.testbed.models import load_vlm
 
-    model, processor = load_vlm(shortcut_testbed_path)
-    rescored = testbed_policy.score_card(model.eval(), processor, "shapes_shortcut")
-    assert rescored == pytest.approx(testbed_policy.read_card(shortcut_testbed_path)["greedy_accuracy"], abs=0.02)
+    folder = testbed_policy.pinned_testbed(name)
+    model, processor = load_vlm(folder)
+    rescored = testbed_policy.score_card(model.eval(), processor, name)
+    assert rescored == pytest.approx(testbed_policy.read_card(folder)["greedy_accuracy"], abs=0.02)

@@ -22,16 +22,15 @@ collapse gamma, GRPO held back by beta and by the learning rate, each matched on
 the placebo arms as ``docs/measurements/placebo_shortcut.py`` trains them on the seed-0 page: the placebo at the
 strongest PAPO-G gamma, and at the gamma that matches its starting perception KL to PAPO-G's on this warm start, with
 PAPO-G under the placebo's fill at that gamma. ``OUT/results.json`` holds the warm start (its card with the weights'
-SHA-256, start scores, collapse gamma, control searches) and every run. ``page`` pools those builds with the page's
-seed-0 runs into ``docs/study/shortcut_warm_starts/`` (``papo_nb.workbook.study.warm_starts``).
+SHA-256, start scores, collapse gamma, control searches), every run and each call of the collapse search. ``page``
+pools those builds with the page's seed-0 runs into ``docs/study/shortcut_warm_starts/``
+(``papo_nb.workbook.study.warm_starts``).
 """
 
 from __future__ import annotations
 
 import json
 import sys
-import time
-from dataclasses import asdict
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -44,46 +43,18 @@ PAPO_ARM = "papo_g_half"
 
 
 def train(build: int, out: Path, params_file: str = PARAMS) -> None:
-    import mlflow
-
-    from papo_nb.testbed.policy import build_testbed, pinned_testbed, read_card
+    from papo_nb.testbed.policy import build_testbed, pinned_testbed
     from papo_nb.workbook.config.params import load_params
-    from papo_nb.workbook.study import arms, placebo
-    from papo_nb.workbook.study.collapse import CollapseRule
+    from papo_nb.workbook.study import placebo
+    from papo_nb.workbook.study.warm_start_runs import train_warm_start
 
-    out.mkdir(parents=True, exist_ok=True)
     # build 0: the shipped (pinned) weights every page of this testbed ran; another build seed: a fresh build
     folder = pinned_testbed(TESTBED) if build == 0 else build_testbed(TESTBED, seed=build)
     params = load_params(ROOT / params_file, [] if build == 0 else [f"model_name_or_path={folder}"])
-    mlflow.set_tracking_uri(f"sqlite:///{out}/mlflow.db")
-    started = time.time()
-    with mlflow.start_run(run_name=f"warm-start-{build}-shortcut-controls"):
-        study = arms.run_study(params, out / "runs")
-        runs = list(study.runs)
-        data, rule = arms.eval_dataset(params), CollapseRule()
-        grpo = {r.seed: r.scores for r in runs if r.arm == arms.GRPO}
-        strongest = max(r.gamma for r in runs if r.arm == PAPO_ARM)
-
-        def train_placebo(arm: str, gamma: float) -> list:
-            return [
-                arms.run_one(placebo.arm_params(params, arm), arm, seed, gamma, data, out / "runs", rule, grpo[seed])
-                for seed in params.study_seeds
-            ]
-
-        at_strongest = train_placebo(placebo.PLACEBO, strongest)
-        papo_logs = [r.step_logs for r in runs if r.arm == PAPO_ARM]
-        matched = round(placebo.kl_matched_gamma(strongest, papo_logs, [r.step_logs for r in at_strongest]), 3)
-        runs += at_strongest + train_placebo(placebo.PLACEBO_KL_MATCHED, matched)
-        runs += train_placebo(placebo.MEAN_FILL_KL_MATCHED, matched)
-    record = {
-        "params": params_file, "build": build, "card": read_card(folder), "start_scores": study.start_scores,
-        "collapse_gamma": study.collapse_gamma, "collapse_found": study.collapse_found,
-        "controls": [asdict(c) for c in study.controls], "kl_matched_gamma": matched,
-        "seconds": round(time.time() - started), "runs": [asdict(r) for r in runs],
-        "search": [asdict(r) for r in study.sweep],
-    }  # fmt: skip
-    (out / "results.json").write_text(json.dumps(record))
-    print(f"build {build}: {len(runs)} runs in {record['seconds']} s", flush=True)
+    placebos = (placebo.PLACEBO, placebo.PLACEBO_KL_MATCHED, placebo.MEAN_FILL_KL_MATCHED)
+    train_warm_start(
+        params, params_file, build, folder, out, PAPO_ARM, placebos, f"warm-start-{build}-shortcut-controls"
+    )
 
 
 def search_from_store(out: Path) -> None:

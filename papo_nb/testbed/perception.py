@@ -45,7 +45,7 @@ from __future__ import annotations
 import hashlib
 import random
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 import datasets
 import torch
@@ -102,6 +102,8 @@ SFT_LR = 3e-3
 CURRICULUM_HOLD = 100  # warm-start steps on squares that fill the whole image
 CURRICULUM_SHRINK = 400  # steps over which the square's side shrinks linearly from the image to one cell
 VISION_BAND = (0.40, 0.70)
+BLACK = (0, 0, 0)  # the background of every testbed before shapes_shortcut_grey, and PAPO-G's default mask fill
+GREY = (64, 64, 64)  # shapes_shortcut_grey's: no answer colour, far from the processor's mean (about (122, 116, 104))
 TEXT_FLOOR = 0.9  # a text question names its answer: a warm start that has not learned to copy it is not done
 BOXED_INSTRUCTION = "Put the final answer in \\boxed{}."
 
@@ -135,6 +137,9 @@ class TestbedRecipe:
     # the held-out items' decoys: the number's colour where it is not the answer (True, as the RL task's), or drawn
     # from the other colours apart from the number (False). The warm start, its validation and card never read it.
     held_out_prior_decoy: bool = True
+    # every pixel outside the square (RGB), wherever the recipe's items are drawn; out of repr so that the recipes on
+    # black keep their digests (their pinned builds' cache names): ``digest`` adds it where it is not black
+    background: tuple[int, int, int] = field(default=BLACK, repr=False)
 
     @property
     def warm_start_prior(self) -> float | None:
@@ -147,7 +152,8 @@ class TestbedRecipe:
     @property
     def digest(self) -> str:
         """A short hash of every field: a build cached under it is one of this recipe, not of an earlier one."""
-        return hashlib.sha256(repr(self).encode()).hexdigest()[:8]
+        drawn_on = "" if self.background == BLACK else f"background={self.background!r}"
+        return hashlib.sha256((repr(self) + drawn_on).encode()).hexdigest()[:8]
 
 
 TESTBED_RECIPES = {
@@ -189,6 +195,8 @@ TESTBED_RECIPES = {
         held_out_prior_decoy=False,
     ),
 }
+# issue 56: PAPO-G's black fill changes its background, so a black-fill placebo differs only in where the mask goes
+TESTBED_RECIPES["shapes_shortcut_grey"] = replace(TESTBED_RECIPES["shapes_shortcut"], background=GREY)
 TESTBEDS = tuple(TESTBED_RECIPES)
 VALIDATION_ITEMS = 192  # 128 vision items: a check's binomial sd about 0.04, so one lucky check cannot stop it
 VALIDATION_SEED = 77_777
@@ -198,7 +206,7 @@ CARD_SEED = 99_999  # a stream neither the warm-start, the validation nor the st
 
 def make_item(
     rng: random.Random, kind: str, boxed: bool = False, prior_rate: float | None = None, side: int = CELL,
-    decoy_share: tuple[float, float] | None = None, prior_decoy: bool = True,
+    decoy_share: tuple[float, float] | None = None, prior_decoy: bool = True, background: tuple[int, int, int] = BLACK,
 ) -> dict:  # fmt: skip
     """One item of ``kind`` ("vision" or "text"), every choice drawn from ``rng``; ``boxed`` asks for the answer in
     ``\\boxed{}`` (``target`` is the completion the warm start teaches). ``prior_rate`` (vision items only) asks
@@ -208,7 +216,7 @@ def make_item(
     ``decoy_share`` (low, high) paints a share of the square's pixels, drawn uniformly in that range, in a decoy
     colour (``overpaint``): with ``prior_decoy``, the colour a prior question's number names where that is not the
     answer, so the image never rules the prior out; otherwise (and on items that follow the prior) another colour
-    than the answer, drawn from ``rng``."""
+    than the answer, drawn from ``rng``. ``background``: the colour of every other pixel (draws nothing)."""
     colour = rng.choice(list(COLOURS))
     if prior_rate is not None and kind == "vision":
         tag = rng.choice(list(PRIOR_COLOURS))
@@ -219,7 +227,7 @@ def make_item(
     if not CELL <= side <= IMAGE_SIZE:
         raise ValueError(f"side={side} must be between one cell ({CELL}) and the image ({IMAGE_SIZE}) pixels")
     left, top = (min(max(at * CELL - (side - CELL) // 2, 0), IMAGE_SIZE - side) for at in (col, row))
-    image = Image.new("RGB", (IMAGE_SIZE, IMAGE_SIZE), "black")
+    image = Image.new("RGB", (IMAGE_SIZE, IMAGE_SIZE), background)
     ImageDraw.Draw(image).rectangle((left, top, left + side - 1, top + side - 1), fill=COLOURS[colour])
     if decoy_share is not None:
         named = PRIOR_COLOURS[tag] if prior_rate is not None and kind == "vision" else colour
@@ -241,19 +249,19 @@ def make_item(
         "kind": kind,
         "vision_dependent": kind == "vision",
         "target": boxed_text(answer) if boxed else answer_text(answer),
-        SQUARE_UNITS: square_units(image),
+        SQUARE_UNITS: square_units(image, background),
     }
 
 
-def square_units(image: Image.Image) -> list[int]:
+def square_units(image: Image.Image, background: tuple[int, int, int] = BLACK) -> list[int]:
     """The patch units of the testbed's processor (Qwen2-VL: ``pixel_values`` rows, the 14 px patches in 2x2 merge
-    blocks) that hold any pixel that is not black: the square, and any decoy paint, which lies inside it. Every
-    other unit is black background, which carries no task information; ``PAPOGConfig.mask_excluded_column`` names
+    blocks) that hold any pixel other than ``background``: the square, and any decoy paint, which lies inside it.
+    Every other unit is plain background, which carries no task information; ``PAPOGConfig.mask_excluded_column`` names
     this column for a placebo mask that never covers the square (issue 41). The order is pinned against the real
     processor by tests/test_masking.py."""
     raw = bytearray(image.convert("RGB").tobytes())
     pixels = torch.frombuffer(raw, dtype=torch.uint8).reshape(GRID, CELL, GRID, CELL, 3)
-    shown = pixels.amax(dim=(1, 3, 4)) > 0  # (row, col) of every 14 px cell with a non-black pixel
+    shown = (pixels.int() - torch.tensor(background)).abs().amax(dim=(1, 3, 4)) > 0  # cells off the background
     blocks = GRID // MERGE
     return sorted(
         ((row // MERGE) * blocks + col // MERGE) * MERGE * MERGE + (row % MERGE) * MERGE + col % MERGE
@@ -282,18 +290,16 @@ def majority_colour(image: Image.Image) -> str | None:
 
 def make_perception_dataset(
     n: int, seed: int = 0, prior_rate: float | None = None, kinds: tuple[str, ...] = KINDS,
-    decoy_share: tuple[float, float] | None = None, prior_decoy: bool = True,
+    decoy_share: tuple[float, float] | None = None, prior_decoy: bool = True, background: tuple[int, int, int] = BLACK,
 ) -> datasets.Dataset:  # fmt: skip
     """``n`` items in TRL's conversational VLM format, kinds cycling through ``kinds`` (vision, vision, text);
-    deterministic. ``prior_rate``: the language-prior task, ``decoy_share`` and ``prior_decoy``: overpainted squares
-    (``make_item``)."""
+    deterministic. ``prior_rate``: the language-prior task; ``decoy_share``, ``prior_decoy``, ``background``: as
+    ``make_item`` draws them."""
     if n < 1:
         raise ValueError(f"n={n} must be at least 1")
     rng = random.Random(seed)
-    rows = [
-        make_item(rng, kinds[i % len(kinds)], prior_rate=prior_rate, decoy_share=decoy_share, prior_decoy=prior_decoy)
-        for i in range(n)
-    ]
+    drawn = dict(prior_rate=prior_rate, decoy_share=decoy_share, prior_decoy=prior_decoy, background=background)
+    rows = [make_item(rng, kinds[i % len(kinds)], **drawn) for i in range(n)]
     return datasets.Dataset.from_dict({key: [row[key] for row in rows] for key in FEATURES}, features=FEATURES)
 
 
@@ -302,7 +308,9 @@ def task_datasets(name: str, n_train: int, n_eval: int, seed: int, eval_seed: in
     recipe's ``prior_rate`` and the held-out items break it (rate 0)."""
     recipe = TESTBED_RECIPES[name]
     held_out_rate = None if recipe.prior_rate is None else 0.0
-    training = make_perception_dataset(n_train, seed, recipe.prior_rate, recipe.kinds, recipe.decoy_share)
+    training = make_perception_dataset(
+        n_train, seed, recipe.prior_rate, recipe.kinds, recipe.decoy_share, background=recipe.background
+    )
     return training, held_out_items(name, n_eval, eval_seed, held_out_rate)
 
 
@@ -310,7 +318,9 @@ def held_out_items(name: str, n: int, seed: int, prior_rate: float | None):
     """``n`` held-out items of testbed ``name``'s task (its kinds, its held-out decoys) at ``prior_rate``: 1.0 gives
     items where the prior is right, the in-distribution split beside the prior-breaking one (issue 41)."""
     recipe = TESTBED_RECIPES[name]
-    return make_perception_dataset(n, seed, prior_rate, recipe.kinds, recipe.decoy_share, recipe.held_out_prior_decoy)
+    return make_perception_dataset(
+        n, seed, prior_rate, recipe.kinds, recipe.decoy_share, recipe.held_out_prior_decoy, recipe.background
+    )
 
 
 def prior_answer(question: str) -> str | None:
@@ -404,10 +414,10 @@ def warm_start_items(rng: random.Random, step: int, recipe: TestbedRecipe, batch
             prior_rate=recipe.blank_prior if blank else recipe.warm_start_prior, side=curriculum_side(step),
             # the warm start's numbers say nothing, the decoy included: tied to the number, it would teach that the
             # number's colour is the wrong answer
-            decoy_share=recipe.decoy_share, prior_decoy=False,
+            decoy_share=recipe.decoy_share, prior_decoy=False, background=recipe.background,
         )  # fmt: skip
         if blank:
-            item["image"] = Image.new("RGB", (IMAGE_SIZE, IMAGE_SIZE), "black")
+            item["image"] = Image.new("RGB", (IMAGE_SIZE, IMAGE_SIZE), recipe.background)
         items.append(item)
     return items
 

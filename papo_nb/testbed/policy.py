@@ -29,6 +29,7 @@ from tqdm.auto import tqdm
 from papo_nb.testbed.generation import generate_answers
 from papo_nb.testbed.models import FAMILIES, build_cached, build_tiny_processor, default_cache_root, tiny_config
 from papo_nb.testbed.perception import (
+    BLACK,
     CARD_FILE,
     CARD_ITEMS,
     CARD_SEED,
@@ -94,9 +95,10 @@ def score_card(
     items: ``vision``, ``text``, ``all``) and, apart, ``vision_consistent``: vision items that follow it."""
     recipe = TESTBED_RECIPES[name]
     with_prior = recipe.prior_rate is not None
-    sets = {"": make_perception_dataset(n_items, seed, 0.0 if with_prior else None, recipe.kinds, recipe.decoy_share)}
+    drawn = {"kinds": recipe.kinds, "decoy_share": recipe.decoy_share, "background": recipe.background}
+    sets = {"": make_perception_dataset(n_items, seed, 0.0 if with_prior else None, **drawn)}
     if with_prior:
-        sets["_consistent"] = make_perception_dataset(n_items, seed, 1.0, recipe.kinds, recipe.decoy_share)
+        sets["_consistent"] = make_perception_dataset(n_items, seed, 1.0, **drawn)
     card = {}
     for ratio in ratios:
         condition = f"masked_{ratio}" if ratio else "original"
@@ -202,6 +204,7 @@ def _write_testbed(folder: Path, name: str, seed: int) -> None:
         "blank_every": recipe.blank_every,
         **({"blank_prior_rate": recipe.blank_prior} if recipe.blank_every else {}),
         "blind_prior_floor": recipe.blind_prior_floor,
+        **({"background": list(recipe.background)} if recipe.background != BLACK else {}),
         "validation_checks": checks,
         "sft_batch": SFT_BATCH,
         "sft_lr": SFT_LR,

@@ -33,7 +33,14 @@ from papo_nb.workbook.evaluation.eval_review import prompt_text
 from papo_nb.workbook.study.collapse import CollapseRule, collapse_margin, detect_collapse, heldout_verdict
 from papo_nb.workbook.study.controls import CONTROL_PARAMS, GRPO_BETA, GRPO_LR, ControlMatch, match_controls
 from papo_nb.workbook.study.errors import prior_errors
-from papo_nb.workbook.study.placebo import MEAN_FILL_KL_MATCHED, MEAN_FILL_PAPO_G, PLACEBO, PLACEBO_KL_MATCHED
+from papo_nb.workbook.study.placebo import (
+    MEAN_FILL_KL_MATCHED,
+    MEAN_FILL_PAPO_G,
+    PLACEBO,
+    PLACEBO_BLACK,
+    PLACEBO_BLACK_KL_MATCHED,
+    PLACEBO_KL_MATCHED,
+)
 from papo_nb.workbook.study.search import (
     FRACTION_NAMES,
     entropy_arms,
@@ -58,6 +65,7 @@ ARM_COLOURS = {
     # the controls: GRPO's in GRPO's blues, the placebos in orange, PAPO-G with the placebo's fill in PAPO-G's greens
     GRPO_BETA: "#aec7e8", GRPO_LR: "#393b79", PLACEBO: "#ff7f0e", PLACEBO_KL_MATCHED: "#ffbb78",
     MEAN_FILL_PAPO_G: "#98df8a", MEAN_FILL_KL_MATCHED: "#637939",
+    PLACEBO_BLACK: "#bd9e39", PLACEBO_BLACK_KL_MATCHED: "#e7ba52",  # the black-fill placebos in golds
 }  # fmt: skip
 OTHER_ARM_COLOUR = "#17becf"  # tab:cyan: a fraction arm without a name of its own
 SPLITS = ("all", "vision", "text", "consistent")  # held_out_splits

@@ -30,6 +30,7 @@ ONE_GAMMA_PAGE = ROOT / "docs" / "study" / "shortcut_warm_starts"
 GRPO = warm_starts.GRPO
 PLAIN = ("papo_g_quarter", "papo_g_half", "papo_g")  # PAPO-G at 1/4 and 1/2 of the collapse gamma, and at 0.02
 CONTROLS = ("grpo_beta", "grpo_lr", "placebo_kl_matched")  # every control PAPO-G must beat besides GRPO
+GAMMA_COLUMNS = ("papo_g_quarter", "papo_g_half", "placebo_kl_matched")  # each warm start's own gammas
 HALF_AGAINST_CONTROLS = tuple(("papo_g_half", control) for control in CONTROLS)
 LABELS = {"papo_g_quarter": "1/4", "papo_g_half": "1/2", "papo_g_x1": "1x", "papo_g": "0.02 (the recipe)"}
 
@@ -108,10 +109,6 @@ def _search_cell(build: dict) -> str:
     return ", ".join(call(c) for c in build["search"])
 
 
-def _gammas(build: dict, arm: str) -> str:
-    return ", ".join(f"{g:g}" for g in sorted({r["gamma"] for r in build["runs"] if r["arm"] == arm})) or "-"
-
-
 def _arm_line(row: dict) -> str:
     own = row["own_drift"]
     cells = [f"{r['diff']:+.3f} +/- {r['diff_ci95']:.3f} (p {r['p_value']:.2g})" for r in row["against"].values()]
@@ -143,7 +140,7 @@ def render(data: dict, one_gamma: dict) -> str:
         *(
             f"| {b['build']} | `{b['weights_sha256'][:12]}` | {b['collapse_gamma']:g}"
             f"{'' if b['collapse_found'] else ' (none collapsed: the top)'} | {_search_cell(b)} | "
-            f"{_gammas(b, 'papo_g_quarter')} | {_gammas(b, 'papo_g_half')} | {_gammas(b, 'placebo_kl_matched')} |"
+            f"{' | '.join(warm_starts.arm_gammas(b, arm) for arm in GAMMA_COLUMNS)} |"
             for b in builds
         ),
         "",

@@ -15,6 +15,11 @@ that makes its term start as large as PAPO-G's (``kl_matched_gamma``: gamma scal
 perception KL over their first logged steps), so that the term's strength, not only its form, is matched;
 ``mean_fill_papo_g_kl_matched`` is PAPO-G with the mean fill at that gamma, against which it differs only in where the
 mask goes.
+
+On a background that is not black (``testbed:shapes_shortcut_grey``, issue 56) no fill needs changing:
+``placebo_black`` is PAPO-G with its own black fill over background patches only, so it differs from PAPO-G only in
+where the mask goes, and ``placebo_black_kl_matched`` is the same at the gamma that matches its starting perception KL
+to PAPO-G's (docs/measurements/placebo_background.py).
 """
 
 from __future__ import annotations
@@ -24,15 +29,19 @@ from papo_nb.workbook.config.params import WorkbookParams
 
 PLACEBO, PLACEBO_KL_MATCHED, MEAN_FILL_PAPO_G = "placebo", "placebo_kl_matched", "mean_fill_papo_g"
 MEAN_FILL_KL_MATCHED = "mean_fill_papo_g_kl_matched"
+PLACEBO_BLACK, PLACEBO_BLACK_KL_MATCHED = "placebo_black", "placebo_black_kl_matched"
 # each arm's mask options (its gamma is the strongest PAPO-G arm's, or kl_matched_gamma's); the rest is the page's
 ARM_MASKS = {
     PLACEBO: {"mask_fill": "mean", "mask_excluded_column": SQUARE_UNITS},
     PLACEBO_KL_MATCHED: {"mask_fill": "mean", "mask_excluded_column": SQUARE_UNITS},
     MEAN_FILL_PAPO_G: {"mask_fill": "mean"},
     MEAN_FILL_KL_MATCHED: {"mask_fill": "mean"},
+    PLACEBO_BLACK: {"mask_fill": "black", "mask_excluded_column": SQUARE_UNITS},
+    PLACEBO_BLACK_KL_MATCHED: {"mask_fill": "black", "mask_excluded_column": SQUARE_UNITS},
 }
 PLACEBO_ARMS = tuple(ARM_MASKS)
-PLACEBO_CONTROLS = (PLACEBO, PLACEBO_KL_MATCHED)  # the controls among them (the mean-fill arms are PAPO-G arms)
+# the controls among them (the mean-fill arms are PAPO-G arms)
+PLACEBO_CONTROLS = (PLACEBO, PLACEBO_KL_MATCHED, PLACEBO_BLACK, PLACEBO_BLACK_KL_MATCHED)
 KL_MATCH_STEPS = 3  # logged steps at the start of training whose perception KL sets the matched gamma
 
 

@@ -155,8 +155,8 @@ def render(data: dict) -> str:
         "| warm start | weights (SHA-256) | SFT steps | PAPO-G gamma | placebo gamma |",
         "|---|---|---|---|---|",
         *(
-            f"| {b['build']} | `{b['weights_sha256'][:12]}` | {b['sft_steps']} | {_gamma(b, PAPO_G)} | "
-            f"{_gamma(b, 'placebo_kl_matched')} |"
+            f"| {b['build']} | `{b['weights_sha256'][:12]}` | {b['sft_steps']} | {arm_gammas(b, PAPO_G)} | "
+            f"{arm_gammas(b, 'placebo_kl_matched')} |"
             for b in builds
         ),  # fmt: skip
         "",
@@ -216,9 +216,13 @@ def two_sentence_verdict(data: dict) -> str:
     return f"{first} {second}"
 
 
-def _gamma(build: dict, arm: str) -> str:
-    gammas = {r["gamma"] for r in build["runs"] if r["arm"] == arm}
-    return ", ".join(f"{g:g}" for g in sorted(gammas)) or "not run"
+def gammas_of(build: dict, arm: str) -> list[float]:
+    """The gammas ``arm`` ran at on one warm start, ascending (none where it did not run)."""
+    return sorted({r["gamma"] for r in build["runs"] if r["arm"] == arm})
+
+
+def arm_gammas(build: dict, arm: str) -> str:
+    return ", ".join(f"{g:g}" for g in gammas_of(build, arm)) or "not run"
 
 
 def drift_line(r: dict) -> str:
@@ -229,6 +233,7 @@ def drift_line(r: dict) -> str:
 
 
 def contrast_table(data: dict, metric: str, per_warm_start: bool, contrasts=CONTRASTS) -> str:
+    """Every contrast of ``contrasts`` on ``metric``: pooled, and warm start by warm start where ``per_warm_start``."""
     lines = [
         "| treatment - control | | difference [95% CI] | t p | sign p | Wilcoxon p | MDE | TOST p (+-0.02) | pairs "
         "| treatment runs collapsed | warm starts positive (between p) |",
@@ -248,13 +253,17 @@ def contrast_table(data: dict, metric: str, per_warm_start: bool, contrasts=CONT
     return "\n".join(lines)
 
 
-def write_page(page: Path, outs: list[Path], controls_page: Path | None = None) -> Path:
-    """Collect the runs (``collect``), write them and the page rendered from them; returns the page's path. The page
-    names each warm start's weights in its runs (no ``testbed_card.json``: it is not a notebook 04 page)."""
+def write_page(
+    page: Path, outs: list[Path], controls_page: Path | None = None, *, arms: tuple[str, ...] = ARMS,
+    runs_file: str = RUNS_FILE, render_page=render,
+) -> Path:  # fmt: skip
+    """Collect the runs (``collect``: ``arms``' only), write them to ``runs_file`` and the page ``render_page``
+    renders from them; returns the page's path. The page names each warm start's weights in its runs (no
+    ``testbed_card.json``: it is not a notebook 04 page)."""
     page.mkdir(parents=True, exist_ok=True)
-    data = collect(outs, controls_page)
-    (page / RUNS_FILE).write_text(json.dumps(data, indent=1) + "\n")
-    (page / PAGE_FILE).write_text(render(data))
+    data = collect(outs, controls_page, arms)
+    (page / runs_file).write_text(json.dumps(data, indent=1) + "\n")
+    (page / PAGE_FILE).write_text(render_page(data))
     return page / PAGE_FILE
 
 
