@@ -109,3 +109,14 @@ def test_the_page_pools_six_warm_starts_build_0_the_shipped_one_every_arm_on_fiv
         for arm in arms:
             seeds = sorted(r["seed"] for r in build["runs"] if r["arm"] == arm)
             assert seeds == [0, 1, 2, 3, 4], (build["build"], arm)
+
+
+def test_its_grpo_runs_and_warm_start_scores_are_the_one_gamma_pages_run_for_run():
+    """Both designs train GRPO on the same builds, seeds, data and float path: every GRPO run and each warm start's
+    scores before RL agree exactly, so the two pages' PAPO-G arms are paired with one another through them."""
+    one_gamma = json.loads((calibrated.ONE_GAMMA_PAGE / warm_starts.RUNS_FILE).read_text())["warm_starts"]
+    for ours, theirs in zip(published()["warm_starts"], one_gamma, strict=True):
+        assert (ours["build"], ours["weights_sha256"]) == (theirs["build"], theirs["weights_sha256"])
+        assert ours["start_scores"] == theirs["start_scores"]
+        grpo = [{r["seed"]: r["scores"] for r in build["runs"] if r["arm"] == "grpo"} for build in (ours, theirs)]
+        assert grpo[0] == grpo[1] and len(grpo[0]) == 5, ours["build"]

@@ -221,14 +221,17 @@ def test_the_summary_leads_with_the_pooled_pages_and_each_one_warm_start_row_say
     root = ROOT / "docs" / "study"
     lines = summary_markdown(root).splitlines()
     assert lines[2].startswith("| pooled page |")
-    pooled = [line.split("]")[0][3:] for line in lines[4:] if line.startswith("| [")][:2]
-    assert pooled == ["shortcut_warm_starts", "shortcut_controls_full"]
+    pooled = [line.split("]")[0][3:] for line in lines[4:] if line.startswith("| [")][:3]
+    assert pooled == ["shortcut_calibrated", "shortcut_warm_starts", "shortcut_controls_full"]
     lora = warm_starts.pooled_line(json.loads((root / "shortcut_warm_starts" / "runs.json").read_text()))
     assert not lora["papo_g_holds"] and not lora["placebo_holds"]
+    calibrated = warm_starts.pooled_line(json.loads((root / "shortcut_calibrated" / "runs.json").read_text()))
+    assert not calibrated["papo_g_holds"] and calibrated["placebo_holds"] and calibrated["specific"] == "not shown"
     one_warm_start = [line for line in lines if line.startswith("| [") and "| lora |" in line and "holds:" in line]
     assert len(one_warm_start) == 3
-    for row in one_warm_start:
-        assert row.count("this warm start only; pooled over 6 warm starts ([shortcut_warm_starts]") == (
+    for row in one_warm_start:  # both LoRA pooled pages qualify the claim (the gain; the placebo only one-gamma's)
+        assert row.count("this warm start only; pooled over 6 warm starts ([shortcut_calibrated]") == 1, row
+        assert row.count("pooled over 6 warm starts ([shortcut_warm_starts]") == (
             2 if "beats placebo_kl_matched" in row else 1
         ), row
 

@@ -134,8 +134,11 @@ def render(data: dict, one_gamma: dict) -> str:
         "fractions of the ladder's top, a lower bound on that warm start's collapse gamma. Pooled rows pair seeds "
         "within a warm start.",
         "",
-        "| warm start | weights (SHA-256) | collapse gamma | search calls: verdict (nearest symptom / firing level) "
-        "| 1/4 | 1/2 | KL-matched placebo |",
+        "Each search call reads: gamma, verdict (its largest symptom over that symptom's firing level; a call "
+        "collapses only when the KL blow-up or the reward drop fires with another symptom, so a value past 1 can "
+        "stay healthy).",
+        "",
+        "| warm start | weights (SHA-256) | collapse gamma | search calls | 1/4 | 1/2 | KL-matched placebo |",
         "|---|---|---|---|---|---|---|",
         *(
             f"| {b['build']} | `{b['weights_sha256'][:12]}` | {b['collapse_gamma']:g}"

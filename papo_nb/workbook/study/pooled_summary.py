@@ -67,8 +67,10 @@ def verdict_sentences(root: str | Path, link_prefix: str = "") -> str:
              line) for folder, data, line in pages]  # fmt: skip
     drift = "; ".join(f"{FINETUNING_WORDS[ft]}, {line['warm_starts']} warm starts ({link}): {line['drift']}"
                       for link, ft, line in said)  # fmt: skip
-    papo = "; ".join(f"{FINETUNING_WORDS[ft]}: {line['papo_g']}" for _, ft, line in said)
-    placebo = "; ".join(f"{FINETUNING_WORDS[ft]}: {line['specific']} ({line['placebo']})" for _, ft, line in said)
+    # each page by its finetuning and name: two designs may share a finetuning (LoRA: one gamma, each its own)
+    names = [f"{FINETUNING_WORDS[ft]}, {folder.name}" for (folder, _, _), (_, ft, _) in zip(pages, said)]
+    papo = "; ".join(f"{name}: {line['papo_g']}" for name, (_, _, line) in zip(names, said))
+    placebo = "; ".join(f"{name}: {line['specific']} ({line['placebo']})" for name, (_, _, line) in zip(names, said))
     return (
         f"GRPO drifts off the image on `testbed:shapes_shortcut`, pooled over independently built warm starts: "
         f"{drift}.\nPAPO-G at half a searched collapse gamma against GRPO, pooled: {papo}.\n"
