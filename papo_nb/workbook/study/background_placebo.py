@@ -110,11 +110,7 @@ def render(data: dict) -> str:
         "",
         verdict(data),
         "",
-        f"## GRPO's drift on {PRIMARY}",
-        "",
-        "| | before RL | GRPO end | drift [95% CI] | p | seeds |",
-        "|---|---|---|---|---|---|",
-        *(warm_starts.drift_line(r) for r in drift_rows(data)),
+        *warm_starts.drift_section(data),
     ]
     for metric in METRICS:
         table = warm_starts.contrast_table(data, metric, per_warm_start=True, contrasts=CONTRASTS)

@@ -155,11 +155,7 @@ def render(data: dict, one_gamma: dict) -> str:
         "warm start at 1.675, half the shipped build's collapse gamma) said: "
         + warm_starts.two_sentence_verdict(one_gamma),
         "",
-        f"## GRPO's drift on {PRIMARY}",
-        "",
-        "| | before RL | GRPO end | drift [95% CI] | p | seeds |",
-        "|---|---|---|---|---|---|",
-        *(warm_starts.drift_line(r) for r in warm_starts.drift_rows(data)),
+        *warm_starts.drift_section(data),
         "",
         f"## Every PAPO-G arm, pooled ({PRIMARY})",
         "",
