@@ -58,7 +58,7 @@ def verdict(data: dict) -> str:
     GRPO beside GRPO's drift."""
     matched, same = (contrast_rows(data, *pair)[-1] for pair in CONTRASTS[:2])
     against_grpo, drift = contrast_rows(data, PAPO_G, GRPO)[-1], drift_rows(data)[-1]
-    placebo_runs = [r for b in data["warm_starts"] for r in b["runs"] if r["arm"] == PLACEBO_BLACK_KL_MATCHED]
+    placebo_runs = warm_starts.arm_runs(data, PLACEBO_BLACK_KL_MATCHED)
     collapsed = sum(r["collapsed"] for r in placebo_runs)
     scales = [
         max(gammas_of(b, PLACEBO_BLACK_KL_MATCHED)) / max(gammas_of(b, PAPO_G))
@@ -75,7 +75,7 @@ def verdict(data: dict) -> str:
         f"{effect(matched)}, TOST p = {matched['equivalence_p']:.2g}, with {collapsed} of {len(placebo_runs)} "
         f"placebo runs collapsed{caveat}."
     )
-    papo_runs = sum(1 for b in data["warm_starts"] for r in b["runs"] if r["arm"] == PAPO_G)
+    papo_runs = len(warm_starts.arm_runs(data, PAPO_G))
     second = (
         f"PAPO-G minus GRPO is {effect(against_grpo)}, with {against_grpo['collapsed']} of {papo_runs} PAPO-G runs "
         f"collapsed, and GRPO's drift from the warm start is {drift['drift']:+.3f} +/- {drift['drift_ci95']:.3f} "

@@ -22,6 +22,7 @@ from pathlib import Path
 from papo_nb.workbook.study import warm_starts
 from papo_nb.workbook.study.collapse import detect_collapse
 from papo_nb.workbook.study.drift import PRIMARY
+from papo_nb.workbook.study.power import gain_detected
 from papo_nb.workbook.study.search import ENTROPY_TAG, search_collapse_gamma
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -51,9 +52,9 @@ def label(arm: str) -> str:
 def arm_row(data: dict, arm: str) -> dict:
     """One arm pooled over every warm start: its runs and collapsed runs, its own end minus the warm start, and its
     pooled paired contrast against GRPO and each of ``CONTROLS`` (``warm_starts.contrast_rows``)."""
-    runs = [r for b in data["warm_starts"] for r in b["runs"] if r["arm"] == arm]
+    runs = warm_starts.arm_runs(data, arm)
     against = {control: warm_starts.contrast_rows(data, arm, control)[-1] for control in (GRPO, *CONTROLS)}
-    beats = [c for c, row in against.items() if c != GRPO and row["diff"] > 0 and row["p_value"] < 0.05]
+    beats = [c for c, row in against.items() if c != GRPO and gain_detected(row)]
     return {"arm": arm, "runs": len(runs), "collapsed": sum(r["collapsed"] for r in runs),
             "own_drift": warm_starts.drift_rows(data, arm=arm)[-1], "against": against,
             "beats_every_control": len(beats) == len(CONTROLS)}  # fmt: skip
@@ -63,7 +64,7 @@ def undoes(row: dict) -> bool:
     """The arm recovers GRPO's drift: it beats GRPO (a positive difference the paired test detects) and its own end
     is not detectably below the warm start's score (the upper end of its 95% CI reaches 0)."""
     against, own = row["against"][GRPO], row["own_drift"]
-    return against["diff"] > 0 and against["p_value"] < 0.05 and own["drift"] + own["drift_ci95"] >= 0
+    return gain_detected(against) and own["drift"] + own["drift_ci95"] >= 0
 
 
 def verdict(data: dict) -> str:
@@ -178,12 +179,10 @@ def render(data: dict, one_gamma: dict) -> str:
 
 
 def write_page(outs: list[Path], page: Path = PAGE, one_gamma_page: Path = ONE_GAMMA_PAGE) -> Path:
-    """Collect every arm's runs and each warm start's search from ``outs`` (``warm_starts.collect``), write them
-    and the page; returns the page's path."""
-    page.mkdir(parents=True, exist_ok=True)
-    data = warm_starts.collect(outs, arms=None)
-    (page / warm_starts.RUNS_FILE).write_text(json.dumps(data, indent=1) + "\n")
-    return rerender(page, one_gamma_page)
+    """Every arm's runs and each warm start's search from ``outs``, written with the page beside the one-gamma page's
+    verdict (``warm_starts.write_page``); returns the page's path."""
+    one_gamma = json.loads((one_gamma_page / warm_starts.RUNS_FILE).read_text())
+    return warm_starts.write_page(page, outs, arms=None, render_page=lambda data: render(data, one_gamma))
 
 
 def rerender(page: Path = PAGE, one_gamma_page: Path = ONE_GAMMA_PAGE) -> Path:

@@ -25,6 +25,7 @@ from statistics import mean
 
 from papo_nb.workbook.config.params import WorkbookParams
 from papo_nb.workbook.study.placebo import PLACEBO_CONTROLS
+from papo_nb.workbook.study.power import gain_detected
 
 REWARD_KEY = "rewards/accuracy_reward/mean"
 END_REWARD_WINDOW = 10  # logged rollout batches averaged for "the end of training" (the measure)
@@ -112,7 +113,7 @@ def control_verdict(rows: list[dict], treatment: str, primary: str, gap: str, wh
         return "No matched control ran: nothing here separates perception from regularisation."
     beats = [
         arm for arm in controls
-        if all(by[arm, m]["diff"] > 0 and by[arm, m]["p_value"] < 0.05 for m in (primary, gap) if (arm, m) in by)
+        if all(gain_detected(by[arm, m]) for m in (primary, gap) if (arm, m) in by)
     ]  # fmt: skip
     closest = min(controls, key=lambda arm: by[arm, primary]["diff"])
     row = by[closest, primary]
@@ -125,7 +126,7 @@ def control_verdict(rows: list[dict], treatment: str, primary: str, gap: str, wh
         else f"{treatment} does not beat {every} on both prior-breaking accuracy and the reliance gap "
         f"(it does against {', '.join(beats) or 'none'}), so its gain here is not shown to be perception-specific."
     )
-    if len(beats) == len(controls) and where is not None and not (where["diff"] > 0 and where["p_value"] < 0.05):
+    if len(beats) == len(controls) and where is not None and not gain_detected(where):
         first = (
             f"{treatment} keeps more prior-breaking accuracy and a larger reliance gap than {every} (paired p < 0.05 "
             f"on both), but with the placebo's fill covering the square does no better than the placebo "

@@ -24,6 +24,7 @@ from papo_nb.workbook.study.placebo import (
     PLACEBO_CONTROLS,
     PLACEBO_KL_MATCHED,
 )
+from papo_nb.workbook.study.power import gain_detected
 
 GAP = "avg_at_k/gap/vision"
 TRAIN_ACCURACY = "train/accuracy_reward_end"
@@ -84,17 +85,13 @@ def _said(row: dict) -> str:
     )
 
 
-def _beats(row: dict) -> bool:
-    return math.isfinite(row["p_value"]) and row["p_value"] < 0.05 and row["diff"] > 0
-
-
 def placebo_verdict(rows: list[dict], treatment: str, placebo: str, collapsed: str) -> str:
     """In words: whether ``treatment`` beats ``placebo`` on prior-breaking accuracy (paired t, with the exact tests
     and the MDE beside it), the reliance gap's contrast, and how many placebo runs collapsed (``collapsed``, "k/n"):
     a placebo that wrecks the policy holds nothing back, it is beaten for another reason than perception."""
     by = {row["metric"]: row for row in rows if row["contrast"] == f"{treatment} - {placebo}"}
     main, gap = by[drift.PRIMARY], by.get(GAP)
-    beats = _beats(main)
+    beats = gain_detected(main)
     head = (
         "keeps more prior-breaking accuracy than"
         if beats
@@ -126,7 +123,7 @@ def where_verdict(rows: list[dict]) -> str | None:
     row = where_row(rows)
     if row is None:
         return None
-    if _beats(row):
+    if gain_detected(row):
         return f"Covering the square adds prior-breaking accuracy: {row['contrast']} = {_said(row)}"
     return (
         f"Covering the square is not shown to add prior-breaking accuracy: {row['contrast']} = {_said(row)}, same "
@@ -160,13 +157,13 @@ def placebo_short(study: Study) -> str | None:
     for row in rows:
         control = row["contrast"].removeprefix(f"{treatment} - ")
         if row["metric"] == drift.PRIMARY and control in PLACEBO_CONTROLS:
-            said = "beats" if _beats(row) else "does not beat"
+            said = "beats" if gain_detected(row) else "does not beat"
             cells.append(
                 f"{said} {control} ({row['diff']:+.3f}, p = {row['p_value']:.2g}; MDE {row['mde']:.3f}; "
                 f"{collapsed[control]} {control} runs collapsed)"
             )
     if (where := where_row(rows)) is not None:
-        said = "adds" if _beats(where) else "does not add"
+        said = "adds" if gain_detected(where) else "does not add"
         cells.append(
             f"covering the square {said} accuracy at the same fill ({where['contrast']}: {where['diff']:+.3f}, "
             f"p = {where['p_value']:.2g}; MDE {where['mde']:.3f})"

@@ -72,6 +72,12 @@ def power_row(treatment: list[float], control: list[float], target: float | None
     return row
 
 
+def gain_detected(row: dict, alpha: float = ALPHA) -> bool:
+    """A paired contrast row (``diff``, ``p_value``) shows a gain: positive, and the paired test rejects at
+    ``alpha`` (a NaN difference or p shows none)."""
+    return row["diff"] > 0 and row["p_value"] < alpha
+
+
 def effect_verdict(diff: float, p_value: float, mde: float, alpha: float = ALPHA) -> str:
     """``detected (+x, p)`` when the paired test rejects; otherwise ``not detected (MDE x)``, so a null says how
     large an effect it rules out."""

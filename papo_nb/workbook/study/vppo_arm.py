@@ -17,6 +17,7 @@ from papo_nb.workbook.study import drift, errors, tables
 from papo_nb.workbook.study import stats as study_stats
 from papo_nb.workbook.study.arms import GRPO, PAPO_G, PAPO_G_COLLAPSE, SEARCH, SWEEP, VPPO, Study
 from papo_nb.workbook.study.controls import END_REWARD_WINDOW, end_reward
+from papo_nb.workbook.study.power import gain_detected
 
 GAP = "avg_at_k/gap/vision"
 # held-out accuracy, the reliance gap and the error split: the current split's names and the older pages' (the
@@ -76,7 +77,7 @@ def vppo_verdict(start: dict, scores: dict[str, dict[int, dict]]) -> dict:
         f"+-{drift.EQUIVALENCE_MARGIN:g}: p = {row['tost_p']:.2g}; MDE {row['mde']:.3f})"
     )
     effect = f"{row['diff']:+.3f}, p = {row['p_value']:.2g}"
-    if math.isfinite(row["p_value"]) and row["p_value"] < 0.05 and row["diff"] > 0:
+    if gain_detected(row):
         verdict = f"VPPO drifts less than GRPO: it keeps {row['diff']:+.3f} of GRPO's loss (p = {row['p_value']:.2g})"
         short = f"less ({effect})"
     else:

@@ -24,7 +24,7 @@ from papo_nb.workbook.config.params import WorkbookParams
 from papo_nb.workbook.study.collapse import SYMPTOMS
 from papo_nb.workbook.study.drift import CONSISTENT, EQUIVALENCE_MARGIN, PRIMARY
 from papo_nb.workbook.study.errors import DECOY, PRIOR
-from papo_nb.workbook.study.power import effect_verdict
+from papo_nb.workbook.study.power import effect_verdict, gain_detected
 from papo_nb.workbook.study.search import ENTROPY_TAG
 from papo_nb.workbook.study.stats import equivalence_test, mean_ci, paired_tests_with_power
 
@@ -84,6 +84,11 @@ def _warm_start(record: dict, arms: tuple[str, ...] | None) -> dict:
             for r in record["search"]
         ]  # fmt: skip
     return build
+
+
+def arm_runs(data: dict, arm: str) -> list[dict]:
+    """Every run of ``arm`` on the page, warm start by warm start."""
+    return [r for build in data["warm_starts"] for r in build["runs"] if r["arm"] == arm]
 
 
 def paired(build: dict, treatment: str, control: str, metric: str) -> tuple[list[float], list[float]]:
@@ -189,7 +194,7 @@ def two_sentence_verdict(data: dict) -> str:
     *per_warm_start, drift = drift_rows(data)
     pooled = {pair: contrast_rows(data, *pair)[-1] for pair in CONTRASTS}
     against_grpo = pooled[CONTRASTS[0]]
-    runs = sum(1 for b in data["warm_starts"] for r in b["runs"] if r["arm"] == PAPO_G)
+    runs = len(arm_runs(data, PAPO_G))
     negative = f"negative on {sum(r['drift'] < 0 for r in per_warm_start)} of {len(per_warm_start)}"
     first = (
         f"GRPO's drift on {PRIMARY}, pooled over {drift['seeds']} runs on {len(per_warm_start)} warm starts, is "
@@ -197,7 +202,7 @@ def two_sentence_verdict(data: dict) -> str:
         f"PAPO-G ({PAPO_G}) against GRPO: {effect(against_grpo)}, {against_grpo['collapsed']} of {runs} PAPO-G runs "
         "collapsed."
     )
-    beats = {pair: r["diff"] > 0 and r["p_value"] < 0.05 for pair, r in pooled.items()}
+    beats = {pair: gain_detected(r) for pair, r in pooled.items()}
     place = pooled[CONTRASTS[-1]]
     specific = all(beats.values())
     controls = "; ".join(
@@ -261,12 +266,12 @@ def contrast_table(data: dict, metric: str, per_warm_start: bool, contrasts=CONT
 
 
 def write_page(
-    page: Path, outs: list[Path], controls_page: Path | None = None, *, arms: tuple[str, ...] = ARMS,
+    page: Path, outs: list[Path], controls_page: Path | None = None, *, arms: tuple[str, ...] | None = ARMS,
     runs_file: str = RUNS_FILE, render_page=render,
 ) -> Path:  # fmt: skip
-    """Collect the runs (``collect``: ``arms``' only), write them to ``runs_file`` and the page ``render_page``
-    renders from them; returns the page's path. The page names each warm start's weights in its runs (no
-    ``testbed_card.json``: it is not a notebook 04 page)."""
+    """Collect the runs (``collect``: ``arms``' only, every arm where None), write them to ``runs_file`` and the
+    page ``render_page`` renders from them; returns the page's path. The page names each warm start's weights in its
+    runs (no ``testbed_card.json``: it is not a notebook 04 page)."""
     page.mkdir(parents=True, exist_ok=True)
     data = collect(outs, controls_page, arms)
     (page / runs_file).write_text(json.dumps(data, indent=1) + "\n")
@@ -295,8 +300,7 @@ def finetuning_of(data: dict, root: Path) -> str:
 
 def _against_grpo(data: dict, arm: str) -> str:
     pooled = contrast_rows(data, arm, GRPO)[-1]
-    runs = sum(1 for b in data["warm_starts"] for r in b["runs"] if r["arm"] == arm)
-    return f"{effect(pooled)}, {pooled['collapsed']} of {runs} runs collapsed"
+    return f"{effect(pooled)}, {pooled['collapsed']} of {len(arm_runs(data, arm))} runs collapsed"
 
 
 def pooled_line(data: dict) -> dict:
@@ -304,7 +308,7 @@ def pooled_line(data: dict) -> dict:
     drift = drift_rows(data)[-1]
     against = contrast_rows(data, PAPO_G, GRPO)[-1]
     placebo = contrast_rows(data, PAPO_G, "placebo_kl_matched")[-1]
-    runs = sum(1 for b in data["warm_starts"] for r in b["runs"] if r["arm"] == PAPO_G)
+    runs = len(arm_runs(data, PAPO_G))
     negative = sum(r["drift"] < 0 for r in drift_rows(data)[:-1])
     remedies = sorted({r["arm"] for b in data["warm_starts"] for r in b["runs"]
                        if r["arm"].startswith(PAPO_G + ENTROPY_TAG)})  # fmt: skip
@@ -316,9 +320,9 @@ def pooled_line(data: dict) -> dict:
         "drift": f"{drift['drift']:+.3f} +/- {drift['drift_ci95']:.3f} (p = {drift['p_value']:.2g}; negative on "
         f"{negative} of {len(data['warm_starts'])} warm starts)",
         "papo_g": f"{effect(against)}; {against['collapsed']} of {runs} runs collapsed{remedy}",
-        "papo_g_holds": against["diff"] > 0 and against["p_value"] < 0.05,
+        "papo_g_holds": gain_detected(against),
         "placebo": f"against the KL-matched placebo: {effect(placebo)}",
-        "placebo_holds": placebo["diff"] > 0 and placebo["p_value"] < 0.05,
+        "placebo_holds": gain_detected(placebo),
         "specific": "shown" if "Perception-specific: shown" in two_sentence_verdict(data) else "not shown",
     }
 
