@@ -139,9 +139,12 @@ def test_entropy_weights_change_the_gradient(policy, shapes_dataset, batch, tmp_
     model = policy[0]
 
     def grad_for(**weights):
+        # TRL's own forward in every variant: at gamma 0 with no entropy weight "auto" keeps it (a run that is GRPO)
+        # and would pack the others, and the comparisons here are bit for bit
         trainer = make_trainer(
-            policy, shapes_dataset, tmp_path, perception_loss_weight=0.0, entropy_estimator=estimator, **weights
-        )
+            policy, shapes_dataset, tmp_path, perception_loss_weight=0.0, entropy_estimator=estimator,
+            prefix_sharing=False, **weights,
+        )  # fmt: skip
         trainer.current_gradient_accumulation_steps = 1
         trainer.mask_generator.manual_seed(3)
         return trainable_grads(model, trainer._compute_loss(model, batch))

@@ -176,21 +176,23 @@ class PAPOGConfig(GRPOConfig):
 
         prefix_sharing (`str` or `bool`, defaults to `"auto"`):
             Pack each prompt group once `[prompt; c1 ... cg]` in every forward TRL routes through
-            `_get_per_token_logps_and_entropies` (the gradient forward and backward, old and reference log-probs,
-            the masked branch's full forward): the prompt and its images once per group, grouped attention (each
-            prompt's self-attention once, each completion over its prompt and itself; `grouped_attention.py`),
-            Qwen-VL positions restarting after the prompt (`prefix_sharing.py`); the round is shuffled by whole
-            groups. Supported: Qwen2-VL and Qwen2.5-VL whose text model runs SDPA or eager attention, on TRL
-            1.9.1-1.13, on one process or several (DDP, FSDP2: `ranks.py`), with or without gradient checkpointing
-            (each checkpointed layer recomputed
-            inside the grouped layout; decided per forward and at `train()` start), not luspo with beta != 0, a call
-            the FLOP model (`attention_cost.py`) predicts cheaper packed. `"auto"`: on where supported and
-            `per_device_train_batch_size` is a multiple of `num_generations`, else off with one info line saying
-            why; its first packed call is checked against the plain forward (log-probs within 1e-4 in fp32,
+            `_get_per_token_logps_and_entropies` (the gradient forward and backward, old and reference log-probs, the
+            masked branch's full forward): the prompt and its images once per group, grouped attention (each prompt's
+            self-attention once, each completion over its prompt and itself; `grouped_attention.py`), Qwen-VL positions
+            restarting after the prompt (`prefix_sharing.py`); the round is shuffled by whole groups. Supported:
+            Qwen2-VL, Qwen2.5-VL and Qwen3-VL whose text model runs SDPA or eager attention, on TRL 1.9.1-1.16 (each
+            release's own log-prob form and autocast: `trl_seams.py`), on one process or several (DDP, FSDP2:
+            `ranks.py`), with or without gradient checkpointing (each checkpointed layer recomputed inside the grouped
+            layout; decided per forward and at `train()` start), not luspo with beta != 0, a call the FLOP model
+            (`attention_cost.py`) predicts cheaper packed. `"auto"`: on where supported and
+            `per_device_train_batch_size` is a multiple of `num_generations` and the run is not GRPO (gamma 0 with
+            nothing reading the masked branch keeps TRL's own forwards, so gamma 0 costs GRPO's forwards exactly), else
+            off with one info line saying why; its first packed call is checked against the plain forward (log-probs
+            within the bound of the precision the forward computed in: 1e-4 in fp32, 0.125 under bf16 autocast;
             `forward/self_check.py`), and on a mismatch sharing is off for the run with one warning naming the
             difference and where. `True`: forced (the batch must hold whole groups, refused otherwise; each reason it
-            cannot run is a warning, and the plain forward runs). `False`: TRL's forward and shuffle, bit for bit.
-            The forward plan the trainer logs says which runs and why (`papo/prefix_shared` per call).
+            cannot run is a warning, and the plain forward runs). `False`: TRL's forward and shuffle, bit for bit. The
+            forward plan the trainer logs says which runs and why (`papo/prefix_shared` per call).
         grouped_attention_kernel (`str`, defaults to `"auto"`):
             The kernel of prefix sharing's grouped attention: `"flex"`, one FlexAttention call over the packed row
             with its block mask (`forward/flex_grouped.py`; on the CPU torch runs it in no-grad forwards only, the

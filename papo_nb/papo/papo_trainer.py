@@ -119,8 +119,15 @@ class PAPOGTrainer(GRPOTrainer):
         self._captured_parent_logps = None  # a list while the parent's loss runs: its main forward's outputs
         self.masks = MaskState(self.args, self.model, self.processing_class)
         processes = self.accelerator.num_processes
-        self.prefix_sharing = prefix_sharing.PrefixSharing(self.args, self.model, processes, self._metrics)
         self.masked_branch = MaskedBranch(self.args, self.model, self.accelerator, self._metrics, self.temperature)
+        self.prefix_sharing = prefix_sharing.PrefixSharing(
+            self.args,
+            self.model,
+            processes,
+            self._metrics,
+            trl_seams.parent_forward_context(GRPOTrainer, self.accelerator),
+            grpo_run=self.masked_branch.skipped,
+        )
         self.forward_plan = forward_plan(self.args, self.masked_branch, self.prefix_sharing, self.model)
         logging.get_logger(__name__).info("PAPO-G forward plan: %s", self.forward_plan.describe())
         self.add_callback(ForwardPlanAtTrainStart(self))  # train() turns checkpointing on: the plan read again

@@ -29,6 +29,7 @@ logits as 1.9.1 does and falls back to the parent's method on the other forms, w
 from __future__ import annotations
 
 import ast
+import contextlib
 import functools
 import inspect
 import textwrap
@@ -47,6 +48,10 @@ FUSED_UNSHIFTED_LABELS = "shift_labels"
 # What prefix sharing relies on inside add_fused_lm_head's patched forward, as TRL 1.15+ writes it: the backbone is
 # the model's ``base_model`` (transformers 5) called with the forward's arguments, and with ``shift_labels`` its last
 # hidden state is scored against them unshifted, so a hook on the backbone can gather the needed positions.
+# TRL 1.15+ opens the accelerator's autocast around the model call inside the log-prob method itself (1.9.1 leaves it
+# to accelerate's wrapper of the prepared model, which a call outside ``train()`` does not pass through): a packed
+# forward that skipped it would compute in float32 beside a parent computing in bf16 (issue: 1.2e-3 apart).
+LOGP_AUTOCAST = "self.accelerator.autocast()"
 FUSED_HEAD_STATEMENTS = (
     "backbone_attr = 'base_model'",
     "backbone_outputs = getattr(self, backbone_attr)(*args, **kwargs)",
@@ -189,6 +194,25 @@ def parsed_method(cls: Any, name: str) -> ast.FunctionDef | None:
 def live_seam(parent_class: type) -> LogpSeam:
     """The form of the installed parent's log-prob method."""
     return seam_of({name: parsed_method(parent_class, name) for name in (LOGP_METHOD, FULL_LOGITS_METHOD)})
+
+
+@functools.cache
+def opens_autocast(parent_class: type) -> bool:
+    """Whether the installed parent's log-prob method (or the method it dispatches to) runs its model call inside
+    ``LOGP_AUTOCAST``."""
+    methods = (parsed_method(parent_class, name) for name in (LOGP_METHOD, FULL_LOGITS_METHOD))
+    return any(
+        isinstance(node, ast.With) and any(ast.unparse(item.context_expr) == LOGP_AUTOCAST for item in node.items)
+        for method in methods
+        if method is not None
+        for node in ast.walk(method)
+    )
+
+
+def parent_forward_context(parent_class: type, accelerator):
+    """The context the parent's log-prob method runs its model call in, for a forward that must compute as it does:
+    the accelerator's autocast where the installed release opens it (``opens_autocast``), else none."""
+    return accelerator.autocast if opens_autocast(parent_class) else contextlib.nullcontext
 
 
 def signature_method(parent_class: type):

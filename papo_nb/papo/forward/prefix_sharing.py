@@ -174,20 +174,25 @@ class PrefixSharing:
     metric lists.
 
     ``args.prefix_sharing``: ``True`` forces it (each reason it cannot run is a warning); ``"auto"`` takes it where
-    it is supported and predicted cheaper (each reason it is off is an info line), and checks its first packed call
-    against the plain forward (``self_check.py``): on a mismatch it is off for the run, with one warning naming the
-    difference and its place; ``False`` never takes it."""
+    it is supported and predicted cheaper, and not in a run that is GRPO (``grpo_run``: gamma 0 and nothing reads
+    the masked branch, where the parent's own forwards keep gamma 0 GRPO at GRPO's cost), each reason it is off an
+    info line, and checks its first packed call against the plain forward (``self_check.py``): on a mismatch it is
+    off for the run, with one warning naming the difference and its place; ``False`` never takes it.
+    ``forward_context``: the context the parent's log-prob method opens around its model call, which the packed
+    forward opens too."""
 
-    def __init__(self, args, model, processes: int, metrics: dict):
+    def __init__(self, args, model, processes: int, metrics: dict, forward_context=contextlib.nullcontext, *,
+                 grpo_run: bool = False):  # fmt: skip
         self.mode = args.prefix_sharing
         self.processes = processes
         self.kernel = args.grouped_attention_kernel  # the grouped attention's kernel (flex_grouped.py)
-        # accelerate applies mixed precision inside the wrapped model's forward, out of sight of the check's caller
-        self.mixed_precision = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else None
+        # the context the parent's log-prob method opens around its model call (trl_seams.parent_forward_context):
+        # the packed forward computes in the same precision, or it would differ from the parent by more than roundoff
+        self.forward_context = forward_context
         self.enabled = self.mode is not False
         self.reason = None if self.enabled else "prefix_sharing=False"
         if self.enabled:
-            self.reason = auto_batch_reason(args) if self.mode == "auto" else None
+            self.reason = auto_reason(args, grpo_run) if self.mode == "auto" else None
             self.reason = self.reason or unsupported_reason(model, processes, args)
         self.paired_device = None  # where a sharded model's forwards pair across ranks (``ranks.py``), per call
         self.checked: self_check.SelfCheck | None = None  # "auto": the first packed call's comparison, once made
@@ -245,11 +250,13 @@ class PrefixSharing:
             self.note(False, reason)
             self.metrics[mode][METRIC].append(0.0)
             return None
-        logps, entropies, aux, share = packed_logps_and_entropies(
-            model, arguments, temperature=temperature, entropy_grad=entropy_grad, batches=batches
-        )
+        with self.forward_context(), autocast_seen(core_model(model)) as autocast_dtypes:
+            logps, entropies, aux, share = packed_logps_and_entropies(
+                model, arguments, temperature=temperature, entropy_grad=entropy_grad, batches=batches
+            )
         if self.mode == "auto" and self.checked is None:
-            plain = self.first_batch_check(arguments, logps, plain_forward, self.compute_dtypes(model))
+            compute_dtypes = self.compute_dtypes(model, autocast_dtypes)
+            plain = self.first_batch_check(arguments, logps, plain_forward, compute_dtypes)
             if plain is not None:
                 self.metrics[mode][METRIC].append(0.0)
                 return plain
@@ -258,14 +265,12 @@ class PrefixSharing:
         self.note(True, f"each prompt group packed once, its images once; {self.supported_description(model)}")
         return logps, entropies, aux
 
-    def compute_dtypes(self, model) -> tuple[torch.dtype, ...]:
-        """The precisions the call's forwards compute in besides their outputs': the trainer's mixed precision, an
-        autocast open around the call, the output head's weight."""
-        device = next(core_model(model).parameters()).device.type
-        autocast = (torch.get_autocast_dtype(device),) if torch.is_autocast_enabled(device) else ()
-        mixed = (self.mixed_precision,) if self.mixed_precision is not None else ()
+    @staticmethod
+    def compute_dtypes(model, autocast_dtypes=()) -> tuple[torch.dtype, ...]:
+        """The precisions the call's forwards computed in besides their outputs': the autocast the model's forward
+        ran under (``autocast_seen``) and the output head's weight."""
         head = core_model(model).get_output_embeddings()
-        return (*mixed, *autocast, *((head.weight.dtype,) if head is not None else ()))
+        return (*autocast_dtypes, *((head.weight.dtype,) if head is not None else ()))
 
     def first_batch_check(self, arguments: dict[str, Any], packed_logps: torch.Tensor, plain_forward,
                           compute_dtypes=()):  # fmt: skip
@@ -304,6 +309,18 @@ class PrefixSharing:
             logger.warning("PAPO-G prefix sharing: plain forward per completion, because %s", reason)
 
 
+GRPO_RUN_REASON = (
+    "the perception term is off for the run and nothing reads the masked branch (gamma 0): TRL's own forward, so the "
+    "run makes GRPOTrainer's forwards exactly (no first-batch check)"
+)
+
+
+def auto_reason(args, grpo_run: bool) -> str | None:
+    """Why ``"auto"`` is off for the run before any model check: a run that is GRPO (``grpo_run``, the trainer's
+    masked branch skipped) keeps GRPO's cost and numbers, and a device batch must hold whole groups."""
+    return GRPO_RUN_REASON if grpo_run else auto_batch_reason(args)
+
+
 def auto_batch_reason(args) -> str | None:
     """Why ``"auto"`` cannot shuffle whole groups into ``args``' device batches (``True`` refuses it at config
     time, ``forward_fields_problem``), or None."""
@@ -314,6 +331,25 @@ def auto_batch_reason(args) -> str | None:
             "batch must hold whole prompt groups)"
         )
     return None
+
+
+@contextlib.contextmanager
+def autocast_seen(hf_model):
+    """The set of autocast dtypes in force when ``hf_model``'s forward ran inside the block, seen from inside it:
+    accelerate opens mixed precision within a prepared model's forward, out of sight of the caller, and a release's
+    log-prob method may open it around its call (``forward_context``)."""
+    seen: set[torch.dtype] = set()
+    device = next(hf_model.parameters()).device.type
+
+    def record(_module, _args):
+        if torch.is_autocast_enabled(device):
+            seen.add(torch.get_autocast_dtype(device))
+
+    handle = hf_model.register_forward_pre_hook(record)
+    try:
+        yield seen
+    finally:
+        handle.remove()
 
 
 def block_ids(inputs: dict[str, Any], group_size: int) -> torch.Tensor:

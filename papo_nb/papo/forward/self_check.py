@@ -16,8 +16,12 @@ The bounds sit between the roundoff the exactness tests measure and the error of
 The bound is that of the precision the forward computed in, not of the log-probs it returns: under bf16 mixed
 precision TRL's log-probs are float32 (accelerate converts the outputs, TRL's log-softmax runs in float32) while every
 matmul ran in bf16, and the float32 bound would turn sharing off on roundoff alone (the rehearsal at Qwen2.5-VL-3B
-widths measured 0.008 to 0.016 there). ``compute_dtypes`` names the mixed-precision, autocast and weight dtypes; the
-loosest bound of those and the log-probs' dtype applies.
+widths measured 0.008 to 0.016 there). ``compute_dtypes`` names the autocast dtype the model's forward actually ran
+under (``prefix_sharing.autocast_seen``: accelerate's wrapper of a prepared model, or TRL 1.15+'s own autocast around
+its model call, which the packed forward opens too) and the weights' dtype; the loosest bound of those and the
+log-probs' dtype applies. A configured ``bf16=True`` whose forward ran in float32 (a call outside ``train()`` on TRL
+1.9.1) is held to the float32 bound: before, the configured mixed precision alone chose bf16's bound, which let a
+packed forward in float32 beside a parent in bf16 (1.7e-3 apart on TRL 1.16) pass.
 """
 
 from __future__ import annotations
