@@ -151,3 +151,57 @@ def test_preflight_run_from_params_alone_on_the_tiny_recipe():
     assert estimates["epochs_at_max_steps"] == 0.5
     assert estimates["completion_tokens_at_most"] == 2 * 2 * 5 * 16  # steps x prompts x rollouts x tokens
     assert 100 < estimates["mean_prompt_tokens_sampled"] < 256
+
+
+# The official batches, per recipe: (GPUs, completions per optimizer step, prompts per round, optimizer steps per
+# round). PAPO: *_grpo_papo.sh:5-6 N_GPU, :14 GLOBAL_BATCH_SIZE 128 prompts, :15 ROLLOUT_BATCH_SIZE 384 prompts,
+# config_grpo_papo.yaml:83 rollout.n 5; VPPO: train_vppo_7b.sh:8-9 N_GPU 8, :14 128, :15 384, :18 rollout 8.
+OFFICIAL = {
+    "papo_g_3b": (2, 128 * 5, 384, 3),
+    "grpo_3b": (2, 128 * 5, 384, 3),
+    "papo_g_7b": (4, 128 * 5, 384, 3),
+    "grpo_7b": (4, 128 * 5, 384, 3),
+    "vppo_7b": (8, 128 * 8, 384, 3),
+}
+
+
+@pytest.mark.parametrize("name", OFFICIAL)
+def test_every_recipe_fits_its_authors_gpus_at_its_official_batch(name):
+    from papo_nb.workbook.recipe.forecast import forecast
+    from papo_nb.workbook.recipe.forecast_table import GPUS
+
+    gpus, completions, prompts, steps = OFFICIAL[name]
+    params = load_params(ROOT / "params" / "recipes" / f"{name}.yaml")
+    layout = pf.batch_layout(params)
+    assert params.num_processes == gpus
+    assert layout["completions_per_optimizer_step"] == completions
+    assert (layout["prompts_per_generation"], layout["optimizer_steps_per_generation"]) == (prompts, steps)
+    fc = forecast(params, GPUS["80 GB"])
+    assert fc.total <= 0.92 * GPUS["80 GB"], f"{name}: {fc.total / GIB:.1f} GiB, over 92% of 79.6 GiB"
+    # the levers that make it fit, as the official configs set them (config_grpo_papo.yaml:79-80,87,98,100)
+    assert fc.setting.offload and fc.setting.vllm_sleep
+    assert fc.setting.reference_bytes == 2 or params.beta == 0
+    assert params.vllm_gpu_memory_utilization == (0.7 if name == "vppo_7b" else 0.6)
+
+
+def test_reference_precision_bf16_builds_trls_reference_model_in_bf16(tmp_path):
+    import torch
+
+    from papo_nb.workbook.training.builder import prepare_training
+
+    tiny = ROOT / "params" / "recipes" / "tiny_cpu.yaml"
+    trainer, _, _ = prepare_training(load_params(tiny, ["reference_precision=bf16"]), tmp_path / "bf16")
+    assert {p.dtype for p in trainer.ref_model.parameters()} == {torch.bfloat16}
+    assert {p.dtype for p in trainer.model.parameters()} == {torch.float32}  # the policy keeps its own dtype
+    default, _, _ = prepare_training(load_params(tiny), tmp_path / "fp32")
+    assert {p.dtype for p in default.ref_model.parameters()} == {torch.float32}  # TRL's default
+
+
+@pytest.mark.parametrize("name", OFFICIAL)
+def test_the_levers_reach_trls_config(name):
+    from papo_nb.workbook.training.builder import papo_config
+
+    params = load_params(ROOT / "params" / "recipes" / f"{name}.yaml").model_copy(update={"device": "cpu"})
+    args = papo_config(params, "unused", build_tiny_processor("qwen2_vl"))
+    assert args.vllm_enable_sleep_mode and args.vllm_gpu_memory_utilization == params.vllm_gpu_memory_utilization
+    assert args.model_init_kwargs == ({"dtype": "bfloat16"} if params.beta > 0 else None)

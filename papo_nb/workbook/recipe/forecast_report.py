@@ -8,7 +8,8 @@ import os
 import sys
 from dataclasses import asdict
 
-from papo_nb.workbook.recipe.forecast import GIB, PARTS, Forecast, forecast
+from papo_nb.workbook.recipe import levers
+from papo_nb.workbook.recipe.forecast import GIB, PARTS, Forecast, forecast, trainable_parameters
 
 GPU_MEMORY_ENV = "PAPO_NB_GPU_MEMORY_GIB"  # simulates the GPU's memory (GiB) where none is, or overrides it
 USABLE = 0.92  # of a GPU's memory the forecast may fill: CUDA context, NCCL buffers and fragmentation take the rest
@@ -76,7 +77,8 @@ def step_seconds(fc: Forecast, gpu_memory: float | None) -> dict:
     ``DENSE_BF16_FLOPS`` (6 x params x tokens for a training pass, 8 with checkpointing, 4 and 6 for LoRA, whose
     frozen weights get no weight gradient; 2 x params x tokens for a forward; attention 4 x layers x tokens^2 x
     query width per row and pass); generation (HF generate) from the bytes each decode step reads at
-    ``DECODE_EFFICIENCY`` of the HBM bandwidth, and its prefill from FLOPs; vLLM's generation is not estimated."""
+    ``DECODE_EFFICIENCY`` of the HBM bandwidth, and its prefill from FLOPs; vLLM's generation is not estimated;
+    CPU offload's copies over PCIe and its CPU optimizer step (``levers.offload_seconds``)."""
     s, w = fc.setting, fc.widths
     rows = s.micro_batch * s.accumulation
     tokens = rows * s.tokens
@@ -86,7 +88,8 @@ def step_seconds(fc: Forecast, gpu_memory: float | None) -> dict:
     forwards = (1 if s.beta > 0 else 0) + (1 if s.masked_branch else 0) + (1 if s.old_logps else 0)
     inference = forwards * (2 * w.parameters * tokens + attention)
     flops = DENSE_BF16_FLOPS * UTILISATION
-    out = {"train_s": train / flops, "extra_forwards_s": inference / flops}
+    out = {"train_s": train / flops, "extra_forwards_s": inference / flops,
+           "offload_s": levers.offload_seconds(s, w, trainable_parameters(s, w))}  # fmt: skip
     if s.use_vllm:
         out["generation_s"] = None
     else:
