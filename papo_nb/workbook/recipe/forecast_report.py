@@ -5,11 +5,10 @@ loads, and docs/recipe.md's forecast table (``python -m papo_nb.workbook.recipe.
 from __future__ import annotations
 
 import os
-import sys
 from dataclasses import asdict
 
 from papo_nb.workbook.recipe import levers
-from papo_nb.workbook.recipe.forecast import GIB, PARTS, Forecast, forecast, trainable_parameters
+from papo_nb.workbook.recipe.forecast import GIB, PARTS, Forecast, trainable_parameters
 
 GPU_MEMORY_ENV = "PAPO_NB_GPU_MEMORY_GIB"  # simulates the GPU's memory (GiB) where none is, or overrides it
 USABLE = 0.92  # of a GPU's memory the forecast may fill: CUDA context, NCCL buffers and fragmentation take the rest
@@ -131,6 +130,8 @@ def describe(fc: Forecast) -> str:
         f"checkpointing {'on' if s.checkpointing else 'off'}; {'LoRA r ' + str(s.lora_r) if s.lora else 'full'}",
         f"generation: {engine}; micro-batch {s.micro_batch} rows, round {s.round_rows} rows per GPU",
         f"lengths: prompt {s.prompt_tokens} (image {s.patches_per_row} patches), completion {s.completion_tokens}",
+        f"memory levers: {', '.join(levers.levers_used(s)) or 'none'}"
+        + (f"; CPU memory for offload {fc.host / GIB:.0f} GiB per node" if s.offload else ""),
         "",
         f"{'part (per GPU)':<18}{'GiB':>10}",
     ]
@@ -143,7 +144,9 @@ def describe(fc: Forecast) -> str:
     gen = "n/a (vLLM)" if step["generation_s"] is None else f"{step['generation_s']:.0f} s"
     lines.append(
         f"step time: {step['total_s']:.0f} s per optimizer step (training {step['train_s']:.0f} s, extra forwards "
-        f"{step['extra_forwards_s']:.0f} s, generation {gen}) at {UTILISATION:.0%} of {DENSE_BF16_FLOPS / 1e12:.0f} "
+        f"{step['extra_forwards_s']:.0f} s, offload {step['offload_s']:.0f} s over PCIe at "
+        f"{levers.PCIE_BYTES_PER_S / 1e9:.0f} GB/s and CPU AdamW, generation {gen})"
+        f" at {UTILISATION:.0%} of {DENSE_BF16_FLOPS / 1e12:.0f} "
         "TFLOP/s bf16"
     )
     return "\n".join(lines)
@@ -166,21 +169,3 @@ def gpu_memory_here() -> float | None:
     if torch.cuda.is_available():
         return float(min(torch.cuda.get_device_properties(i).total_memory for i in range(torch.cuda.device_count())))
     return None
-
-
-def memory_problems(params) -> list[str]:
-    """The refusal of a ``device: cuda`` run that cannot fit, before any weight loads (empty when it fits, when
-    the GPU's memory is unknown, or when no configuration of the model is at hand)."""
-    if params.device != "cuda":
-        return []
-    memory = gpu_memory_here()
-    if memory is None:
-        return []
-    try:
-        fc = forecast(params, memory)
-    except ValueError as exc:  # no configuration to forecast from: say so, do not refuse
-        print(f"papo-nb: note: memory not forecast: {exc}", file=sys.stderr)
-        return []
-    if verdict(fc)["fits"]:
-        return []
-    return [f"the run does not fit in GPU memory (papo-nb preflight; before any weight loads): {refusal_text(fc)}"]

@@ -1,5 +1,6 @@
-"""Preflight for a real recipe run, before any weight is loaded or any rollout generated: GPUs and memory against
-the batch sizes, the dataset's columns, the processor's pixel bounds, and an estimate of the steps and tokens.
+"""The recipe data estimate behind notebook and test use: the processor's pixel bounds, the dataset's columns and an
+estimate of the steps and tokens from a sample of real prompt lengths. The command is ``papo-nb preflight``
+(``papo_nb.workbook.recipe.check``); this module no longer runs as one.
 
 Every problem names the parameter, its value and what to change. The estimate is arithmetic on the recipe, the
 dataset's length and a sample of real prompt lengths; the memory figure is a lower bound (weights, gradients,
@@ -212,14 +213,3 @@ def run(params, gpus: list[int] | None = None, sample_rows: int = 256) -> Prefli
     )  # fmt: skip
     report.estimates["rows_in_source"] = total
     return report
-
-
-if __name__ == "__main__":  # python -m papo_nb.workbook.recipe.preflight params/recipes/papo_g_3b.yaml
-    import json
-    import sys
-
-    from papo_nb.workbook.config.params import load_params
-
-    result = run(load_params(sys.argv[1], sys.argv[2:]))
-    print(json.dumps({"problems": result.problems, "deviations": result.deviations, **result.estimates}, indent=1))
-    sys.exit(0 if result.ok else 1)
