@@ -55,5 +55,6 @@ def test_preflight_refuses_offline_and_in_time_a_dataset_without_answer_and_a_sp
     )  # fmt: skip
     assert time.monotonic() - started < 30
     assert out.returncode == 1, out.stderr
-    assert "problem: parameter 'per_device_train_batch_size' = 7: must be a multiple of num_generations = 5" in out.stdout
-    assert "missing column(s) ['answer']" in out.stdout and f"parameter 'dataset' = '{tmp_path / 'rows'}'" in out.stdout
+    batch = "problem: parameter 'per_device_train_batch_size' = 7: must be a multiple of num_generations = 5"
+    assert batch in out.stdout and "missing column(s) ['answer']" in out.stdout
+    assert f"parameter 'dataset' = '{tmp_path / 'rows'}'" in out.stdout
