@@ -318,11 +318,13 @@ def _cmd_preflight(subparsers: Subparsers) -> None:
             return 2
         if args.json:
             plan = [{"parameter": c.parameter, "from": c.old, "to": c.new, "batch": c.batch} for c in result.plan]
-            extra = {"problems": result.problems, "notes": result.notes, "deviations": result.deviations, "plan": plan}
+            extra = {"problems": result.problems, "notes": result.notes, "deviations": result.deviations, "plan": plan,
+                     "run_length": result.estimates}  # fmt: skip
             print(json.dumps({**as_dict(result.forecast), **extra}, indent=1, default=str))
         else:
             lines = [describe(result.forecast)]
             lines += plan_lines(result, params.recipe) if result.fits is False else []
+            lines += [f"data: {k} {v:g}" for k, v in result.estimates.items() if v is not None]
             lines += [f"problem: {p}" for p in result.problems] + [f"note: {n}" for n in result.notes]
             lines += [f"departs from the recipe: {d}" for d in result.deviations]
             print("\n".join(lines))

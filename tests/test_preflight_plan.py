@@ -58,3 +58,14 @@ def test_preflight_refuses_offline_and_in_time_a_dataset_without_answer_and_a_sp
     batch = "problem: parameter 'per_device_train_batch_size' = 7: must be a multiple of num_generations = 5"
     assert batch in out.stdout and "missing column(s) ['answer']" in out.stdout
     assert f"parameter 'dataset' = '{tmp_path / 'rows'}'" in out.stdout
+
+
+def test_preflight_counts_the_optimizer_steps_an_epoch_of_the_rows_read_gives(tmp_path):
+    from papo_nb.testbed.official_schema import make_official_schema_dataset
+
+    make_official_schema_dataset(9, seed=0).save_to_disk(str(tmp_path / "rows"))
+    params = load_params(RECIPES / "tiny_cpu.yaml", [f"dataset={tmp_path / 'rows'}", "n_train_prompts=9"])
+    result = preflight(params, None)
+    assert result.problems == [] and result.fits is None  # no GPU memory given: no verdict
+    # 4 prompts per round, 2 optimizer steps each: 9 rows give 2 whole rounds, 4 steps; max_steps 2 covers half
+    assert result.estimates == {"rows": 9, "optimizer_steps_per_epoch": 4, "epochs_at_max_steps": 0.5}

@@ -30,6 +30,7 @@ class Preflight:
     deviations: list[str] = field(default_factory=list)
     plan: list = field(default_factory=list)  # plan.Change, in order
     planned: Forecast | None = None  # the forecast after the plan
+    estimates: dict = field(default_factory=dict)  # from the rows read: optimizer steps per epoch, epochs covered
 
     @property
     def fits(self) -> bool | None:
@@ -93,6 +94,17 @@ def data_problems(params, rows) -> list[str]:
     return problems
 
 
+def run_length(params, rows) -> dict:
+    """Optimizer steps per epoch of the rows read (whole rounds only: TRL's RepeatSampler and the official loader
+    drop the last, trl/trainer/utils.py:775-779, verl/trainer/data_loader.py:66) and the epochs ``max_steps`` covers;
+    prompts the over-long filter drops are not counted here."""
+    layout = batch_layout(params)
+    rows_used = min(len(rows), params.n_train_prompts)
+    steps = int(rows_used // layout["prompts_per_generation"] * layout["optimizer_steps_per_generation"])
+    return {"rows": rows_used, "optimizer_steps_per_epoch": steps,
+            "epochs_at_max_steps": params.max_steps / steps if steps else None}  # fmt: skip
+
+
 def gpu_problems(params) -> list[str]:
     import torch
 
@@ -116,6 +128,7 @@ def preflight(params, gpu_memory: float | None, read_data: bool = True) -> Prefl
         rows, note = read_dataset(params)
         result.notes += [note] if note else []
         result.problems += data_problems(params, rows) if rows is not None else []
+        result.estimates = run_length(params, rows) if rows is not None else {}
     if result.fits is False:
         result.plan, result.planned, _ = fit.fit_plan(params, result.forecast, USABLE * gpu_memory)
     return result

@@ -5,6 +5,7 @@ says so. Each change is forecast on top of the ones before it, so the plan's las
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from papo_nb.workbook.recipe import levers
@@ -43,7 +44,7 @@ def recipe_value(recipe: str, parameter: str):
     return (yaml.safe_load(path.read_text()) or {}).get(parameter) if path.is_file() else None
 
 
-def candidates(params, fc: Forecast) -> list[Change]:
+def candidates(params, fc: Forecast, usable: float) -> list[Change]:
     """The next changes to try, in order, given the run as it stands."""
     s, out = fc.setting, []
     if s.use_vllm and s.vllm_mode == "colocate" and not s.vllm_sleep:
@@ -54,7 +55,10 @@ def candidates(params, fc: Forecast) -> list[Change]:
         out.append(Change("accelerate_config", params.accelerate_config, OFFLOAD_CONFIG,
                           "parameters, gradients and AdamW states on the CPU; costs PCIe time"))  # fmt: skip
     if s.use_vllm and s.vllm_mode == "colocate" and s.vllm_share > LOWEST_VLLM_SHARE and fc.peak_phase == "generate":
-        out.append(Change("vllm_gpu_memory_utilization", s.vllm_share, LOWEST_VLLM_SHARE, "a smaller vLLM share"))
+        # the largest share (in steps of 0.05) that fits beside the rest of the generation phase, TRL's 0.3 at least
+        room = (usable - fc.total + fc.parts["generation"]) / fc.gpu_memory
+        share = max(LOWEST_VLLM_SHARE, min(s.vllm_share - 0.05, math.floor(room / 0.05 + 1e-9) * 0.05))
+        out.append(Change("vllm_gpu_memory_utilization", s.vllm_share, round(share, 2), "a smaller vLLM share"))
     if s.micro_batch % 2 == 0 and (s.micro_batch // 2) % params.num_generations == 0:
         also = {"gradient_accumulation_steps": params.gradient_accumulation_steps * 2}
         if params.steps_per_generation:
@@ -73,7 +77,7 @@ def fit_plan(params, fc: Forecast, usable: float, limit: int = 8) -> tuple[list[
     taken each round, until the run fits in ``usable`` bytes or nothing helps; ``fc`` is the run's own forecast."""
     changes = []
     while fc.total > usable and len(changes) < limit:
-        for change in candidates(params, fc):
+        for change in candidates(params, fc, usable):
             trial = apply(params, change)
             trial_fc = forecast(trial, fc.gpu_memory, fc.widths)
             if trial_fc.total < fc.total:
