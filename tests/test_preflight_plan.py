@@ -68,4 +68,9 @@ def test_preflight_counts_the_optimizer_steps_an_epoch_of_the_rows_read_gives(tm
     result = preflight(params, None)
     assert result.problems == [] and result.fits is None  # no GPU memory given: no verdict
     # 4 prompts per round, 2 optimizer steps each: 9 rows give 2 whole rounds, 4 steps; max_steps 2 covers half
-    assert result.estimates == {"rows": 9, "optimizer_steps_per_epoch": 4, "epochs_at_max_steps": 0.5}
+    assert result.estimates == {
+        "rows": 9,
+        "optimizer_steps_per_epoch": 4,
+        "epochs_at_max_steps": 0.5,
+        "completion_tokens_at_most": 2 * 10 * 16,
+    }  # fmt: skip (steps x completions x tokens)

@@ -101,14 +101,22 @@ def run_length(params, rows) -> dict:
     layout = batch_layout(params)
     rows_used = min(len(rows), params.n_train_prompts)
     steps = int(rows_used // layout["prompts_per_generation"] * layout["optimizer_steps_per_generation"])
-    return {"rows": rows_used, "optimizer_steps_per_epoch": steps,
-            "epochs_at_max_steps": params.max_steps / steps if steps else None}  # fmt: skip
+    return {
+        "rows": rows_used,
+        "optimizer_steps_per_epoch": steps,
+        "epochs_at_max_steps": params.max_steps / steps if steps else None,
+        "completion_tokens_at_most": params.max_steps * layout["completions_per_optimizer_step"]
+        * params.max_completion_length,
+    }  # fmt: skip
 
 
-def gpu_problems(params) -> list[str]:
-    import torch
+def gpu_problems(params, here: int | None = None) -> list[str]:
+    """More processes than the ``here`` GPUs (None: torch's count; none at all: nothing to compare, the memory
+    verdict is then on ``--gpu-memory``)."""
+    if here is None:
+        import torch
 
-    here = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        here = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if params.device == "cuda" and here and here < params.num_processes:
         return [
             f"parameter 'num_processes' = {params.num_processes}: {here} GPU(s) here; set num_processes <= {here} "
