@@ -178,3 +178,24 @@ def test_the_levers_reach_trls_config(name):
     args = papo_config(params, "unused", build_tiny_processor("qwen2_vl"))
     assert args.vllm_enable_sleep_mode and args.vllm_gpu_memory_utilization == params.vllm_gpu_memory_utilization
     assert args.model_init_kwargs == ({"dtype": "bfloat16"} if params.beta > 0 else None)
+
+
+def test_the_offload_config_gives_accelerate_fsdp2_cpu_offload_policy():
+    """What configs/accelerate/fsdp_offload.yaml hands accelerate: an FSDP2 plugin whose cpu_offload is torch's
+    CPUOffloadPolicy, the object accelerate's fsdp2_prepare_model and TRL's prepare_fsdp pass to fully_shard (the
+    policy pins host memory, so placing a step's shards needs a GPU; fsdp.yaml gives none)."""
+    import yaml
+    from accelerate.utils import FullyShardedDataParallelPlugin
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
+    def plugin(name):
+        config = yaml.safe_load((ROOT / "configs" / "accelerate" / name).read_text())
+        assert config["distributed_type"] == "FSDP" and config["fsdp_config"]["fsdp_version"] == 2
+        return FullyShardedDataParallelPlugin(fsdp_version=2, cpu_offload=config["fsdp_config"]["fsdp_offload_params"])
+
+    assert isinstance(plugin("fsdp_offload.yaml").cpu_offload, CPUOffloadPolicy)
+    assert not isinstance(plugin("fsdp.yaml").cpu_offload, CPUOffloadPolicy)
+    on_disk = yaml.safe_load((ROOT / "configs/accelerate/fsdp.yaml").read_text())
+    offload = yaml.safe_load((ROOT / "configs/accelerate/fsdp_offload.yaml").read_text())
+    on_disk["fsdp_config"] = {**on_disk["fsdp_config"], "fsdp_offload_params": True}
+    assert offload == on_disk  # the same file but for the offload
