@@ -127,6 +127,7 @@ def test_train_refuses_before_loading_when_the_run_cannot_fit(tmp_path):
     assert "the run does not fit in GPU memory" in refused.stderr
     assert "the logprob_forward part needs 14.5 GiB" in refused.stderr  # the part and its size
     assert "the GPU's 24.0 GiB" in refused.stderr and "lower per_device_train_batch_size" in refused.stderr
+    assert "plan: " in refused.stderr and "-p vllm_enable_sleep_mode=True" in refused.stderr  # every change at once
     assert not (tmp_path / "run").exists()  # nothing written, nothing loaded
     enough = cli(*args, "--gpu-memory", "141")
     assert "does not fit" not in enough.stderr

@@ -31,7 +31,8 @@ def advice(fc: Forecast, part: str) -> str:
         return "lower per_device_train_batch_size (raise gradient_accumulation_steps to keep the batch)"
     if part == "generation":
         if s.use_vllm:
-            return "lower vllm_gpu_memory_utilization, or vllm_mode: server (vLLM on GPUs of its own)"
+            sleep = "" if s.vllm_sleep or s.vllm_mode != "colocate" else "set vllm_enable_sleep_mode: true, "
+            return f"{sleep}lower vllm_gpu_memory_utilization, or vllm_mode: server (vLLM on GPUs of its own)"
         return (
             "set use_vllm: true (colocated vLLM holds the cache in a fixed share), or lower steps_per_generation "
             "(TRL generates the round's rows in one model.generate)"
@@ -40,9 +41,11 @@ def advice(fc: Forecast, part: str) -> str:
         if s.lora:
             return "use more processes with configs/accelerate/fsdp.yaml (FSDP2 shards the base weights)"
         more = s.processes * 2
+        offload = "" if s.offload or not s.fsdp else "accelerate_config: configs/accelerate/fsdp_offload.yaml, or "
+        bf16 = "reference_precision: bf16, " if part == "reference" and s.reference_bytes == 4 else ""
         return (
-            f"shard over more GPUs (num_processes: {more} with configs/accelerate/fsdp.yaml), or finetuning: lora"
-            + (", or beta: 0 (no reference model)" if part == "reference" else "")
+            f"{bf16}{offload}shard over more GPUs (num_processes: {more} with configs/accelerate/fsdp.yaml), or "
+            "finetuning: lora" + (", or beta: 0 (no reference model)" if part == "reference" else "")
         )
     if part in ("logprob_forward", "masked_forward"):
         return "lower per_device_train_batch_size or max_completion_length"
