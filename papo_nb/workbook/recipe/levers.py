@@ -1,9 +1,9 @@
 """The memory levers a run pulls, as the forecast reads them from the params, and what each moves and costs.
 
 - vLLM sleep mode (``vllm_enable_sleep_mode``, TRL's field): the colocated engine sleeps at level 2 after each
-  round's generation (trl/generation/vllm_generation.py:702, weights and KV cache released) and wakes for the next,
-  so its share of the GPU is a phase, not held through training. The weights it reloads on waking are the sync TRL
-  makes every round anyway: no time term.
+  round's generation (trl/generation/vllm_generation.py:702, weights and KV cache released) and wakes for the next
+  (emptying torch's cache first, :453), so its share of the GPU is a phase, not held through training. The weights
+  it reloads on waking are the sync TRL makes every round anyway: no time term.
 - The reference model in bf16 (``reference_precision``): TRL builds it from ``model_init_kwargs``, fp32 without a
   dtype; none with beta 0 or LoRA. The official ref worker is bf16 (config_grpo_papo.yaml:98). No time term.
 - FSDP2 CPU offload (``accelerate_config`` whose ``fsdp_offload_params`` is true, ``configs/accelerate/
