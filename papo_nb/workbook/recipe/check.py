@@ -157,6 +157,8 @@ def parameter_problems(params) -> list[str]:
     ``device: cuda`` with a known GPU memory, a run that cannot fit, with the whole plan (no data read here: the
     run loads its data next and checks it there)."""
     memory = gpu_memory_here() if params.device == "cuda" else None
+    if memory is None:  # a CPU run, or no GPU memory known: nothing to forecast against
+        return batch_problems(params)
     try:
         result = preflight(params, memory, read_data=False)
     except ValueError as exc:  # no configuration to forecast from: say so, do not refuse
