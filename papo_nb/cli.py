@@ -288,12 +288,14 @@ def _simulate_gpu_memory(args: argparse.Namespace) -> None:
 def _cmd_preflight(subparsers: Subparsers) -> None:
     p = subparsers.add_parser(
         "preflight",
-        help="forecast a run's GPU memory per part and its step time, before any weight loads",
-        description="Forecast, per GPU, each part of a training step's peak memory (weights, gradients, optimizer "
-        "states, reference model, activations, log-prob and masked-branch forwards, generation, the round's "
-        "tensors, the probe) and the step time, from the params and the model's configuration alone (a shipped "
-        "published configuration for a hub id, config.json for a local folder). Exit codes: 0 fits (or no GPU "
-        "memory given), 1 does not fit, 2 bad parameters.",
+        help="check a run before anything loads: memory and time forecast, the plan that makes it fit, batches, data",
+        description="The one preflight (papo_nb.workbook.recipe.check): forecast, per GPU, each part of a training "
+        "step's peak memory and the step time from the params and the model's configuration alone (no weights); "
+        "where the run does not fit, print every change that makes it fit as one plan, each departure from the "
+        "named recipe marked and a batch change said as such; check the batch sizes TRL would refuse, the data's "
+        "columns and rows and its images' tokens, and the GPUs here. Offline it reads only local data and the "
+        "cache (HF_HUB_OFFLINE=1) or gives the hub 5 s. Exit codes: 0 fits and no problem (or no GPU memory "
+        "given), 1 does not fit or a problem, 2 bad parameters.",
     )
     p.add_argument("params_file", metavar="PARAMS", help="YAML params file")
     _add_override_argument(p)
@@ -303,18 +305,30 @@ def _cmd_preflight(subparsers: Subparsers) -> None:
 
     def handler(args: argparse.Namespace) -> int:
         from papo_nb.workbook.config.params import ParamsError, load_params
-        from papo_nb.workbook.recipe.forecast import forecast
-        from papo_nb.workbook.recipe.forecast_report import as_dict, describe, gpu_memory_here, verdict
+        from papo_nb.workbook.recipe.check import plan_lines, preflight
+        from papo_nb.workbook.recipe.forecast_report import as_dict, describe, gpu_memory_here
 
         _simulate_gpu_memory(args)
         overrides = [*args.overrides, *([f"num_processes={args.gpus}"] if args.gpus else [])]
         try:
-            fc = forecast(load_params(args.params_file, overrides), gpu_memory_here())
+            params = load_params(args.params_file, overrides)
+            result = preflight(params, gpu_memory_here())
         except (ParamsError, ValueError) as exc:
             print(f"papo-nb preflight: error: {exc}", file=sys.stderr)
             return 2
-        print(json.dumps(as_dict(fc), indent=1) if args.json else describe(fc))
-        return 1 if verdict(fc)["fits"] is False else 0
+        if args.json:
+            plan = [{"parameter": c.parameter, "from": c.old, "to": c.new, "batch": c.batch} for c in result.plan]
+            extra = {"problems": result.problems, "notes": result.notes, "deviations": result.deviations, "plan": plan,
+                     "run_length": result.estimates}  # fmt: skip
+            print(json.dumps({**as_dict(result.forecast), **extra}, indent=1, default=str))
+        else:
+            lines = [describe(result.forecast)]
+            lines += plan_lines(result, params.recipe) if result.fits is False else []
+            lines += [f"data: {k} {v:g}" for k, v in result.estimates.items() if v is not None]
+            lines += [f"problem: {p}" for p in result.problems] + [f"note: {n}" for n in result.notes]
+            lines += [f"departs from the recipe: {d}" for d in result.deviations]
+            print("\n".join(lines))
+        return 1 if result.fits is False or result.problems else 0
 
     p.set_defaults(handler=handler)
 

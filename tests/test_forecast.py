@@ -18,6 +18,13 @@ from papo_nb.workbook.recipe.forecast_report import GPU_MEMORY_ENV, as_dict, ver
 ROOT = Path(__file__).resolve().parents[1]
 GPU_YAML = ROOT / "params" / "gpu.yaml"
 PAPO_3B = ROOT / "params" / "recipes" / "papo_g_3b.yaml"
+# papo_g_3b without its memory levers: FSDP2 on the GPU, TRL's fp32 reference, vLLM awake through training
+NO_LEVERS = [
+    "accelerate_config=configs/accelerate/fsdp.yaml",
+    "reference_precision=fp32",
+    "vllm_enable_sleep_mode=false",
+    "vllm_gpu_memory_utilization=0.3",
+]
 W3B = widths(published_config("Qwen/Qwen2.5-VL-3B-Instruct"))
 
 
@@ -30,7 +37,7 @@ def test_lora_states_are_the_frozen_bf16_base_and_the_fp32_adapter():
 
 
 def test_full_fsdp2_shards_fp32_master_weights_and_an_fp32_reference():
-    params = load_params(PAPO_3B)
+    params = load_params(PAPO_3B, NO_LEVERS)
     two = forecast(params, 80 * GIB, W3B).parts
     assert two["weights"] == W3B.parameters * 4 / 2  # accelerate upcasts trainable weights to fp32 under FSDP2
     assert two["optimizer"] == 2 * two["gradients"] == W3B.parameters * 8 / 2
@@ -42,7 +49,7 @@ def test_full_fsdp2_shards_fp32_master_weights_and_an_fp32_reference():
 
 
 def test_generation_holds_the_rounds_kv_cache_in_one_generate_call():
-    params = load_params(PAPO_3B, ["use_vllm=false"])  # TRL's model.generate (the recipe colocates vLLM)
+    params = load_params(PAPO_3B, [*NO_LEVERS, "use_vllm=false"])  # TRL's model.generate (the recipe: vLLM)
     parts = forecast(params, 80 * GIB, W3B).parts
     rows = 5 * 192  # per_device_train_batch_size x steps_per_generation
     kv_per_token = 36 * 2 * 2 * 128 * 2  # layers x (k, v) x kv heads x head_dim x bf16
@@ -56,13 +63,13 @@ def test_generation_holds_the_rounds_kv_cache_in_one_generate_call():
 
 
 def test_a_colocated_vllm_engine_holds_its_share_through_training():
-    fc = forecast(load_params(PAPO_3B), 80 * GIB, W3B)  # the recipe: vLLM colocated, no sleep mode
+    fc = forecast(load_params(PAPO_3B, NO_LEVERS), 80 * GIB, W3B)  # vLLM colocated, no sleep mode
     assert fc.setting.use_vllm and fc.parts["generation"] == 0.3 * 80 * GIB
     held = sum(fc.parts[p] for p in ("weights", "gradients", "optimizer", "reference", "round_tensors", "generation"))
     train = sum(fc.parts[p] for p in ("activations", "recompute", "logprob_forward"))
     assert fc.peak_phase == "train" and fc.total == pytest.approx(held + train)
-    asleep = forecast(load_params(PAPO_3B), 80 * GIB, W3B)
-    asleep.setting.vllm_sleep = True
+    asleep = forecast(load_params(PAPO_3B, [*NO_LEVERS, "vllm_enable_sleep_mode=true"]), 80 * GIB, W3B)
+    assert asleep.setting.vllm_sleep and "generation" not in persistent_parts(asleep.setting)
     assert peak(asleep.parts, persistent_parts(asleep.setting))[0] == pytest.approx(fc.total - fc.parts["generation"])
 
 
@@ -80,7 +87,7 @@ def test_checkpointing_keeps_one_hidden_state_per_layer():
 
 
 def test_verdict_names_the_largest_part_and_its_fix():
-    fc = forecast(load_params(PAPO_3B, ["use_vllm=false"]), 80 * GIB, W3B)
+    fc = forecast(load_params(PAPO_3B, [*NO_LEVERS, "use_vllm=false"]), 80 * GIB, W3B)
     v = verdict(fc)
     assert v["fits"] is False and v["part"] == "generation" and "use_vllm" in v["change"]
     assert verdict(forecast(load_params(GPU_YAML), 80 * GIB, W3B))["fits"] is True
@@ -106,7 +113,7 @@ def test_preflight_command_prints_the_table_and_exits_by_the_verdict():
     assert fits.returncode == 0, fits.stderr
     out = json.loads(fits.stdout)
     assert out["verdict"]["fits"] is True and set(out["parts_gib"]) >= {"weights", "generation", "probe"}
-    too_small = cli("preflight", str(PAPO_3B), "--gpu-memory", "80")
+    too_small = cli("preflight", str(PAPO_3B), "--gpu-memory", "80", *(a for o in NO_LEVERS for a in ("-p", o)))
     assert too_small.returncode == 1
     assert "does NOT fit on a 80 GiB GPU" in too_small.stdout and "the generation part needs" in too_small.stdout
     bad = cli("preflight", str(GPU_YAML), "-p", "model_name_or_path=org/unknown")
@@ -120,6 +127,7 @@ def test_train_refuses_before_loading_when_the_run_cannot_fit(tmp_path):
     assert "the run does not fit in GPU memory" in refused.stderr
     assert "the logprob_forward part needs 14.5 GiB" in refused.stderr  # the part and its size
     assert "the GPU's 24.0 GiB" in refused.stderr and "lower per_device_train_batch_size" in refused.stderr
+    assert "plan: " in refused.stderr and "-p vllm_enable_sleep_mode=True" in refused.stderr  # every change at once
     assert not (tmp_path / "run").exists()  # nothing written, nothing loaded
     enough = cli(*args, "--gpu-memory", "141")
     assert "does not fit" not in enough.stderr
@@ -130,7 +138,7 @@ def test_train_refuses_before_loading_when_the_run_cannot_fit(tmp_path):
 def test_run_checks_the_memory_too(monkeypatch):
     from papo_nb.workbook.config.machine_checks import preflight_problems
 
-    params = load_params(PAPO_3B, ["use_vllm=false"])
+    params = load_params(PAPO_3B, [*NO_LEVERS, "use_vllm=false"])
     monkeypatch.setenv(GPU_MEMORY_ENV, "80")
     problems = preflight_problems(params)
     assert any("the generation part needs 475.7 GiB" in p and "use_vllm" in p for p in problems), problems
@@ -143,3 +151,33 @@ def test_every_shipped_model_and_schema_is_forecast(model):
     params = load_params(GPU_YAML, [f"model_name_or_path={model}", "dataset_schema=official"])
     fc = forecast(params, 141 * GIB)
     assert fc.total > 0 and fc.widths.parameters > 0
+
+
+def test_a_bf16_reference_halves_it_and_sleep_mode_makes_vllm_a_phase():
+    fp32 = forecast(load_params(PAPO_3B, NO_LEVERS), 80 * GIB, W3B)
+    bf16 = forecast(load_params(PAPO_3B, [*NO_LEVERS, "reference_precision=bf16"]), 80 * GIB, W3B)
+    assert bf16.parts["reference"] == fp32.parts["reference"] / 2 == W3B.parameters * 2 / 2
+    assert fp32.total - bf16.total == pytest.approx(fp32.parts["reference"] / 2)
+    no_kl = forecast(load_params(PAPO_3B, ["beta=0.0"]), 80 * GIB, W3B)
+    assert no_kl.parts["reference"] == 0  # beta 0: TRL builds no reference, whatever its precision
+
+
+def test_cpu_offload_keeps_the_resident_blocks_on_the_gpu_and_the_rest_on_the_cpu():
+    from papo_nb.workbook.recipe import levers
+
+    on_gpu = forecast(load_params(PAPO_3B, NO_LEVERS), 80 * GIB, W3B)
+    off = forecast(load_params(PAPO_3B, [*NO_LEVERS, "accelerate_config=configs/accelerate/fsdp_offload.yaml"]),
+                   80 * GIB, W3B)  # fmt: skip
+    assert off.setting.offload and off.setting.fsdp and not on_gpu.setting.offload
+    resident = W3B.embedding_parameters + 2 * W3B.layer_parameters
+    assert (off.parts["weights"], off.parts["gradients"]) == (resident * 2, resident * 2)
+    assert off.parts["optimizer"] == off.parts["reference"] == 0
+    assert off.host == W3B.parameters * 16 + W3B.parameters * 4  # master states and the fp32 reference, per node
+    assert on_gpu.host == 0
+    step_on, step_off = as_dict(on_gpu)["step"], as_dict(off)["step"]
+    assert step_on["offload_s"] == 0
+    shard = 4 * W3B.parameters / 2
+    moved = 64 * (3 * shard + shard + shard + shard) + shard / 3  # micro-steps; old, masked, reference; vLLM sync
+    adam = W3B.parameters / 2 * 28 / levers.CPU_ADAM_BYTES_PER_S
+    assert step_off["offload_s"] == pytest.approx(moved / levers.PCIE_BYTES_PER_S + adam)
+    assert step_off["total_s"] == pytest.approx(step_on["total_s"] + step_off["offload_s"])

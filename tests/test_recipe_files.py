@@ -7,10 +7,10 @@ import pytest
 
 from papo_nb.papo.recipes import RECIPES
 from papo_nb.testbed.models import build_tiny_processor
-from papo_nb.testbed.official_schema import make_official_schema_dataset
+from papo_nb.workbook.config.batch_layout import batch_deviations, batch_layout, check_batches
 from papo_nb.workbook.config.params import load_params
+from papo_nb.workbook.recipe import check
 from papo_nb.workbook.recipe import data as rd
-from papo_nb.workbook.recipe import preflight as pf
 from papo_nb.workbook.recipe.presets import config_fields, recipe_deviations, recipe_fields
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -28,10 +28,10 @@ def test_gpu_recipe_validates_and_matches_its_preset(name):
     assert (params.min_pixels, params.max_pixels, params.max_prompt_length) == (200704, 1003520, 4096)
     assert params.finetuning == "full" and not params.freeze_vision_tower
     assert params.use_vllm and params.vllm_mode == "colocate"  # the official runs generate with vLLM
-    layout = pf.batch_layout(params)
+    layout = batch_layout(params)
     assert layout["prompts_per_generation"] == 384 and layout["prompts_per_optimizer_step"] == 128
     assert layout["optimizer_steps_per_generation"] == 3
-    assert pf.check_batches(params, layout) == [] and pf.batch_deviations(params, layout) == []
+    assert check_batches(params, layout) == [] and batch_deviations(params, layout) == []
     assert params.eval_samples == 8 and len(params.eval_benchmarks) == 8
     assert params.model_name_or_path == f"Qwen/Qwen2.5-VL-{name[-2:].upper()}-Instruct"
 
@@ -51,7 +51,7 @@ def test_baselines_switch_the_perception_terms_off_and_papo_keeps_them():
 def test_tiny_recipe_reports_its_deviations():
     params = load_params(ROOT / "params" / "recipes" / "tiny_cpu.yaml")
     assert set(recipe_deviations(params)) == {"learning_rate", "max_completion_length"}
-    assert len(pf.batch_deviations(params, pf.batch_layout(params))) == 2
+    assert len(batch_deviations(params, batch_layout(params))) == 2
 
 
 def test_unknown_recipe_is_refused_naming_the_choices():
@@ -61,63 +61,50 @@ def test_unknown_recipe_is_refused_naming_the_choices():
         load_params(ROOT / "params" / "recipes" / "papo_g_3b.yaml", ["recipe=papo_g_13b"])
 
 
-@pytest.fixture(scope="module")
-def rows_and_processor():
-    processor = build_tiny_processor("qwen2_vl")
-    rd.set_processor_pixel_bounds(processor, 3136, 12544)
-    raw = make_official_schema_dataset(6, seed=0)
-    rows = rd.to_trl_rows(raw, "math_perception", 3136, 12544)
-    return raw, rows, processor
-
-
-def test_preflight_passes_the_3b_recipe_on_two_80gb_gpus(rows_and_processor):
-    raw, rows, processor = rows_and_processor
-    params = load_params(
-        ROOT / "params" / "recipes" / "papo_g_3b.yaml",
-        ["min_pixels=3136", "max_pixels=12544", "max_prompt_length=512"],
-    )
-    report = pf.preflight(
-        params, rows, processor, raw, n_params=3_754_622_976, vocab_size=151_936, gpus=[80 * GIB] * 2,
-        total_rows=38_870,
-    )  # fmt: skip
-    assert report.ok, report.problems
-    # 3.75e9 params x 2 bytes x 4 (weights, grads, 2 AdamW states) / 2 FSDP shards + a bf16 reference / 2
-    # + 5 x 2048 x 151936 x 6 bytes of logits
-    expected = (3_754_622_976 * 2 * 4 / 2 + 3_754_622_976 * 2 / 2 + 5 * 2048 * 151_936 * 6) / GIB
-    assert report.estimates["memory_lower_bound_gib"] == pytest.approx(expected)
-    assert report.estimates["optimizer_steps_per_epoch"] == 303  # 38870 // 384 = 101 whole rounds x 3
-    assert report.estimates["epochs_at_max_steps"] == 2.0  # the file's 606 steps are the official 2 epochs
-    too_few = pf.preflight(params, rows, processor, raw, n_params=1, vocab_size=1, gpus=[80 * GIB] * 2)
-    assert any("6 rows after filtering, fewer than one rollout round of 384 prompts" in p for p in too_few.problems)
-    assert report.estimates["completion_tokens_at_most"] == 606 * 128 * 5 * 2048
-
-
-def test_preflight_names_what_to_change(rows_and_processor):
-    raw, rows, processor = rows_and_processor
-    params = load_params(ROOT / "params" / "recipes" / "papo_g_7b.yaml", ["accelerate_config=''"])
-    report = pf.preflight(params, rows, processor, raw, n_params=8_292_166_656, vocab_size=152_064, gpus=[80 * GIB])
-    text = "\n".join(report.problems)
-    assert "parameter 'num_processes' = 4: 1 GPU(s) here" in text
-    assert "parameter 'per_device_train_batch_size' = 5 (finetuning = 'full')" in text and "FSDP" in text
-    assert "processor pixel bounds (3136, 12544) differ from parameters 'min_pixels'/'max_pixels'" in text
-    with pytest.raises(ValueError, match="recipe preflight failed"):
-        report.raise_if_failed()
-
-
-def test_preflight_checks_columns_and_image_tokens(rows_and_processor):
+def official_rows(n: int):
+    """``n`` rows of the official schema's columns (the run-length and column checks read no image)."""
     import datasets
 
-    _, rows, processor = rows_and_processor
-    params = load_params(ROOT / "params" / "recipes" / "tiny_cpu.yaml", ["max_prompt_length=20"])
-    bad = datasets.Dataset.from_dict({"question": ["q"], "answer": ["1"]})
-    report = pf.preflight(params, rows, processor, bad, n_params=1000, vocab_size=384, gpus=[])
-    text = "\n".join(report.problems)
-    assert "parameter 'dataset' = 'synthetic': missing column(s) ['problem', 'images']" in text
+    return datasets.Dataset.from_dict({"problem": ["<image>x"] * n, "answer": ["1"] * n, "images": [[]] * n})
+
+
+def test_preflight_counts_the_official_epochs_and_names_too_few_rows():
+    params = load_params(ROOT / "params" / "recipes" / "papo_g_3b.yaml")
+    estimates = check.run_length(params, official_rows(38_870))
+    assert estimates["optimizer_steps_per_epoch"] == 303  # 38870 // 384 = 101 whole rounds x 3
+    assert estimates["epochs_at_max_steps"] == 2.0  # the file's 606 steps are the official 2 epochs
+    assert estimates["completion_tokens_at_most"] == 606 * 128 * 5 * 2048
+    assert check.data_problems(params, official_rows(38_870)) == []
+    too_few = check.data_problems(params, official_rows(6))
+    assert too_few == [
+        "parameter 'dataset' = 'PAPOGalaxy/PAPO_ViRL39K_train': 6 rows, fewer than one rollout round of 384 prompts; "
+        "use more rows or lower steps_per_generation"
+    ]
+
+
+def test_preflight_names_what_to_change():
+    params = load_params(ROOT / "params" / "recipes" / "papo_g_7b.yaml", ["accelerate_config=''"])
+    assert check.gpu_problems(params, here=1) == [
+        "parameter 'num_processes' = 4: 1 GPU(s) here; set num_processes <= 1 (and raise gradient_accumulation_steps "
+        "and steps_per_generation to keep the batches)"
+    ]
+    result = check.preflight(params, 80 * GIB, read_data=False)  # DDP: every process holds the whole model
+    assert result.fits is False and not result.forecast.setting.fsdp
+    lines = check.plan_lines(result, params.recipe)
+    assert lines[0].startswith("plan: 1 change(s) are not enough, peak 119.2 GiB")  # no offload without FSDP
+    assert "-p vllm_gpu_memory_utilization=0.3" in lines[1] and "fsdp_offload" not in "\n".join(lines)
+
+
+def test_preflight_checks_columns_and_image_tokens():
+    import datasets
+
+    params = load_params(ROOT / "params" / "recipes" / "tiny_cpu.yaml", ["max_prompt_length=20", "n_train_prompts=1"])
+    bad = datasets.Dataset.from_dict({"problem": ["q"], "images": [[None, None]]})
+    text = "\n".join(check.data_problems(params.model_copy(update={"steps_per_generation": 2}), bad))
+    assert "parameter 'dataset' = 'synthetic': missing column(s) ['answer']" in text
     assert "parameter 'max_pixels' = 12544: 2 image(s) of that size take 32 tokens" in text
     layout_problem = load_params(ROOT / "params" / "recipes" / "tiny_cpu.yaml", ["steps_per_generation=3"])
-    assert "must be a multiple of gradient_accumulation_steps" in "\n".join(
-        pf.check_batches(layout_problem, pf.batch_layout(layout_problem))
-    )
+    assert "must be a multiple of gradient_accumulation_steps" in "\n".join(check.batch_problems(layout_problem))
 
 
 def test_runner_preflight_refuses_split_optimizer_steps_before_anything_runs():
@@ -139,15 +126,76 @@ def test_a_real_dataset_needs_its_validation_set_named(tmp_path):
         rd.official_datasets(params, "unused: the check comes first")
 
 
-def test_preflight_run_from_params_alone_on_the_tiny_recipe():
-    """The command-line preflight: processor and config from the model folder (no weights), rows through the loader."""
-    params = load_params(ROOT / "params" / "recipes" / "tiny_cpu.yaml")
-    report = pf.run(params, gpus=[])
-    assert report.ok, report.problems
-    assert len(report.deviations) == 4  # two batch sizes, learning_rate, max_completion_length
-    estimates = report.estimates
-    assert estimates["rows"] == 8 and estimates["rows_in_source"] == 8
-    assert estimates["optimizer_steps_per_epoch"] == 4  # 8 rows // 4 prompts per round = 2 rounds x 2 steps
-    assert estimates["epochs_at_max_steps"] == 0.5
-    assert estimates["completion_tokens_at_most"] == 2 * 2 * 5 * 16  # steps x prompts x rollouts x tokens
-    assert 100 < estimates["mean_prompt_tokens_sampled"] < 256
+# The official batches, per recipe: (GPUs, completions per optimizer step, prompts per round, optimizer steps per
+# round). PAPO: *_grpo_papo.sh:5-6 N_GPU, :14 GLOBAL_BATCH_SIZE 128 prompts, :15 ROLLOUT_BATCH_SIZE 384 prompts,
+# config_grpo_papo.yaml:83 rollout.n 5; VPPO: train_vppo_7b.sh:8-9 N_GPU 8, :14 128, :15 384, :18 rollout 8.
+OFFICIAL = {
+    "papo_g_3b": (2, 128 * 5, 384, 3),
+    "grpo_3b": (2, 128 * 5, 384, 3),
+    "papo_g_7b": (4, 128 * 5, 384, 3),
+    "grpo_7b": (4, 128 * 5, 384, 3),
+    "vppo_7b": (8, 128 * 8, 384, 3),
+}
+
+
+@pytest.mark.parametrize("name", OFFICIAL)
+def test_every_recipe_fits_its_authors_gpus_at_its_official_batch(name):
+    from papo_nb.workbook.recipe.forecast import forecast
+    from papo_nb.workbook.recipe.forecast_table import GPUS
+
+    gpus, completions, prompts, steps = OFFICIAL[name]
+    params = load_params(ROOT / "params" / "recipes" / f"{name}.yaml")
+    layout = batch_layout(params)
+    assert params.num_processes == gpus
+    assert layout["completions_per_optimizer_step"] == completions
+    assert (layout["prompts_per_generation"], layout["optimizer_steps_per_generation"]) == (prompts, steps)
+    fc = forecast(params, GPUS["80 GB"])
+    assert fc.total <= 0.92 * GPUS["80 GB"], f"{name}: {fc.total / GIB:.1f} GiB, over 92% of 79.6 GiB"
+    # the levers that make it fit, as the official configs set them (config_grpo_papo.yaml:79-80,87,98,100)
+    assert fc.setting.offload and fc.setting.vllm_sleep
+    assert fc.setting.reference_bytes == 2 or params.beta == 0
+    assert params.vllm_gpu_memory_utilization == (0.7 if name == "vppo_7b" else 0.6)
+
+
+def test_reference_precision_bf16_builds_trls_reference_model_in_bf16(tmp_path):
+    import torch
+
+    from papo_nb.workbook.training.builder import prepare_training
+
+    tiny = ROOT / "params" / "recipes" / "tiny_cpu.yaml"
+    trainer, _, _ = prepare_training(load_params(tiny, ["reference_precision=bf16"]), tmp_path / "bf16")
+    assert {p.dtype for p in trainer.ref_model.parameters()} == {torch.bfloat16}
+    assert {p.dtype for p in trainer.model.parameters()} == {torch.float32}  # the policy keeps its own dtype
+    default, _, _ = prepare_training(load_params(tiny), tmp_path / "fp32")
+    assert {p.dtype for p in default.ref_model.parameters()} == {torch.float32}  # TRL's default
+
+
+@pytest.mark.parametrize("name", OFFICIAL)
+def test_the_levers_reach_trls_config(name):
+    from papo_nb.workbook.training.builder import papo_config
+
+    params = load_params(ROOT / "params" / "recipes" / f"{name}.yaml").model_copy(update={"device": "cpu"})
+    args = papo_config(params, "unused", build_tiny_processor("qwen2_vl"))
+    assert args.vllm_enable_sleep_mode and args.vllm_gpu_memory_utilization == params.vllm_gpu_memory_utilization
+    assert args.model_init_kwargs == ({"dtype": "bfloat16"} if params.beta > 0 else None)
+
+
+def test_the_offload_config_gives_accelerate_fsdp2_cpu_offload_policy():
+    """What configs/accelerate/fsdp_offload.yaml hands accelerate: an FSDP2 plugin whose cpu_offload is torch's
+    CPUOffloadPolicy, the object accelerate's fsdp2_prepare_model and TRL's prepare_fsdp pass to fully_shard (the
+    policy pins host memory, so placing a step's shards needs a GPU; fsdp.yaml gives none)."""
+    import yaml
+    from accelerate.utils import FullyShardedDataParallelPlugin
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
+    def plugin(name):
+        config = yaml.safe_load((ROOT / "configs" / "accelerate" / name).read_text())
+        assert config["distributed_type"] == "FSDP" and config["fsdp_config"]["fsdp_version"] == 2
+        return FullyShardedDataParallelPlugin(fsdp_version=2, cpu_offload=config["fsdp_config"]["fsdp_offload_params"])
+
+    assert isinstance(plugin("fsdp_offload.yaml").cpu_offload, CPUOffloadPolicy)
+    assert not isinstance(plugin("fsdp.yaml").cpu_offload, CPUOffloadPolicy)
+    on_disk = yaml.safe_load((ROOT / "configs/accelerate/fsdp.yaml").read_text())
+    offload = yaml.safe_load((ROOT / "configs/accelerate/fsdp_offload.yaml").read_text())
+    on_disk["fsdp_config"] = {**on_disk["fsdp_config"], "fsdp_offload_params": True}
+    assert offload == on_disk  # the same file but for the offload

@@ -286,8 +286,8 @@ def test_the_vppo_7b_recipe_file_matches_its_preset_and_the_official_batches():
 
     from papo_nb.papo.vppo.recipes import VPPO_7B
     from papo_nb.testbed.models import build_tiny_processor
+    from papo_nb.workbook.config import batch_layout as pf
     from papo_nb.workbook.config.params import load_params
-    from papo_nb.workbook.recipe import preflight as pf
     from papo_nb.workbook.recipe.presets import config_fields, recipe_deviations
 
     params = load_params(Path(__file__).resolve().parents[1] / "params" / "recipes" / "vppo_7b.yaml")
@@ -305,30 +305,23 @@ def test_the_vppo_7b_recipe_file_matches_its_preset_and_the_official_batches():
     assert {k: getattr(args, k) for k in VPPO_7B} == VPPO_7B
 
 
-def test_the_recipe_preflight_passes_vppo_7b_on_eight_80gb_gpus():
+def test_the_preflight_passes_vppo_7b_on_eight_80gb_gpus():
     from pathlib import Path
 
-    from papo_nb.testbed.models import build_tiny_processor
-    from papo_nb.testbed.official_schema import make_official_schema_dataset
-    from papo_nb.workbook.config.params import load_params
-    from papo_nb.workbook.recipe import data as rd
-    from papo_nb.workbook.recipe import preflight as pf
+    import datasets
 
-    processor = build_tiny_processor("qwen2_vl")
-    rd.set_processor_pixel_bounds(processor, 3136, 12544)
-    raw = make_official_schema_dataset(6, seed=0)
-    rows = rd.to_trl_rows(raw, "math_perception", 3136, 12544)
+    from papo_nb.workbook.config.params import load_params
+    from papo_nb.workbook.recipe import check
+
     recipe = Path(__file__).resolve().parents[1] / "params" / "recipes" / "vppo_7b.yaml"
-    params = load_params(recipe, ["min_pixels=3136", "max_pixels=12544", "max_prompt_length=512"])
-    gib = 1024**3
-    report = pf.preflight(
-        params, rows, processor, raw, n_params=8_292_166_656, vocab_size=152_064, gpus=[80 * gib] * 8,
-        total_rows=38_870,
-    )  # fmt: skip
-    assert report.ok, report.problems
-    assert report.estimates["epochs_at_max_steps"] == 2.0  # 606 steps: the official 2 epochs at 3 steps per round
-    one_gpu = pf.preflight(params, rows, processor, raw, n_params=8_292_166_656, vocab_size=152_064, gpus=[80 * gib])
-    assert any("parameter 'num_processes' = 8" in p for p in one_gpu.problems)
+    params = load_params(recipe)
+    result = check.preflight(params, 79.6 * 1024**3, read_data=False)
+    assert result.fits and result.problems == [] and result.deviations == []
+    rows = datasets.Dataset.from_dict({"problem": ["<image>x"] * 38_870, "answer": ["1"] * 38_870,
+                                       "images": [[]] * 38_870})  # fmt: skip
+    assert check.data_problems(params, rows) == []
+    assert check.run_length(params, rows)["epochs_at_max_steps"] == 2.0  # 606 steps: 2 epochs at 3 steps per round
+    assert any("parameter 'num_processes' = 8" in p for p in check.gpu_problems(params, here=1))
 
 
 # ---- the study arm ----

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from papo_nb.workbook.config.batch_layout import batch_layout, check_batches
 from papo_nb.workbook.config.params import WorkbookParams
 from papo_nb.workbook.config.vllm_params import vllm_problems
 
@@ -38,20 +37,13 @@ def _looks_local(value: str) -> bool:
 def preflight_problems(params: WorkbookParams) -> list[str]:
     """Checks that need this machine (paths, CUDA), run before any notebook starts; schema checks are separate
     so that a GPU params file still validates on a laptop."""
-    from papo_nb.workbook.recipe.forecast_report import memory_problems
+    from papo_nb.workbook.recipe.check import parameter_problems
     from papo_nb.workbook.training.rewards import reward_import_problems
 
-    # The memory forecast (device: cuda) reads the model's configuration alone, so it runs before any weight loads.
-    problems = _model_name_problems(params) + _path_problems(params) + memory_problems(params)
+    # One pass of the preflight's parameter checks (papo_nb.workbook.recipe.check): the batches TRL would refuse
+    # and, on device cuda, the memory forecast with the plan that makes the run fit, before any weight loads.
+    problems = _model_name_problems(params) + _path_problems(params) + parameter_problems(params)
     problems += _device_problems(params) + reward_import_problems(params) + vllm_problems(params)
-    if params.per_device_train_batch_size % params.num_generations:
-        problems.append(
-            f"parameter 'per_device_train_batch_size' = {params.per_device_train_batch_size}: must be a multiple "
-            f"of num_generations = {params.num_generations}"
-        )
-    # The batch arithmetic TRL would refuse later (rollout rounds of whole prompt groups and whole optimizer steps);
-    # the heavier recipe checks (memory, columns, pixel bounds) are papo_nb.workbook.recipe.preflight.run.
-    problems += check_batches(params, batch_layout(params))
     return problems
 
 

@@ -247,6 +247,12 @@ class WorkbookParams(PAPOParams, VLLMParams, StudyParams):
     freeze_vision_tower: bool = Field(
         False, description="full fine-tuning: keep the vision tower frozen (official: no)"
     )
+    reference_precision: Literal["fp32", "bf16"] = Field(
+        "fp32",
+        description="full fine-tuning with beta > 0: dtype of TRL's frozen reference model ('fp32': TRL's default "
+        "when model_init_kwargs is unset; 'bf16': half its memory, as the official ref worker); LoRA and beta 0 "
+        "have no reference model",
+    )
     gradient_accumulation_steps: int = Field(1, ge=1, le=100_000, description="micro-batches per optimizer step")
     gradient_checkpointing: bool = Field(
         True,

@@ -1,4 +1,4 @@
-"""Where a run's model comes from and where it runs: the one leaf both the builder and the recipe preflight use."""
+"""Where a run's model comes from and where it runs: the one leaf the builder and the data loaders use."""
 
 from __future__ import annotations
 

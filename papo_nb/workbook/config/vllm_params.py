@@ -45,6 +45,12 @@ class VLLMParams(BaseModel):
     vllm_tensor_parallel_size: int = Field(
         1, ge=1, le=64, description="colocate mode: GPUs one vLLM engine spans (TRL's default 1)"
     )
+    vllm_enable_sleep_mode: bool = Field(
+        False,
+        description="colocate mode: release the engine's weights and KV cache after each round's generation "
+        "(vLLM sleep level 2) and wake it for the next, so training does not share the GPU with it (TRL's field, "
+        "default off)",
+    )
 
 
 VLLM_FIELDS = tuple(VLLMParams.model_fields)

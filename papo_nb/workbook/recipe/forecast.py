@@ -8,7 +8,11 @@ What each part counts, per GPU (P parameters, N processes, B the micro-batch, T 
   bf16 base (sharded under FSDP) plus the fp32 adapter (peft's ``autocast_adapter_dtype``).
 - gradients and optimizer: one gradient and two AdamW states per trainable parameter, in its dtype.
 - reference: TRL 1.9.1 builds a second model only for full fine-tuning with beta > 0 (``create_model_from_path``,
-  fp32 when ``model_init_kwargs`` is unset; sharded by ``prepare_fsdp``); LoRA disables its adapters instead.
+  fp32 when ``model_init_kwargs`` is unset, bf16 with ``reference_precision: bf16``; sharded by ``prepare_fsdp``);
+  LoRA disables its adapters instead.
+- with FSDP2 CPU offload (``levers``): weights, gradients and optimizer are the blocks resident on the GPU
+  (``levers.resident_parameters``, bf16, with their bf16 gradients); the optimizer and the reference live on the
+  CPU (``Forecast.host``).
 - activations: the tensors autograd saves in the loss forward of one micro-batch, per token per decoder layer
   (``layer_bytes``; with checkpointing each layer's bf16 input) and per patch per vision block, plus the final norm's;
   recompute: with checkpointing, one layer's tensors again during the backward.
@@ -22,7 +26,7 @@ What each part counts, per GPU (P parameters, N processes, B the micro-batch, T 
   ``model.generate``: their bf16 KV cache at full length, the next-token logits and probabilities and the prefill's
   one-layer transient; with
   vLLM colocated, its ``vllm_gpu_memory_utilization`` share of the GPU, held through training too (persistent
-  unless sleep mode); a vLLM server's GPUs are not this one's.
+  unless ``vllm_enable_sleep_mode``: then a phase); a vLLM server's GPUs are not this one's.
 - round_tensors: the round's buffered inputs: fp32 pixel_values of every row, ids and masks (int64), and three
   fp32 per-token log-prob vectors (old, reference, masked).
 - probe: the gamma-zero probe's float64 vectors of every trainable parameter (``PROBE_VECTORS``; sharded).
@@ -36,6 +40,7 @@ from dataclasses import dataclass, field
 
 from papo_nb.papo import trl_seams
 from papo_nb.papo.forward import prefill
+from papo_nb.workbook.recipe import levers
 from papo_nb.workbook.recipe.architectures import Widths, published_config, widths
 
 GIB = 1024**3
@@ -119,6 +124,8 @@ class Setting:
     probe: bool
     freeze_vision: bool
     lora_r: int
+    offload: bool = False  # FSDP2 CPU offload of parameters, gradients, optimizer states and the reference
+    reference_bytes: int = 4  # the reference model's dtype: fp32 (TRL's default) or bf16 (reference_precision)
     masked_shared: bool = False  # the masked branch runs through the shared prompt prefix (prefill.py)
     masked_chunk_rows: int = 0  # rows of one shared-prefix completion forward
 
@@ -135,10 +142,11 @@ def setting(params, w: Widths) -> Setting:
     accumulation = params.gradient_accumulation_steps
     per_round = params.steps_per_generation or accumulation
     patches = params.max_pixels // (w.patch * w.patch)
+    fsdp, offload = levers.accelerate_fsdp(params)
     return Setting(
         lora=params.finetuning == "lora",
         processes=params.num_processes,
-        fsdp="fsdp" in params.accelerate_config.lower() and params.num_processes > 1,
+        fsdp=fsdp,
         weight_bytes=2 if params.precision == "bf16" else 4,
         micro_batch=params.per_device_train_batch_size,
         accumulation=accumulation,
@@ -157,6 +165,8 @@ def setting(params, w: Widths) -> Setting:
         probe=params.require_gpu_contract_probe,
         freeze_vision=params.freeze_vision_tower,
         lora_r=params.lora_r,
+        offload=offload,
+        reference_bytes=2 if params.reference_precision == "bf16" else 4,
         **masked_form(params),
     )
 
@@ -188,13 +198,16 @@ def trainable_parameters(s: Setting, w: Widths) -> int:
 
 def state_parts(s: Setting, w: Widths) -> dict[str, float]:
     """Weights, gradients, optimizer states and the reference model, per GPU."""
+    if s.offload:  # the shards live on the CPU; the resident blocks are gathered in bf16, with bf16 gradients
+        resident = levers.resident_parameters(w)
+        return {"weights": resident * 2, "gradients": resident * 2, "optimizer": 0.0, "reference": 0.0}
     shards = s.processes if s.fsdp else 1
     trainable = trainable_parameters(s, w)
     # Under FSDP2 with mixed precision the trainable weights become fp32 master weights; otherwise they keep the
     # dtype they were loaded in (bf16 on CUDA), and so do their gradients and AdamW states. LoRA adapters are fp32.
     train_bytes = 4 if (s.lora or s.fsdp) else s.weight_bytes
     frozen = w.parameters - trainable if not s.lora else w.parameters
-    reference = 4 * w.parameters / shards if (s.beta > 0 and not s.lora) else 0.0
+    reference = s.reference_bytes * w.parameters / shards if (s.beta > 0 and not s.lora) else 0.0
     return {
         "weights": (frozen * s.weight_bytes + trainable * train_bytes) / shards,
         "gradients": trainable * train_bytes / shards,
@@ -322,6 +335,7 @@ class Forecast:
     total: float
     peak_phase: str
     gpu_memory: float | None
+    host: float = 0.0  # CPU memory of one node that offload takes
     notes: list[str] = field(default_factory=list)
 
 
@@ -331,4 +345,5 @@ def forecast(params, gpu_memory: float | None = None, w: Widths | None = None) -
     s = setting(params, w)
     parts = memory_parts(s, w, gpu_memory)
     total, phase = peak(parts, persistent_parts(s))
-    return Forecast(params.model_name_or_path, s, w, parts, total, phase, gpu_memory)
+    host = levers.host_bytes(s, w, trainable_parameters(s, w))
+    return Forecast(params.model_name_or_path, s, w, parts, total, phase, gpu_memory, host)

@@ -5,10 +5,10 @@ loads, and docs/recipe.md's forecast table (``python -m papo_nb.workbook.recipe.
 from __future__ import annotations
 
 import os
-import sys
 from dataclasses import asdict
 
-from papo_nb.workbook.recipe.forecast import GIB, PARTS, Forecast, forecast
+from papo_nb.workbook.recipe import levers
+from papo_nb.workbook.recipe.forecast import GIB, PARTS, Forecast, trainable_parameters
 
 GPU_MEMORY_ENV = "PAPO_NB_GPU_MEMORY_GIB"  # simulates the GPU's memory (GiB) where none is, or overrides it
 USABLE = 0.92  # of a GPU's memory the forecast may fill: CUDA context, NCCL buffers and fragmentation take the rest
@@ -31,7 +31,8 @@ def advice(fc: Forecast, part: str) -> str:
         return "lower per_device_train_batch_size (raise gradient_accumulation_steps to keep the batch)"
     if part == "generation":
         if s.use_vllm:
-            return "lower vllm_gpu_memory_utilization, or vllm_mode: server (vLLM on GPUs of its own)"
+            sleep = "" if s.vllm_sleep or s.vllm_mode != "colocate" else "set vllm_enable_sleep_mode: true, "
+            return f"{sleep}lower vllm_gpu_memory_utilization, or vllm_mode: server (vLLM on GPUs of its own)"
         return (
             "set use_vllm: true (colocated vLLM holds the cache in a fixed share), or lower steps_per_generation "
             "(TRL generates the round's rows in one model.generate)"
@@ -40,9 +41,11 @@ def advice(fc: Forecast, part: str) -> str:
         if s.lora:
             return "use more processes with configs/accelerate/fsdp.yaml (FSDP2 shards the base weights)"
         more = s.processes * 2
+        offload = "" if s.offload or not s.fsdp else "accelerate_config: configs/accelerate/fsdp_offload.yaml, or "
+        bf16 = "reference_precision: bf16, " if part == "reference" and s.reference_bytes == 4 else ""
         return (
-            f"shard over more GPUs (num_processes: {more} with configs/accelerate/fsdp.yaml), or finetuning: lora"
-            + (", or beta: 0 (no reference model)" if part == "reference" else "")
+            f"{bf16}{offload}shard over more GPUs (num_processes: {more} with configs/accelerate/fsdp.yaml), or "
+            "finetuning: lora" + (", or beta: 0 (no reference model)" if part == "reference" else "")
         )
     if part in ("logprob_forward", "masked_forward"):
         return "lower per_device_train_batch_size or max_completion_length"
@@ -76,7 +79,8 @@ def step_seconds(fc: Forecast, gpu_memory: float | None) -> dict:
     ``DENSE_BF16_FLOPS`` (6 x params x tokens for a training pass, 8 with checkpointing, 4 and 6 for LoRA, whose
     frozen weights get no weight gradient; 2 x params x tokens for a forward; attention 4 x layers x tokens^2 x
     query width per row and pass); generation (HF generate) from the bytes each decode step reads at
-    ``DECODE_EFFICIENCY`` of the HBM bandwidth, and its prefill from FLOPs; vLLM's generation is not estimated."""
+    ``DECODE_EFFICIENCY`` of the HBM bandwidth, and its prefill from FLOPs; vLLM's generation is not estimated;
+    CPU offload's copies over PCIe and its CPU optimizer step (``levers.offload_seconds``)."""
     s, w = fc.setting, fc.widths
     rows = s.micro_batch * s.accumulation
     tokens = rows * s.tokens
@@ -86,7 +90,8 @@ def step_seconds(fc: Forecast, gpu_memory: float | None) -> dict:
     forwards = (1 if s.beta > 0 else 0) + (1 if s.masked_branch else 0) + (1 if s.old_logps else 0)
     inference = forwards * (2 * w.parameters * tokens + attention)
     flops = DENSE_BF16_FLOPS * UTILISATION
-    out = {"train_s": train / flops, "extra_forwards_s": inference / flops}
+    out = {"train_s": train / flops, "extra_forwards_s": inference / flops,
+           "offload_s": levers.offload_seconds(s, w, trainable_parameters(s, w))}  # fmt: skip
     if s.use_vllm:
         out["generation_s"] = None
     else:
@@ -128,6 +133,8 @@ def describe(fc: Forecast) -> str:
         f"checkpointing {'on' if s.checkpointing else 'off'}; {'LoRA r ' + str(s.lora_r) if s.lora else 'full'}",
         f"generation: {engine}; micro-batch {s.micro_batch} rows, round {s.round_rows} rows per GPU",
         f"lengths: prompt {s.prompt_tokens} (image {s.patches_per_row} patches), completion {s.completion_tokens}",
+        f"memory levers: {', '.join(levers.levers_used(s)) or 'none'}"
+        + (f"; CPU memory for offload {fc.host / GIB:.0f} GiB per node" if s.offload else ""),
         "",
         f"{'part (per GPU)':<18}{'GiB':>10}",
     ]
@@ -140,7 +147,9 @@ def describe(fc: Forecast) -> str:
     gen = "n/a (vLLM)" if step["generation_s"] is None else f"{step['generation_s']:.0f} s"
     lines.append(
         f"step time: {step['total_s']:.0f} s per optimizer step (training {step['train_s']:.0f} s, extra forwards "
-        f"{step['extra_forwards_s']:.0f} s, generation {gen}) at {UTILISATION:.0%} of {DENSE_BF16_FLOPS / 1e12:.0f} "
+        f"{step['extra_forwards_s']:.0f} s, offload {step['offload_s']:.0f} s over PCIe at "
+        f"{levers.PCIE_BYTES_PER_S / 1e9:.0f} GB/s and CPU AdamW, generation {gen})"
+        f" at {UTILISATION:.0%} of {DENSE_BF16_FLOPS / 1e12:.0f} "
         "TFLOP/s bf16"
     )
     return "\n".join(lines)
@@ -163,21 +172,3 @@ def gpu_memory_here() -> float | None:
     if torch.cuda.is_available():
         return float(min(torch.cuda.get_device_properties(i).total_memory for i in range(torch.cuda.device_count())))
     return None
-
-
-def memory_problems(params) -> list[str]:
-    """The refusal of a ``device: cuda`` run that cannot fit, before any weight loads (empty when it fits, when
-    the GPU's memory is unknown, or when no configuration of the model is at hand)."""
-    if params.device != "cuda":
-        return []
-    memory = gpu_memory_here()
-    if memory is None:
-        return []
-    try:
-        fc = forecast(params, memory)
-    except ValueError as exc:  # no configuration to forecast from: say so, do not refuse
-        print(f"papo-nb: note: memory not forecast: {exc}", file=sys.stderr)
-        return []
-    if verdict(fc)["fits"]:
-        return []
-    return [f"the run does not fit in GPU memory (papo-nb preflight; before any weight loads): {refusal_text(fc)}"]

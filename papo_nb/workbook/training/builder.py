@@ -134,6 +134,10 @@ def papo_config(
         # LoRA too; transformers 5 names the field activation_checkpointing, gradient_checkpointing is its alias.
         activation_checkpointing=params.gradient_checkpointing,
     )
+    if params.reference_precision == "bf16":
+        # TRL builds the reference model from model_init_kwargs (grpo_trainer.py:964-971), fp32 without a dtype; the
+        # policy arrives loaded, so TRL warns that these kwargs are ignored for it, which they are.
+        settings["model_init_kwargs"] = {"dtype": "bfloat16"}
     if (weights := reward_weights(params)) is not None:  # the researcher's rewards and weights, over any recipe's
         settings["reward_weights"] = weights
     elif params.dataset_schema == "official":
