@@ -25,7 +25,7 @@ from papo_nb.workbook.recipe.data import official_datasets, set_processor_pixel_
 from papo_nb.workbook.recipe.own_data import own_datasets
 from papo_nb.workbook.training.checkpoints import load_trainable_adapter
 from papo_nb.workbook.training.review import attach_review
-from papo_nb.workbook.training.rewards import check_rewards_on_row, reward_functions, reward_weights
+from papo_nb.workbook.training.rewards import check_rewards_on_groups, guarded_reward_functions, reward_weights
 
 EVAL_SEED_OFFSET = 10_000  # held-out synthetic items come from a different stream than training items
 
@@ -190,7 +190,7 @@ def build_trainer(params: WorkbookParams, args: PAPOGConfig, model, processor, t
     return trainer_cls(
         model=model,
         processing_class=processor,
-        reward_funcs=reward_functions(params),
+        reward_funcs=guarded_reward_functions(params),
         args=args,
         train_dataset=train_dataset,
         peft_config=peft_config,
@@ -208,9 +208,9 @@ def vision_tower(model):
 def prepare_training(params: WorkbookParams, output_dir: str | Path, *, report_to: str = "none", **config_overrides):
     """Model (fresh LoRA, or a trained adapter for phase 2), data and trainer, ready to ``train()``
     or to probe. Returns (trainer, held-out eval dataset, restored-adapter evidence or None). The data and the
-    rewards are checked (each reward called on the first training row) before the model loads."""
+    rewards are checked (each reward called on a group of completions of the first rows) before the model loads."""
     train_dataset, eval_dataset = load_datasets(params)
-    check_rewards_on_row(params, train_dataset, load_tokenizer(params))
+    check_rewards_on_groups(params, train_dataset, load_tokenizer(params))
     model, processor = load_policy(params)
     restored = None
     if params.init_adapter:
