@@ -27,6 +27,7 @@ from papo_nb.train.distributed import (
     same_on_all_ranks,
     under_launcher,
 )
+from papo_nb.train.output import LOG_FILE, surviving_output
 from papo_nb.train.plan import RunPlan, plan_run
 from papo_nb.train.preemption import PREEMPTED_EXIT, Preempted, PreemptionCallback
 from papo_nb.train.probe_state import ProbeStateCallback, restore_probe
@@ -358,6 +359,15 @@ def train_command(
     if problems:
         print("papo-nb train: error: " + "\n".join(problems), file=sys.stderr)
         return 2
+    log = Path(output_dir) / LOG_FILE if process_rank() == 0 else None
+    with surviving_output(log):  # a closed terminal or pipe never stops the run; its log file carries on
+        return train_and_report(params, output_dir, resume, force_resume, mlflow_run_id, report_to)
+
+
+def train_and_report(
+    params: WorkbookParams, output_dir: str, resume: bool, force_resume: bool, mlflow_run_id: str, report_to: str
+) -> int:
+    """``train_command`` once the parameters are valid: the run, its last line, and its exit code."""
     try:
         outcome = run_training(
             params,
