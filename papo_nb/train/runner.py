@@ -27,6 +27,7 @@ from papo_nb.train.distributed import (
     same_on_all_ranks,
     under_launcher,
 )
+from papo_nb.train.final_review import review_run
 from papo_nb.train.output import LOG_FILE, surviving_output
 from papo_nb.train.plan import RunPlan, plan_run
 from papo_nb.train.preemption import PREEMPTED_EXIT, Preempted, PreemptionCallback
@@ -346,10 +347,11 @@ def train_command(
     force_resume: bool = False,
     mlflow_run_id: str = "",
     report_to: str = "mlflow",
+    evaluate: bool = True,
 ) -> int:
-    """The body of ``papo-nb train``. Exit codes: 0 trained, 1 training failed, 2 bad parameters or a refused run,
-    74 a full disk (DiskFull), 75 stopped by SIGTERM or SIGUSR1 at a marked checkpoint (Preempted); a launched job
-    that fails exits with its own code."""
+    """The body of ``papo-nb train``; ``evaluate`` False skips the held-out evaluation at the end. Exit codes: 0
+    trained, 1 training failed, 2 bad parameters or a refused run, 74 a full disk (DiskFull), 75 stopped by SIGTERM
+    or SIGUSR1 at a marked checkpoint (Preempted); a launched job that fails exits with its own code."""
     try:
         params = load_params(params_file, overrides)
     except ParamsError as exc:
@@ -361,13 +363,20 @@ def train_command(
         return 2
     log = Path(output_dir) / LOG_FILE if process_rank() == 0 else None
     with surviving_output(log):  # a closed terminal or pipe never stops the run; its log file carries on
-        return train_and_report(params, output_dir, resume, force_resume, mlflow_run_id, report_to)
+        return train_and_report(params, output_dir, resume, force_resume, mlflow_run_id, report_to, evaluate)
 
 
 def train_and_report(
-    params: WorkbookParams, output_dir: str, resume: bool, force_resume: bool, mlflow_run_id: str, report_to: str
+    params: WorkbookParams,
+    output_dir: str,
+    resume: bool,
+    force_resume: bool,
+    mlflow_run_id: str,
+    report_to: str,
+    evaluate: bool,
 ) -> int:
-    """``train_command`` once the parameters are valid: the run, its last line, and its exit code."""
+    """``train_command`` once the parameters are valid: the run, its held-out evaluation and results page (not on
+    the ranks of a launched job: the launching process writes them), its last line, and its exit code."""
     try:
         outcome = run_training(
             params,
@@ -389,6 +398,8 @@ def train_and_report(
     except DiskFull as exc:
         print(f"papo-nb train: error: {exc}", file=sys.stderr, flush=True)
         return DISK_FULL_EXIT
+    if report_to == "mlflow" and not under_launcher():
+        review_run(params, outcome, lambda: trained_policy(params, outcome), evaluate=evaluate)
     if process_rank() == 0:
         print(
             f"{PROGRESS_PREFIX} done at step {outcome.global_step}; last checkpoint {outcome.last_checkpoint}; "

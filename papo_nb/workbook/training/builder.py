@@ -24,8 +24,14 @@ from papo_nb.workbook.recipe import reward as math_reward
 from papo_nb.workbook.recipe.data import official_datasets, set_processor_pixel_bounds
 from papo_nb.workbook.recipe.own_data import own_datasets
 from papo_nb.workbook.training.checkpoints import load_trainable_adapter
+from papo_nb.workbook.training.model_card import ModelCardCallback
 from papo_nb.workbook.training.review import attach_review
-from papo_nb.workbook.training.rewards import check_rewards_on_groups, guarded_reward_functions, reward_weights
+from papo_nb.workbook.training.rewards import (
+    check_rewards_on_groups,
+    guarded_reward_functions,
+    reward_weights,
+    weighted_rewards,
+)
 
 EVAL_SEED_OFFSET = 10_000  # held-out synthetic items come from a different stream than training items
 
@@ -217,6 +223,8 @@ def prepare_training(params: WorkbookParams, output_dir: str | Path, *, report_t
         model, restored = load_trainable_adapter(model, params.init_adapter)
     args = papo_config(params, output_dir, processor, report_to=report_to, **config_overrides)
     trainer = build_trainer(params, args, model, processor, train_dataset)
+    rewards = [function.__name__ for _, function, _ in weighted_rewards(params)]
+    trainer.add_callback(ModelCardCallback(params, str(resolve_model_path(params)), rewards))  # before the review's
     attach_review(trainer, params, train_dataset, eval_dataset)  # completions, checkpoint models, lineage (MLflow)
     if params.reference_policy == "base" and "ref" in getattr(trainer.model, "peft_config", {}):
         # TRL 1.9.1 copied the loaded adapter into a frozen "ref" adapter (beta != 0); without it, TRL computes the
