@@ -9,6 +9,8 @@ choices and rule), so a field added to the config is a parameter at once and the
 
 from __future__ import annotations
 
+import difflib
+import re
 from dataclasses import fields
 from pathlib import Path
 from typing import Any, Literal, get_type_hints
@@ -346,31 +348,71 @@ def study_params_applied(params: WorkbookParams) -> WorkbookParams:
     try:
         return WorkbookParams.model_validate(values)
     except ValidationError as exc:
-        problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
+        problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {plain_message(e['msg'])}" for e in exc.errors())
         raise ValueError(f"parameter 'study_params' = {params.study_params!r} is invalid: {problems}") from None
 
 
-def _describe(error: dict[str, Any], source: str) -> str:
-    if not error["loc"]:  # a check across fields (method 'vppo'): its message names the parameter
-        return f"{source}: {error['msg'].removeprefix('Value error, ')}"
+LIBRARY_PREFIXES = ("Value error, ", "Assertion failed, ")  # pydantic's, before a validator's own message
+DEFAULT_ORIGIN = "default"
+
+
+def plain_message(message: str) -> str:
+    """A validator's message without the library's prefix."""
+    for prefix in LIBRARY_PREFIXES:
+        message = message.removeprefix(prefix)
+    return message
+
+
+# The paper's symbols and common spellings, which are not parameter names.
+ALIASES = {
+    "gamma": "perception_loss_weight",
+    "eta1": "original_entropy_weight",
+    "eta2": "masked_entropy_weight",
+    "lr": "learning_rate",
+    "model": "model_name_or_path",
+}
+
+
+def nearest_names(key: str) -> str:
+    """ "did you mean ..." for an unknown parameter name, or where the parameters are listed."""
+    names = {name: name for name in WorkbookParams.model_fields} | ALIASES
+    close = difflib.get_close_matches(key, sorted(names), n=1, cutoff=0.6)
+    if close:
+        return f"did you mean {names[close[0]]!r}?"
+    return "no parameter has a similar name (they are WorkbookParams' fields, papo_nb/workbook/config/params.py)"
+
+
+def _describe(error: dict[str, Any], origin_of) -> str:
+    message = plain_message(error["msg"])
+    if not error["loc"]:  # a check across fields (method 'vppo'): its message names them; say where each was set
+        named = [n for n in dict.fromkeys(re.findall(r"'(\w+)'", message)) if n in WorkbookParams.model_fields]
+        where = "; ".join(f"{name} from {origin_of(name)}" for name in named)
+        return f"{message}" + (f" ({where})" if where else "")
     key = ".".join(str(p) for p in error["loc"])
-    value = error.get("input")
+    value, origin = error.get("input"), origin_of(str(error["loc"][0]))
     if error["type"] == "extra_forbidden":
-        allowed = ", ".join(sorted(WorkbookParams.model_fields))
-        return f"{source}: unknown parameter {key!r} (value {value!r}); allowed parameters: {allowed}"
+        return f"{origin}: unknown parameter {key!r} (value {value!r}); {nearest_names(key)}"
     field = WorkbookParams.model_fields.get(str(error["loc"][0]))
     help_text = f" ({field.description})" if field is not None and field.description else ""
-    return f"{source}: parameter {key!r} = {value!r} is invalid: {error['msg']}{help_text}"
+    return f"{origin}: parameter {key!r} = {value!r} is invalid: {message}{help_text}"
 
 
-def validate_params(values: dict[str, Any], source: str = "params") -> WorkbookParams:
-    """Validate a mapping; raise ParamsError listing every bad key with its value and what is allowed."""
+def validate_params(
+    values: dict[str, Any], source: str = "params", origins: dict[str, str] | None = None
+) -> WorkbookParams:
+    """Validate a mapping; raise ParamsError listing every bad key with its value, what is allowed and where the
+    value came from: ``origins[key]`` (a params file, ``-p key=value``), else ``source`` when ``origins`` is None,
+    else the default."""
     if not isinstance(values, dict):
         raise ParamsError(f"{source}: expected a mapping of parameter names to values, got {type(values).__name__}")
+
+    def origin_of(key: str) -> str:
+        return source if origins is None else origins.get(key, DEFAULT_ORIGIN)
+
     try:
         return WorkbookParams.model_validate(values)
     except ValidationError as exc:
-        raise ParamsError("\n".join(_describe(e, source) for e in exc.errors())) from None
+        raise ParamsError("\n".join(_describe(e, origin_of) for e in exc.errors())) from None
 
 
 def parse_override(text: str) -> tuple[str, Any]:
@@ -384,7 +426,7 @@ def parse_override(text: str) -> tuple[str, Any]:
 def load_params(path: str | Path | None, overrides: list[str] | None = None) -> WorkbookParams:
     """Read a YAML params file (None: all defaults), apply ``key=value`` overrides, validate."""
     values: dict[str, Any] = {}
-    source = "defaults"
+    source = DEFAULT_ORIGIN
     if path is not None:
         path = Path(path)
         if not path.is_file():
@@ -398,10 +440,11 @@ def load_params(path: str | Path | None, overrides: list[str] | None = None) -> 
             raise ParamsError(
                 f"{source}: expected a mapping of parameter names to values, got {type(values).__name__}"
             )
+    origins = dict.fromkeys(values, source)
     for item in overrides or []:
         key, value = parse_override(item)
-        values[key] = value
-    return validate_params(values, source)
+        values[key], origins[key] = value, f"-p {item}"
+    return validate_params(values, source, origins)
 
 
 def notebook_params(namespace: dict[str, Any]) -> WorkbookParams:
