@@ -9,8 +9,6 @@ choices and rule), so a field added to the config is a parameter at once and the
 
 from __future__ import annotations
 
-import difflib
-import re
 from dataclasses import fields
 from pathlib import Path
 from typing import Any, Literal, get_type_hints
@@ -28,6 +26,7 @@ from pydantic import (
 
 from papo_nb.papo.papo_config import FIELD_RULES, PAPOGConfig, field_problem, papo_fields
 from papo_nb.papo.vppo.vppo_config import VPPO_FIELD_RULES, VPPO_FIXED, VPPOConfig
+from papo_nb.workbook.config.param_errors import DEFAULT_ORIGIN, describe_error, plain_message
 from papo_nb.workbook.config.study_params import StudyParams
 from papo_nb.workbook.config.vllm_params import VLLMParams
 
@@ -352,51 +351,6 @@ def study_params_applied(params: WorkbookParams) -> WorkbookParams:
         raise ValueError(f"parameter 'study_params' = {params.study_params!r} is invalid: {problems}") from None
 
 
-LIBRARY_PREFIXES = ("Value error, ", "Assertion failed, ")  # pydantic's, before a validator's own message
-DEFAULT_ORIGIN = "default"
-
-
-def plain_message(message: str) -> str:
-    """A validator's message without the library's prefix."""
-    for prefix in LIBRARY_PREFIXES:
-        message = message.removeprefix(prefix)
-    return message
-
-
-# The paper's symbols and common spellings, which are not parameter names.
-ALIASES = {
-    "gamma": "perception_loss_weight",
-    "eta1": "original_entropy_weight",
-    "eta2": "masked_entropy_weight",
-    "lr": "learning_rate",
-    "model": "model_name_or_path",
-}
-
-
-def nearest_names(key: str) -> str:
-    """ "did you mean ..." for an unknown parameter name, or where the parameters are listed."""
-    names = {name: name for name in WorkbookParams.model_fields} | ALIASES
-    close = difflib.get_close_matches(key, sorted(names), n=1, cutoff=0.6)
-    if close:
-        return f"did you mean {names[close[0]]!r}?"
-    return "no parameter has a similar name (they are WorkbookParams' fields, papo_nb/workbook/config/params.py)"
-
-
-def _describe(error: dict[str, Any], origin_of) -> str:
-    message = plain_message(error["msg"])
-    if not error["loc"]:  # a check across fields (method 'vppo'): its message names them; say where each was set
-        named = [n for n in dict.fromkeys(re.findall(r"'(\w+)'", message)) if n in WorkbookParams.model_fields]
-        where = "; ".join(f"{name} from {origin_of(name)}" for name in named)
-        return f"{message}" + (f" ({where})" if where else "")
-    key = ".".join(str(p) for p in error["loc"])
-    value, origin = error.get("input"), origin_of(str(error["loc"][0]))
-    if error["type"] == "extra_forbidden":
-        return f"{origin}: unknown parameter {key!r} (value {value!r}); {nearest_names(key)}"
-    field = WorkbookParams.model_fields.get(str(error["loc"][0]))
-    help_text = f" ({field.description})" if field is not None and field.description else ""
-    return f"{origin}: parameter {key!r} = {value!r} is invalid: {message}{help_text}"
-
-
 def validate_params(
     values: dict[str, Any], source: str = "params", origins: dict[str, str] | None = None
 ) -> WorkbookParams:
@@ -412,7 +366,8 @@ def validate_params(
     try:
         return WorkbookParams.model_validate(values)
     except ValidationError as exc:
-        raise ParamsError("\n".join(_describe(e, origin_of) for e in exc.errors())) from None
+        lines = [describe_error(error, origin_of, WorkbookParams.model_fields) for error in exc.errors()]
+        raise ParamsError("\n".join(lines)) from None
 
 
 def parse_override(text: str) -> tuple[str, Any]:
