@@ -24,16 +24,17 @@ def review_run(params, outcome, policy, *, evaluate: bool = True) -> dict | None
     if not outcome.mlflow_run_id:
         return None
     _, owns = tracking.attach_run("", outcome.mlflow_run_id, run_name="", tags={})
-    final = None
+    final, status = None, "FAILED"  # a run whose evaluation broke is not a finished run to read numbers from
     try:
         log_training_curves(outcome)
         if evaluate:
             final = heldout_evaluation(params, *policy())
             mlflow.set_tag("papo_nb.last_checkpoint", str(outcome.last_checkpoint))
         publish_notebook_page(MlflowClient(), outcome.mlflow_run_id)
+        status = "FINISHED"
     finally:
         if owns:
-            mlflow.end_run()
+            mlflow.end_run(status=status)
     return final
 
 

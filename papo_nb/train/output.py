@@ -19,6 +19,16 @@ import traceback
 from pathlib import Path
 
 LOG_FILE = "train.log"
+# Set by ``papo-nb train`` for the job it launches (num_processes > 1): it streams every rank's output into its own
+# log, so the job's rank 0 writes none of its own (each line would be there twice).
+LAUNCHER_KEEPS_LOG_ENV = "PAPO_NB_LAUNCHER_KEEPS_LOG"
+
+
+def run_log_path(output_dir, rank: int) -> Path | None:
+    """The run's log file for this process: rank 0's, unless ``papo-nb train`` launched it and keeps the log."""
+    if rank != 0 or os.environ.get(LAUNCHER_KEEPS_LOG_ENV):
+        return None
+    return Path(output_dir) / LOG_FILE
 
 
 class SurvivingStream(io.TextIOBase):

@@ -28,7 +28,7 @@ from papo_nb.train.distributed import (
     under_launcher,
 )
 from papo_nb.train.final_review import review_run
-from papo_nb.train.output import LOG_FILE, surviving_output
+from papo_nb.train.output import run_log_path, surviving_output
 from papo_nb.train.plan import RunPlan, plan_run
 from papo_nb.train.preemption import PREEMPTED_EXIT, Preempted, PreemptionCallback
 from papo_nb.train.probe_state import ProbeStateCallback, restore_probe
@@ -361,8 +361,8 @@ def train_command(
     if problems:
         print("papo-nb train: error: " + "\n".join(problems), file=sys.stderr)
         return 2
-    log = Path(output_dir) / LOG_FILE if process_rank() == 0 else None
-    with surviving_output(log):  # a closed terminal or pipe never stops the run; its log file carries on
+    # a closed terminal or pipe never stops the run; its log file carries on
+    with surviving_output(run_log_path(output_dir, process_rank())):
         return train_and_report(params, output_dir, resume, force_resume, mlflow_run_id, report_to, evaluate)
 
 
