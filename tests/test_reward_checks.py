@@ -4,6 +4,8 @@ length and the expected one; through ``papo-nb train``, before any optimizer ste
 
 from __future__ import annotations
 
+import asyncio
+import inspect
 import os
 import subprocess
 import sys
@@ -114,6 +116,16 @@ def test_the_run_time_guard_refuses_a_wrong_length_and_nan_and_keeps_the_name():
     assert rewards.guarded("x", nan_reward).__name__ == "nan_reward"
     ok = rewards.guarded("x", lambda prompts, completions, **kw: [0.5, None])
     assert ok(prompts=["p", "p"], completions=["a", "b"]) == [0.5, None]
+    with pytest.raises(rewards.RewardError, match=r"for 2 completions; expected 2"):  # completions given positionally
+        guarded(["p", "p"], ["a", "b"])
+
+    async def async_nan(prompts, completions, **kwargs):  # TRL runs coroutine rewards on its event loop
+        return [math.nan] * len(completions)
+
+    checked = rewards.guarded("mine:async", async_nan)
+    assert inspect.iscoroutinefunction(checked)  # so TRL still awaits it
+    with pytest.raises(rewards.RewardError, match=r"async_nan returned a value that is not finite"):
+        asyncio.run(checked(prompts=["p"], completions=["a"]))
 
 
 def papo_nb_train(tmp_path: Path, reward: str, *overrides: str) -> subprocess.CompletedProcess:

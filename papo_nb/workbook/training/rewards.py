@@ -173,17 +173,21 @@ def guarded(spec: str, function):
     if inspect.iscoroutinefunction(function):
 
         @functools.wraps(function)
-        async def checked_async(*args, completions, **kwargs):
-            result = await function(*args, completions=completions, **kwargs)
-            return check(result, completions, kwargs.get("trainer_state"))
+        async def checked_async(*args, **kwargs):
+            return check(await function(*args, **kwargs), _completions(args, kwargs), kwargs.get("trainer_state"))
 
         return checked_async
 
     @functools.wraps(function)
-    def checked(*args, completions, **kwargs):
-        return check(function(*args, completions=completions, **kwargs), completions, kwargs.get("trainer_state"))
+    def checked(*args, **kwargs):
+        return check(function(*args, **kwargs), _completions(args, kwargs), kwargs.get("trainer_state"))
 
     return checked
+
+
+def _completions(args: tuple, kwargs: dict) -> list:
+    """The completions of a reward call: TRL passes them by keyword; positionally they follow the prompts."""
+    return kwargs["completions"] if "completions" in kwargs else args[1]
 
 
 def guarded_reward_functions(params) -> list:
