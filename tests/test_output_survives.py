@@ -80,3 +80,21 @@ def test_sigterm_to_the_process_group_under_tee_checkpoints_and_exits_75(tmp_pat
     assert f"{PROGRESS_PREFIX} step {mark['step']}/200" in log and "BrokenPipeError" not in log
     seconds = mark["seconds_signal_to_checkpoint"]
     print(f"\nprocess-group SIGTERM under tee: checkpoint-{mark['step']} marked {seconds:.2f} s after the signal")
+
+
+def close_stdout_and_stderr() -> None:
+    os.close(1)
+    os.close(2)
+
+
+@pytest.mark.slow
+def test_a_run_started_with_stdout_and_stderr_closed_trains_and_logs(tmp_path):
+    out = tmp_path / "run"
+    command = [str(SCRIPT), "train", "--params", str(SMOKE), "--output-dir", str(out), "--skip-eval"]
+    command += [arg for o in ("max_steps=2", "save_steps=2", "require_gpu_contract_probe=false") for arg in ("-p", o)]
+    train = subprocess.Popen(
+        command, env=child_env(f"sqlite:///{tmp_path / 'mlflow.db'}"), preexec_fn=close_stdout_and_stderr
+    )
+    assert train.wait(timeout=DEADLINE) == 0, (out / LOG_FILE).read_text()[-3000:]
+    log = (out / LOG_FILE).read_text()
+    assert f"{PROGRESS_PREFIX} step 2/2" in log and f"{PROGRESS_PREFIX} done at step 2" in log

@@ -37,7 +37,8 @@ class SurvivingStream(io.TextIOBase):
     ``stream``: it is dropped at its first failure."""
 
     def __init__(self, stream, log=None):
-        self.stream, self.log, self.lost = stream, log, False
+        # None: Python started with that descriptor closed (``papo-nb train >&-``): the log alone
+        self.stream, self.log, self.lost = stream, log, stream is None
 
     def write(self, text: str) -> int:
         if self.log is not None:
@@ -76,11 +77,13 @@ class SurvivingStream(io.TextIOBase):
         return not self.lost and bool(getattr(self.stream, "isatty", lambda: False)())
 
     def fileno(self) -> int:
+        if self.stream is None:
+            raise io.UnsupportedOperation("the stream was closed when the run started")
         return self.stream.fileno()
 
     @property
     def encoding(self) -> str:
-        return getattr(self.stream, "encoding", "utf-8")
+        return getattr(self.stream, "encoding", None) or "utf-8"
 
 
 @contextlib.contextmanager
