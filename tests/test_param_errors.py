@@ -69,3 +69,15 @@ def test_papo_nb_train_reports_a_p_typo_as_the_override_with_a_suggestion(tmp_pa
         "papo-nb train: error: -p max_step=3: unknown parameter 'max_step' (value 3); did you mean 'max_steps'?"
     )
     assert not (tmp_path / "run").exists()
+
+
+def test_a_later_check_naming_a_parameter_is_led_by_where_it_was_set(tmp_path):
+    from papo_nb.workbook.config.param_errors import where_set
+
+    params = load_params(GPU, ["dataset=/no/such/rows"])
+    assert params.origin("dataset") == "-p dataset=/no/such/rows" and params.origin("model_name_or_path") == str(GPU)
+    assert params.origin("mask_fill") == "default"
+    message = "parameter 'dataset' = '/no/such/rows': no such file or folder"
+    assert where_set(message, params.origin) == f"-p dataset=/no/such/rows: {message}"
+    assert where_set("the folder already holds a run", params.origin) == "the folder already holds a run"
+    assert params.model_copy(update={"max_steps": 2}).origin("dataset") == "-p dataset=/no/such/rows"

@@ -158,6 +158,7 @@ def test_papo_nb_train_refuses_a_bad_reward_before_any_optimizer_step(bad_reward
     done = papo_nb_train(bad_rewards, reward, "max_steps=2", "save_steps=2")
     output = done.stdout + done.stderr
     assert done.returncode == 2, output[-4000:]
-    assert f"papo-nb train: error: parameter 'reward' = 'bad_rewards:{reward}': {problem}" in done.stderr, output
+    where = f"-p reward=[shapes_accuracy, bad_rewards:{reward}]"  # where the value was set, as validation says it
+    assert f"papo-nb train: error: {where}: parameter 'reward' = 'bad_rewards:{reward}': {problem}" in done.stderr
     assert f"{PROGRESS_PREFIX} step " not in output  # no optimizer step ran
     assert not list((bad_rewards / "run").glob("checkpoint-*"))

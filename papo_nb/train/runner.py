@@ -48,6 +48,7 @@ from papo_nb.train.run_folder import PROGRESS_PREFIX, LaunchError, LaunchFailed
 from papo_nb.train.spool import TrackingSpool
 from papo_nb.train.spooled_tracking import SpooledFluent, close_spool, open_spool, route_through_spool
 from papo_nb.workbook.config.machine_checks import preflight_problems
+from papo_nb.workbook.config.param_errors import where_set
 from papo_nb.workbook.config.params import ParamsError, WorkbookParams, load_params
 from papo_nb.workbook.training.builder import prepare_training
 from papo_nb.workbook.training.checkpoints import CHECKPOINT_PREFIX, describe_reference, latest_checkpoint
@@ -359,7 +360,7 @@ def train_command(
         return 2
     problems = preflight_problems(params)
     if problems:
-        print("papo-nb train: error: " + "\n".join(problems), file=sys.stderr)
+        print("papo-nb train: error: " + "\n".join(where_set(p, params.origin) for p in problems), file=sys.stderr)
         return 2
     # a closed terminal or pipe never stops the run; its log file carries on
     with surviving_output(run_log_path(output_dir, process_rank())):
@@ -387,7 +388,7 @@ def train_and_report(
             report_to=report_to,
         )
     except (LaunchError, ParamsError) as exc:  # ParamsError here: own rows or a reward refused before the model loads
-        print(f"papo-nb train: error: {exc}", file=sys.stderr)
+        print(f"papo-nb train: error: {where_set(str(exc), params.origin)}", file=sys.stderr)
         return 2
     except LaunchFailed as exc:
         print(f"{PROGRESS_PREFIX} {exc}", file=sys.stderr)

@@ -53,3 +53,10 @@ def describe_error(error: dict[str, Any], origin_of, fields: dict) -> str:
     field = fields.get(str(error["loc"][0]))
     help_text = f" ({field.description})" if field is not None and field.description else ""
     return f"{origin}: parameter {key!r} = {value!r} is invalid: {message}{help_text}"
+
+
+def where_set(message: str, origin_of) -> str:
+    """``message`` (a later check's, naming ``parameter 'name'``) led by where that value was set, as validation
+    errors are; unchanged when it names no parameter."""
+    named = re.search(r"parameter '(\w+)'", message)
+    return f"{origin_of(named.group(1))}: {message}" if named else message

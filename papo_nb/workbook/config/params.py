@@ -18,6 +18,7 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    PrivateAttr,
     ValidationError,
     create_model,
     field_validator,
@@ -122,6 +123,7 @@ class WorkbookParams(PAPOParams, VLLMParams, StudyParams):
     (config.study_params)."""
 
     model_config = ConfigDict(extra="forbid", strict=True, validate_assignment=True)
+    _origins: dict[str, str] = PrivateAttr(default_factory=dict)  # where each value was set (validate_params)
 
     # --- model, data, hardware ---
     model_name_or_path: str = Field(
@@ -331,6 +333,10 @@ class WorkbookParams(PAPOParams, VLLMParams, StudyParams):
     def field_names(cls) -> set[str]:
         return set(cls.model_fields)
 
+    def origin(self, name: str) -> str:
+        """Where parameter ``name`` was set: a params file, ``-p name=value``, or the default."""
+        return self._origins.get(name, DEFAULT_ORIGIN)
+
 
 def study_params_applied(params: WorkbookParams) -> WorkbookParams:
     """``params`` with its ``study_params`` in place of the workbook's values (notebook 04 runs on these), validated
@@ -364,10 +370,12 @@ def validate_params(
         return source if origins is None else origins.get(key, DEFAULT_ORIGIN)
 
     try:
-        return WorkbookParams.model_validate(values)
+        params = WorkbookParams.model_validate(values)
     except ValidationError as exc:
         lines = [describe_error(error, origin_of, WorkbookParams.model_fields) for error in exc.errors()]
         raise ParamsError("\n".join(lines)) from None
+    params._origins = {key: origin_of(key) for key in values}
+    return params
 
 
 def parse_override(text: str) -> tuple[str, Any]:
