@@ -245,6 +245,11 @@ def _cmd_train(subparsers: Subparsers) -> None:
         default="",
         help="log into this MLflow run (default: the run's own, or a new one)",
     )
+    p.add_argument(
+        "--skip-eval",
+        action="store_true",
+        help="leave out the held-out evaluation of eval_split after the last step (the results page is still written)",
+    )
     _add_gpu_memory_argument(p)
 
     def handler(args: argparse.Namespace) -> int:
@@ -259,6 +264,7 @@ def _cmd_train(subparsers: Subparsers) -> None:
             resume=args.resume,
             force_resume=args.force_resume,
             mlflow_run_id=args.mlflow_run_id,
+            evaluate=not args.skip_eval,
         )
 
     p.set_defaults(handler=handler)

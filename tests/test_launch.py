@@ -22,6 +22,7 @@ from training_child import SCRIPT, SMOKE, Train, child_env, only_run
 from papo_nb.cli import main
 from papo_nb.infra.tracking import ARTIFACTS_DIRNAME, DB_FILENAME, artifacts_dir, sqlite_path
 from papo_nb.train.integrity import CorruptCheckpointWarning, checkpoint_problems, find_resume_checkpoint
+from papo_nb.train.output import LOG_FILE
 from papo_nb.train.resume import ResumeMismatch
 from papo_nb.train.run_folder import (
     PARAMS_FILE,
@@ -32,6 +33,7 @@ from papo_nb.train.run_folder import (
 )
 from papo_nb.train.runner import run_training
 from papo_nb.workbook.config.params import load_params
+from papo_nb.workbook.results.page import NOTE_TAG
 from papo_nb.workbook.training.checkpoints import checkpoint_step
 
 pytestmark = pytest.mark.slow
@@ -96,6 +98,11 @@ def test_two_gloo_processes_train_with_the_probe_and_log_one_set_of_metrics(tmp_
     metrics = run.data.metrics
     assert metrics["probe_final/passed"] == 1.0 and metrics["probe_final/same_on_all_ranks"] == 1.0
     assert metrics["start/num_processes"] == 2
+    # the launching process's train.log has every line once (the job's rank 0 writes none of its own), and its run
+    # ends on the held-out evaluation and the results page, as a one-process run does
+    log = (out / LOG_FILE).read_text()
+    assert log.count(f"{PROGRESS_PREFIX} step {steps}/{steps}") == 1 and "accelerate.commands.launch" in log
+    assert "eval/accuracy_original" in metrics and NOTE_TAG in run.data.tags
 
 
 # --------------------------------------------------------------------------------------------

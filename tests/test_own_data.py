@@ -131,7 +131,7 @@ def test_the_documented_example_rows_load_and_the_example_reward_runs_on_them(tm
     params = load_params(None, [f"dataset={tmp_path / 'my_rows'}", "reward=[my_rewards:brevity]"])
     train, held_out = load_datasets(params)
     assert len(train) == len(held_out) == 2 and [len(r["images"]) for r in train] == [1, 2]
-    rewards.check_rewards_on_row(params, train, load_tokenizer(params))
+    rewards.check_rewards_on_groups(params, train, load_tokenizer(params))
     (function,) = rewards.reward_functions(params)
     completion = [[{"role": "assistant", "content": "<answer>red</answer>"}]]
     assert function([train[0]["prompt"]], completion, completion_ids=[[1, 2]], answer=["red"]) == [0.98]
@@ -189,11 +189,11 @@ def test_a_bad_reward_is_refused_naming_the_parameter_the_value_and_the_error(tm
     dataset = own_rows(rows(), WHERE, 3136, 12544)
     tokenizer = load_tokenizer(load_params(None))
     for spec, problem in (
-        ("bad_rewards:crashes", "crashes failed on the first training row: KeyError: 'no_such_column'"),
-        ("bad_rewards:too_many", r"too_many returned \[1.0, 2.0\] for one completion; expected a list of one"),
+        ("bad_rewards:crashes", r"crashes failed on training row 0 \(4 completions .*KeyError: 'no_such_column'"),
+        ("bad_rewards:too_many", r"too_many returned 2 values \(\[1.0, 2.0\]\) for 4 completions; expected 4"),
     ):
         with pytest.raises(rewards.RewardError, match=rf"parameter 'reward' = '{spec}': {problem}"):
-            rewards.check_rewards_on_row(load_params(None, [f"reward={spec}"]), dataset, tokenizer)
+            rewards.check_rewards_on_groups(load_params(None, [f"reward={spec}"]), dataset, tokenizer)
 
 
 REWARD_MODULE = '''

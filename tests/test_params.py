@@ -51,7 +51,7 @@ def test_every_papo_field_is_a_parameter_with_the_configs_default_and_help():
         ("entropy_estimator", "exact", "'sampled' or 'full'"),
         ("loss_type", "ppo", "'grpo'"),
         ("perception_loss_weight_final", -1.0, "expected a finite number >= 0"),
-        ("perception_loss_wieght", 0.1, "allowed parameters:"),
+        ("perception_loss_wieght", 0.1, "did you mean 'perception_loss_weight'?"),
     ],
 )
 def test_bad_papo_parameters_name_key_value_and_allowed(key, value, allowed):

@@ -168,7 +168,7 @@ def test_two_notebook_workbook_logs_everything(tmp_path, store):
 
 
 BAD_INPUTS = {
-    "unknown key": ("learning_rat: 0.1\n", [], ["'learning_rat'", "0.1", "allowed parameters", "learning_rate"]),
+    "unknown key": ("learning_rat: 0.1\n", [], ["'learning_rat'", "0.1", "did you mean 'learning_rate'?"]),
     "wrong type": ("seed: three\n", [], ["'seed'", "'three'", "integer"]),
     "out of range": ("mask_ratio: 1.5\n", [], ["'mask_ratio'", "1.5", "(0, 1]"]),
     "bad override": ("seed: 1\n", ["num_generations=1"], ["'num_generations'", "= 1", "greater than or equal to 2"]),

@@ -20,6 +20,7 @@ from typing import TextIO
 import yaml
 
 from papo_nb.infra.servers import free_port, stop_process_group
+from papo_nb.train.output import LAUNCHER_KEEPS_LOG_ENV
 from papo_nb.train.request import RunRequest
 from papo_nb.train.run_folder import PROGRESS_PREFIX, SUMMARY_FILE, LaunchError, LaunchFailed
 from papo_nb.workbook.config.params import WorkbookParams
@@ -217,6 +218,7 @@ def launch_distributed(request: RunRequest, *, stream: TextIO | None = None) -> 
             **os.environ,
             "PYTHONUNBUFFERED": "1",
             "MLFLOW_TRACKING_URI": absolute_tracking_uri(request.tracking_uri or default_tracking_uri()),
+            LAUNCHER_KEEPS_LOG_ENV: "1",  # this process's train.log gets every rank's lines (stream below)
         }
         stream.write(f"{PROGRESS_PREFIX} launching {params.num_processes} processes: {' '.join(command)}\n")
         process = subprocess.Popen(

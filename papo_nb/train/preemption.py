@@ -10,6 +10,7 @@ lets the run finish normally.
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import sys
 import time
@@ -48,11 +49,14 @@ class PreemptionCallback(TrainerCallback):
     def _handle(self, signum, frame) -> None:
         if self.signal is None:
             self.signal, self.received_at = signal.Signals(signum).name, time.time()
-            print(
-                f"{PROGRESS_PREFIX} {self.signal} received: finishing the current step, then a checkpoint",
-                file=sys.stderr,
-                flush=True,
-            )
+            # Never raise here: an exception from a signal handler lands wherever the main thread is, inside a
+            # lock tqdm holds, say, and the run hangs at the next close; a gone terminal must not stop the run.
+            with contextlib.suppress(OSError, ValueError):
+                print(
+                    f"{PROGRESS_PREFIX} {self.signal} received: finishing the current step, then a checkpoint",
+                    file=sys.stderr,
+                    flush=True,
+                )
 
     def on_train_begin(self, args, state, control, **kwargs):
         for sig in PREEMPTION_SIGNALS:

@@ -79,6 +79,7 @@ def log_start(params: WorkbookParams, start: dict, attempt: dict, attempts: int,
         return
     log_evidence("start", start, prefix="start", tracker=tracker)
     tracker.log_dict(params.model_dump(mode="json"), "train/params.json")
+    tracker.log_params(run_identity_params(params))
     tracker.set_tags(
         {
             "papo_nb.adapter_version": PAPO_ADAPTER_VERSION,
@@ -88,6 +89,23 @@ def log_start(params: WorkbookParams, start: dict, attempt: dict, attempts: int,
             "papo_nb.num_processes": str(params.num_processes),
         }
     )
+
+
+def run_identity_params(params: WorkbookParams) -> dict[str, str]:
+    """What the run trained, as MLflow params beside the TrainingArguments transformers logs (none of these names is
+    one of its fields): the model, the data and its splits, the reward entries and the functions they stand for."""
+    from papo_nb.workbook.config.reward_names import reward_specs
+    from papo_nb.workbook.training.rewards import weighted_rewards
+
+    return {
+        "model_name_or_path": params.model_name_or_path,
+        "dataset": params.dataset,
+        "dataset_schema": params.dataset_schema,
+        "train_split": params.train_split,
+        "eval_split": params.eval_split,
+        "reward": ", ".join(reward_specs(params.reward, params.dataset_schema)),
+        "reward_functions": ", ".join(function.__name__ for _, function, _ in weighted_rewards(params)),
+    }
 
 
 def write_summary(output_dir: Path, summary: dict) -> None:

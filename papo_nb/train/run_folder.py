@@ -8,6 +8,8 @@ The output folder (``--output-dir``) holds everything a run needs to be resumed:
                           states (the PAPO-G masking generator's included), trainer state
     resume_evidence.json  what the last resume restored, compared tensor by tensor with its checkpoint
     train_summary.json    at the end: final step, probe verdict (checked identical on every rank), log history
+    train.log             everything the run printed, each attempt appended (``output``); it outlives the terminal
+    README.md             TRL's model card, naming the base model (``workbook.training.model_card``)
 """
 
 from __future__ import annotations

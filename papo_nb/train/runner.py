@@ -27,6 +27,8 @@ from papo_nb.train.distributed import (
     same_on_all_ranks,
     under_launcher,
 )
+from papo_nb.train.final_review import review_run
+from papo_nb.train.output import run_log_path, surviving_output
 from papo_nb.train.plan import RunPlan, plan_run
 from papo_nb.train.preemption import PREEMPTED_EXIT, Preempted, PreemptionCallback
 from papo_nb.train.probe_state import ProbeStateCallback, restore_probe
@@ -46,6 +48,7 @@ from papo_nb.train.run_folder import PROGRESS_PREFIX, LaunchError, LaunchFailed
 from papo_nb.train.spool import TrackingSpool
 from papo_nb.train.spooled_tracking import SpooledFluent, close_spool, open_spool, route_through_spool
 from papo_nb.workbook.config.machine_checks import preflight_problems
+from papo_nb.workbook.config.param_errors import where_set
 from papo_nb.workbook.config.params import ParamsError, WorkbookParams, load_params
 from papo_nb.workbook.training.builder import prepare_training
 from papo_nb.workbook.training.checkpoints import CHECKPOINT_PREFIX, describe_reference, latest_checkpoint
@@ -345,10 +348,11 @@ def train_command(
     force_resume: bool = False,
     mlflow_run_id: str = "",
     report_to: str = "mlflow",
+    evaluate: bool = True,
 ) -> int:
-    """The body of ``papo-nb train``. Exit codes: 0 trained, 1 training failed, 2 bad parameters or a refused run,
-    74 a full disk (DiskFull), 75 stopped by SIGTERM or SIGUSR1 at a marked checkpoint (Preempted); a launched job
-    that fails exits with its own code."""
+    """The body of ``papo-nb train``; ``evaluate`` False skips the held-out evaluation at the end. Exit codes: 0
+    trained, 1 training failed, 2 bad parameters or a refused run, 74 a full disk (DiskFull), 75 stopped by SIGTERM
+    or SIGUSR1 at a marked checkpoint (Preempted); a launched job that fails exits with its own code."""
     try:
         params = load_params(params_file, overrides)
     except ParamsError as exc:
@@ -356,8 +360,24 @@ def train_command(
         return 2
     problems = preflight_problems(params)
     if problems:
-        print("papo-nb train: error: " + "\n".join(problems), file=sys.stderr)
+        print("papo-nb train: error: " + "\n".join(where_set(p, params.origin) for p in problems), file=sys.stderr)
         return 2
+    # a closed terminal or pipe never stops the run; its log file carries on
+    with surviving_output(run_log_path(output_dir, process_rank())):
+        return train_and_report(params, output_dir, resume, force_resume, mlflow_run_id, report_to, evaluate)
+
+
+def train_and_report(
+    params: WorkbookParams,
+    output_dir: str,
+    resume: bool,
+    force_resume: bool,
+    mlflow_run_id: str,
+    report_to: str,
+    evaluate: bool,
+) -> int:
+    """``train_command`` once the parameters are valid: the run, its held-out evaluation and results page (not on
+    the ranks of a launched job: the launching process writes them), its last line, and its exit code."""
     try:
         outcome = run_training(
             params,
@@ -368,7 +388,7 @@ def train_command(
             report_to=report_to,
         )
     except (LaunchError, ParamsError) as exc:  # ParamsError here: own rows or a reward refused before the model loads
-        print(f"papo-nb train: error: {exc}", file=sys.stderr)
+        print(f"papo-nb train: error: {where_set(str(exc), params.origin)}", file=sys.stderr)
         return 2
     except LaunchFailed as exc:
         print(f"{PROGRESS_PREFIX} {exc}", file=sys.stderr)
@@ -379,6 +399,8 @@ def train_command(
     except DiskFull as exc:
         print(f"papo-nb train: error: {exc}", file=sys.stderr, flush=True)
         return DISK_FULL_EXIT
+    if report_to == "mlflow" and not under_launcher():
+        review_run(params, outcome, lambda: trained_policy(params, outcome), evaluate=evaluate)
     if process_rank() == 0:
         print(
             f"{PROGRESS_PREFIX} done at step {outcome.global_step}; last checkpoint {outcome.last_checkpoint}; "

@@ -18,6 +18,7 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    PrivateAttr,
     ValidationError,
     create_model,
     field_validator,
@@ -26,6 +27,7 @@ from pydantic import (
 
 from papo_nb.papo.papo_config import FIELD_RULES, PAPOGConfig, field_problem, papo_fields
 from papo_nb.papo.vppo.vppo_config import VPPO_FIELD_RULES, VPPO_FIXED, VPPOConfig
+from papo_nb.workbook.config.param_errors import DEFAULT_ORIGIN, describe_error, plain_message
 from papo_nb.workbook.config.study_params import StudyParams
 from papo_nb.workbook.config.vllm_params import VLLMParams
 
@@ -121,6 +123,7 @@ class WorkbookParams(PAPOParams, VLLMParams, StudyParams):
     (config.study_params)."""
 
     model_config = ConfigDict(extra="forbid", strict=True, validate_assignment=True)
+    _origins: dict[str, str] = PrivateAttr(default_factory=dict)  # where each value was set (validate_params)
 
     # --- model, data, hardware ---
     model_name_or_path: str = Field(
@@ -336,6 +339,10 @@ class WorkbookParams(PAPOParams, VLLMParams, StudyParams):
     def field_names(cls) -> set[str]:
         return set(cls.model_fields)
 
+    def origin(self, name: str) -> str:
+        """Where parameter ``name`` was set: a params file, ``-p name=value``, or the default."""
+        return self._origins.get(name, DEFAULT_ORIGIN)
+
 
 def study_params_applied(params: WorkbookParams) -> WorkbookParams:
     """``params`` with its ``study_params`` in place of the workbook's values (notebook 04 runs on these), validated
@@ -352,31 +359,29 @@ def study_params_applied(params: WorkbookParams) -> WorkbookParams:
     try:
         return WorkbookParams.model_validate(values)
     except ValidationError as exc:
-        problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
+        problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {plain_message(e['msg'])}" for e in exc.errors())
         raise ValueError(f"parameter 'study_params' = {params.study_params!r} is invalid: {problems}") from None
 
 
-def _describe(error: dict[str, Any], source: str) -> str:
-    if not error["loc"]:  # a check across fields (method 'vppo'): its message names the parameter
-        return f"{source}: {error['msg'].removeprefix('Value error, ')}"
-    key = ".".join(str(p) for p in error["loc"])
-    value = error.get("input")
-    if error["type"] == "extra_forbidden":
-        allowed = ", ".join(sorted(WorkbookParams.model_fields))
-        return f"{source}: unknown parameter {key!r} (value {value!r}); allowed parameters: {allowed}"
-    field = WorkbookParams.model_fields.get(str(error["loc"][0]))
-    help_text = f" ({field.description})" if field is not None and field.description else ""
-    return f"{source}: parameter {key!r} = {value!r} is invalid: {error['msg']}{help_text}"
-
-
-def validate_params(values: dict[str, Any], source: str = "params") -> WorkbookParams:
-    """Validate a mapping; raise ParamsError listing every bad key with its value and what is allowed."""
+def validate_params(
+    values: dict[str, Any], source: str = "params", origins: dict[str, str] | None = None
+) -> WorkbookParams:
+    """Validate a mapping; raise ParamsError listing every bad key with its value, what is allowed and where the
+    value came from: ``origins[key]`` (a params file, ``-p key=value``), else ``source`` when ``origins`` is None,
+    else the default."""
     if not isinstance(values, dict):
         raise ParamsError(f"{source}: expected a mapping of parameter names to values, got {type(values).__name__}")
+
+    def origin_of(key: str) -> str:
+        return source if origins is None else origins.get(key, DEFAULT_ORIGIN)
+
     try:
-        return WorkbookParams.model_validate(values)
+        params = WorkbookParams.model_validate(values)
     except ValidationError as exc:
-        raise ParamsError("\n".join(_describe(e, source) for e in exc.errors())) from None
+        lines = [describe_error(error, origin_of, WorkbookParams.model_fields) for error in exc.errors()]
+        raise ParamsError("\n".join(lines)) from None
+    params._origins = {key: origin_of(key) for key in values}
+    return params
 
 
 def parse_override(text: str) -> tuple[str, Any]:
@@ -390,7 +395,7 @@ def parse_override(text: str) -> tuple[str, Any]:
 def load_params(path: str | Path | None, overrides: list[str] | None = None) -> WorkbookParams:
     """Read a YAML params file (None: all defaults), apply ``key=value`` overrides, validate."""
     values: dict[str, Any] = {}
-    source = "defaults"
+    source = DEFAULT_ORIGIN
     if path is not None:
         path = Path(path)
         if not path.is_file():
@@ -404,10 +409,11 @@ def load_params(path: str | Path | None, overrides: list[str] | None = None) -> 
             raise ParamsError(
                 f"{source}: expected a mapping of parameter names to values, got {type(values).__name__}"
             )
+    origins = dict.fromkeys(values, source)
     for item in overrides or []:
         key, value = parse_override(item)
-        values[key] = value
-    return validate_params(values, source)
+        values[key], origins[key] = value, f"-p {item}"
+    return validate_params(values, source, origins)
 
 
 def notebook_params(namespace: dict[str, Any]) -> WorkbookParams:

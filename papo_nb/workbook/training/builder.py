@@ -24,8 +24,14 @@ from papo_nb.workbook.recipe import reward as math_reward
 from papo_nb.workbook.recipe.data import official_datasets, set_processor_pixel_bounds
 from papo_nb.workbook.recipe.own_data import own_datasets
 from papo_nb.workbook.training.checkpoints import load_trainable_adapter
+from papo_nb.workbook.training.model_card import ModelCardCallback
 from papo_nb.workbook.training.review import attach_review
-from papo_nb.workbook.training.rewards import check_rewards_on_row, reward_functions, reward_weights
+from papo_nb.workbook.training.rewards import (
+    check_rewards_on_groups,
+    guarded_reward_functions,
+    reward_weights,
+    weighted_rewards,
+)
 
 EVAL_SEED_OFFSET = 10_000  # held-out synthetic items come from a different stream than training items
 
@@ -194,7 +200,7 @@ def build_trainer(params: WorkbookParams, args: PAPOGConfig, model, processor, t
     return trainer_cls(
         model=model,
         processing_class=processor,
-        reward_funcs=reward_functions(params),
+        reward_funcs=guarded_reward_functions(params),
         args=args,
         train_dataset=train_dataset,
         peft_config=peft_config,
@@ -212,15 +218,17 @@ def vision_tower(model):
 def prepare_training(params: WorkbookParams, output_dir: str | Path, *, report_to: str = "none", **config_overrides):
     """Model (fresh LoRA, or a trained adapter for phase 2), data and trainer, ready to ``train()``
     or to probe. Returns (trainer, held-out eval dataset, restored-adapter evidence or None). The data and the
-    rewards are checked (each reward called on the first training row) before the model loads."""
+    rewards are checked (each reward called on a group of completions of the first rows) before the model loads."""
     train_dataset, eval_dataset = load_datasets(params)
-    check_rewards_on_row(params, train_dataset, load_tokenizer(params))
+    check_rewards_on_groups(params, train_dataset, load_tokenizer(params))
     model, processor = load_policy(params)
     restored = None
     if params.init_adapter:
         model, restored = load_trainable_adapter(model, params.init_adapter)
     args = papo_config(params, output_dir, processor, report_to=report_to, **config_overrides)
     trainer = build_trainer(params, args, model, processor, train_dataset)
+    rewards = [function.__name__ for _, function, _ in weighted_rewards(params)]
+    trainer.add_callback(ModelCardCallback(params, str(resolve_model_path(params)), rewards))  # before the review's
     attach_review(trainer, params, train_dataset, eval_dataset)  # completions, checkpoint models, lineage (MLflow)
     if params.reference_policy == "base" and "ref" in getattr(trainer.model, "peft_config", {}):
         # TRL 1.9.1 copied the loaded adapter into a frozen "ref" adapter (beta != 0); without it, TRL computes the

@@ -7,13 +7,18 @@ functions (``math``: boxed accuracy and format, weighed 0.9 and 0.1); ``reward_w
 function (empty: each name's own weights, 1 for a function of one's own).
 
 Refused before work: the spelling at params validation (``config.reward_names``), the import in the machine
-checks before any run starts (``reward_import_problems``), one call on the first training row before the model
-loads (``check_rewards_on_row``); each message names the parameter, the value and the error.
+checks before any run starts (``reward_import_problems``), a call on a group of ``num_generations`` completions
+for each of the first training rows before the model loads (``check_rewards_on_groups``), and every call in
+training (``guarded``): a raise, a wrong length, a non-number or a non-finite value is refused; each message names
+the parameter, the value, the function and what is wrong.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
+import inspect
+import math
 
 from papo_nb.testbed.rewards import accuracy_reward, format_reward
 from papo_nb.workbook.config.params import ParamsError
@@ -66,7 +71,7 @@ def weighted_rewards(params) -> list[tuple[str, object, float]]:
 
 
 def reward_functions(params) -> list:
-    """The reward functions to hand TRL, in order."""
+    """The reward functions of the run, in order, as written (``guarded_reward_functions``: as TRL gets them)."""
     return [function for _, function, _ in weighted_rewards(params)]
 
 
@@ -87,40 +92,104 @@ def reward_import_problems(params) -> list[str]:
     return []
 
 
-def check_rewards_on_row(params, dataset, tokenizer) -> None:
-    """Call every reward function once, as TRL calls it, on the first row of ``dataset`` with its ``answer`` as the
-    completion; RewardError names the entry when one raises or does not return one float (or None) per completion."""
+PRECHECK_ROWS = 3  # rows the pre-check draws a group for: enough to meet more than one answer, cheap for a judge
+# The group's completions: the answer itself, nothing, and the two answer formats the shipped rewards grade.
+PRECHECK_COMPLETIONS = ("{answer}", "", "<answer>{answer}</answer>", "\\boxed{{{answer}}}")
+
+
+def check_rewards_on_groups(params, dataset, tokenizer) -> None:
+    """Call every reward function as TRL calls it, before the model loads: once for each of the first rows of
+    ``dataset``, on its prompt with ``num_generations`` completions (the answer, an empty text, the answer in the
+    two formats). RewardError names the entry and the function when one raises, or does not return one finite number
+    (or None) per completion."""
     from transformers import TrainerState
 
-    row = dataset[0]
-    text = str(row.get("answer", ""))
-    conversational = isinstance(row["prompt"], list)
-    completion = [{"role": "assistant", "content": text}] if conversational else text
-    columns = {key: [value] for key, value in row.items() if key not in ("prompt", "completion", "completion_ids")}
     tokenizer = getattr(tokenizer, "tokenizer", tokenizer)
-    for spec, function, _ in weighted_rewards(params):
-        try:
-            result = function(
-                prompts=[row["prompt"]],
-                completions=[completion],
-                completion_ids=[tokenizer(text, add_special_tokens=False)["input_ids"]],
-                trainer_state=TrainerState(),
-                log_extra=lambda column, values: None,
-                log_metric=lambda name, value: None,
-                **columns,
-            )
-        except Exception as exc:
-            raise RewardError(
-                f"parameter 'reward' = {spec!r}: {function.__name__} failed on the first training row: "
-                f"{type(exc).__name__}: {exc}"
-            ) from None
-        result = list(result) if isinstance(result, (list, tuple)) else result
-        if not isinstance(result, list) or len(result) != 1 or not all(_is_reward(v) for v in result):
-            raise RewardError(
-                f"parameter 'reward' = {spec!r}: {function.__name__} returned {result!r} for one completion; "
-                "expected a list of one float (or None) per completion"
-            )
+    group = params.num_generations
+    for index in range(min(PRECHECK_ROWS, len(dataset))):
+        row = dataset[index]
+        answer = str(row.get("answer", ""))
+        texts = [PRECHECK_COMPLETIONS[i % len(PRECHECK_COMPLETIONS)].format(answer=answer) for i in range(group)]
+        conversational = isinstance(row["prompt"], list)
+        completions = [[{"role": "assistant", "content": t}] for t in texts] if conversational else texts
+        columns = {k: [v] * group for k, v in row.items() if k not in ("prompt", "completion", "completion_ids")}
+        for spec, function, _ in weighted_rewards(params):
+            where = f"on training row {index} ({group} completions of its prompt, num_generations)"
+            try:
+                result = function(
+                    prompts=[row["prompt"]] * group,
+                    completions=completions,
+                    completion_ids=[tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts],
+                    trainer_state=TrainerState(),
+                    log_extra=lambda column, values: None,
+                    log_metric=lambda name, value: None,
+                    **columns,
+                )
+            except Exception as exc:
+                raise RewardError(
+                    f"parameter 'reward' = {spec!r}: {function.__name__} failed {where}: {type(exc).__name__}: {exc}"
+                ) from None
+            if (problem := reward_values_problem(result, group)) is not None:
+                raise RewardError(f"parameter 'reward' = {spec!r}: {function.__name__} {problem} {where}")
+
+
+def reward_values_problem(result, expected: int) -> str | None:
+    """What is wrong with a reward function's return value for ``expected`` completions (None: nothing): TRL
+    would spread a single value over the batch, and take NaN for "no reward" silently."""
+    if not isinstance(result, (list, tuple)):
+        return f"returned a {type(result).__name__} ({_short(result)}), not a list of one value per completion,"
+    if len(result) != expected:
+        return f"returned {len(result)} values ({_short(result)}) for {expected} completions; expected {expected}"
+    bad = [value for value in result if not _is_reward(value)]
+    if bad:
+        return f"returned {_short(bad[0])}, which is not a number (a float, or None for no reward),"
+    if any(value is not None and not math.isfinite(value) for value in result):
+        return f"returned a value that is not finite ({_short(result)}; None means no reward),"
+    return None
+
+
+def _short(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def _is_reward(value) -> bool:
     return value is None or (isinstance(value, (int, float)) and not isinstance(value, bool))
+
+
+def guarded(spec: str, function):
+    """``function`` as TRL calls it during training, its every return value checked like the pre-check's: a wrong
+    length, a non-number or a non-finite value raises RewardError (naming the entry, the function and the step)
+    before the loss, hence any optimizer step, uses it."""
+
+    def check(result, completions, trainer_state=None):
+        problem = reward_values_problem(result, len(completions))
+        if problem is not None:
+            step = getattr(trainer_state, "global_step", None)
+            at = f" while scoring the completions for optimizer step {step + 1}" if step is not None else ""
+            raise RewardError(f"parameter 'reward' = {spec!r}: {function.__name__} {problem}{at}")
+        return result
+
+    if inspect.iscoroutinefunction(function):
+
+        @functools.wraps(function)
+        async def checked_async(*args, **kwargs):
+            return check(await function(*args, **kwargs), _completions(args, kwargs), kwargs.get("trainer_state"))
+
+        return checked_async
+
+    @functools.wraps(function)
+    def checked(*args, **kwargs):
+        return check(function(*args, **kwargs), _completions(args, kwargs), kwargs.get("trainer_state"))
+
+    return checked
+
+
+def _completions(args: tuple, kwargs: dict) -> list:
+    """The completions of a reward call: TRL passes them by keyword; positionally they follow the prompts."""
+    return kwargs["completions"] if "completions" in kwargs else args[1]
+
+
+def guarded_reward_functions(params) -> list:
+    """The reward functions to hand TRL, each checked on every call (``guarded``)."""
+    return [guarded(spec, function) for spec, function, _ in weighted_rewards(params)]
