@@ -16,7 +16,7 @@ from packaging.specifiers import SpecifierSet
 from papo_nb.testbed.models import build_tiny_processor, vision_special_token_ids
 from papo_nb.train.runner import train_command
 from papo_nb.workbook.config.params import ParamsError, load_params
-from papo_nb.workbook.config.vllm_params import install_command, vllm_sampling_fields
+from papo_nb.workbook.config.vllm_params import install_command, vllm_problems, vllm_sampling_fields
 from papo_nb.workbook.training.builder import papo_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -88,17 +88,19 @@ def test_without_vllm_hf_generate_keeps_suppress_tokens_and_the_vllm_fields_pass
         load_params(None, ["vllm_gpu_memory_utilization=0"])
 
 
-def test_papo_nb_train_with_use_vllm_and_no_vllm_stops_before_work_with_the_install_command(tmp_path, capsys):
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vLLM installed: tests/test_vllm_rollouts.py")
+def test_papo_nb_train_with_use_vllm_and_no_vllm_stops_before_work_with_both_fixes(tmp_path, capsys):
     out = tmp_path / "run"
     code = train_command(str(ROOT / "params" / "smoke_fast.yaml"), ["use_vllm=true"], str(out), report_to="none")
     error = capsys.readouterr().err
     assert code == 2 and not out.exists()  # stopped before the run folder, the data and the model
+    assert "parameter 'use_vllm' = True with device 'cpu': vLLM is not installed in this environment" in error
+    assert "set use_vllm: false" in error and "bash scripts/vllm_cpu_env.sh" in error  # both fixes
     (extra,) = [r for r in importlib.metadata.requires("trl") if r.startswith("vllm") and "extra ==" in r]
     command = f'pip install "trl[vllm]=={importlib.metadata.version("trl")}" (vLLM {extra.split(";")[0][4:]})'
     assert install_command() == command
-    missing = f"parameter 'use_vllm' = True: vLLM is not installed here; install it: {command}"
-    assert (missing in error) == (importlib.util.find_spec("vllm") is None)
-    assert "parameter 'use_vllm' = True with device 'cpu': vLLM generates on CUDA GPUs only" in error
+    cuda = load_params(None, ["use_vllm=true", "device=cuda"])
+    assert vllm_problems(cuda) == [f"parameter 'use_vllm' = True: vLLM is not installed here; install it: {command}"]
 
 
 def test_docs_vllm_states_the_fact_files_releases_and_ranges():

@@ -136,7 +136,8 @@ def build_tiny_processor(family: str = "qwen2_vl") -> Qwen2VLProcessor:
 
 
 # Model sizes `build_tiny_vlm` can make. "tiny" (the default, a few hundred thousand parameters) is the test
-# model; "wide" (about 30 million) is for CPU benchmarks where the transformer's compute dominates the step.
+# model; "vllm" the same with heads vLLM's CPU backend runs; "wide" (about 30 million) is for CPU benchmarks where
+# the transformer's compute dominates the step.
 SIZES = {
     "tiny": dict(
         hidden=64,
@@ -145,6 +146,20 @@ SIZES = {
         heads=4,
         kv_heads=2,
         mrope=[2, 3, 3],
+        vision_depth=2,
+        vision_width=32,
+        vision_heads=2,
+        vision_mlp_ratio=2,
+    ),
+    # "vllm": "tiny" with 2 attention heads of 32 (mrope over 16 frequencies): vLLM's CPU attention takes head sizes
+    # 32 to 512 only (the vLLM tier, tests/test_vllm_rollouts.py).
+    "vllm": dict(
+        hidden=64,
+        intermediate=128,
+        layers=2,
+        heads=2,
+        kv_heads=1,
+        mrope=[4, 6, 6],
         vision_depth=2,
         vision_width=32,
         vision_heads=2,

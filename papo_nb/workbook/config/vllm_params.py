@@ -29,7 +29,7 @@ class VLLMParams(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, validate_assignment=True)
 
     use_vllm: bool = Field(
-        False, description="generate rollouts with vLLM (TRL's use_vllm; needs CUDA and pip install 'trl[vllm]')"
+        False, description="generate rollouts with vLLM (TRL's use_vllm; CUDA: pip install 'trl[vllm]'; CPU: scripts/vllm_cpu_env.sh)"
     )
     vllm_mode: Literal["colocate", "server"] = Field(
         "colocate",
@@ -66,15 +66,17 @@ def install_command() -> str:
 
 
 def vllm_problems(params) -> list[str]:
-    """With ``use_vllm``: vLLM importable here and a GPU to run it (checked before any model loads)."""
-    if not params.use_vllm:
+    """With ``use_vllm``: vLLM importable here (checked before any model loads). On the CPU, vLLM's CPU backend runs
+    in the virtualenv scripts/vllm_cpu_env.sh builds (docs/vllm.md)."""
+    if not params.use_vllm or importlib.util.find_spec("vllm") is not None:
         return []
-    problems = []
-    if importlib.util.find_spec("vllm") is None:
-        problems.append(f"parameter 'use_vllm' = True: vLLM is not installed here; install it: {install_command()}")
-    if params.device == "cpu":
-        problems.append("parameter 'use_vllm' = True with device 'cpu': vLLM generates on CUDA GPUs only")
-    return problems
+    if params.device == "cuda":
+        return [f"parameter 'use_vllm' = True: vLLM is not installed here; install it: {install_command()}"]
+    return [
+        f"parameter 'use_vllm' = True with device {params.device!r}: vLLM is not installed in this environment. "
+        "Either set use_vllm: false (rollouts from HF generate), or build the environment with vLLM's CPU backend "
+        "(bash scripts/vllm_cpu_env.sh) and run there (.venv-vllm/bin/papo-nb)"
+    ]
 
 
 @functools.lru_cache(maxsize=1)
