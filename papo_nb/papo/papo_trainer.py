@@ -25,7 +25,7 @@ import torch
 from transformers.utils import logging
 from trl import GRPOTrainer
 
-from . import trl_seams, vllm_rollouts
+from . import token_suppression, trl_seams, vllm_rollouts
 from .citation import PAPO_PAPER
 from .contract import ENTROPY_GRAD_GATE, validate_grad_norm_hook, validate_trl_parent_contract
 from .forward import prefix_sharing
@@ -115,6 +115,7 @@ class PAPOGTrainer(GRPOTrainer):
         with vllm_rollouts.cpu_server_client(args):  # vLLM's CPU platform in server mode: no NCCL communicator
             super().__init__(**parent_arguments)
         self.vllm_expansion = vllm_rollouts.install(self)  # with use_vllm: prompts vLLM expands once
+        token_suppression.apply(self)  # with vLLM (by default): the trainer scores what generation samples from
         self.fidelity_guard = vllm_rollouts.RolloutFidelityGuard(
             self.args.vllm_fidelity_every, self.args.vllm_fidelity_logprob_tolerance, self._metrics["train"]
         )

@@ -126,7 +126,8 @@ def cpu_weight_sync(generation) -> None:
         return
     client = generation.vllm_client
     with tempfile.TemporaryDirectory(prefix="papo_nb_vllm_weights_") as folder:
-        weights = {name: param.detach().cpu().contiguous() for name, param in generation._iter_named_params()}
+        # cloned: the iterator unmerges the LoRA weights in place once it is exhausted (TRL _iter_named_params)
+        weights = {name: param.detach().clone() for name, param in generation._iter_named_params()}
         torch.save(weights, Path(folder) / "pytorch_model.bin")
         rpc = {"method": "reload_weights", "kwargs": {"weights_path": folder}}
         for path, body in (("collective_rpc", rpc), ("reset_prefix_cache", None), ("reset_encoder_cache", None)):

@@ -29,7 +29,9 @@ class VLLMParams(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, validate_assignment=True)
 
     use_vllm: bool = Field(
-        False, description="generate rollouts with vLLM (TRL's use_vllm; CUDA: pip install 'trl[vllm]'; CPU: scripts/vllm_cpu_env.sh)"
+        False,
+        description="generate rollouts with vLLM (TRL's use_vllm; CUDA: pip install 'trl[vllm]'; CPU: the venv of "
+        "scripts/vllm_cpu_env.sh)",
     )
     vllm_mode: Literal["colocate", "server"] = Field(
         "colocate",
