@@ -92,7 +92,7 @@ def train(tmp_path, name: str, *overrides: str, timeout: float = 420) -> list[di
     assert len(steps) == 2, logs
     for entry in steps:  # TRL's importance-sampling correction ran on vLLM's log-probs
         assert {"sampling/importance_sampling_ratio/mean", GAP} <= entry.keys(), entry.keys()
-    assert steps[0]["vllm/fidelity_prompt_mismatch_rows"] == 0 and steps[0]["vllm/fidelity_logprob_gap"] < 2e-3
+    assert steps[0]["papo/vllm_prompt_mismatch_rows"] == 0 and steps[0]["papo/vllm_logprob_gap"] < 2e-3
     return steps
 
 

@@ -151,9 +151,9 @@ class RolloutFidelityGuard:
             return
         problems = prompt_problems(*expansion.last, expansion.image_token_id)
         gap = logprob_gap(batch)
-        self.metrics["vllm/fidelity_prompt_mismatch_rows"].append(float(len(problems)))
+        self.metrics["papo/vllm_prompt_mismatch_rows"].append(float(len(problems)))
         if gap is not None:
-            self.metrics["vllm/fidelity_logprob_gap"].append(gap)
+            self.metrics["papo/vllm_logprob_gap"].append(gap)
         message = []
         if problems:
             shown = "; ".join(problems[:4]) + (f"; and {len(problems) - 4} more" if len(problems) > 4 else "")
