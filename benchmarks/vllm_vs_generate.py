@@ -3,8 +3,9 @@
 One process per group size G (a colocated engine per process), in the vLLM venv (scripts/vllm_cpu_env.sh). The
 trainer trains with vLLM rollouts; in every round its ``_generate_single_turn`` also runs HF ``generate`` on the same
 prompts from a second trainer (``use_vllm`` off, the same weights copied in before the round), the order alternating
-round by round, one thread. Per call: seconds, completion tokens per second, and the process's peak RSS during the
-call (sampled every 5 ms; the colocated engine lives in the same process). Reported: the median and the min-max
+round by round, one thread. Per call: seconds, completion tokens per second, the process's peak RSS during the call
+and its growth over the RSS at the call's start (sampled every 5 ms; the colocated engine, its KV cache included,
+lives in the same process, so the peak counts both engines' weights). Reported: the median and the min-max
 spread over the timed rounds, and the ratio of medians.
 
     .venv-vllm/bin/python benchmarks/vllm_vs_generate.py              # G 5 and 8, 8 timed rounds each, ~3 min
@@ -33,7 +34,8 @@ class PeakRSS:
     def __enter__(self):
         import psutil
 
-        self.process, self.peak, self.running = psutil.Process(), 0, True
+        self.process, self.running = psutil.Process(), True
+        self.start = self.peak = self.process.memory_info().rss
         self.thread = threading.Thread(target=self.sample, daemon=True)
         self.thread.start()
         return self
@@ -46,7 +48,8 @@ class PeakRSS:
     def __exit__(self, *exc):
         self.running = False
         self.thread.join()
-        self.peak = max(self.peak, self.process.memory_info().rss) / 2**20
+        self.peak = max(self.peak, self.process.memory_info().rss)
+        self.growth, self.peak = (self.peak - self.start) / 2**20, self.peak / 2**20
 
 
 def trainer_for(model: str, group: int, completion: int, rounds: int, out: str, use_vllm: bool):
@@ -80,7 +83,8 @@ def measure(group: int, rounds: int, warmup: int, completion: int) -> dict:
                 result = turn(*args)
                 seconds = time.perf_counter() - start
             tokens = sum(len(ids) for ids in result[0])  # (completion_ids, logprobs): TRL 1.16
-            calls[name].append({"seconds": seconds, "tokens_per_s": tokens / seconds, "peak_rss_mib": rss.peak})
+            calls[name].append({"seconds": seconds, "tokens_per_s": tokens / seconds, "peak_rss_mib": rss.peak,
+                                "rss_growth_mib": rss.growth})  # fmt: skip
             return result
 
         def both(prompt_ids, images, multimodal_fields, num_generations, *rest):
@@ -116,8 +120,9 @@ def main() -> int:
     if args.group:
         print(json.dumps(measure(args.group, args.rounds, args.warmup, args.completion)))
         return 0
-    print("| G | engine | seconds per round (median, min-max) | tokens/s (median, min-max) | peak RSS MiB (median) |")
-    print("|---|---|---|---|---|")
+    print("| G | engine | seconds per round (median, min-max) | tokens/s (median, min-max) | peak RSS MiB | "
+          "RSS growth MiB (max) |")  # fmt: skip
+    print("|---|---|---|---|---|---|")
     for group in map(int, args.groups.split(",")):
         command = [sys.executable, __file__, "--group", str(group), "--rounds", str(args.rounds), "--warmup",
                    str(args.warmup), "--completion", str(args.completion)]  # fmt: skip
@@ -127,12 +132,12 @@ def main() -> int:
             return 1
         row = json.loads(run.stdout.strip().splitlines()[-1])
         for name in ("vllm", "generate"):
-            s, t, m = (row[name][k] for k in ("seconds", "tokens_per_s", "peak_rss_mib"))
+            s, t, m, g = (row[name][k] for k in ("seconds", "tokens_per_s", "peak_rss_mib", "rss_growth_mib"))
             print(f"| {group} | {'vLLM colocate' if name == 'vllm' else 'HF generate'} | {s['median']:.3f} "
                   f"({s['min']:.3f}-{s['max']:.3f}) | {t['median']:.0f} ({t['min']:.0f}-{t['max']:.0f}) | "
-                  f"{m['median']:.0f} |")  # fmt: skip
+                  f"{m['median']:.0f} | {g['max']:.1f} |")  # fmt: skip
         ratio = row["generate"]["seconds"]["median"] / row["vllm"]["seconds"]["median"]
-        print(f"| {group} | HF / vLLM seconds (medians) | {ratio:.2f} | | |")
+        print(f"| {group} | HF / vLLM seconds (medians) | {ratio:.2f} | | | |")
     return 0
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import collections
 import importlib.metadata
 import importlib.util
+import inspect
 import json
 import types
 from pathlib import Path
@@ -17,7 +18,13 @@ import torch
 from packaging.specifiers import SpecifierSet
 
 from papo_nb.papo.token_suppression import suppress_in_head, suppressed_token_ids
-from papo_nb.papo.vllm_rollouts import RolloutFidelityError, RolloutFidelityGuard, SingleExpansion, collapse_image_runs
+from papo_nb.papo.vllm_rollouts import (
+    RolloutFidelityError,
+    RolloutFidelityGuard,
+    SingleExpansion,
+    collapse_image_runs,
+    vllm_expands_placeholders,
+)
 from papo_nb.testbed.models import build_tiny_processor, vision_special_token_ids
 from papo_nb.train.runner import train_command
 from papo_nb.workbook.config.params import ParamsError, load_params
@@ -194,3 +201,19 @@ def test_the_trainer_side_suppression_is_the_renormalised_distribution_generatio
     torch.testing.assert_close(suppressed[:, allowed], renormalised, rtol=0, atol=1e-6)
     assert (suppressed[:, ~allowed] < -9000).all() and list(head.state_dict()) == ["weight"]
     assert [name for name, _ in head.named_parameters()] == ["weight"]  # not trained, not sent to vLLM
+
+
+def test_the_single_expansion_fits_this_trls_vllm_generation_in_both_modes():
+    """The wrapper calls TRL's ``VLLMGeneration.generate`` by its keywords (1.9.1 and 1.16.0 spell them alike), and
+    collapses where this TRL's mode hands vLLM raw images beside expanded ids: colocate, and 1.9.1's server."""
+    from trl.generation.vllm_generation import VLLMGeneration
+
+    assert list(inspect.signature(VLLMGeneration.generate).parameters) == [
+        "self", "prompts", "images", "num_generations", "profiler"
+    ]  # fmt: skip
+    newest = importlib.metadata.version("trl") == "1.16.0"
+    assert hasattr(VLLMGeneration, "_place_features") == newest
+    for mode, expands in (("colocate", True), ("server", not newest)):
+        generation = VLLMGeneration.__new__(VLLMGeneration)
+        generation.mode = mode
+        assert vllm_expands_placeholders(generation) == expands, mode

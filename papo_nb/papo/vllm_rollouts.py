@@ -88,14 +88,19 @@ def install(trainer) -> SingleExpansion | None:
     generation = getattr(trainer, "vllm_generation", None)
     if not trainer.args.use_vllm or generation is None:
         return None
-    # TRL 1.16's server mode sends features placed at the trainer's own runs: vLLM expands nothing there.
-    features_placed = generation.mode == "server" and hasattr(generation, "_place_features")
     image_token_id = getattr(trainer.processing_class, "image_token_id", None)
-    wrapper = SingleExpansion(generation, image_token_id, collapse=not features_placed)
+    wrapper = SingleExpansion(generation, image_token_id, collapse=vllm_expands_placeholders(generation))
     generation.generate = wrapper
     if on_cpu_platform():
         generation.sync_weights = functools.partial(cpu_weight_sync, generation)
     return wrapper
+
+
+def vllm_expands_placeholders(generation) -> bool:
+    """vLLM expands the image placeholders of what ``generation`` sends: colocate mode in both TRL releases and TRL
+    1.9.1's server (raw images beside the token ids); not TRL 1.16's server, whose features are placed at the
+    trainer's own runs (``_place_features``)."""
+    return generation.mode == "colocate" or not hasattr(generation, "_place_features")
 
 
 @contextlib.contextmanager
