@@ -9,6 +9,7 @@ time.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
 import os
@@ -43,6 +44,7 @@ def run(command: list[str], timeout: float, **env) -> subprocess.CompletedProces
     return subprocess.run(command, cwd=ROOT, env=environ, capture_output=True, text=True, timeout=timeout)
 
 
+@functools.cache  # each variant measured once per session (the tests share them)
 def step_one(variant: str) -> dict:
     """A measured first round (benchmarks/vllm_logprob_gap.py): TRL's sampling metrics, vLLM's and the trainer's
     image-token counts, the guard's message if it stopped the run."""
