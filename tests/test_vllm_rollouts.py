@@ -109,7 +109,7 @@ def test_papo_g_trains_two_steps_on_vllm_rollouts_colocated_with_the_probe_and_t
 def test_gamma_zero_on_qwen2_vl_and_vppo_train_on_vllm_rollouts_colocated(tmp_path):
     gamma_zero = train(tmp_path, "gamma0", "perception_loss_weight=0.0", "masked_branch=update", family="qwen2_vl")
     assert all(step["perception_gamma"] == 0 and step["perception_kl"] > 0 for step in gamma_zero)
-    vppo = train(tmp_path, "vppo", "method=vppo", "require_gpu_contract_probe=false")
+    vppo = train(tmp_path, "vppo", "method=vppo", "perception_loss_weight=0.0", "require_gpu_contract_probe=false")
     assert all(0 < step["vppo/kept_token_share"] <= 1 and step["vppo/token_dependency"] > 0 for step in vppo)
 
 
