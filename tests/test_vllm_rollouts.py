@@ -100,6 +100,15 @@ def train(tmp_path, name: str, *overrides: str, family: str = "qwen2_5_vl", time
     return steps
 
 
+def test_a_tiny_testbed_with_heads_vllm_cannot_run_is_refused_with_the_build_that_it_can(tmp_path):
+    out = tmp_path / "run"
+    done = run([str(BIN / "papo-nb"), "train", "--params", "params/smoke_fast.yaml", "--output-dir", str(out),
+                "-p", "use_vllm=true", "-p", "model_name_or_path=tiny:qwen2_5_vl"], timeout=120)  # fmt: skip
+    assert done.returncode == 2 and not out.exists()  # before the run folder, the data and the model
+    assert "vLLM's CPU attention takes head sizes 32 to 512" in done.stderr
+    assert 'build_tiny_vlm("qwen2_5_vl", size="vllm")' in done.stderr
+
+
 def test_papo_g_trains_two_steps_on_vllm_rollouts_colocated_with_the_probe_and_the_masked_branch(tmp_path):
     steps = train(tmp_path, "papo_g")  # smoke_fast: the probe on, masked branch per round (the official timing)
     assert steps[0]["probe/passed"] == 1 and steps[0]["perception_kl"] > 0
