@@ -249,10 +249,13 @@ def _write_tiny_vlm(family: str, seed: int, folder: Path, size: str = "tiny") ->
     processor.save_pretrained(folder)
 
 
-def write_family_vlm(family: str, seed: int, folder: Path) -> None:
-    """Save a tiny ``family`` model (init seeded by ``seed``, global RNG untouched) and its processor to ``folder``."""
+def write_family_vlm(family: str, seed: int, folder: Path, size: str = "tiny") -> None:
+    """Save a tiny ``family`` model (init seeded by ``seed``, global RNG untouched) and its processor to ``folder``;
+    ``size="vllm"``: with heads vLLM's CPU backend runs (``families.vllm_sized``)."""
     spec = families.FAMILIES[family]
     processor, config = spec.build()
+    if size == "vllm":
+        families.vllm_sized(config)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = spec.model_cls(config)
@@ -285,14 +288,15 @@ def build_tiny_vlm(
     """
     _check_size(size)
     root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_root()
-    if family in families.FAMILIES:  # the other families (testbed/families.py): one size
-        if size != "tiny":
-            raise ValueError(f"size={size!r} is not available for family={family!r}; allowed: 'tiny'")
-        folder = root / f"tiny-{family}-seed{seed}-v{families.BUILDER_VERSION}"
+    if family in families.FAMILIES:  # the other families (testbed/families.py): tiny, and vllm for VLLM_SIZED
+        allowed = ("tiny", "vllm") if family in families.VLLM_SIZED else ("tiny",)
+        if size not in allowed:
+            raise ValueError(f"size={size!r} is not available for family={family!r}; allowed: {allowed}")
+        folder = root / f"{size}-{family}-seed{seed}-v{families.BUILDER_VERSION}"
         return build_cached(
             folder,
-            lambda staging: write_family_vlm(family, seed, staging),
-            f"family={family} seed={seed} version={families.BUILDER_VERSION}",
+            lambda staging: write_family_vlm(family, seed, staging, size=size),
+            f"family={family} seed={seed} size={size} version={families.BUILDER_VERSION}",
         )
     _check_family(family)
     folder = root / f"{size}-{family}-seed{seed}-v{BUILDER_VERSION}"
