@@ -2,7 +2,9 @@
 # The GPU check of the vLLM path (docs/vllm.md), on one CUDA GPU with pip access: installs TRL's vLLM extra, trains
 # two steps of PAPO-G with rollouts from a colocated vLLM engine, and checks what the CPU tests cannot: vLLM accepts
 # the generation settings (SamplingParams(**generation_kwargs)), the masked branch and the loss run on what TRL
-# hands over after a vLLM round, and TRL's importance-sampling correction ran (its ratio is logged). Usage: bash scripts/gpu_vllm_check.sh [MODEL]
+# hands over after a vLLM round, TRL's importance-sampling correction ran (its ratio is logged), and the adapter's
+# rollout-fidelity guard passed its first round (vLLM's prompt ids are the trainer's; it stops the run otherwise).
+# Usage: bash scripts/gpu_vllm_check.sh [MODEL]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 model="${1:-tiny:qwen2_5_vl}"
@@ -21,5 +23,7 @@ logs = json.loads((Path(sys.argv[1]) / "train_summary.json").read_text())["log_h
 steps = [entry for entry in logs if "reward" in entry]
 assert len(steps) == 2, logs
 assert all("sampling/importance_sampling_ratio/mean" in entry for entry in steps), steps[0].keys()
-print("vLLM path: 2 steps, importance-sampling ratio", [round(e["sampling/importance_sampling_ratio/mean"], 4) for e in steps])
+assert steps[0]["papo/vllm_prompt_mismatch_rows"] == 0, steps[0]  # the guard checked the first round
+print("vLLM path: 2 steps, importance-sampling ratio", [round(e["sampling/importance_sampling_ratio/mean"], 4) for e in steps],
+      "step-1 mean |vLLM - trainer| log-prob", steps[0].get("papo/vllm_logprob_gap"))
 PY

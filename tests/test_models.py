@@ -5,6 +5,7 @@ import time
 import pytest
 import torch
 from safetensors.torch import load_file
+from transformers import AutoConfig
 from trl.data_utils import prepare_multimodal_messages
 
 from papo_nb.testbed.models import (
@@ -211,3 +212,19 @@ def test_unknown_size_is_refused(tmp_path):
     with pytest.raises(ValueError, match=r"size='huge'.*tiny.*wide"):
         build_tiny_vlm("qwen2_vl", cache_dir=tmp_path, size="huge")
     assert not any(tmp_path.iterdir())
+
+
+@pytest.mark.model
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"])
+def test_the_vllm_size_has_the_head_size_vllms_cpu_attention_takes(family, tmp_path):
+    """vLLM's CPU attention takes head sizes 32 to 512 (the tier, tests/test_vllm_rollouts.py); tiny has 16."""
+    folder = build_tiny_vlm(family, cache_dir=tmp_path, size="vllm")
+    text = AutoConfig.from_pretrained(folder).text_config
+    head = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    assert head == 32 and sum(text.rope_parameters["mrope_section"]) == head // 2
+    assert folder.name.startswith("vllm-")
+
+
+def test_the_vllm_size_is_refused_for_a_family_the_tier_does_not_run(tmp_path):
+    with pytest.raises(ValueError, match=r"size='vllm' is not available for family='gemma3'; allowed: \('tiny',\)"):
+        build_tiny_vlm("gemma3", cache_dir=tmp_path, size="vllm")

@@ -204,6 +204,9 @@ def test_gamma_pushes_the_gradient_and_linear_schedule_anneals(policy, shapes_da
         ("perception_kl_clamp", 0.0, "None or a finite number > 0"),
         ("probe_max_degenerate_batches", 0, "an int >= 1"),
         ("masked_entropy_weight", float("nan"), "finite"),
+        ("vllm_fidelity_every", -1, "an int >= 0"),
+        ("vllm_fidelity_logprob_tolerance", 0.0, "a finite number > 0"),
+        ("trainer_token_suppression", "vllm", "'auto', True, False"),
     ],
 )
 def test_config_rejects_bad_fields_by_name(tmp_path, field, value, allowed):

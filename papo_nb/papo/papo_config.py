@@ -66,6 +66,9 @@ FIELD_RULES = {
     "prefix_sharing": (lambda v: v == "auto" or isinstance(v, bool), f"one of {PREFIX_SHARING}"),
     "grouped_attention_kernel": (lambda v: v in GROUPED_ATTENTION_KERNELS, f"one of {GROUPED_ATTENTION_KERNELS}"),
     "max_consecutive_nonfinite_grad_steps": (lambda v: is_int(v) and v >= 1, "an int >= 1"),
+    "trainer_token_suppression": (lambda v: v == "auto" or isinstance(v, bool), f"one of {PREFIX_SHARING}"),
+    "vllm_fidelity_every": (lambda v: is_int(v) and v >= 0, "an int >= 0"),
+    "vllm_fidelity_logprob_tolerance": (lambda v: is_finite_number(v) and v > 0, "a finite number > 0"),
     "require_gpu_contract_probe": (lambda v: isinstance(v, bool), "a bool"),
     "measure_perception_kl": (lambda v: isinstance(v, bool), "a bool"),
     "probe_max_degenerate_batches": (lambda v: is_int(v) and v >= 1, "an int >= 1"),
@@ -233,6 +236,17 @@ class PAPOGConfig(GRPOConfig):
             actor does:
             [verl/workers/actor/dp_actor.py#L185-L188](https://github.com/MikeWangWZHL/PAPO/blob/fb63bf4/verl/workers/actor/dp_actor.py#L185-L188)),
             logged and counted (`papo/nonfinite_grad_steps`); this many in a row stop the run with the norms seen.
+        trainer_token_suppression (`str` or `bool`, defaults to `"auto"`):
+            The tokens generation suppresses (the vision placeholders, `generation_kwargs`) are suppressed in the
+            trainer's log-probs too (`token_suppression.py`), so that sampler and trainer score one distribution.
+            `"auto"`: with `use_vllm`, whose importance-sampling ratio would read the renormalisation as off-policy
+            sampling; True also on the HF path (where it changes the trained numbers); False: never.
+        vllm_fidelity_every (`int`, defaults to `10`):
+            With `use_vllm`: the rollout-fidelity guard (`vllm_rollouts.py`) checks the first vLLM round and then every
+            this many rounds (0: the first only): vLLM's prompt ids must be the trainer's, and its sampling log-probs
+            within `vllm_fidelity_logprob_tolerance` of the trainer's on the same weights, else the run stops.
+        vllm_fidelity_logprob_tolerance (`float`, defaults to `0.05`):
+            The largest mean |vLLM sampling log-prob - trainer log-prob| per completion token the guard accepts.
 
         > GRPO fields whose defaults PAPO-G restates
 
@@ -333,6 +347,20 @@ class PAPOGConfig(GRPOConfig):
     )
     max_consecutive_nonfinite_grad_steps: int = field(
         default=5, metadata={"help": "Optimizer steps with a non-finite gradient norm in a row before the run stops."}
+    )
+    trainer_token_suppression: str | bool = field(
+        default="auto",
+        metadata={
+            "help": "Suppress the tokens generation bans in the trainer's log-probs too: 'auto' (with vLLM), True "
+            "or False.",
+            "choices": PREFIX_SHARING,
+        },
+    )
+    vllm_fidelity_every: int = field(
+        default=10, metadata={"help": "vLLM rounds between rollout-fidelity checks after the first (0: first only)."}
+    )
+    vllm_fidelity_logprob_tolerance: float = field(
+        default=0.05, metadata={"help": "Largest mean |vLLM - trainer| log-prob per token the guard accepts."}
     )
     beta: float = field(default=0.01, metadata={"help": "Reference KL coefficient (official: 0.01)."})
     loss_type: str = field(

@@ -25,7 +25,7 @@ import torch
 from transformers.utils import logging
 from trl import GRPOTrainer
 
-from . import trl_seams
+from . import token_suppression, trl_seams, vllm_rollouts
 from .citation import PAPO_PAPER
 from .contract import ENTROPY_GRAD_GATE, validate_grad_norm_hook, validate_trl_parent_contract
 from .forward import prefix_sharing
@@ -54,7 +54,8 @@ class PAPOGTrainer(GRPOTrainer):
       estimator with eta1 > 0, entropies with gradient) while it computes its loss; with ``prefix_sharing`` on
       (``"auto"``, the default, where supported and cheaper, its first packed call checked against the parent's)
       every call runs each prompt group as one packed row (``prefix_sharing.py``), the parent's method where not;
-    - ``_generate_and_score_completions``: with ``masked_branch="rollout"`` (default) adds the masked branch of the
+    - ``_generate_and_score_completions``: with vLLM, the rollout-fidelity guard (``vllm_rollouts.py``); with
+      ``masked_branch="rollout"`` (default) adds the masked branch of the
       round to the batch it returns (``MaskedBranch.rollout_entries``); with ``prefix_sharing``, each row's block;
     - ``_prepare_inputs``: with ``prefix_sharing``, the parent's, its round shuffled by whole prompt groups;
     - ``_get_grad_norm``: skips an optimizer step whose gradient norm is not finite (``step_guard.py``);
@@ -111,7 +112,13 @@ class PAPOGTrainer(GRPOTrainer):
         validate_grad_norm_hook(GRPOTrainer)
         if not isinstance(args, PAPOGConfig):  # GRPOTrainer would build a GRPOConfig without the PAPO fields
             raise TypeError(f"PAPOGTrainer needs args=PAPOGConfig(...), got {type(args).__name__}")
-        super().__init__(**parent_arguments)
+        with vllm_rollouts.cpu_server_client(args):  # vLLM's CPU platform in server mode: no NCCL communicator
+            super().__init__(**parent_arguments)
+        self.vllm_expansion = vllm_rollouts.install(self)  # with use_vllm: prompts vLLM expands once
+        token_suppression.apply(self)  # with vLLM (by default): the trainer scores what generation samples from
+        self.fidelity_guard = vllm_rollouts.RolloutFidelityGuard(
+            self.args.vllm_fidelity_every, self.args.vllm_fidelity_logprob_tolerance, self._metrics["train"]
+        )
         # the in-training probe when the config asks for it (refused here if the model is too large for it), else None
         self.probe = training_observer(self.args, self.model)
         # Trainer sets this in its training loop; the probe and fixed-batch losses may run before train().
@@ -158,6 +165,8 @@ class PAPOGTrainer(GRPOTrainer):
 
     def _generate_and_score_completions(self, inputs):
         batch = super()._generate_and_score_completions(inputs)
+        if self.model.training:  # with use_vllm: stops a round sampled from other prompts or weights
+            self.fidelity_guard.check(batch, self.vllm_expansion)
         self.perception_record.rollout, self.masks.rollout_masks = {}, {}
         batch[ROLLOUT_ROW_KEY] = torch.arange(len(batch["prompt_ids"]))  # the row in TRL's logs, after shuffling
         batch.update(self.masks.excluded_entries(inputs))  # mask_excluded_column: units no mask may cover

@@ -110,6 +110,14 @@ def _siglip(image_size: int | None, patch_size: int, **extra) -> dict:
     }
 
 
+def vllm_sized(config) -> None:
+    """``config``'s text attention with 2 heads of 32 (mrope over 16 frequencies): vLLM's CPU attention takes head
+    sizes 32 to 512 (``build_tiny_vlm(family, size="vllm")``, the vLLM tier); families in ``VLLM_SIZED`` only."""
+    text = config.text_config
+    text.num_attention_heads, text.num_key_value_heads, text.head_dim = 2, 1, 32
+    text.rope_parameters["mrope_section"] = [4, 6, 6]
+
+
 # ---- one builder per family: () -> (processor, config) ----
 def _qwen3_vl():
     tokenizer = family_tokenizer(QWEN_VISION_TOKENS)
@@ -382,6 +390,7 @@ class Family:
     layout: str  # masking layout its batches carry
 
 
+VLLM_SIZED = ("qwen3_vl",)  # families whose size "vllm" the tier runs (the Qwen2 ones: models.SIZES)
 FAMILIES = {
     "qwen3_vl": Family(_qwen3_vl, Qwen3VLForConditionalGeneration, "grid_rows"),
     "idefics3": Family(lambda: _idefics(False, False), Idefics3ForConditionalGeneration, "tiles"),

@@ -136,7 +136,8 @@ def build_tiny_processor(family: str = "qwen2_vl") -> Qwen2VLProcessor:
 
 
 # Model sizes `build_tiny_vlm` can make. "tiny" (the default, a few hundred thousand parameters) is the test
-# model; "wide" (about 30 million) is for CPU benchmarks where the transformer's compute dominates the step.
+# model; "vllm" the same with heads vLLM's CPU backend runs; "wide" (about 30 million) is for CPU benchmarks where
+# the transformer's compute dominates the step.
 SIZES = {
     "tiny": dict(
         hidden=64,
@@ -145,6 +146,20 @@ SIZES = {
         heads=4,
         kv_heads=2,
         mrope=[2, 3, 3],
+        vision_depth=2,
+        vision_width=32,
+        vision_heads=2,
+        vision_mlp_ratio=2,
+    ),
+    # "vllm": "tiny" with 2 attention heads of 32 (mrope over 16 frequencies): vLLM's CPU attention takes head sizes
+    # 32 to 512 only (the vLLM tier, tests/test_vllm_rollouts.py).
+    "vllm": dict(
+        hidden=64,
+        intermediate=128,
+        layers=2,
+        heads=2,
+        kv_heads=1,
+        mrope=[4, 6, 6],
         vision_depth=2,
         vision_width=32,
         vision_heads=2,
@@ -234,10 +249,13 @@ def _write_tiny_vlm(family: str, seed: int, folder: Path, size: str = "tiny") ->
     processor.save_pretrained(folder)
 
 
-def write_family_vlm(family: str, seed: int, folder: Path) -> None:
-    """Save a tiny ``family`` model (init seeded by ``seed``, global RNG untouched) and its processor to ``folder``."""
+def write_family_vlm(family: str, seed: int, folder: Path, size: str = "tiny") -> None:
+    """Save a tiny ``family`` model (init seeded by ``seed``, global RNG untouched) and its processor to ``folder``;
+    ``size="vllm"``: with heads vLLM's CPU backend runs (``families.vllm_sized``)."""
     spec = families.FAMILIES[family]
     processor, config = spec.build()
+    if size == "vllm":
+        families.vllm_sized(config)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = spec.model_cls(config)
@@ -270,14 +288,15 @@ def build_tiny_vlm(
     """
     _check_size(size)
     root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_root()
-    if family in families.FAMILIES:  # the other families (testbed/families.py): one size
-        if size != "tiny":
-            raise ValueError(f"size={size!r} is not available for family={family!r}; allowed: 'tiny'")
-        folder = root / f"tiny-{family}-seed{seed}-v{families.BUILDER_VERSION}"
+    if family in families.FAMILIES:  # the other families (testbed/families.py): tiny, and vllm for VLLM_SIZED
+        allowed = ("tiny", "vllm") if family in families.VLLM_SIZED else ("tiny",)
+        if size not in allowed:
+            raise ValueError(f"size={size!r} is not available for family={family!r}; allowed: {allowed}")
+        folder = root / f"{size}-{family}-seed{seed}-v{families.BUILDER_VERSION}"
         return build_cached(
             folder,
-            lambda staging: write_family_vlm(family, seed, staging),
-            f"family={family} seed={seed} version={families.BUILDER_VERSION}",
+            lambda staging: write_family_vlm(family, seed, staging, size=size),
+            f"family={family} seed={seed} size={size} version={families.BUILDER_VERSION}",
         )
     _check_family(family)
     folder = root / f"{size}-{family}-seed{seed}-v{BUILDER_VERSION}"

@@ -41,6 +41,11 @@ MEANINGS = {
     "papo/masked_entropy_term": "eta2 * d_t * H(masked): the masked-image entropy term as weighted",
     "papo/discount": "d_t = gamma_t / gamma_0: the annealing discount of the entropy terms",
     "papo/parent_loss": "the parent GRPOTrainer's loss alone, mean over ranks",
+    "papo/vllm_prompt_mismatch_rows": "with vLLM, on a guarded round (the first, then every `vllm_fidelity_every`): "
+    "rows whose vLLM prompt ids differ from the trainer's (any stops the run)",
+    "papo/vllm_logprob_gap": "with vLLM and TRL's importance-sampling correction, on a guarded round: mean |vLLM "
+    "sampling log-prob - trainer log-prob| per completion token (above `vllm_fidelity_logprob_tolerance`: the run "
+    "stops)",
     "papo/nonfinite_grad_steps": "optimizer steps skipped so far because the gradient norm was not finite",
     "papo/fp16_overflow_steps": "fp16 steps the gradient scaler skipped for an overflow so far",
     prefill.METRIC: "1 when the masked branch ran as a shared prompt prefix for the batch, 0 for the full forward",

@@ -29,7 +29,9 @@ class VLLMParams(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, validate_assignment=True)
 
     use_vllm: bool = Field(
-        False, description="generate rollouts with vLLM (TRL's use_vllm; needs CUDA and pip install 'trl[vllm]')"
+        False,
+        description="generate rollouts with vLLM (TRL's use_vllm; CUDA: pip install 'trl[vllm]'; CPU: the venv of "
+        "scripts/vllm_cpu_env.sh)",
     )
     vllm_mode: Literal["colocate", "server"] = Field(
         "colocate",
@@ -72,15 +74,32 @@ def install_command() -> str:
 
 
 def vllm_problems(params) -> list[str]:
-    """With ``use_vllm``: vLLM importable here and a GPU to run it (checked before any model loads)."""
+    """With ``use_vllm``: vLLM importable here (checked before any model loads). On the CPU, vLLM's CPU backend runs
+    in the virtualenv scripts/vllm_cpu_env.sh builds (docs/vllm.md)."""
     if not params.use_vllm:
         return []
-    problems = []
-    if importlib.util.find_spec("vllm") is None:
-        problems.append(f"parameter 'use_vllm' = True: vLLM is not installed here; install it: {install_command()}")
-    if params.device == "cpu":
-        problems.append("parameter 'use_vllm' = True with device 'cpu': vLLM generates on CUDA GPUs only")
-    return problems
+    if importlib.util.find_spec("vllm") is not None:
+        return [tiny_head_problem(params.model_name_or_path)] if params.device != "cuda" and is_tiny(params) else []
+    if params.device == "cuda":
+        return [f"parameter 'use_vllm' = True: vLLM is not installed here; install it: {install_command()}"]
+    return [
+        f"parameter 'use_vllm' = True with device {params.device!r}: vLLM is not installed in this environment. "
+        "Either set use_vllm: false (rollouts from HF generate), or build the environment with vLLM's CPU backend "
+        "(bash scripts/vllm_cpu_env.sh) and run there (.venv-vllm/bin/papo-nb)"
+    ]
+
+
+def is_tiny(params) -> bool:
+    return params.model_name_or_path.startswith("tiny:")
+
+
+def tiny_head_problem(name: str) -> str:
+    family = name.removeprefix("tiny:")
+    return (
+        f"parameter 'model_name_or_path' = {name!r} with use_vllm on the CPU: vLLM's CPU attention takes head sizes "
+        "32 to 512 and the tiny testbeds have 16; pass the folder of the vLLM-sized build instead: python -c "
+        f'\'from papo_nb.testbed.models import build_tiny_vlm; print(build_tiny_vlm("{family}", size="vllm"))\''
+    )
 
 
 @functools.lru_cache(maxsize=1)

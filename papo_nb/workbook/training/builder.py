@@ -102,6 +102,11 @@ def generation_kwargs(params: WorkbookParams, processor) -> dict:
     return {"bad_words": tokenizer.convert_ids_to_tokens(token_ids)}
 
 
+CHECKPOINTING_FIELD = next(
+    name for name in ("activation_checkpointing", "gradient_checkpointing") if hasattr(PAPOGConfig, name)
+)
+
+
 def papo_config(
     params: WorkbookParams, output_dir: str | Path, processor, *, report_to: str = "none", **overrides
 ) -> PAPOGConfig:
@@ -137,8 +142,9 @@ def papo_config(
         gradient_accumulation_steps=params.gradient_accumulation_steps,
         steps_per_generation=params.steps_per_generation or None,
         # TRL's default (GRPOConfig.gradient_checkpointing True) and the official actor's (config_grpo_papo.yaml:65),
-        # LoRA too; transformers 5 names the field activation_checkpointing, gradient_checkpointing is its alias.
-        activation_checkpointing=params.gradient_checkpointing,
+        # LoRA too; transformers 5.2x names the field activation_checkpointing, gradient_checkpointing its alias;
+        # 5.17 (the vLLM venv's, scripts/vllm_cpu_env.sh) has only gradient_checkpointing.
+        **{CHECKPOINTING_FIELD: params.gradient_checkpointing},
     )
     if params.reference_precision == "bf16":
         # TRL builds the reference model from model_init_kwargs (grpo_trainer.py:964-971), fp32 without a dtype; the
