@@ -66,5 +66,6 @@ def plot_original_vs_masked(table: list[dict], samples: int) -> Figure:
         ax.set_ylim(0, 1)
         ax.set_ylabel(label)
         ax.set_title(f"{label}: original and masked images")
-        ax.legend(fontsize=8)
+    # beside the last panel, never over a bar (the overall pair is the rightmost, where a legend inside would sit)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     return fig

@@ -401,7 +401,8 @@ def main(root: str | Path = "docs/study", targets=SUMMARY_TARGETS) -> None:
     three-sentence verdict (``VERDICT_MARKERS``) from the pooled pages."""
     root = Path(root)
     for rows in sorted(root.glob(f"*/{DOSE_ROWS}")):
-        dose.plot_dose_response(json.loads(rows.read_text())).savefig(rows.with_suffix(".png"), dpi=80)
+        start = json.loads((rows.parent / START).read_text()) if (rows.parent / START).is_file() else None
+        dose.plot_dose_response(json.loads(rows.read_text()), start=start).savefig(rows.with_suffix(".png"), dpi=80)
     pooled = {folder for folder, _ in warm_starts.pooled_pages(root)}  # their pages: warm_starts.render
     for runs in sorted(root.glob(f"*/{RUNS}")):
         if runs.parent not in pooled:
