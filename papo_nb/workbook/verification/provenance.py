@@ -153,6 +153,7 @@ def releases_note(drift: list) -> str:
         f"the adapter would refuse {', '.join(refused)}" if refused else "none the adapter would refuse",
     ]
     if upstream:
-        parts.append(f"{PAPO_UPSTREAM_TRL_VERSION} is the ported upstream source, not a parent: it differs, as expected")
+        upstream_note = "is the ported upstream source, not a parent: it differs, as expected"
+        parts.append(f"{PAPO_UPSTREAM_TRL_VERSION} {upstream_note}")
     parts.append(f"not fetched: {', '.join(unavailable) or 'none'}")
     return "; ".join(parts) + "."
