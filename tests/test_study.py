@@ -557,7 +557,9 @@ def test_drift_is_the_end_minus_the_warm_start_and_the_claim_says_which_arm_coun
     assert verdicts["papo_g_half"]["prior_share"] == 0.3 and verdicts["papo_g_half"]["control_prior_share"] == 0.6
     assert verdicts["papo_g"]["verdict"].startswith("equivalent to GRPO within +-0.02")
     claim = counteract_claim(list(rows.values()), list(verdicts.values()), "grpo")
-    assert claim["verdict"] == "holds: papo_g_half (gamma 1) recovers +0.100 of GRPO's drift"
+    assert (
+        claim["verdict"] == "holds: papo_g_half (gamma 1) ends +0.100 above GRPO, making up 50% of GRPO's -0.200 drift"
+    )
     # no drift, nothing to counteract: the claim is not tested, whatever the arms do
     flat = {row["arm"]: row for row in drift_rows({PRIMARY: 0.30}, results, metrics=(PRIMARY,))}
     assert counteract_claim(list(flat.values()), list(verdicts.values()), "grpo")["verdict"].startswith("not tested")
