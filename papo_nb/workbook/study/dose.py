@@ -145,7 +145,9 @@ def plot_dose_response(rows: list[dict], title: str = "", start: dict | None = N
             ax.axvline(gamma, color="tab:red", linestyle=":", linewidth=1, label=label)
         if positive:
             ax.set_xscale("symlog", linthresh=min(positive))
-        ax.set_xlim(left=-0.05 * max(gammas or [1.0]) if not positive else -min(positive) / 4)
+        # gamma is never negative (autoscaling would open the symlog axis's negative side); a margin on both sides
+        # so the end points' error bars are drawn whole
+        ax.set_xlim(-min(positive or [1.0]) / 4, 1.6 * max(positive or [1.0]))
         ax.set_xlabel("gamma (perception_loss_weight)")
         ax.set_title(panel, fontsize=10)
         ax.grid(alpha=0.3)

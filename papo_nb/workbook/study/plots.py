@@ -105,7 +105,7 @@ def plot_accuracy(study: Study, kind: str = "avg_at_k", chance: float | None = N
     ]
     merged = "all" in splits and "vision" in splits and _same_scores(scores, kind, "all", "vision")
     splits = [s for s in splits if not (merged and s == "all")]
-    fig = Figure(figsize=(4.5 * len(splits), 4), layout="constrained")
+    fig = Figure(figsize=(max(4.5, 1.0 + 0.9 * len(arms)) * len(splits), 4.4), layout="constrained")
     axes = fig.subplots(1, len(splits), squeeze=False)[0]
     width = 0.38
     for ax, split in zip(axes, splits):
@@ -125,7 +125,7 @@ def plot_accuracy(study: Study, kind: str = "avg_at_k", chance: float | None = N
                            linewidth=1.2, label=f"warm start (step 0), {condition}: {start:.3f}")  # fmt: skip
         if chance is not None and split == "vision":
             ax.axhline(chance, color="black", linestyle=":", linewidth=1, label=f"chance ({chance:.2f})")
-        ax.set_xticks(range(len(arms)), arms, fontsize=8)
+        ax.set_xticks(range(len(arms)), arms, fontsize=8, rotation=30, ha="right")
         ax.set_ylim(0, 1)
         ax.set_ylabel(f"{kind} accuracy (share of held-out items)")
         items = "vision items (every held-out item)" if merged and split == "vision" else f"{split} items"
