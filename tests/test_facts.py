@@ -143,3 +143,20 @@ def test_readme_names_the_weights_each_smoke_notebook_runs():
         assert f"{notebooks} run{'s' if notebooks.startswith('04') else ''} `{model}`, `{sha}...`" in " ".join(
             sentence.split()
         ), (notebooks, model, sha)
+
+
+def test_the_smoke_page_quotes_what_the_executed_notebooks_said():
+    """docs/smoke.md's table quotes 04's verdict, 05's sentence on the base model and 03's baseline; each is what the
+    executed notebook in docs/smoke_report/ printed (issue 61: the page kept "recovers +0.072 of GRPO's drift")."""
+    import html
+
+    rows = {line.split("|")[1].strip(): line for line in read("docs/smoke.md").splitlines() if line.startswith("| 0")}
+    for notebook, pattern in (("04", r'"(holds: [^"]+)"'), ("05", r'"(The checkpoint [^"]+)"')):
+        quoted = re.search(pattern, rows[notebook]).group(1)
+        page = html.unescape(
+            read(f"docs/smoke_report/{notebook}_{'method_study' if notebook == '04' else 'evaluation'}.html")
+        )
+        assert quoted in page, (notebook, quoted)
+    page = html.unescape(read("docs/smoke_report/03_training_run.html"))
+    before = re.search(r"before training ([\d.]+) / ([\d.]+)\)", page).groups()
+    assert f"before training, on the same items and masks, {before[0]} and {before[1]}" in rows["03"]
