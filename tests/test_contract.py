@@ -132,6 +132,27 @@ def test_verdict_warns_on_an_underpowered_probe_and_fails_an_unfinished_one(stat
     assert verdict["probe_passed"] is (status == "passed")
 
 
+def test_the_verdict_words_other_releases_as_information_not_as_a_warning():
+    """Issue 61: "PASS ... releases drifted: 0.29.1" read as a warning; 0.29.1 is the ported source's release. The
+    verdict says what the drift table is (information), counts the releases that hold, names the ones the adapter
+    would refuse, and sets the upstream release apart."""
+    from papo_nb.papo.probe import ProbeEvidence
+    from papo_nb.workbook.verification.trl_releases import DriftRow
+
+    source = provenance.SourceVerification("w.whl", "m", "a" * 64, "a" * 64, True)
+    rows = [DriftRow("0.29.1", "drift", ["x"]), DriftRow("1.9.1", "ok", []), DriftRow("1.10.0", "ok", [])]
+    verdict = provenance.contract_verdict(source, [], rows, ProbeEvidence("passed", "ok"))["verdict"]
+    assert verdict.startswith("PASS: upstream SHA verified, live TRL contract holds, gamma-zero probe passed. ")
+    assert "drifted" not in verdict and "WARNING" not in verdict
+    assert "information, not part of the verdict): 2 of 3 hold the contract" in verdict
+    assert "none the adapter would refuse" in verdict
+    assert "0.29.1 is the ported upstream source, not a parent: it differs, as expected" in verdict
+    rows.append(DriftRow("1.17.0", "drift", ["y"]))
+    rows.append(DriftRow("1.18.0", "unavailable", ["offline"]))
+    verdict = provenance.contract_verdict(source, [], rows, ProbeEvidence("passed", "ok"))["verdict"]
+    assert "the adapter would refuse 1.17.0" in verdict and "not fetched: 1.18.0." in verdict
+
+
 def test_static_check_names_a_drifted_generation_round():
     """What the rollout-time masked branch relies on: the method's signature, the keys it reads from the returned
     batch, and _prepare_inputs buffering that batch."""

@@ -69,7 +69,7 @@ def test_contrasts_pair_each_gamma_with_grpo_on_the_same_seeds():
     assert rows[5.0]["avg_at_k/original/vision vs gamma 0"].startswith("not detected (-0.250; MDE ")
     many = [{"gamma": g, "seed": s, "scores": {"avg_at_k/original/vision": 0.5 + s / 100 - (g > 0) * (0.1 + s / 1000)}}
             for g in (0.0, 1.0) for s in range(5)]  # fmt: skip
-    assert dose_contrasts(many)[0]["avg_at_k/original/vision vs gamma 0"].startswith("detected (-0.102, p = ")
+    assert dose_contrasts(many)[0]["avg_at_k/original/vision vs gamma 0"].startswith("detected lower (-0.102, p = ")
 
 
 def test_a_difference_below_the_seed_spread_is_drawn_flat():

@@ -121,3 +121,42 @@ def test_the_commands_readme_shows_parse_as_written():
         assert unknown == [], command
     ui = next(build_parser().parse_args(c[1:]) for c in commands if c[1] == "ui")
     assert (ui.port, ui.host) == (5000, "127.0.0.1")
+
+
+def test_readme_names_the_weights_each_smoke_notebook_runs():
+    """Issue 61: README said every smoke notebook ran `c5244a15f6ab...` (shapes_boxed); 04's study runs
+    shapes_shortcut's weights. Each testbed and hash README names is params/smoke.yaml's and the manifest's."""
+    import json
+
+    import yaml
+
+    from papo_nb.testbed.policy import PINNED_MANIFEST
+
+    smoke = yaml.safe_load(read("params/smoke.yaml"))
+    manifest = json.loads(PINNED_MANIFEST.read_text())
+    sentence = read("README.md").split("The CPU smoke workbook:", 1)[1].split("```", 1)[0]
+    for notebooks, model in (
+        ("01, 02, 03 and 05", smoke["model_name_or_path"]),
+        ("04's study", smoke["study_params"]["model_name_or_path"]),
+    ):
+        sha = manifest[model.removeprefix("testbed:")]["sha256"]["model.safetensors"][:12]
+        assert f"{notebooks} run{'s' if notebooks.startswith('04') else ''} `{model}`, `{sha}...`" in " ".join(
+            sentence.split()
+        ), (notebooks, model, sha)
+
+
+def test_the_smoke_page_quotes_what_the_executed_notebooks_said():
+    """docs/smoke.md's table quotes 04's verdict, 05's sentence on the base model and 03's baseline; each is what the
+    executed notebook in docs/smoke_report/ printed (issue 61: the page kept "recovers +0.072 of GRPO's drift")."""
+    import html
+
+    rows = {line.split("|")[1].strip(): line for line in read("docs/smoke.md").splitlines() if line.startswith("| 0")}
+    for notebook, pattern in (("04", r'"(holds: [^"]+)"'), ("05", r'"(The checkpoint [^"]+)"')):
+        quoted = re.search(pattern, rows[notebook]).group(1)
+        page = html.unescape(
+            read(f"docs/smoke_report/{notebook}_{'method_study' if notebook == '04' else 'evaluation'}.html")
+        )
+        assert quoted in page, (notebook, quoted)
+    page = html.unescape(read("docs/smoke_report/03_training_run.html"))
+    before = re.search(r"before training ([\d.]+) / ([\d.]+)\)", page).groups()
+    assert f"before training, on the same items and masks, {before[0]} and {before[1]}" in rows["03"]

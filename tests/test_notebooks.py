@@ -239,6 +239,12 @@ def test_training_notebook_logged_every_step(workbook):
     assert run.data.tags["papo_nb.probe_status"] == "passed" and "papo_nb.probe_warning" not in run.data.tags
     assert {"eval/accuracy_original", "eval/accuracy_masked", "eval/image_reliance_gap"} <= set(metrics)
     assert HELDOUT_ACCURACY in metrics  # the one held-out column with 05 and the study's arms
+    # the baseline: the same held-out items scored before training (issue 61), beside the end's on the results page
+    assert {"eval_before/accuracy_original", "eval_before/accuracy_masked", "eval_before/items"} <= set(metrics)
+    assert metrics["eval_before/items"] == metrics["eval/items"]
+    original, masked = metrics["eval_before/accuracy_original"], metrics["eval_before/accuracy_masked"]
+    before = f"before training {original:.3f} / {masked:.3f}"
+    assert before in run.data.tags["mlflow.note.content"]
     assert metrics["start/trainable_parameters"] > 0
     # the probe's per-block fits are a figure and evidence/probe.json, not hundreds of metrics (issue 45)
     figures = [a.path for a in client.list_artifacts(run.info.run_id, "figures")]

@@ -50,7 +50,7 @@ def test_power_row_without_spread_says_so():
 
 
 def test_verdicts_name_the_effect_or_the_mde():
-    assert effect_verdict(0.031, 0.01, 0.02) == "detected (+0.031, p = 0.01)"
+    assert effect_verdict(0.031, 0.01, 0.02) == "detected higher (+0.031, p = 0.01)"
     assert effect_verdict(0.004, 0.42, 0.018) == "not detected (+0.004; MDE 0.018)"
     assert effect_verdict(-0.01, 0.6, math.nan) == "not detected (-0.010; MDE unknown: seed spread not estimable)"
     assert effect_verdict(math.nan, math.nan, 0.02) == "not measured"

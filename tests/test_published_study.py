@@ -260,3 +260,42 @@ def test_publish_rewrites_the_tables_beside_a_pooled_page(tmp_path, monkeypatch)
     assert (study / "shortcut_lora" / "contrasts.md").read_text() == (
         ROOT / "docs" / "study" / "shortcut_lora" / "contrasts.md"
     ).read_text()
+
+
+def test_a_detected_effect_says_its_direction_on_every_generated_page():
+    """Issue 61: "against placebo_kl_matched detected (-0.085, p = 0.0164)" read as a success. Every detected
+    effect README and the study pages generate says higher or lower, matching its sign; the one page notebook 04
+    wrote whole (shortcut_lora's claims table) and the archive keep the words of their run."""
+    from papo_nb.workbook.study.power import effect_verdict
+
+    assert effect_verdict(-0.085, 0.0164, 0.05) == "detected lower (-0.085, p = 0.0164)"
+    assert effect_verdict(0.084, 0.0179, 0.05) == "detected higher (+0.084, p = 0.0179)"
+    pages = [ROOT / "README.md", ROOT / "docs" / "study.md", ROOT / "docs" / "study" / "summary.md"]
+    pages += [path for path in (ROOT / "docs" / "study").glob("*/*.md") if path.parent.name != "archive"]
+    pages += list((ROOT / "docs" / "study").glob("*/summary.json"))
+    found = 0
+    for path in pages:
+        text = path.read_text()
+        if path.parent.name == "shortcut_lora" and path.name == "results.md":
+            text = text.replace(text.split("## The paper's claims")[1].split("\n## ")[0], "")
+        for word, sign in re.findall(r"(?<!not )detected(?: (higher|lower))? \(([+-])\d", text):
+            found += 1
+            assert word == {"+": "higher", "-": "lower"}[sign], (path, word, sign)
+    assert found > 20
+
+
+def test_the_pooled_pages_that_share_grpo_runs_say_so():
+    """Issue 61: shortcut_calibrated and shortcut_warm_starts quote the same 30 GRPO runs (score for score); each
+    page says so, from their runs.json."""
+    from papo_nb.workbook.study import warm_starts
+
+    pages = {folder.name: data for folder, data in warm_starts.pooled_pages(ROOT / "docs" / "study")}
+    calibrated, one_gamma = pages["shortcut_calibrated"], pages["shortcut_warm_starts"]
+    assert warm_starts.grpo_runs(calibrated) == warm_starts.grpo_runs(one_gamma)
+    for name, other in (
+        ("shortcut_calibrated", "shortcut_warm_starts"),
+        ("shortcut_warm_starts", "shortcut_calibrated"),
+    ):
+        text = (ROOT / "docs" / "study" / name / "results.md").read_text()
+        assert f"These 30 GRPO runs are also [{other}](../{other}/results.md)'s, score for score" in text, name
+    assert warm_starts.shared_grpo(pages["shortcut_controls_full"], ROOT / "docs" / "study") == []

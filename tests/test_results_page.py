@@ -65,7 +65,7 @@ def test_notebook_and_workbook_pages_carry_verdict_probe_heldout_and_roll_up(mlf
     page = client.get_run(training).data.tags[NOTE_TAG]
     assert page.startswith(
         "**03_training_run finished** · probe **passed** (power 12.2) · held-out **0.833** original / **0.708** masked"
-        " · learning signal **WEAK** (67% of groups without reward spread)"
+        " (greedy, mean over 48 items) · learning signal **WEAK** (67% of groups without reward spread)"
     )
     assert "Gamma-zero probe**: passed" in page and "12.2" in page
     assert "| all items | 0.833 | 0.708 | 0.125 | 48 |" in page and "| vision-dependent | 0.750 | 0.562 |" in page

@@ -115,9 +115,12 @@ def test_the_verdict_line_states_the_drift_and_each_arm_with_ci_p_and_mde():
     drift = drift_rows(start, results, metrics=(PRIMARY,))
     verdicts = arm_verdicts(results, {"papo_g_half": 1.675}, "grpo")
     line = verdict_line(drift, verdicts, counteract_claim(drift, verdicts, "grpo"), "grpo")
-    assert line.startswith("holds: papo_g_half (gamma 1.675) recovers +0.070 of GRPO's drift. On ")
+    assert line.startswith(
+        "holds: papo_g_half (gamma 1.675) ends +0.070 above GRPO, making up 70% of GRPO's -0.100 drift. On "
+    )
     assert "grpo 0.500 -> 0.400: drift -0.100 +/- 0.050 (p = " in line and ", 3 seeds); papo_g_half" in line
-    assert "papo_g_half (gamma 1.675) - grpo +0.070 +/- 0.025 (p = 0.0067, MDE 0.033)." in line
+    assert "papo_g_half (gamma 1.675) - grpo +0.070 +/- 0.025 (p = 0.0067, MDE 0.033); each +/- is a 95% CI" in line
+
     metrics = verdict_metrics(drift, verdicts, "grpo")
     assert metrics["study/drift/grpo"] == pytest.approx(-0.10)
     assert metrics["study/vs_grpo/papo_g_half"] == pytest.approx(0.07)
@@ -125,6 +128,24 @@ def test_the_verdict_line_states_the_drift_and_each_arm_with_ci_p_and_mde():
                             "study/vs_grpo_ci95/papo_g_half", "study/vs_grpo_p/papo_g_half",
                             "study/vs_grpo_mde/papo_g_half"}  # fmt: skip
     assert all(math.isfinite(v) for v in metrics.values())
+
+
+def test_an_arm_that_beats_grpo_by_more_than_its_drift_is_said_to_end_above_the_warm_start():
+    """Issue 61: the smoke workbook's 04 said "recovers +0.072 of GRPO's drift" of a drift of -0.059; the verdict
+    says the arm beat GRPO by more than GRPO lost and where it ended against the warm start, from the same rows."""
+    start = {PRIMARY: 0.465}
+    results = {"grpo": {s: {PRIMARY: v} for s, v in enumerate((0.40, 0.42, 0.398))},
+               "papo_g_half": {s: {PRIMARY: v} for s, v in enumerate((0.47, 0.49, 0.475))}}  # fmt: skip
+    drift = drift_rows(start, results, metrics=(PRIMARY,))
+    verdicts = arm_verdicts(results, {"papo_g_half": 1.675}, "grpo")
+    claim = counteract_claim(drift, verdicts, "grpo")["verdict"]
+    grpo, (row,) = drift[0], verdicts
+    assert row["diff"] > -grpo["drift"] > 0
+    assert claim == (
+        f"holds: papo_g_half (gamma 1.675) ends {row['diff']:+.3f} above GRPO, more than GRPO's {grpo['drift']:+.3f} "
+        f"drift: it ends {row['arm_mean'] - 0.465:+.3f} from the warm start ({row['arm_mean']:.3f} against 0.465)"
+    )
+    assert "recovers" not in claim
 
 
 def test_one_warm_start_says_what_the_pooled_page_listing_its_weights_found():

@@ -265,15 +265,15 @@ def test_claims_table_says_plainly_what_holds():
     arms = {"control": "grpo", "treatment": "papo_g", "collapse": "papo_g_collapse"}
     better = {r["claim"]: r["verdict"] for r in claims_table(fake_results(0.05), collapse, arms, **CHANCE)}
     assert better == {  # paired diffs 0.05, 0.06, 0.04 (vision twice that)
-        "overall": "detected (+0.050, p = 0.0131)",
-        "vision": "detected (+0.100, p = 0.0131)",
-        "perception_errors": "detected (-0.050, p = 0.0131)",
-        "reliance": "detected (+0.100, p = 0.0131)",
+        "overall": "detected higher (+0.050, p = 0.0131)",
+        "vision": "detected higher (+0.100, p = 0.0131)",
+        "perception_errors": "detected lower (-0.050, p = 0.0131)",
+        "reliance": "detected higher (+0.100, p = 0.0131)",
         "collapse": "holds here",
     }
     collapse["papo_g_collapse"] = {s: {"collapsed": False} for s in range(3)}
     worse = {r["claim"]: r["verdict"] for r in claims_table(fake_results(-0.05), collapse, arms, **CHANCE)}
-    assert worse["overall"] == "detected (-0.050, p = 0.0131)" and worse["collapse"] == "does not hold here"
+    assert worse["overall"] == "detected lower (-0.050, p = 0.0131)" and worse["collapse"] == "does not hold here"
     assert worse["vision"].endswith("; gain not larger on the vision split")
     # paired diffs +0.01, -0.008, +0.004 (sd 0.0092): not detected, and the MDE of 3 pairs is 3.264 sd
     noisy = fake_results(0.0)
@@ -294,7 +294,10 @@ def test_a_policy_at_chance_makes_every_claim_not_measurable_never_false():
     assert "grpo at chance (0.25) on vision-dependent items" in rows[0]["here"]
     assert "nan" not in " ".join(r["here"] for r in rows)  # grpo at 0: no relative change to state
     # the same arms one notch above chance: the ordinary verdicts come back
-    assert claims_table(fake_results(-0.05), collapse, arms, **CHANCE)[0]["verdict"] == "detected (-0.050, p = 0.0131)"
+    assert (
+        claims_table(fake_results(-0.05), collapse, arms, **CHANCE)[0]["verdict"]
+        == "detected lower (-0.050, p = 0.0131)"
+    )
 
 
 def test_a_one_seed_study_says_it_tested_nothing_and_prints_no_nan():
@@ -467,7 +470,7 @@ def test_claims_table_without_a_text_split_says_so():
     vision = next(r for r in claims_table(results, collapse, arms, **CHANCE) if r["claim"] == "vision")
     assert "no text-only split" in vision["here"]
     assert vision["verdict"].startswith("not testable here: every held-out item is vision-dependent")
-    assert vision["verdict"].endswith("(vision split alone: detected (+0.100, p = 0.0131))")
+    assert vision["verdict"].endswith("(vision split alone: detected higher (+0.100, p = 0.0131))")
 
 
 def test_claims_state_exact_p_values_and_what_cannot_be_tested():
@@ -557,7 +560,9 @@ def test_drift_is_the_end_minus_the_warm_start_and_the_claim_says_which_arm_coun
     assert verdicts["papo_g_half"]["prior_share"] == 0.3 and verdicts["papo_g_half"]["control_prior_share"] == 0.6
     assert verdicts["papo_g"]["verdict"].startswith("equivalent to GRPO within +-0.02")
     claim = counteract_claim(list(rows.values()), list(verdicts.values()), "grpo")
-    assert claim["verdict"] == "holds: papo_g_half (gamma 1) recovers +0.100 of GRPO's drift"
+    assert (
+        claim["verdict"] == "holds: papo_g_half (gamma 1) ends +0.100 above GRPO, making up 50% of GRPO's -0.200 drift"
+    )
     # no drift, nothing to counteract: the claim is not tested, whatever the arms do
     flat = {row["arm"]: row for row in drift_rows({PRIMARY: 0.30}, results, metrics=(PRIMARY,))}
     assert counteract_claim(list(flat.values()), list(verdicts.values()), "grpo")["verdict"].startswith("not tested")

@@ -200,7 +200,14 @@ def mlflow_metrics(table: list[dict]) -> dict[str, float]:
     }
     if "eval/overall/greedy" in metrics:
         metrics[HELDOUT_ACCURACY] = metrics["eval/overall/greedy"]
+        # which mean the overall score is: over this many benchmarks (with items), not over items
+        metrics["eval/overall/benchmarks"] = float(benchmark_count(table))
     return metrics
+
+
+def benchmark_count(table: list[dict]) -> int:
+    """The benchmarks of ``summarise``'s table that had items: what its group and overall rows average over."""
+    return sum(row["group"] != "summary" and math.isfinite(row["greedy"]) for row in table)
 
 
 # --------------------------------------------------------------------------------------------

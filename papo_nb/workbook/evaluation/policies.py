@@ -13,6 +13,7 @@ import math
 import mlflow
 
 from papo_nb.workbook.evaluation import benchmarks, eval_review
+from papo_nb.workbook.results.page import BASE_BESIDE_TAG
 
 
 def log_scores(params, table: list[dict], suites: dict, step: int) -> dict[str, float]:
@@ -56,6 +57,15 @@ def score_base_beside(params, suites: dict) -> list[dict]:
     return table
 
 
+def compare_with_base(params, table: list[dict], suites: dict) -> tuple[list[dict], str]:
+    """The base model scored beside the checkpoint (``score_base_beside``): ``beside``'s rows and
+    ``beside_statement``'s sentence, which is tagged on the run so its results page says it too."""
+    rows = beside(table, score_base_beside(params, suites))
+    statement = beside_statement(rows)
+    mlflow.set_tag(BASE_BESIDE_TAG, statement)
+    return rows, statement
+
+
 def beside(trained: list[dict], base: list[dict], key: str = "avg_at_k") -> list[dict]:
     """Rows ``name, base, trained, change`` of ``key`` (NaN where a benchmark had no items)."""
     base_by_name = {row["name"]: row[key] for row in base}
@@ -64,3 +74,23 @@ def beside(trained: list[dict], base: list[dict], key: str = "avg_at_k") -> list
         before = base_by_name.get(row["name"], math.nan)
         rows.append({"name": row["name"], "base": before, "trained": row[key], "change": row[key] - before})
     return rows
+
+
+def beside_statement(rows: list[dict], decimals: int = 3) -> str:
+    """What ``beside``'s rows say, in one sentence from the same numbers: that the checkpoint scores as the base
+    model on every benchmark (each change rounds to 0 at the table's ``decimals``), or where it moved most."""
+    changes = [(row["name"], row["change"]) for row in rows if math.isfinite(row["change"])]
+    if not changes:
+        return "No benchmark had items: nothing to compare with the base model."
+    moved = [(name, change) for name, change in changes if round(change, decimals) != 0]
+    if not moved:
+        largest = max(abs(change) for _, change in changes)
+        return (
+            f"The checkpoint scores exactly as the base model on every benchmark ({len(changes)} rows, largest change "
+            f"{largest:.1e}): training did not move these scores."
+        )
+    name, change = max(moved, key=lambda item: abs(item[1]))
+    return (
+        f"The checkpoint differs from the base model on {len(moved)} of {len(changes)} rows; the largest change is "
+        f"{change:+.{decimals}f} on {name}."
+    )

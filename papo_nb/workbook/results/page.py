@@ -27,6 +27,7 @@ NOTE_TAG = "mlflow.note.content"  # what MLflow's UI shows as the run's Descript
 VERDICT_TAG, PROBE_STATUS_TAG, PROBE_WARNING_TAG = "papo_nb.verdict", "papo_nb.probe_status", "papo_nb.probe_warning"
 CALIBRATION_TAG = "papo_nb.calibration_verdict"
 STUDY_VERDICT_TAG = "papo_nb.study_verdict"  # 04's calibrated design: GRPO's drift and PAPO-G against it
+BASE_BESIDE_TAG = "papo_nb.base_beside"  # 05: the checkpoint against the base model, in one sentence
 SKIPPED_ARTIFACT_FOLDERS = ("table_images",)  # thousands of thumbnails: the tables that hold them are listed instead
 
 # Child metric -> the workbook run's headline metric. The first notebook that logged the child metric supplies it.
@@ -124,25 +125,67 @@ def verdict_lines(record: RunRecord) -> list[str]:
         lines.append(f"- **Probe warning**: {record.tags[PROBE_WARNING_TAG]}")
     if STUDY_VERDICT_TAG in record.tags:
         lines.append(f"- **Method study**: {record.tags[STUDY_VERDICT_TAG]}")
+    if BASE_BESIDE_TAG in record.tags:
+        lines.append(f"- **Against the base model**: {record.tags[BASE_BESIDE_TAG]}")
     return lines
 
 
-def heldout_table(metrics: dict[str, float]) -> list[str]:
-    """Greedy held-out accuracy, original images against masked ones, per split (notebook 03's keys)."""
+def heldout_rows(metrics: dict[str, float]) -> list[dict]:
+    """Held-out greedy accuracy, original and masked, as the summary line and the table both show it, each row
+    saying which mean it is: notebook 05's overall score (``eval/overall/*``), the mean over its benchmarks as the
+    paper averages them; notebook 03's per split, means over items, with the score before training beside them
+    (``eval_before/*``) where the run measured it."""
+    if "eval/overall/greedy" in metrics:
+        count = metrics.get("eval/overall/benchmarks")
+        mean = f"mean over {int(count)} benchmarks" if count else "mean over benchmarks"
+        original, masked = metrics["eval/overall/greedy"], metrics.get("eval/overall/greedy_masked")
+        return [dict(label=f"overall ({mean})", mean=mean, original=original, masked=masked, items=None)]
     rows = []
     for suffix, label in SPLITS.items():
         original = metrics.get(f"eval/accuracy_original{suffix}")
         if original is None:
             continue
-        masked = metrics.get(f"eval/accuracy_masked{suffix}")
         items = metrics.get(f"eval/items{suffix}")
-        rows.append(
-            f"| {label} | {_number(original)} | {_number(masked)} | "
-            f"{_number(None if masked is None else original - masked)} | {'' if items is None else int(items)} |"
-        )
+        rows.append(dict(
+            label=label, mean=f"mean over {int(items)} items" if items else "mean over items", original=original,
+            masked=metrics.get(f"eval/accuracy_masked{suffix}"), items=items,
+            before=metrics.get(f"eval_before/accuracy_original{suffix}"),
+            before_masked=metrics.get(f"eval_before/accuracy_masked{suffix}"),
+        ))  # fmt: skip
+    return rows
+
+
+def heldout_table(metrics: dict[str, float]) -> list[str]:
+    """``heldout_rows`` as a table: original, masked, gap and items, and the scores before training where measured."""
+    rows = heldout_rows(metrics)
     if not rows:
         return []
-    return ["| split | original | masked | gap | items |", "| --- | --- | --- | --- | --- |", *rows]
+    before = any(row.get("before") is not None for row in rows)
+    header = "| split | original | masked | gap | items |" + (
+        " before training: original | masked |" if before else ""
+    )
+    lines = [header, "|" + " --- |" * (header.count("|") - 1)]
+    for row in rows:
+        original, masked, items = row["original"], row["masked"], row["items"]
+        line = (
+            f"| {row['label']} | {_number(original)} | {_number(masked)} | "
+            f"{_number(None if masked is None else original - masked)} | {'' if items is None else int(items)} |"
+        )
+        if before:
+            line += f" {_number(row.get('before'))} | {_number(row.get('before_masked'))} |"
+        lines.append(line)
+    return lines
+
+
+def heldout_phrase(row: dict) -> str:
+    """The summary line's held-out part, from the same row as the table: the numbers, which mean, the baseline."""
+    baseline = ""
+    if row.get("before") is not None:
+        baseline = f"; before training {_number(row['before'])} / {_number(row.get('before_masked'))}"
+    return (
+        f"held-out **{_number(row['original'])}** original / **{_number(row['masked'])}** masked "
+        f"(greedy, {row['mean']}{baseline})"
+    )
 
 
 def benchmark_table(metrics: dict[str, float]) -> list[str]:
@@ -183,10 +226,11 @@ def artifact_links(record: RunRecord) -> list[str]:
     return [f"- [{path}]({record.link(path)})" for path in wanted]
 
 
-def summary_line(status: str, rolled: dict[str, float], tags: dict[str, str]) -> str:
+def summary_line(status: str, rolled: dict[str, float], tags: dict[str, str], heldout: dict | None = None) -> str:
     """The page's first line, what the Description shows before "Show more": the status, then the contract, the
-    probe with its power, the calibration, held-out accuracy original / masked and the learning signal, each only
-    where the run measured it."""
+    probe with its power, the calibration, held-out accuracy original / masked (``heldout``: the held-out table's
+    first row, so the line and the table are one set of numbers) and the learning signal, each only where the run
+    measured it."""
     parts = [f"**{status}**"]
     if "headline/contract_passed" in rolled:
         parts.append(f"contract **{'PASS' if rolled['headline/contract_passed'] == 1.0 else 'FAIL'}**")
@@ -197,9 +241,8 @@ def summary_line(status: str, rolled: dict[str, float], tags: dict[str, str]) ->
         parts.append(f"probe **{status_word}** (power {_number(rolled.get('headline/probe_power'), 1)})")
     if "headline/calibration_separated" in rolled:
         parts.append(f"calibration **{'separated' if rolled['headline/calibration_separated'] else 'NOT separated'}**")
-    if "headline/heldout_original" in rolled:
-        original, masked = rolled["headline/heldout_original"], rolled.get("headline/heldout_masked")
-        parts.append(f"held-out **{_number(original)}** original / **{_number(masked)}** masked")
+    if heldout is not None:
+        parts.append(heldout_phrase(heldout))
     if "headline/zero_std_share" in rolled:
         share = rolled["headline/zero_std_share"]
         word = "WEAK" if share > ZERO_STD_FLAG else "ok"
@@ -224,7 +267,8 @@ def notebook_page(record: RunRecord, signal: dict | None, arms_comparison: str =
 def findings_lines(record: RunRecord, signal: dict | None, arms_comparison: str, status: str) -> list[str]:
     """What the run showed, as it logged it: the summary line, the verdicts, the learning signal and the tables of
     held-out accuracy, benchmarks and study arms (and 04's GRPO against PAPO-G table)."""
-    lines = [summary_line(status, headlines(record, signal), record.tags), ""]
+    heldout = next(iter(heldout_rows(record.metrics)), None)
+    lines = [summary_line(status, headlines(record, signal), record.tags, heldout), ""]
     if record.tags.get("papo_nb.failed_cell"):
         lines += [f"**Failed at** {record.tags['papo_nb.failed_cell']}", ""]
     lines += verdict_lines(record)
@@ -294,17 +338,18 @@ def workbook_page(parent: RunRecord, children: list[tuple[RunRecord, dict[str, f
     unfinished = [f"{child.name} {child.status}" for child, _ in children if child.status != "FINISHED"]
     status = ", ".join(unfinished) if unfinished else f"{len(children)} notebooks finished"
     tags = {key: value for child, _ in reversed(children) for key, value in child.tags.items()}
-    lines = [summary_line(status, merged, tags), "", "### Details", ""]
+    heldout = next((rows[0] for child, _ in children if (rows := heldout_rows(child.metrics))), None)
+    lines = [summary_line(status, merged, tags, heldout), "", "### Details", ""]
     for child, _ in children:
         lines += [line.replace("- **", f"- {child.name}, **", 1) for line in verdict_lines(child)]
     signals = [child.tags.get(SIGNAL_TAG) for child, _ in children]
     lines += [f"- **Learning signal**: {text}" for text in signals if text]
-    if "headline/heldout_original" in merged:
+    if heldout is not None:
         lines += [
             "",
             "### Held-out accuracy, greedy, original against masked images",
             "",
-            *heldout_table(next(c.metrics for c, h in children if "headline/heldout_original" in h)),
+            *heldout_table(next(c.metrics for c, _ in children if heldout_rows(c.metrics))),
         ]
     arms = next((arms_table(c.metrics) for c, _ in children if arms_table(c.metrics)), [])
     if arms:

@@ -31,8 +31,8 @@ NOT_TESTABLE = "not testable here"
 
 
 def _verdict(diff: float, p_value: float, alpha: float = 0.05, pairs: int = 2, mde: float = math.nan) -> str:
-    """``detected (+x, p)`` or ``not detected (+x; MDE y)``: a null always carries the smallest effect the study
-    would have seen 80% of the time (``power.minimum_detectable_effect``)."""
+    """``detected higher (+x, p)`` / ``detected lower (-x, p)`` or ``not detected (+x; MDE y)``: a null always
+    carries the smallest effect the study would have seen 80% of the time (``power.minimum_detectable_effect``)."""
     if not math.isfinite(diff):
         return NO_ITEMS
     if pairs < 2:

@@ -113,12 +113,14 @@ def honest_ylim(centres: list[float], halves: list[float]) -> tuple[float, float
     return middle - 0.55 * span, middle + 0.55 * span
 
 
-def plot_dose_response(rows: list[dict], title: str = "") -> Figure:
-    """Each metric against gamma (symmetric log axis, linear through 0), mean over seeds with a 95% CI band;
-    gammas with a flagged run are marked."""
+def plot_dose_response(rows: list[dict], title: str = "", start: dict | None = None) -> Figure:
+    """Each metric against gamma (symmetric log axis, linear through 0): per gamma run, the mean over seeds with its
+    95% CI as an error bar, and no line between gammas (nothing between them was run); gammas with a flagged run are
+    marked, and ``start`` (the warm start's held-out scores, step 0) is drawn where it has the panel's metric."""
     fig = Figure(figsize=(16, 4), layout="constrained")
     gammas = [row["gamma"] for row in rows]
     positive = [g for g in gammas if g > 0]
+    start = start or {}
     for ax, (keys, panel) in zip(fig.subplots(1, len(PANELS)), PANELS):
         drawn: tuple[list[float], list[float]] = ([], [])
         for key in keys:
@@ -127,25 +129,34 @@ def plot_dose_response(rows: list[dict], title: str = "") -> Figure:
                 continue
             xs, centre, half = zip(*points)
             half = [h if math.isfinite(h) else 0.0 for h in half]
-            ax.plot(xs, centre, marker="o", label=key.split("/", 1)[-1])
+            bars = ax.errorbar(xs, centre, yerr=half, fmt="o", capsize=4, label=f"{key.split('/', 1)[-1]}")
             drawn[0].extend(centre)
             drawn[1].extend(half)
-            ax.fill_between(
-                xs, [c - h for c, h in zip(centre, half)], [c + h for c, h in zip(centre, half)], alpha=0.2
-            )
+            if key in start:
+                ax.axhline(start[key], color=bars[0].get_color(), linestyle="--", linewidth=1,
+                           label=f"warm start (step 0): {start[key]:.3f}")  # fmt: skip
+                drawn[0].append(start[key])
+                drawn[1].append(0.0)
         if drawn[0]:
             ax.set_ylim(*honest_ylim(*drawn))
-        for row in rows:
-            if row["collapsed"]:
-                ax.axvline(row["gamma"], color="tab:red", linestyle=":", linewidth=1)
+        flagged = [row["gamma"] for row in rows if row["collapsed"]]
+        for gamma in flagged:
+            label = f"a run flagged as collapsed ({len(flagged)} gammas)" if gamma == flagged[0] else "_flagged"
+            ax.axvline(gamma, color="tab:red", linestyle=":", linewidth=1, label=label)
         if positive:
             ax.set_xscale("symlog", linthresh=min(positive))
-        ax.set_xlim(left=0)  # gamma is never negative; autoscaling would open the symlog axis's negative side
+        # gamma is never negative (autoscaling would open the symlog axis's negative side); a margin on both sides
+        # so the end points' error bars are drawn whole
+        ax.set_xlim(-min(positive or [1.0]) / 4, 1.6 * max(positive or [1.0]))
         ax.set_xlabel("gamma (perception_loss_weight)")
         ax.set_title(panel, fontsize=10)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-    fig.suptitle(title or "Dose-response: mean over seeds, band = 95% CI, dotted = a run flagged as collapsed")
+    fig.suptitle(
+        title
+        or "Dose-response: mean over seeds with its 95% CI at each gamma run (no line: gammas between them were "
+        "not run), dashed = the warm start, dotted red = a run flagged as collapsed"
+    )
     return fig
 
 

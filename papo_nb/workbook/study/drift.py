@@ -97,19 +97,32 @@ def counteract_claim(drift: list[dict], verdicts: list[dict], control: str, metr
     if grpo is None:
         return {"claim": "counteracts drift", "here": "no step-0 score: drift not measured", "verdict": "not tested"}
     drifted = grpo["drift"] + grpo["drift_ci95"] < 0  # the whole 95% CI below 0
-    here = f"GRPO {grpo['step_0']:.3f} -> {grpo['end']:.3f} ({grpo['drift']:+.3f} +/- {grpo['drift_ci95']:.3f})"
+    here = f"GRPO {grpo['step_0']:.3f} -> {grpo['end']:.3f} ({grpo['drift']:+.3f} +/- {grpo['drift_ci95']:.3f} 95% CI)"
     better = [row for row in verdicts if row["verdict"].startswith("better")]
     here += "; " + "; ".join(
-        f"{row['arm']} (gamma {row['gamma']:g}): {row['diff']:+.3f} +/- {row['diff_ci95']:.3f}" for row in verdicts
+        f"{row['arm']} (gamma {row['gamma']:g}) - GRPO: {row['diff']:+.3f} +/- {row['diff_ci95']:.3f} 95% CI"
+        for row in verdicts
     )
     if not drifted:
         verdict = "not tested: GRPO did not drift off the image here"
     elif better:
-        best = max(better, key=lambda row: row["diff"])
-        verdict = f"holds: {best['arm']} (gamma {best['gamma']:g}) recovers {best['diff']:+.3f} of GRPO's drift"
+        verdict = "holds: " + recovery(max(better, key=lambda row: row["diff"]), grpo)
     else:
         verdict = "does not hold here: no PAPO-G arm beat GRPO"
     return {"claim": "counteracts drift", "here": here, "verdict": verdict}
+
+
+def recovery(row: dict, grpo: dict) -> str:
+    """How much of GRPO's drift an arm that beats GRPO makes up, said from its numbers: the share of the drift, or,
+    when it beats GRPO by more than GRPO lost, that it ends above the warm start (its mean end against step 0)."""
+    arm, lost, start = f"{row['arm']} (gamma {row['gamma']:g})", -grpo["drift"], grpo["step_0"]
+    beats = f"{arm} ends {row['diff']:+.3f} above GRPO"
+    if row["diff"] < lost:
+        return f"{beats}, making up {row['diff'] / lost:.0%} of GRPO's {grpo['drift']:+.3f} drift"
+    return (
+        f"{beats}, more than GRPO's {grpo['drift']:+.3f} drift: it ends {row['arm_mean'] - start:+.3f} from the "
+        f"warm start ({row['arm_mean']:.3f} against {start:.3f})"
+    )
 
 
 def verdict_line(drift: list[dict], verdicts: list[dict], claim: dict, control: str, metric: str = PRIMARY) -> str:
@@ -127,7 +140,7 @@ def verdict_line(drift: list[dict], verdicts: list[dict], claim: dict, control: 
     return (
         f"{claim['verdict']}. On {metric}, {control} {grpo['step_0']:.3f} -> {grpo['end']:.3f}: drift "
         f"{grpo['drift']:+.3f} +/- {grpo['drift_ci95']:.3f} (p = {grpo['p_value']:.2g}, {grpo['seeds']} seeds); "
-        f"{arms}."
+        f"{arms}; each +/- is a 95% CI half-width over seeds."
     )
 
 

@@ -53,7 +53,10 @@ def plot_learning_curves(study: Study) -> Figure:
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=8)
     sweep_ax = list(fig.axes)[-1]
-    plot_sweep(study, sweep_ax)
+    if study.sweep:
+        plot_sweep(study, sweep_ax)
+    else:  # no sweep or search ran here (a given collapse gamma): no panel, rather than an empty one
+        sweep_ax.remove()
     fig.suptitle("Training per arm: mean over seeds, band = min..max over seeds, dotted = collapse detector fired")
     return fig
 
@@ -78,9 +81,21 @@ def plot_sweep(study: Study, ax) -> None:
     ax.legend(fontsize=8)
 
 
+def _same_scores(scores: dict, kind: str, split: str, other: str) -> bool:
+    """Every run scored ``split`` exactly as ``other`` (all items are vision items, say): one panel shows both."""
+    return all(
+        v.get(f"{kind}/{c}/{split}") == v.get(f"{kind}/{c}/{other}")
+        for runs in scores.values()
+        for v in runs.values()
+        for c in ("original", "masked")
+    )
+
+
 def plot_accuracy(study: Study, kind: str = "avg_at_k", chance: float | None = None) -> Figure:
     """Held-out accuracy per arm and split, original vs masked images, with 95% CI over seeds; ``chance``, if given,
-    is drawn on the vision-dependent panel, where a guesser's accuracy is known."""
+    is drawn on the vision-dependent panel, where a guesser's accuracy is known, and the warm start's score (step 0,
+    calibrated design) on every panel it was measured for. A split identical to another on every run (all items when
+    every item is a vision item) gets no panel of its own: the other's title says so."""
     scores = study.scores()
     arms = list(scores)
     splits = [
@@ -88,7 +103,9 @@ def plot_accuracy(study: Study, kind: str = "avg_at_k", chance: float | None = N
         for s in ("all", "vision", "text")
         if any(f"{kind}/original/{s}" in v for r in scores.values() for v in r.values())
     ]
-    fig = Figure(figsize=(4.5 * len(splits), 4), layout="constrained")
+    merged = "all" in splits and "vision" in splits and _same_scores(scores, kind, "all", "vision")
+    splits = [s for s in splits if not (merged and s == "all")]
+    fig = Figure(figsize=(max(4.5, 1.0 + 0.9 * len(arms)) * len(splits), 4.4), layout="constrained")
     axes = fig.subplots(1, len(splits), squeeze=False)[0]
     width = 0.38
     for ax, split in zip(axes, splits):
@@ -99,14 +116,20 @@ def plot_accuracy(study: Study, kind: str = "avg_at_k", chance: float | None = N
                 centre, half = mean_ci(values)
                 centres.append(centre)
                 halves.append(0.0 if math.isnan(half) else half)
-            ax.bar([i + offset for i in range(len(arms))], centres, width, yerr=halves, capsize=3, label=condition,
-                   alpha=1.0 if condition == "original" else 0.5)  # fmt: skip
+            label, alpha = f"{condition}, mean over seeds (bar: 95% CI)", 1.0 if condition == "original" else 0.5
+            ax.bar([i + offset for i in range(len(arms))], centres, width, yerr=halves, capsize=3, label=label,
+                   alpha=alpha)  # fmt: skip
+            start = study.start_scores.get(f"{kind}/{condition}/{split}")
+            if start is not None:
+                ax.axhline(start, color="tab:green", linestyle="--" if condition == "original" else "-.",
+                           linewidth=1.2, label=f"warm start (step 0), {condition}: {start:.3f}")  # fmt: skip
         if chance is not None and split == "vision":
             ax.axhline(chance, color="black", linestyle=":", linewidth=1, label=f"chance ({chance:.2f})")
-            ax.legend(fontsize=8)
-        ax.set_xticks(range(len(arms)), arms, fontsize=8)
+        ax.set_xticks(range(len(arms)), arms, fontsize=8, rotation=30, ha="right")
         ax.set_ylim(0, 1)
-        ax.set_title(f"{kind} accuracy, {split} items", fontsize=10)
+        ax.set_ylabel(f"{kind} accuracy (share of held-out items)")
+        items = "vision items (every held-out item)" if merged and split == "vision" else f"{split} items"
+        ax.set_title(f"{kind} accuracy, {items}", fontsize=10)
         ax.grid(axis="y", alpha=0.3)
-    axes[0].legend(fontsize=8)
+        ax.legend(fontsize=7, loc="upper left")
     return fig

@@ -79,12 +79,13 @@ def gain_detected(row: dict, alpha: float = ALPHA) -> bool:
 
 
 def effect_verdict(diff: float, p_value: float, mde: float, alpha: float = ALPHA) -> str:
-    """``detected (+x, p)`` when the paired test rejects; otherwise ``not detected (MDE x)``, so a null says how
-    large an effect it rules out."""
+    """``detected higher (+x, p)`` or ``detected lower (-x, p)`` when the paired test rejects, the direction in words
+    so a loss never reads as a finding in the method's favour; otherwise ``not detected (x; MDE y)``, so a null says
+    how large an effect it rules out."""
     if not math.isfinite(diff):
         return "not measured"
     if math.isfinite(p_value) and p_value < alpha:
-        return f"detected ({diff:+.3f}, p = {p_value:.3g})"
+        return f"detected {'higher' if diff > 0 else 'lower'} ({diff:+.3f}, p = {p_value:.3g})"
     bound = f"MDE {mde:.3f}" if math.isfinite(mde) else "MDE unknown: seed spread not estimable"
     return f"not detected ({diff:+.3f}; {bound})"
 

@@ -180,7 +180,7 @@ def calibrated_sections(study: Study) -> list[str]:
         return []
     drift_table, verdicts, claim = _calibrated_tables(study)
     return [
-        f"## Does PAPO-G counteract GRPO's drift off the image?\n**{claim['verdict']}.** {claim['here']}.",
+        f"{COUNTERACT_HEADING}\n**{claim['verdict']}.** {claim['here']}.",
         "## Drift: from the warm start (step 0) to the end of training, per arm\n"
         "Every run and the warm-start policy are scored on the same held-out items; drift is the end score minus "
         "the warm start's, mean over seeds with its 95% CI; p: one-sample t-test that it is 0.\n\n"
@@ -306,13 +306,35 @@ def write_summary(folder: Path, params: WorkbookParams, study: Study, scores: di
     (folder / SUMMARY).write_text(json.dumps(summary, indent=2) + "\n")
 
 
+COUNTERACT_HEADING = "## Does PAPO-G counteract GRPO's drift off the image?"
+
+
+def refresh_verdicts(folder: Path) -> None:
+    """A page's verdict words derived again from its own numbers, for a page that cannot be rebuilt whole (notebook
+    04 wrote it; no ``rebuild.json``): ``summary.json``'s effect verdicts from their stored difference, p and MDE,
+    and a calibrated page's counteract claim (its summary and its section) from its start scores and runs."""
+    summary = json.loads((folder / SUMMARY).read_text())
+    for effect in summary.get("papo_g_vs_grpo", {}).values():
+        effect["verdict"] = power.effect_verdict(effect["diff"], effect["p_value"], effect["mde"])
+    page = folder / "results.md"
+    if "counteract" in summary and (folder / START).is_file() and page.is_file():
+        claim = page_tables(folder)[2]
+        summary["counteract"] = claim["verdict"]
+        before, heading, after = page.read_text().partition(COUNTERACT_HEADING + "\n")
+        if heading:  # the section's one paragraph, regenerated; the rest of the page as notebook 04 wrote it
+            rest = after.split("\n", 1)[1] if "\n" in after else ""
+            page.write_text(f"{before}{heading}**{claim['verdict']}.** {claim['here']}.\n{rest}")
+    (folder / SUMMARY).write_text(json.dumps(summary, indent=2) + "\n")
+
+
 def write_contrasts(folder: Path) -> None:
     """``contrasts.md`` of a page: every gamma against gamma 0, paired over seeds, from the page's ``runs.json``."""
     rows = dose.dose_contrasts(json.loads((folder / RUNS).read_text()))
     (folder / CONTRASTS_PAGE).write_text(
         "# Dose-response contrasts: each gamma against GRPO (gamma 0), paired over seeds\n\n"
-        "*detected (+x, p)*: the paired t-test rejects at 5%; *not detected (x; MDE y)*: it does not, and an effect "
-        "of y or more would have been detected 80% of the time.\n\n" + tables.records_markdown(rows) + "\n"
+        "*detected higher (+x, p)* or *detected lower (-x, p)*: the paired t-test rejects at 5%, in that direction; "
+        "*not detected (x; MDE y)*: it does not, and an effect of y or more would have been detected 80% of the "
+        "time.\n\n" + tables.records_markdown(rows) + "\n"
     )
 
 
@@ -401,13 +423,14 @@ def main(root: str | Path = "docs/study", targets=SUMMARY_TARGETS) -> None:
     three-sentence verdict (``VERDICT_MARKERS``) from the pooled pages."""
     root = Path(root)
     for rows in sorted(root.glob(f"*/{DOSE_ROWS}")):
-        dose.plot_dose_response(json.loads(rows.read_text())).savefig(rows.with_suffix(".png"), dpi=80)
+        start = json.loads((rows.parent / START).read_text()) if (rows.parent / START).is_file() else None
+        dose.plot_dose_response(json.loads(rows.read_text()), start=start).savefig(rows.with_suffix(".png"), dpi=80)
     pooled = {folder for folder, _ in warm_starts.pooled_pages(root)}  # their pages: warm_starts.render
-    for runs in sorted(root.glob(f"*/{RUNS}")):
+    for runs in [*sorted(root.glob(f"*/{RUNS}")), *sorted((root / ARCHIVE).glob(f"*/{RUNS}"))]:
         if runs.parent not in pooled:
             write_contrasts(runs.parent)
-    for runs in sorted((root / ARCHIVE).glob(f"*/{RUNS}")):
-        write_contrasts(runs.parent)
+            if (runs.parent / SUMMARY).is_file():
+                refresh_verdicts(runs.parent)
     (root / SUMMARY_PAGE).write_text(summary_markdown(root))
     for target, prefix in targets:
         path = Path(target)

@@ -80,7 +80,7 @@ def rewrite_page(folder: str | Path) -> Path:
     study = page_study(folder, meta)
     chance, _ = report.study_chance(params)
     figures = {
-        "dose_response": dose.plot_dose_response(dose.dose_rows(study)),
+        "dose_response": dose.plot_dose_response(dose.dose_rows(study), start=study.start_scores),
         "accuracy": plot_accuracy(study, chance=chance),
         "curves": plot_learning_curves(study),
     }

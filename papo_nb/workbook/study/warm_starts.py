@@ -226,14 +226,43 @@ def arm_gammas(build: dict, arm: str) -> str:
     return ", ".join(f"{g:g}" for g in gammas_of(build, arm)) or "not run"
 
 
-def drift_section(data: dict) -> list[str]:
-    """A page's section on GRPO's drift: its heading and table, warm start by warm start and pooled."""
+def drift_section(data: dict, root: Path | None = None) -> list[str]:
+    """A page's section on GRPO's drift: its heading and table, warm start by warm start and pooled, and the pooled
+    pages under ``root`` (``DOCS_STUDY``) that quote these same GRPO runs (``shared_grpo``)."""
     return [
         f"## GRPO's drift on {PRIMARY}",
         "",
         "| | before RL | GRPO end | drift [95% CI] | p | seeds |",
         "|---|---|---|---|---|---|",
         *(drift_line(r) for r in drift_rows(data)),
+        *shared_grpo(data, DOCS_STUDY if root is None else root),
+    ]
+
+
+def grpo_runs(data: dict) -> list[tuple]:
+    """A pooled page's GRPO runs, comparable across pages: (warm start weights, seed, scores)."""
+    return sorted(
+        (build["weights_sha256"], run["seed"], json.dumps(run["scores"], sort_keys=True))
+        for build in data["warm_starts"]
+        for run in build["runs"]
+        if run["arm"] == GRPO
+    )
+
+
+def shared_grpo(data: dict, root: Path) -> list[str]:
+    """A line naming the other pooled pages whose GRPO runs are this page's, score for score, so a reader who meets
+    GRPO's drift on both does not count one measurement twice; nothing when no page shares them."""
+    mine = grpo_runs(data)
+    others = [
+        folder.name for folder, other in pooled_pages(root) if other != data and mine and grpo_runs(other) == mine
+    ]
+    if not others:
+        return []
+    links = " and ".join(f"[{name}](../{name}/results.md)" for name in others)
+    return [
+        "",
+        f"These {len(mine)} GRPO runs are also {links}'s, score for score (the same warm starts, seeds and held-out "
+        "items): the pages quote one measurement of GRPO's drift, not two.",
     ]
 
 
@@ -347,3 +376,16 @@ def one_warm_start_note(weights_sha256: str, finetuning: str, root: Path = DOCS_
     if not pages:
         return f"{said}; no pooled page under `docs/study` lists it, so nothing here speaks for other warm starts."
     return f"{said}: {'; and '.join(pages)}. What this run shows holds for this warm start, not for the testbed."
+
+
+def rerender(page: Path) -> Path:
+    """Rewrite a pooled page's markdown from its own ``runs.json`` (``render``); returns the page's path."""
+    (page / PAGE_FILE).write_text(render(json.loads((page / RUNS_FILE).read_text())))
+    return page / PAGE_FILE
+
+
+if __name__ == "__main__":  # python -m papo_nb.workbook.study.warm_starts docs/study/shortcut_warm_starts ...
+    import sys
+
+    for folder in sys.argv[1:]:
+        print(rerender(Path(folder)))

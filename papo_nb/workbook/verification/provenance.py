@@ -127,14 +127,33 @@ def contract_verdict(
     line = (
         f"{'PASS' if passed else 'FAIL'}: upstream SHA {'verified' if source.match else 'NOT verified'}, "
         f"live TRL contract {'holds' if not live_violations else 'BROKEN'}, gamma-zero probe {probe.status}"
-        f"; releases drifted: {', '.join(drifted) or 'none'}; not fetched: {', '.join(unavailable) or 'none'}"
     ) + "".join(f"; WARNING: {w}" for w in warnings)
     return {
         "passed": passed,
         **checks,
         "drifted_releases": drifted,
         "unavailable_releases": unavailable,
-        "verdict": line,
+        "verdict": f"{line}. {releases_note(drift)}" if drift else line,
         "probe_status": probe.status,
         "warnings": warnings,
     }
+
+
+def releases_note(drift: list) -> str:
+    """The drift table in one sentence, worded as the information it is (other releases never fail the verdict):
+    how many hold the contract, which the adapter would refuse, the upstream source release apart (it is the ported
+    code's release, not a parent, so its differences are expected), and which could not be fetched."""
+    holding = [r.trl_version for r in drift if r.status == "ok"]
+    refused = [r.trl_version for r in drift if r.status == "drift" and r.trl_version != PAPO_UPSTREAM_TRL_VERSION]
+    upstream = [r for r in drift if r.trl_version == PAPO_UPSTREAM_TRL_VERSION and r.status == "drift"]
+    unavailable = [r.trl_version for r in drift if r.status == "unavailable"]
+    parts = [
+        f"Other TRL releases, read from their wheels (information, not part of the verdict): {len(holding)} of "
+        f"{len(drift)} hold the contract",
+        f"the adapter would refuse {', '.join(refused)}" if refused else "none the adapter would refuse",
+    ]
+    if upstream:
+        upstream_note = "is the ported upstream source, not a parent: it differs, as expected"
+        parts.append(f"{PAPO_UPSTREAM_TRL_VERSION} {upstream_note}")
+    parts.append(f"not fetched: {', '.join(unavailable) or 'none'}")
+    return "; ".join(parts) + "."
