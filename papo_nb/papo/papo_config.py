@@ -28,7 +28,7 @@ GAMMA_SCHEDULES = ("fixed", "linear")
 ENTROPY_ESTIMATORS = ("sampled", "full")
 MASKED_FORWARDS = ("auto", "full", "shared_prefix")
 MASKED_BRANCH_TIMINGS = ("rollout", "update")
-PREFIX_SHARING = ("auto", True, False)
+AUTO_OR_BOOL = ("auto", True, False)  # prefix_sharing, trainer_token_suppression
 # Every loss_type TRL 1.9.1's GRPOTrainer._compute_loss aggregates (grpo_trainer.py:3124-3153).
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo")
 
@@ -63,10 +63,10 @@ FIELD_RULES = {
     "masked_branch_grad": (lambda v: isinstance(v, bool), "a bool"),
     "masked_forward": (lambda v: v in MASKED_FORWARDS, f"one of {MASKED_FORWARDS}"),
     "masked_branch": (lambda v: v in MASKED_BRANCH_TIMINGS, f"one of {MASKED_BRANCH_TIMINGS}"),
-    "prefix_sharing": (lambda v: v == "auto" or isinstance(v, bool), f"one of {PREFIX_SHARING}"),
+    "prefix_sharing": (lambda v: v == "auto" or isinstance(v, bool), f"one of {AUTO_OR_BOOL}"),
     "grouped_attention_kernel": (lambda v: v in GROUPED_ATTENTION_KERNELS, f"one of {GROUPED_ATTENTION_KERNELS}"),
     "max_consecutive_nonfinite_grad_steps": (lambda v: is_int(v) and v >= 1, "an int >= 1"),
-    "trainer_token_suppression": (lambda v: v == "auto" or isinstance(v, bool), f"one of {PREFIX_SHARING}"),
+    "trainer_token_suppression": (lambda v: v == "auto" or isinstance(v, bool), f"one of {AUTO_OR_BOOL}"),
     "vllm_fidelity_every": (lambda v: is_int(v) and v >= 0, "an int >= 0"),
     "vllm_fidelity_logprob_tolerance": (lambda v: is_finite_number(v) and v > 0, "a finite number > 0"),
     "require_gpu_contract_probe": (lambda v: isinstance(v, bool), "a bool"),
@@ -326,7 +326,7 @@ class PAPOGConfig(GRPOConfig):
         metadata={
             "help": "Each prompt group one packed row in every forward: 'auto' (where supported, first batch "
             "checked), True (forced) or False.",
-            "choices": PREFIX_SHARING,
+            "choices": AUTO_OR_BOOL,
         },
     )
     grouped_attention_kernel: str = field(
@@ -353,7 +353,7 @@ class PAPOGConfig(GRPOConfig):
         metadata={
             "help": "Suppress the tokens generation bans in the trainer's log-probs too: 'auto' (with vLLM), True "
             "or False.",
-            "choices": PREFIX_SHARING,
+            "choices": AUTO_OR_BOOL,
         },
     )
     vllm_fidelity_every: int = field(

@@ -151,20 +151,6 @@ SIZES = {
         vision_heads=2,
         vision_mlp_ratio=2,
     ),
-    # "vllm": "tiny" with 2 attention heads of 32 (mrope over 16 frequencies): vLLM's CPU attention takes head sizes
-    # 32 to 512 only (the vLLM tier, tests/test_vllm_rollouts.py).
-    "vllm": dict(
-        hidden=64,
-        intermediate=128,
-        layers=2,
-        heads=2,
-        kv_heads=1,
-        mrope=[4, 6, 6],
-        vision_depth=2,
-        vision_width=32,
-        vision_heads=2,
-        vision_mlp_ratio=2,
-    ),
     "wide": dict(
         hidden=512,
         intermediate=1536,
@@ -178,6 +164,9 @@ SIZES = {
         vision_mlp_ratio=4,
     ),
 }
+# "vllm": "tiny" with 2 attention heads of 32 (mrope over 16 frequencies): vLLM's CPU attention takes head sizes 32 to
+# 512 only (the vLLM tier, tests/test_vllm_rollouts.py).
+SIZES["vllm"] = {**SIZES["tiny"], "heads": 2, "kv_heads": 1, "mrope": [4, 6, 6]}
 
 
 def _check_size(size: str) -> None:
