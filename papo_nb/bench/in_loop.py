@@ -1,11 +1,11 @@
-"""PAPO-G's cost measured inside ``trainer.train()`` (issue 22): real training loops, not a fixed batch.
+"""PAPO-G's cost measured inside ``trainer.train()``: real training loops, not a fixed batch.
 
 Variants, at G = 5 and 8 completions per prompt and at 1 and 3 optimizer steps per generation round:
 
     grpo            TRL's GRPOTrainer
     papo_rollout    PAPOGTrainer, ``masked_branch="rollout"`` (the masked branch once per round, before the shuffle)
     papo_update     PAPOGTrainer, ``masked_branch="update"`` (the masked branch in every loss call)
-    grpo_shared     PAPOGTrainer at gamma 0 (no masked branch: GRPO) with ``prefix_sharing=True`` (issue 34)
+    grpo_shared     PAPOGTrainer at gamma 0 (no masked branch: GRPO) with ``prefix_sharing=True``
     papo_shared     PAPOGTrainer, ``masked_branch="rollout"``, ``prefix_sharing=True``
 
 Each measurement is one ``trainer.train()`` of ``--steps`` optimizer steps on one shared LoRA model (by default the
@@ -48,7 +48,7 @@ FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")  # the families prefix sharing
 WIDE_FAMILIES = ("qwen2_vl", "qwen2_5_vl")  # testbed/models.py's two sizes; the others have the tiny build only
 
 TARGET_RATIO = 1.10  # PAPO-G (rollout) / GRPO without sampling, G = 5, 3 steps per round
-SHARED_TARGET_RATIO = 0.60  # PAPO-G with prefix sharing / TRL's GRPO without sampling, G = 5 (issue 34)
+SHARED_TARGET_RATIO = 0.60  # PAPO-G with prefix sharing / TRL's GRPO without sampling, G = 5
 FLOP_SLACK = 0.05
 
 
@@ -106,8 +106,8 @@ def verdicts(results: dict[str, Any]) -> list[str]:
 
 
 def shared_against_plain_verdict(layout: dict[str, Any], c: str) -> str:
-    """PAPO-G with prefix sharing against plain PAPO-G (issue 42: never slower, within 15% of its FLOP model; peak
-    memory at most plain PAPO-G's)."""
+    """PAPO-G with prefix sharing against plain PAPO-G. It meets its target when it is never slower, its median
+    ratio is within 15% of its FLOP model, and its peak memory is at most plain PAPO-G's."""
     ratio = layout[f"papo_shared/papo_rollout_no_sampling{c}_s"]
     model = layout["papo_shared"]["flop_ratio"] / layout["papo_rollout"]["flop_ratio"]
     peaks = layout["papo_shared"]["peak_mib"], layout["papo_rollout"]["peak_mib"]

@@ -1,7 +1,7 @@
-"""Issue 55's in-loop table: shared PAPO-G (``prefix_sharing=True``) against plain PAPO-G and TRL's GRPO inside
-``trainer.train()``, one row per TRL release, family, G and R, with a verdict from the numbers. It renders the
-benchmark's JSON kept in ``docs/in_loop/`` (written by ``benchmarks/in_loop_grid.sh``, one file per release, family
-and completion length) into docs/performance.md between its markers. Regenerate with
+"""The in-loop table of docs/performance.md: shared PAPO-G (``prefix_sharing=True``) against plain PAPO-G and
+TRL's GRPO inside ``trainer.train()``, one row per TRL release, family, G and R, with a verdict from the numbers. It
+renders the benchmark's JSON kept in ``docs/in_loop/`` (written by ``benchmarks/in_loop_grid.sh``, one file per
+release, family and completion length) into docs/performance.md between its markers. Regenerate with
 ``python -m papo_nb.bench.in_loop_grid --write`` (without it: print the table); tests/test_in_loop_grid.py fails when
 the committed table differs from what this makes of the committed JSON."""
 

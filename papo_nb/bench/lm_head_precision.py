@@ -1,4 +1,4 @@
-"""Does TRL 1.9.1's ``cast_lm_head_to_fp32`` bring the bf16 perception KL within 1e-3 of the fp32 one (issue 22)?
+"""Does TRL 1.9.1's ``cast_lm_head_to_fp32`` bring the bf16 perception KL within 1e-3 of the fp32 one?
 
 On the tiny Qwen2-VL (its head is untied: ``tie_word_embeddings`` false, as Qwen2.5-VL-7B's; 3B ties them) with a
 LoRA adapter on q_proj/v_proj (the head carries no adapter, which TRL requires for the cast), one rollout batch and

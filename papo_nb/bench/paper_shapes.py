@@ -1,4 +1,4 @@
-"""Paper-like shapes (issue 14): GRPO, PAPO-G with the full masked forward, PAPO-G with the shared prompt prefix, and
+"""Paper-like shapes: GRPO, PAPO-G with the full masked forward, PAPO-G with the shared prompt prefix, and
 the masked branch alone in both forms, side by side in one run.
 
 The paper's setting has hundreds to thousands of image and prompt tokens per prompt and G = 5 to 8 rollouts; here the

@@ -12,7 +12,7 @@ import torch
 from papo_nb.bench.harness import LABELS, VARIANTS
 from papo_nb.bench.memory import MALLOC_MODES
 
-# Targets (issue 7), checked on the wide model.
+# The cost targets (PAPO-G's step against GRPO's, masking's and the probe's share), checked on the wide model.
 TARGET_SIZE = "wide"
 FLOOR_MARGIN = 0.05  # PAPO-G / GRPO <= floor ratio + 5% of a GRPO step
 MASKING_MAX_FRACTION = 0.01  # masking under 1% of a step
@@ -20,7 +20,7 @@ PROBE_MAX_FRACTION = 0.03  # probe total <= 3% of a 100-step run
 
 
 def targets(result: dict[str, Any], clock: str = "cpu") -> dict[str, Any]:
-    """The issue's targets, judged on ``clock`` ("cpu": process CPU time, the default; "wall"). On a shared 2-core
+    """The targets above, judged on ``clock`` ("cpu": process CPU time, the default; "wall"). On a shared 2-core
     machine wall time also counts the time other processes hold the core, in bursts that land on one variant and
     not the next; CPU time of a 1-thread process does not (cache and memory-bandwidth sharing still add noise).
     The floor target uses the paired ratios: each round runs GRPO, PAPO-G and the extra forward back to back, so

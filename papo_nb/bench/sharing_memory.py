@@ -1,5 +1,5 @@
 """Peak memory of one PAPO-G step with prefix sharing at Qwen's vocabulary (151,936), tiny widths otherwise, on two
-TRL releases (issue 55 item 3): 1.9.1's logits path (the packed forward's logits at its needed positions only)
+TRL releases: 1.9.1's logits path (the packed forward's logits at its needed positions only)
 against 1.15+'s fused LM head (the packed forward scored through TRL's own head, no vocabulary-sized logits).
 
 Each release lives in its own virtualenv, so each measurement is a fresh worker process of that virtualenv's Python

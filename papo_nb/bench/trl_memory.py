@@ -1,4 +1,4 @@
-"""Peak memory of one PAPO-G step on two TRL releases at the same shapes (issue 43): 1.9.1's logits path against
+"""Peak memory of one PAPO-G step on two TRL releases at the same shapes: 1.9.1's logits path against
 1.15+'s fused LM head (``papo/trl_seams.py``).
 
 Each release lives in its own virtualenv, so each measurement is a fresh worker process of that virtualenv's Python

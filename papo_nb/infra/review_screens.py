@@ -38,7 +38,7 @@ CHROMIUM_ARGS = [
 ]
 VIEWPORT = {"width": 1400, "height": 900}
 ML_VIEW = "?workflowType=machine_learning"
-# The workbook run's headline columns, added to the runs list (issue 45: seen without scrolling).
+# The workbook run's headline columns, added to the runs list so that a reviewer sees them without scrolling.
 HEADLINE_COLUMNS = (
     "headline/contract_passed",
     "headline/probe_passed",

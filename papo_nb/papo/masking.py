@@ -4,7 +4,7 @@ chosen turned into pixels, on the real patches of a ``PatchMap`` (``layouts.py``
 Every function here draws its randomness from an explicit ``torch.Generator`` and returns new tensors: it never writes
 into its input (upstream defect 3). The default fill is the map's: black after normalisation (upstream defect 2);
 ``"mean"`` fills with the processor's mean colour instead (0 after normalisation), for images whose background is
-black, where a black fill changes nothing (a placebo mask over the background, issue 41). Either fill is a constant, so
+black, where a black fill changes nothing (as for a placebo mask over the background). Either fill is a constant, so
 the masks drawn for a seed do not depend on it. A dataset may exclude units from masking per example
 (``excluded_units``): they are never chosen, and an image masks ``round(ratio * n)`` of its ``n`` real units or every
 unit it allows, whichever is fewer. The upstream v0.29.1 trainer masked only 4-D/5-D tensors and left Qwen-VL's 2-D

@@ -150,7 +150,7 @@ class PAPOGConfig(GRPOConfig):
             A dataset column listing, per example, the patch units never masked: indices into the example's real
             patch units (merge units with `mask_type="merge_unit"`) in `masking.select_units`' order (for Qwen-VL,
             the rows of `pixel_values`). An image then masks `round(mask_ratio * n)` of its `n` units or every unit
-            it allows, whichever is fewer. A placebo mask (issue 41) excludes the patches that carry the task.
+            it allows, whichever is fewer. A placebo mask excludes the patches that carry the task.
             `None`: any real patch may be masked. Needs a patch `mask_type` (not `"random"`).
 
         > Parameters that control the masked branch
@@ -215,7 +215,7 @@ class PAPOGConfig(GRPOConfig):
         masked_entropy_weight (`float`, defaults to `0.0`):
             eta2, weight of the entropy on masked images, scaled by the discount. With `masked_branch_grad=False`
             (official default) this term is a constant and contributes no gradient, as the official author confirmed
-            ([MikeWangWZHL/PAPO issue 20](https://github.com/MikeWangWZHL/PAPO/issues/20)); set
+            ([MikeWangWZHL/PAPO#20](https://github.com/MikeWangWZHL/PAPO/issues/20)); set
             `masked_branch_grad=True` (with `masked_branch="update"`) for it to regularise. Official 3B: off; 7B: 0.05.
 
         > Parameters that control the checks

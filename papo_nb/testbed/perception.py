@@ -72,7 +72,7 @@ PRIOR_COLOURS = {str(tag): colour for tag, colour in enumerate(COLOURS, start=1)
 PRIOR_PATTERN = re.compile(re.escape(PRIOR_QUESTION).replace(re.escape("{tag}"), "([0-9]+)"))
 
 MERGE = 2  # the testbed processor's merge size: its pixel_values rows come in 2x2 blocks of patches
-# the column of the patch units that show the square (``square_units``): a placebo mask excludes them (issue 41)
+# the column of the patch units that show the square (``square_units``): a placebo mask excludes them
 SQUARE_UNITS = "square_units"
 # the shapes task's columns plus the vision-dependency flag and the square's patch units
 FEATURES = datasets.Features(
@@ -189,13 +189,13 @@ TESTBED_RECIPES = {
         warm_start_prior_rate=0.5,
         decoy_share=(0.1, 0.7),
         blind_prior_floor=0.4,
-        # issue 41: with the decoy apart from the number, a held-out error tells the prior (a colour not shown) from
+        # with the decoy apart from the number, a held-out error tells the prior (a colour not shown) from
         # the decoy (a colour shown); tied, the two were one colour. Training keeps them tied (docs/study.md: drawn
         # apart there too, GRPO learnt the number as a tiebreaker between shown colours and drifted 4 points, not 11)
         held_out_prior_decoy=False,
     ),
 }
-# issue 56: PAPO-G's black fill changes its background, so a black-fill placebo differs only in where the mask goes
+# grey background: PAPO-G's black fill changes it, so a black-fill placebo differs only in where the mask goes
 TESTBED_RECIPES["shapes_shortcut_grey"] = replace(TESTBED_RECIPES["shapes_shortcut"], background=GREY)
 TESTBEDS = tuple(TESTBED_RECIPES)
 VALIDATION_ITEMS = 192  # 128 vision items: a check's binomial sd about 0.04, so one lucky check cannot stop it
@@ -257,7 +257,7 @@ def square_units(image: Image.Image, background: tuple[int, int, int] = BLACK) -
     """The patch units of the testbed's processor (Qwen2-VL: ``pixel_values`` rows, the 14 px patches in 2x2 merge
     blocks) that hold any pixel other than ``background``: the square, and any decoy paint, which lies inside it.
     Every other unit is plain background, which carries no task information; ``PAPOGConfig.mask_excluded_column`` names
-    this column for a placebo mask that never covers the square (issue 41). The order is pinned against the real
+    this column for a placebo mask that never covers the square. The order is pinned against the real
     processor by tests/test_masking.py."""
     raw = bytearray(image.convert("RGB").tobytes())
     pixels = torch.frombuffer(raw, dtype=torch.uint8).reshape(GRID, CELL, GRID, CELL, 3)
@@ -316,7 +316,7 @@ def task_datasets(name: str, n_train: int, n_eval: int, seed: int, eval_seed: in
 
 def held_out_items(name: str, n: int, seed: int, prior_rate: float | None):
     """``n`` held-out items of testbed ``name``'s task (its kinds, its held-out decoys) at ``prior_rate``: 1.0 gives
-    items where the prior is right, the in-distribution split beside the prior-breaking one (issue 41)."""
+    items where the prior is right, the in-distribution split beside the prior-breaking one."""
     recipe = TESTBED_RECIPES[name]
     return make_perception_dataset(
         n, seed, prior_rate, recipe.kinds, recipe.decoy_share, recipe.held_out_prior_decoy, recipe.background

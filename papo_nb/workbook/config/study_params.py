@@ -51,15 +51,15 @@ class StudyParams(BaseModel):
     )  # fmt: skip
     study_entropy_fractions: list[PositiveFloat] = Field(
         default_factory=list, description="calibrated design: fractions of the collapse gamma the double-entropy "
-        "arms run at (issue 56: 0.5 and 1.0); empty: the recipe's gamma alone",
+        "arms run at (params/study_calibrated.yaml: 0.5 and 1.0); empty: the recipe's gamma alone",
     )  # fmt: skip
     study_recipe_arm: bool = Field(
         True, description="calibrated design: also PAPO-G at the recipe's gamma (perception_loss_weight) at every "
         "seed, beside the fractions of the collapse gamma",
     )  # fmt: skip
     study_search_seed: int | None = Field(
-        None, description="seed of the collapse-gamma and control searches, one no arm uses (item 5 of issue 41); "
-        "None: the first study seed",
+        None, description="seed of the collapse-gamma and control searches, one no arm uses, so no arm is "
+        "scored on the run its gamma or control setting was chosen on; None: the first study seed",
     )  # fmt: skip
     study_control_betas: list[PositiveFloat] = Field(
         default_factory=list, description="calibrated design: ladder of beta values for the GRPO control held back "

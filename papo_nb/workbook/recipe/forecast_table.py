@@ -23,7 +23,7 @@ RECIPES = ("grpo_3b", "papo_g_3b", "grpo_7b", "papo_g_7b", "vppo_7b")
 FILES = ("params/gpu.yaml", *(f"params/recipes/{n}.yaml" for n in RECIPES))
 GPU_COUNTS = (1, 2, 4, 8)
 GPUS = {"80 GB": 79.6 * GIB, "141 GB": 140.4 * GIB}  # what torch reports of an H100 80GB and an H200 (GiB)
-# Each recipe as shipped before issue 63's levers (params/recipes/*.yaml at 1f60324)
+# Each recipe as shipped before it used the memory levers (the table's levers column): params/recipes/*.yaml at 1f60324
 BEFORE = {
     "accelerate_config": "configs/accelerate/fsdp.yaml",
     "reference_precision": "fp32",

@@ -144,7 +144,7 @@ def plain_papo_arms(arms) -> list[str]:
 def eval_dataset(params: WorkbookParams):
     """The one held-out set every run is scored on (from the notebook's seed, not the run's). On a language-prior
     testbed, half as many prior-consistent items follow the prior-breaking ones: the in-distribution split
-    (``consistent``), where the prior is right, so each arm's cost there is shown (issue 41)."""
+    (``consistent``), where the prior is right, so each arm's cost there is shown."""
     held_out = load_datasets(params)[1]
     name = testbed_name(params.dataset)
     if name is None or TESTBED_RECIPES[name].prior_rate is None or params.n_eval_prompts < 2:
@@ -220,7 +220,7 @@ def perception_kl_measured(step_logs: list[dict]) -> bool:
 
 def require_measured_kl(params: WorkbookParams, arm: str, seed: int, gamma: float, step_logs: list[dict]) -> None:
     """Raise when a run should have measured its perception KL (``measure_perception_kl`` on, or a perception term
-    on) and logged 0 at every step: a study that read those zeros as a KL would report an artefact (issue 41)."""
+    on) and logged 0 at every step: a study that read those zeros as a KL would report an artefact."""
     if (params.measure_perception_kl or gamma > 0) and not perception_kl_measured(step_logs):
         raise RuntimeError(
             f"study run {arm} (seed {seed}, gamma {gamma:g}): measure_perception_kl="

@@ -1,4 +1,4 @@
-"""PAPO-G against a placebo that differs from it only in where the mask goes (issue 56, item 3), per warm start and
+"""PAPO-G against a placebo that differs from it only in where the mask goes, per warm start and
 pooled: ``docs/study/shortcut_grey_placebo``.
 
 On ``testbed:shapes_shortcut_grey`` the background is grey, so PAPO-G's own black fill changes background pixels and

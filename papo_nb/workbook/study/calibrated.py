@@ -1,5 +1,5 @@
-"""Issue 56's pooled page: every warm start at its own collapse gamma, the paper's remedy for collapse, and the
-recipe's gamma, against GRPO and every matched control.
+"""The calibrated study's pooled page (``docs/study/shortcut_calibrated``): every warm start at its own collapse
+gamma, the paper's remedy for collapse, and the recipe's gamma, against GRPO and every matched control.
 
 ``params/study_calibrated.yaml`` runs on each warm start: the collapse gamma searched on the search seed from step
 logs alone (each call's verdict and how near each symptom came to firing), PAPO-G at 1/4 and 1/2 of it and at the

@@ -1,5 +1,5 @@
 """Controls matched on regularisation: is PAPO-G's recovery of GRPO's drift perception, or any regulariser that keeps
-GRPO from learning the shortcut? (issue 41)
+GRPO from learning the shortcut?
 
 The shortcut testbed's reward pays for following the prior, so an arm that learns less of the reward drifts less,
 whatever holds it back. Each control is plain GRPO (gamma 0) with one knob turned to hold it back: a larger reference

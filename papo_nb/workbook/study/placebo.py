@@ -1,4 +1,4 @@
-"""The placebo control on a calibrated study page (issue 41): is PAPO-G's gain on the shortcut testbed perception, or
+"""The placebo control on a calibrated study page: is PAPO-G's gain on the shortcut testbed perception, or
 any regulariser of its form?
 
 The placebo is PAPO-G at the strongest PAPO-G arm's gamma with a mask that removes no task information: it covers only
@@ -16,7 +16,7 @@ perception KL over their first logged steps), so that the term's strength, not o
 ``mean_fill_papo_g_kl_matched`` is PAPO-G with the mean fill at that gamma, against which it differs only in where the
 mask goes.
 
-On a background that is not black (``testbed:shapes_shortcut_grey``, issue 56) no fill needs changing:
+On a background that is not black (``testbed:shapes_shortcut_grey``) no fill needs changing:
 ``placebo_black`` is PAPO-G with its own black fill over background patches only, so it differs from PAPO-G only in
 where the mask goes, and ``placebo_black_kl_matched`` is the same at the gamma that matches its starting perception KL
 to PAPO-G's (docs/measurements/placebo_background.py).

@@ -1,4 +1,4 @@
-"""The placebo's sections on a calibrated study page (issue 41; the arms and their masks are ``placebo.py``'s).
+"""The placebo's sections on a calibrated study page (the arms and their masks are ``placebo.py``'s).
 
 Three paired contrasts, each over the page's seeds: the strongest PAPO-G arm against the placebo (the verdict: does
 the gain need the mask to cover the square?), PAPO-G with the placebo's fill against the placebo (only *where* the

@@ -402,7 +402,7 @@ def summary_markdown(root: str | Path, link_prefix: str = "") -> str:
 
 
 README_MARKERS = ("<!-- study-summary:start -->", "<!-- study-summary:end -->")
-# The pages kept for the record but out of the summary (issue 41): the 2025 sweep design, run from a warm start that
+# The pages kept for the record but out of the summary: the 2025 sweep design, run from a warm start that
 # no longer exists and whose weights were not kept ("not pinned"), so no number on them is comparable with a pinned
 # page's. docs/study.md's archive section carries their table between these markers.
 ARCHIVE = "archive"

@@ -1,5 +1,5 @@
 """A calibrated study page rewritten from its own committed files by the page generator notebook 04 uses
-(``publish.write_results_page``), so a page assembled from runs of more than one session (issue 46's VPPO arm beside
+(``publish.write_results_page``), so a page assembled from runs of more than one session (a later VPPO arm beside
 ``docs/study/shortcut_lora``'s runs) is regenerated from the data beside it, never hand-written.
 
 A page folder to rebuild holds ``runs.json``, ``step_logs.json``, ``start_scores.json``, ``testbed_card.json`` and

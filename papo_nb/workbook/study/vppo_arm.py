@@ -1,4 +1,4 @@
-"""The VPPO arm on a calibrated study page (issue 46): does VPPO, the second masked-branch method (token filtering
+"""The VPPO arm on a calibrated study page: does VPPO, the second masked-branch method (token filtering
 and advantage shaping on the perception KL, ``papo_nb.papo.vppo``), keep the policy on the image where GRPO drifts
 off it, beside PAPO-G?
 

@@ -1,4 +1,4 @@
-"""The controls page's contrasts on more than one warm start (issue 41, item 3): GRPO's drift, and PAPO-G against
+"""The controls page's contrasts on more than one warm start: GRPO's drift, and PAPO-G against
 GRPO, against each matched control and against the KL-matched placebo, on each independently built policy and pooled
 over them.
 

@@ -243,7 +243,7 @@ def completions_table(trainer, step: int) -> pd.DataFrame:
         row.update(prompt=prompts[i], completion=completions[i])
         row.update({f"reward/{name}": float(values[i]) for name, values in rewards.items()})
         kl, entropy, masked_entropy = perception.get(i, (None, None, None))
-        if skipped:  # the masked branch did not run: its KL and entropy would be the original branch's (issue 45)
+        if skipped:  # the masked branch did not run: its KL and entropy would be the original branch's, not measured
             kl, masked_entropy = None, None
         row.update(advantage=float(advantages[i]), perception_kl=kl)
         row.update(original_entropy=entropy, masked_entropy=masked_entropy)
