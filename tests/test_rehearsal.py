@@ -1,6 +1,8 @@
-"""The rehearsal at K = 1 with short completions (issue 53's CI check): a random-weight model at true Qwen2.5-VL-3B
-widths trained two optimizer steps on the CPU through the params file's own trainer (``trainer.train()``), the
-forecast within 15% of the measurement for every part it forecasts."""
+"""The rehearsal at K = 1 with short completions, CI's check of the memory forecast: a random-weight model at true
+Qwen2.5-VL-3B widths trained two optimizer steps on the CPU through the params file's own trainer
+(``trainer.train()``), the forecast within 15% of the measurement for every part it forecasts. Those runs take about
+three minutes each on one core, so they sit in the slow tier; the committed rehearsal files are read back in the
+fast one."""
 
 from pathlib import Path
 
@@ -12,6 +14,7 @@ from papo_nb.workbook.config.params import load_params
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("file", "overrides"),
     [
