@@ -182,7 +182,9 @@ def test_mlflow_ui_shows_the_workbook_its_notebook_runs_the_calibration_plot_and
             expect(image).to_be_visible()
             shown_on.wait_for_function("img => img.complete && img.naturalWidth > 0", arg=image.element_handle())
             width, height = image.evaluate("img => [img.naturalWidth, img.naturalHeight]")
-            assert width >= 600 and height >= 300, f"{figure} decoded at {width}x{height}"
+            # a real figure, not a broken-image icon: 04's accuracy figure is one panel since all its items are
+            # vision items (450 px wide), the calibration plot two
+            assert width >= 400 and height >= 300, f"{figure} decoded at {width}x{height}"
             box = image.bounding_box()
             assert box and box["width"] > 200 and box["height"] > 100, f"{figure} drawn at {box}"
             shoot(shown_on, shot)

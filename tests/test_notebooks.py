@@ -295,7 +295,8 @@ def test_a_notebook_failing_midway_leaves_its_executed_copy_in_a_failed_run(tmp_
         for c in executed.cells
         if c.cell_type == "code" and any(o.get("output_type") == "error" for o in c.get("outputs", []))
     ]
-    assert len(failing) == 1 and "run_training(" in failing[0].source
+    # the first cell that loads the data: the score before training, ahead of run_training
+    assert len(failing) == 1 and "policy_before_training(" in failing[0].source
     later = executed.cells[executed.cells.index(failing[0]) + 1 :]
     assert not any(c.get("outputs") for c in later if c.cell_type == "code"), "cells after the failure must not run"
 

@@ -14,7 +14,7 @@ import time
 import pytest
 from training_child import DEADLINE, SCRIPT, SMOKE, child_env
 
-from papo_nb.train.output import LOG_FILE, SurvivingStream, surviving_output
+from papo_nb.train.output import LOG_FILE, SurvivingStream, start_run_log, surviving_output
 from papo_nb.train.preemption import PREEMPTED_EXIT, PREEMPTION_MARK
 from papo_nb.train.run_folder import PROGRESS_PREFIX
 
@@ -42,10 +42,18 @@ def test_surviving_output_copies_both_streams_into_the_log_and_restores_them(tmp
     before = sys.stdout, sys.stderr
     with surviving_output(tmp_path / "run" / LOG_FILE):
         print("out line")
+        start_run_log()  # the run accepted: the log opens with what came before
         print("err line", file=sys.stderr)
     assert (sys.stdout, sys.stderr) == before
     assert (tmp_path / "run" / LOG_FILE).read_text() == "out line\nerr line\n"
     assert capsys.readouterr() == ("out line\n", "err line\n")
+
+
+def test_a_run_refused_before_its_log_starts_writes_nothing(tmp_path, capsys):
+    with surviving_output(tmp_path / "run" / LOG_FILE):
+        print("papo-nb train: error: refusing to resume", file=sys.stderr)
+    assert not (tmp_path / "run").exists()
+    assert "refusing to resume" in capsys.readouterr().err
 
 
 @pytest.mark.slow

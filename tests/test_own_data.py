@@ -177,6 +177,7 @@ def test_a_bad_reward_is_refused_naming_the_parameter_the_value_and_the_error(tm
         "def too_many(prompts, completions, **kwargs):\n    return [1.0, 2.0]\n"
     )
     monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "bad_rewards", raising=False)  # this test's module, not one cached earlier
     from papo_nb.workbook.config.machine_checks import preflight_problems
 
     for spec, problem in (

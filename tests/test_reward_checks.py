@@ -59,9 +59,10 @@ def honest(prompts, completions, answer, **kwargs):
 
 
 @pytest.fixture
-def bad_rewards(tmp_path, monkeypatch):
-    (tmp_path / "bad_rewards.py").write_text(BAD_REWARDS)
+def group_rewards(tmp_path, monkeypatch):
+    (tmp_path / "group_rewards.py").write_text(BAD_REWARDS)
     monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "group_rewards", raising=False)  # this test's module, not one cached earlier
     return tmp_path
 
 
@@ -76,20 +77,20 @@ def bad_rewards(tmp_path, monkeypatch):
     ],
 )
 def test_the_pre_check_calls_each_reward_on_a_group_and_refuses_what_trl_would_take_silently(
-    bad_rewards, function, problem
+    group_rewards, function, problem
 ):
-    params = load_params(None, [f"reward=[shapes_accuracy, bad_rewards:{function}]", "n_train_prompts=4"])
+    params = load_params(None, [f"reward=[shapes_accuracy, group_rewards:{function}]", "n_train_prompts=4"])
     train, _ = load_datasets(params)
-    with pytest.raises(rewards.RewardError, match=rf"parameter 'reward' = 'bad_rewards:{function}': {problem}"):
+    with pytest.raises(rewards.RewardError, match=rf"parameter 'reward' = 'group_rewards:{function}': {problem}"):
         rewards.check_rewards_on_groups(params, train, load_tokenizer(params))
 
 
 @pytest.mark.model
-def test_an_honest_reward_with_none_passes_and_sees_groups_of_num_generations(bad_rewards):
-    params = load_params(None, ["reward=[bad_rewards:honest]", "num_generations=6", "n_train_prompts=5"])
+def test_an_honest_reward_with_none_passes_and_sees_groups_of_num_generations(group_rewards):
+    params = load_params(None, ["reward=[group_rewards:honest]", "num_generations=6", "n_train_prompts=5"])
     train, _ = load_datasets(params)
     rewards.check_rewards_on_groups(params, train, load_tokenizer(params))  # None is "no reward", not an error
-    import bad_rewards as module
+    import group_rewards as module
 
     assert module.CALLS == [(1, 6, 6)] * rewards.PRECHECK_ROWS  # one prompt, num_generations completions, 3 rows
 
@@ -135,7 +136,7 @@ def papo_nb_train(tmp_path: Path, reward: str, *overrides: str) -> subprocess.Co
         "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}",
         "OMP_NUM_THREADS": "1",
     }
-    settings = [f"reward=[shapes_accuracy, bad_rewards:{reward}]", "require_gpu_contract_probe=false", *overrides]
+    settings = [f"reward=[shapes_accuracy, group_rewards:{reward}]", "require_gpu_contract_probe=false", *overrides]
     command = [str(SCRIPT), "train", "--params", str(ROOT / "params" / "smoke_fast.yaml")]
     command += [arg for setting in settings for arg in ("-p", setting)]
     return subprocess.run(
@@ -154,11 +155,11 @@ def papo_nb_train(tmp_path: Path, reward: str, *overrides: str) -> subprocess.Co
          "no reward), while scoring the completions for optimizer step 1"),
     ],
 )  # fmt: skip
-def test_papo_nb_train_refuses_a_bad_reward_before_any_optimizer_step(bad_rewards, reward, problem):
-    done = papo_nb_train(bad_rewards, reward, "max_steps=2", "save_steps=2")
+def test_papo_nb_train_refuses_a_bad_reward_before_any_optimizer_step(group_rewards, reward, problem):
+    done = papo_nb_train(group_rewards, reward, "max_steps=2", "save_steps=2")
     output = done.stdout + done.stderr
     assert done.returncode == 2, output[-4000:]
-    where = f"-p reward=[shapes_accuracy, bad_rewards:{reward}]"  # where the value was set, as validation says it
-    assert f"papo-nb train: error: {where}: parameter 'reward' = 'bad_rewards:{reward}': {problem}" in done.stderr
+    where = f"-p reward=[shapes_accuracy, group_rewards:{reward}]"  # where the value was set, as validation says it
+    assert f"papo-nb train: error: {where}: parameter 'reward' = 'group_rewards:{reward}': {problem}" in done.stderr
     assert f"{PROGRESS_PREFIX} step " not in output  # no optimizer step ran
-    assert not list((bad_rewards / "run").glob("checkpoint-*"))
+    assert not list((group_rewards / "run").glob("checkpoint-*"))

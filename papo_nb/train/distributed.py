@@ -20,7 +20,7 @@ from typing import TextIO
 import yaml
 
 from papo_nb.infra.servers import free_port, stop_process_group
-from papo_nb.train.output import LAUNCHER_KEEPS_LOG_ENV
+from papo_nb.train.output import LAUNCHER_KEEPS_LOG_ENV, start_run_log
 from papo_nb.train.request import RunRequest
 from papo_nb.train.run_folder import PROGRESS_PREFIX, SUMMARY_FILE, LaunchError, LaunchFailed
 from papo_nb.workbook.config.params import WorkbookParams
@@ -220,6 +220,7 @@ def launch_distributed(request: RunRequest, *, stream: TextIO | None = None) -> 
             "MLFLOW_TRACKING_URI": absolute_tracking_uri(request.tracking_uri or default_tracking_uri()),
             LAUNCHER_KEEPS_LOG_ENV: "1",  # this process's train.log gets every rank's lines (stream below)
         }
+        start_run_log()  # the launching process's log gets every rank's lines from here on
         stream.write(f"{PROGRESS_PREFIX} launching {params.num_processes} processes: {' '.join(command)}\n")
         process = subprocess.Popen(
             command,

@@ -86,20 +86,56 @@ class SurvivingStream(io.TextIOBase):
         return getattr(self.stream, "encoding", None) or "utf-8"
 
 
+class RunLog:
+    """The run's log file, opened only once the run is accepted (``start_run_log``): until then its lines wait in
+    memory, so a refused run (a resume with other parameters, a missing column) writes nothing in its folder."""
+
+    def __init__(self, path: Path):
+        self.path, self.file, self.pending = path, None, []
+
+    def write(self, text: str) -> None:
+        if self.file is None:
+            self.pending.append(text)
+        else:
+            self.file.write(text)
+
+    def flush(self) -> None:
+        if self.file is not None:
+            self.file.flush()
+
+    def start(self) -> None:
+        if self.file is None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self.file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 (closed by surviving_output)
+            self.file.write("".join(self.pending))
+            self.file.flush()
+            self.pending = []
+
+    def close(self) -> None:
+        if self.file is not None:
+            self.file.close()
+
+
+def start_run_log() -> None:
+    """The run is accepted: its log file opens with the lines written so far (a no-op outside ``surviving_output``
+    or where this process keeps no log)."""
+    for stream in (sys.stdout, sys.stderr):
+        if isinstance(stream, SurvivingStream) and isinstance(stream.log, RunLog):
+            stream.log.start()
+
+
 @contextlib.contextmanager
 def surviving_output(log_path: Path | None):
     """``sys.stdout`` and ``sys.stderr`` as ``SurvivingStream``s for the duration, both copied into ``log_path``
-    (appended: each attempt of a resumed run adds to it; None: no log, as on a launched job's other ranks)."""
-    log = None
-    if log_path is not None:
-        log_path.parent.mkdir(parents=True, exist_ok=True)
-        log = open(log_path, "a", encoding="utf-8")  # noqa: SIM115 (closed below, after the streams are restored)
+    once ``start_run_log`` is called (appended: each attempt of a resumed run adds to it; None: no log, as on a
+    launched job's other ranks)."""
+    log = RunLog(log_path) if log_path is not None else None
     saved = sys.stdout, sys.stderr
     sys.stdout, sys.stderr = SurvivingStream(saved[0], log), SurvivingStream(saved[1], log)
     try:
         yield
     except BaseException:
-        if log is not None and not log.closed:  # the traceback Python prints after the streams are restored
+        if log is not None and log.file is not None:  # the traceback Python prints after the streams are restored
             with contextlib.suppress(OSError, ValueError):
                 log.write(traceback.format_exc())
         raise

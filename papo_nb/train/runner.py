@@ -28,7 +28,7 @@ from papo_nb.train.distributed import (
     under_launcher,
 )
 from papo_nb.train.final_review import review_run
-from papo_nb.train.output import run_log_path, surviving_output
+from papo_nb.train.output import run_log_path, start_run_log, surviving_output
 from papo_nb.train.plan import RunPlan, plan_run
 from papo_nb.train.preemption import PREEMPTED_EXIT, Preempted, PreemptionCallback
 from papo_nb.train.probe_state import ProbeStateCallback, restore_probe
@@ -174,6 +174,7 @@ def train_here(request: RunRequest, report_to: str) -> TrainOutcome:
     with params_logged_once(use_mlflow and plan.reattached):
         try:
             trainer, eval_dataset, start = run_trainer(request, plan, report_to, is_main)
+            start_run_log()  # the run is accepted (its data, rewards and resume checked): its log file opens
             trainer.accelerator.wait_for_everyone()
             run_id = request.mlflow_run_id or plan.run_info.get("mlflow_run_id", "")
             if is_main:
@@ -400,7 +401,7 @@ def train_and_report(
         print(f"papo-nb train: error: {exc}", file=sys.stderr, flush=True)
         return DISK_FULL_EXIT
     if report_to == "mlflow" and not under_launcher():
-        review_run(params, outcome, lambda: trained_policy(params, outcome), evaluate=evaluate)
+        review_after_training(params, outcome, evaluate)
     if process_rank() == 0:
         print(
             f"{PROGRESS_PREFIX} done at step {outcome.global_step}; last checkpoint {outcome.last_checkpoint}; "
@@ -408,6 +409,23 @@ def train_and_report(
             flush=True,
         )
     return 0
+
+
+def review_after_training(params: WorkbookParams, outcome: TrainOutcome, evaluate: bool) -> None:
+    """The run's held-out evaluation and results page (``final_review``); a tracking server that stopped answering
+    after training costs the review, said in one line, never the trained run (its records reach MLflow through the
+    spool's ``papo-nb sync``)."""
+    from mlflow.exceptions import MlflowException
+
+    try:
+        review_run(params, outcome, lambda: trained_policy(params, outcome), evaluate=evaluate)
+    except (MlflowException, OSError) as exc:
+        print(
+            f"{PROGRESS_PREFIX} the held-out evaluation and results page were not logged: MLflow did not answer "
+            f"({str(exc).splitlines()[0][:300]}); the trained run is complete",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 def short_run_checkpoint(params: WorkbookParams, steps: int, output_dir: str | Path) -> str:
