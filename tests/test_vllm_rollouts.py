@@ -13,11 +13,8 @@ import functools
 import importlib.util
 import json
 import os
-import socket
 import subprocess
 import sys
-import time
-import urllib.request
 from pathlib import Path
 
 import pytest
@@ -30,6 +27,7 @@ if importlib.util.find_spec("vllm") is None:
         allow_module_level=True,
     )
 
+from papo_nb.infra.servers import free_port, health_answers, stop_process_group, wait_until_answers  # noqa: E402
 from papo_nb.testbed.models import build_tiny_vlm  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -124,15 +122,9 @@ def test_gamma_zero_on_qwen2_vl_and_vppo_on_qwen3_vl_train_on_vllm_rollouts_colo
     assert all(0 < step["vppo/kept_token_share"] <= 1 and step["vppo/token_dependency"] > 0 for step in vppo)
 
 
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 def test_papo_g_trains_two_steps_against_a_vllm_server(tmp_path):
     """TRL 1.16's server mode: features rendered by the server, weights through a file and /collective_rpc."""
-    model, port = build_tiny_vlm("qwen2_5_vl", size="vllm"), free_port()
+    model, port = build_tiny_vlm("qwen2_5_vl", size="vllm"), free_port("127.0.0.1")
     command = [
         str(BIN / "python"),
         "-m",
@@ -154,33 +146,17 @@ def test_papo_g_trains_two_steps_against_a_vllm_server(tmp_path):
         "--enforce-eager",
         "--enable-scale-out",
     ]  # fmt: skip: scale-out serves /v1/chat/completions/render
+    url = f"http://127.0.0.1:{port}"
     with open(tmp_path / "server.log", "w") as log:
         server = subprocess.Popen(command, cwd=ROOT, env=os.environ | ENV | {"VLLM_SERVER_DEV_MODE": "1"}, stdout=log,
-                                  stderr=subprocess.STDOUT)  # fmt: skip
+                                  stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
         try:
-            wait_healthy(server, port, tmp_path / "server.log", timeout=240)
-            steps = train(tmp_path, "server", "vllm_mode=server", f"vllm_server_base_url=http://127.0.0.1:{port}",
+            try:
+                wait_until_answers(server, lambda: health_answers(url), "vLLM server", url, timeout=240)
+            except RuntimeError as exc:
+                raise AssertionError(f"{exc}\n{(tmp_path / 'server.log').read_text()[-3000:]}") from exc
+            steps = train(tmp_path, "server", "vllm_mode=server", f"vllm_server_base_url={url}",
                           "require_gpu_contract_probe=false")  # fmt: skip
         finally:
-            server.terminate()
-            try:
-                server.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                server.kill()
-                server.wait(timeout=30)
+            stop_process_group(server, grace=30)  # the server and the engine process it spawned
     assert all(step[GAP] < 2e-3 for step in steps)  # step 2 samples from the weights synced through the file
-
-
-def wait_healthy(server: subprocess.Popen, port: int, log: Path, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while not healthy(port):
-        assert server.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
-        time.sleep(2)
-
-
-def healthy(port: int) -> bool:
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as response:
-            return response.status == 200
-    except OSError:
-        return False

@@ -75,7 +75,8 @@ def wait_until_answers(server: subprocess.Popen, answers: Callable[[], bool], na
 # --------------------------------------------------------------------------------------------
 
 
-def _mlflow_answers(url: str) -> bool:
+def health_answers(url: str) -> bool:
+    """``url``/health answers 200 (MLflow's server and vLLM's OpenAI server both serve it)."""
     try:
         with urllib.request.urlopen(f"{url}/health", timeout=2) as response:
             return response.status == 200
@@ -127,7 +128,7 @@ def serve_mlflow_ui(
     # Its chatter goes to stderr (fd 2) so stdout keeps only what the caller prints, like the url.
     server = subprocess.Popen(command, env=env, start_new_session=True, stdin=subprocess.DEVNULL, stdout=2)
     try:
-        wait_until_answers(server, lambda: _mlflow_answers(url), "mlflow server", url, startup_timeout)
+        wait_until_answers(server, lambda: health_answers(url), "mlflow server", url, startup_timeout)
         yield runs_page(url, experiment_id)
     finally:
         stop_process_group(server)
