@@ -250,11 +250,13 @@ class PrefixSharing:
             self.note(False, reason)
             self.metrics[mode][METRIC].append(0.0)
             return None
-        with self.forward_context(), autocast_seen(core_model(model)) as autocast_dtypes:
+        checking = self.mode == "auto" and self.checked is None  # the first-batch check reads the autocast seen
+        watch = autocast_seen(core_model(model)) if checking else contextlib.nullcontext(set())
+        with self.forward_context(), watch as autocast_dtypes:
             logps, entropies, aux, share = packed_logps_and_entropies(
                 model, arguments, temperature=temperature, entropy_grad=entropy_grad, batches=batches
             )
-        if self.mode == "auto" and self.checked is None:
+        if checking:
             compute_dtypes = self.compute_dtypes(model, autocast_dtypes)
             plain = self.first_batch_check(arguments, logps, plain_forward, compute_dtypes)
             if plain is not None:
