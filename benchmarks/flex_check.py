@@ -1,5 +1,5 @@
 """GPU check of prefix sharing's grouped attention kernels (issue 55 item 5): one FlexAttention call with the layout's
-block mask (``papo_nb/papo/forward/flex_grouped.py``) against the batched SDPA calls (``grouped_attention.py``).
+block mask (``papo_nb/prefix_sharing/flex_grouped.py``) against the batched SDPA calls (``grouped_attention.py``).
 
 On a flat packed row of ``--groups`` prompt groups (prompt ``--prompt`` tokens, ``--completions`` completions of
 ``--completion`` tokens; Qwen2.5-VL-3B's attention: 16 query heads, 2 KV heads, head dim 128) it:

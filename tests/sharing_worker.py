@@ -32,7 +32,7 @@ from trl import GRPOTrainer  # noqa: E402
 
 from papo_nb.papo import PAPOGConfig, PAPOGTrainer  # noqa: E402
 from papo_nb.papo.forward import prefix_sharing, ranks  # noqa: E402
-from papo_nb.papo.prompt_identity import group_samples  # noqa: E402
+from papo_nb.prefix_sharing.prompt_identity import group_samples  # noqa: E402
 from papo_nb.testbed.models import load_vlm, vision_special_token_ids  # noqa: E402
 from papo_nb.testbed.rewards import accuracy_reward, format_reward  # noqa: E402
 from papo_nb.testbed.shapes import make_shapes_dataset  # noqa: E402
@@ -128,7 +128,7 @@ def under_fsdp2(folder: str, out: Path) -> dict:
     """One micro-batch's loss and gradient through the trainer's ``_compute_loss`` on the LoRA model sharded by
     FSDP2's ``fully_shard`` (per block, then the root), prefix sharing on and then off (this rank's gradient shards
     compared), after one generation round made unsharded."""
-    from papo_nb.papo.fsdp import local_piece
+    from papo_nb.prefix_sharing.fsdp import local_piece
     from papo_nb.train.distributed import fully_shard_blocks
 
     model, processor = load_vlm(folder)

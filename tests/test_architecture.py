@@ -1,8 +1,10 @@
 """The package's layers, read from every module's imports (``ast``; lazy imports inside functions count too).
 
-Bottom to top: papo (the adapter) < testbed < workbook < infra < train < bench < cli. A module imports its own
-layer and the layers below, never one above, so data flows down the tree. The adapter alone may import only the
-standard library, torch, transformers, trl and peft: it is the part a TRL user lifts into their own project.
+Bottom to top: prefix_sharing (a feature of any GRPOTrainer) < papo (the PAPO-G adapter, built on it) < vppo (the
+second masked-branch method, on PAPO-G's) < testbed < workbook < infra < train < bench < cli. A module imports its
+own layer and the layers below, never one above, so data flows down the tree. The three method packages may import
+only the standard library, torch, transformers, trl and peft: they are what a TRL user lifts into their own
+project.
 """
 
 from __future__ import annotations
@@ -15,7 +17,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "papo_nb"
-LAYERS = ("papo", "testbed", "workbook", "infra", "train", "bench", "cli")
+LAYERS = ("prefix_sharing", "papo", "vppo", "testbed", "workbook", "infra", "train", "bench", "cli")
+METHOD_LAYERS = ("prefix_sharing", "papo", "vppo")
 ADAPTER_THIRD_PARTY = frozenset({"torch", "transformers", "trl", "peft"})
 # vLLM: only inside a function, so that only the vLLM path imports it (papo_nb/papo/vllm_rollouts.py)
 ADAPTER_LAZY = frozenset({"vllm"})
@@ -65,7 +68,7 @@ def violations(source: str, module: str, is_package: bool = False) -> list[str]:
         top = name.split(".")[0]
         target = layer(name)
         allowed = sys.stdlib_module_names | ADAPTER_THIRD_PARTY | (ADAPTER_LAZY if line in lazy else set())
-        if own == "papo" and top != "papo_nb" and top not in allowed:
+        if own in METHOD_LAYERS and top != "papo_nb" and top not in allowed:
             problems.append(
                 f"{module}:{line} imports {name}: the adapter may import only the standard library, "
                 f"{', '.join(sorted(ADAPTER_THIRD_PARTY))}"

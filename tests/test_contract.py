@@ -11,8 +11,9 @@ import pytest
 import trl
 from trl import GRPOTrainer
 
-from papo_nb.papo import contract, trl_seams
+from papo_nb.papo import contract
 from papo_nb.papo.probe import contract as probe_contract
+from papo_nb.prefix_sharing import trl_seams
 from papo_nb.workbook.verification import provenance
 
 

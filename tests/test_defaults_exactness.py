@@ -15,9 +15,9 @@ from peft import LoraConfig
 from trl import GRPOTrainer
 
 from papo_nb.papo import PAPOGConfig, PAPOGTrainer
-from papo_nb.papo.forward import prefix_sharing
-from papo_nb.papo.forward.logp_inputs import logp_call_arguments
+from papo_nb.papo.logp_inputs import logp_call_arguments
 from papo_nb.papo.terms import bounded_k3
+from papo_nb.prefix_sharing import sharing as prefix_sharing
 from papo_nb.testbed.models import load_vlm
 from papo_nb.testbed.rewards import accuracy_reward, format_reward
 from papo_nb.workbook.rollouts import rollout_batch

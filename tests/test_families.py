@@ -15,9 +15,10 @@ from transformers.image_processing_utils import select_best_resolution
 from transformers.models.llava_next.modeling_llava_next import image_size_to_num_patches
 from trl import GRPOTrainer
 
-from papo_nb.papo import layouts, masking, prompt_identity
-from papo_nb.papo.vppo.vppo_trainer import DEPENDENCY_KEY
+from papo_nb.papo import layouts, masking
+from papo_nb.prefix_sharing import image_rows, prompt_identity
 from papo_nb.testbed import families, models
+from papo_nb.vppo.vppo_trainer import DEPENDENCY_KEY
 from papo_nb.workbook.config import machine_checks, params
 from papo_nb.workbook.rollouts import rollout_batch
 from papo_nb.workbook.training import builder
@@ -225,7 +226,7 @@ def test_pixtral_sized_images_mask_only_the_image_region():
     processor = PixtralImageProcessor(size={"longest_edge": 64}, patch_size=16)
     out = processor(images=[[im] for im in noise_images()], return_tensors="pt")
     inputs = {"pixel_values": out["pixel_values"], "image_sizes": out["image_sizes"], "num_images": [1, 1]}
-    assert layouts.detect_layout(inputs) == "sized_images" and out["image_sizes"].tolist() == [
+    assert image_rows.detect_layout(inputs) == "sized_images" and out["image_sizes"].tolist() == [
         [64, 64],
         [32, 64],
     ]
@@ -254,7 +255,7 @@ def test_pixtral_sized_images_mask_only_the_image_region():
 def test_an_unknown_layout_fails_naming_the_keys_and_shapes_it_saw(inputs, seen):
     with pytest.raises(ValueError, match="no patch layout matches") as info:
         layouts.patch_map(inputs, patch_size=14, image_mean=[0.5] * 3, image_std=[0.5] * 3)
-    assert seen in str(info.value) and ", ".join(layouts.LAYOUTS) in str(info.value)
+    assert seen in str(info.value) and ", ".join(image_rows.LAYOUTS) in str(info.value)
 
 
 @pytest.mark.parametrize("family", ["llava_next", "llava_onevision"])

@@ -26,10 +26,11 @@ from test_prefix_sharing import (
 from tiny_trainers import tiny_trainer
 
 from papo_nb.papo import PAPOGConfig
-from papo_nb.papo.forward import flex_grouped, grouped_attention, prefix_sharing
+from papo_nb.prefix_sharing import flex_grouped, grouped_attention
+from papo_nb.prefix_sharing import sharing as prefix_sharing
 from papo_nb.testbed.models import load_vlm
 
-LOGGER = "papo_nb.papo.forward.flex_grouped"
+LOGGER = "papo_nb.prefix_sharing.flex_grouped"
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
 
 

@@ -1,4 +1,4 @@
-"""What both prefix paths share (``papo_nb.papo.forward.common``): the rotary positions refuse a batch with images
+"""What both prefix paths share (``papo_nb.prefix_sharing.common``): the rotary positions refuse a batch with images
 but without ``mm_token_type_ids`` rather than placing every image token as text, and the masked branch then leaves
 the batch to the full forward, whose own behaviour applies (issue 42, item 6)."""
 
@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from papo_nb.papo.forward.common import rope_positions
-from papo_nb.papo.forward.masked_branch import prefill_layout_reason
+from papo_nb.papo.masked_branch import prefill_layout_reason
+from papo_nb.prefix_sharing.common import rope_positions
 from papo_nb.testbed.models import load_vlm
 from papo_nb.testbed.shapes import make_shapes_dataset
 

@@ -2,7 +2,8 @@
 modules one real loss call enters, in which order, and how often it comes back to one it has left.
 
 Counted with ``sys.setprofile`` over one ``_compute_loss`` call on the tiny Qwen2-VL: every Python function call
-whose code belongs to a ``papo_nb.papo`` module is an event; consecutive events in one module are one *stay*; a stay
+whose code belongs to a module of the adapter (``papo_nb.papo`` or the ``papo_nb.prefix_sharing`` it builds on) is an
+event; consecutive events in one module are one *stay*; a stay
 in a module already left before is a *return*. TRL's and torch's frames in between are not counted (the parent's
 loss calls the adapter's log-prob hook back: that return is the hook, and it is counted)."""
 
@@ -22,17 +23,17 @@ from papo_nb.workbook.training.builder import lora_config
 pytestmark = pytest.mark.model  # builds and runs the tiny VLM
 
 G = 4
-PACKAGE = "papo_nb.papo."
+PACKAGES = ("papo_nb.papo.", "papo_nb.prefix_sharing.")
 
 
 def adapter_calls(call) -> list[tuple[str, str]]:
-    """``(module, function)`` of every Python call into a ``papo_nb.papo`` module while ``call()`` runs, in order."""
+    """``(module, function)`` of every Python call into a module of ``PACKAGES`` while ``call()`` runs, in order."""
     calls: list[tuple[str, str]] = []
 
     def profile(frame, event, _arg):
         module = frame.f_globals.get("__name__", "")
-        if event == "call" and module.startswith(PACKAGE):
-            calls.append((module.removeprefix(PACKAGE), frame.f_code.co_name))
+        if event == "call" and module.startswith(PACKAGES):
+            calls.append((module.removeprefix("papo_nb.").removeprefix("papo."), frame.f_code.co_name))
 
     sys.setprofile(profile)
     try:
@@ -71,9 +72,12 @@ def loss_call(tiny_vlm_path, shapes_dataset, folder, **overrides) -> list[tuple[
 # groups once and handed them to the prefill). A change that lengthens it fails here; one that shortens it lowers
 # the pin. What returns now: the orchestrators (papo_trainer, mask_state: it draws through masking, then paints),
 # the masked branch around the prefill, the prefill around its shared helpers, and the terms around their metrics.
+# Prefix sharing's own package added two round trips, one stay each way: the patch map reads where each sample's
+# images are from ``prefix_sharing.image_rows`` (once: ``sample_structure``), and the trainer's log-prob hook passes
+# through ``PrefixSharingMixin`` (23, 11, 12 and 9, 6, 3 before, with both inside ``papo_nb.papo``).
 PINNED_PATHS = {
-    "update": {"stays": 23, "modules": 11, "returns": 12},
-    "rollout": {"stays": 9, "modules": 6, "returns": 3},
+    "update": {"stays": 27, "modules": 13, "returns": 14},
+    "rollout": {"stays": 11, "modules": 7, "returns": 4},
 }
 
 

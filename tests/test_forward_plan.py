@@ -10,8 +10,13 @@ import re
 import pytest
 
 from papo_nb.papo import PAPOGConfig
-from papo_nb.papo.forward.plan import FORWARD_FIELDS, forward_fields_problem
-from papo_nb.papo.papo_config import MASK_SHARING, MASKED_BRANCH_TIMINGS, MASKED_FORWARDS
+from papo_nb.papo.papo_config import (
+    FORWARD_FIELDS,
+    MASK_SHARING,
+    MASKED_BRANCH_TIMINGS,
+    MASKED_FORWARDS,
+    forward_fields_problem,
+)
 
 CHOICES = {
     "masked_branch": MASKED_BRANCH_TIMINGS,

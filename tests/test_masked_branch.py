@@ -12,10 +12,10 @@ from tiny_trainers import tiny_trainer, unit_params
 from transformers import TrainerCallback
 from trl import GRPOTrainer
 
-from papo_nb.papo import PAPOGTrainer, trl_seams
-from papo_nb.papo.forward import attention_cost, rollout_branch
-from papo_nb.papo.forward import prefill as shared_prefix
+from papo_nb.papo import PAPOGTrainer, rollout_branch
+from papo_nb.papo import prefill as shared_prefix
 from papo_nb.papo.step_guard import NonFiniteGradientError
+from papo_nb.prefix_sharing import attention_cost, trl_seams
 from papo_nb.testbed.models import load_vlm
 from papo_nb.workbook.rollouts import clone_batch, rollout_batch
 from papo_nb.workbook.training.builder import lora_config

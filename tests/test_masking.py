@@ -14,7 +14,8 @@ import torch
 from PIL import Image
 from transformers import Qwen2VLImageProcessor
 
-from papo_nb.papo import PAPOGConfig, layouts, masking, prompt_identity
+from papo_nb.papo import PAPOGConfig, layouts, masking
+from papo_nb.prefix_sharing import image_rows, prompt_identity
 from papo_nb.testbed import raw_masks
 from papo_nb.testbed.perception import (
     GREY,
@@ -156,7 +157,7 @@ def test_the_prompt_identity_matches_exactly_equal_prompts_and_images(processed)
     batch["prompt_mask"] = torch.tensor([[0, 1, 1]] * 3)
     same, groups = prompt_identity.keys_and_groups(batch)
     assert same[0] == same[2] != same[1] and prompt_identity.group_samples(batch) == groups == [[0, 2], [1]]
-    assert layouts.sample_row_ranges(batch["image_grid_thw"], [1, 1, 1])[2] == (80, 80 + n0)
+    assert image_rows.sample_row_ranges(batch["image_grid_thw"], [1, 1, 1])[2] == (80, 80 + n0)
     # the shared prefix groups by the masked images: a mask that differs splits a prompt's rows
     masked = batch["pixel_values"].clone()
     masked[80] = 0.0

@@ -17,9 +17,10 @@ from trl import GRPOTrainer
 from trl.trainer.utils import shuffle_sequence_dict
 
 from papo_nb.papo import PAPOGConfig, PAPOGTrainer
-from papo_nb.papo.forward import attention_cost, grouped_attention, packed_head, prefix_sharing
-from papo_nb.papo.forward.plan import forward_plan
-from papo_nb.papo.prompt_identity import group_samples
+from papo_nb.papo.forward_plan import forward_plan
+from papo_nb.prefix_sharing import attention_cost, grouped_attention, packed_head
+from papo_nb.prefix_sharing import sharing as prefix_sharing
+from papo_nb.prefix_sharing.prompt_identity import group_samples
 from papo_nb.testbed.models import build_tiny_vlm, load_vlm, vision_special_token_ids
 from papo_nb.workbook.training.builder import lora_config
 
@@ -296,7 +297,7 @@ def test_the_trainer_hook_packs_and_falls_back_with_its_reason(setup, caplog, mo
     gap = {**arguments, "attention_mask": arguments["attention_mask"].clone()}
     row = int(completion_mask(arguments).sum(1).argmax())
     gap["attention_mask"][row, -MAX_COMPLETION + 1] = 0  # a completion mask with a hole: not TRL's, not packed
-    with caplog.at_level("WARNING", logger="papo_nb.papo.forward.prefix_sharing"), torch.no_grad():
+    with caplog.at_level("WARNING", logger="papo_nb.prefix_sharing.sharing"), torch.no_grad():
         fallback = trainer._get_per_token_logps_and_entropies(model, **gap)
     assert torch.equal(fallback[0], plain(trainer, model, gap)[0]), "the fallback is the parent's method itself"
     assert metrics[prefix_sharing.METRIC] == [1.0, 0.0]
@@ -313,7 +314,7 @@ def test_a_per_sub_config_eager_text_model_runs_its_own_attention(setup, caplog)
     assert grouped_attention.text_config(model)._attn_implementation == "eager"
     assert prefix_sharing.unsupported_reason(model, 1) is None
     arguments, trainer = setup["arguments"], setup["trainer"]
-    with torch.no_grad(), caplog.at_level("INFO", logger="papo_nb.papo.forward.prefix_sharing"):
+    with torch.no_grad(), caplog.at_level("INFO", logger="papo_nb.prefix_sharing.sharing"):
         reference = plain(trainer, model, arguments)
         sharing = prefix_sharing.PrefixSharing(trainer.args, model, 1, {"train": collections.defaultdict(list)})
         ours = sharing.compute(model, arguments, temperature=TEMPERATURE, entropy_grad=False, training=True)
@@ -333,7 +334,7 @@ def test_a_call_without_mm_token_type_ids_runs_the_plain_forward_and_its_refusal
     arguments = {**setup["arguments"], "mm_token_type_ids": None}
     metrics = trainer._metrics["train"]
     metrics[prefix_sharing.METRIC].clear()
-    with torch.no_grad(), caplog.at_level("WARNING", logger="papo_nb.papo.forward.prefix_sharing"):
+    with torch.no_grad(), caplog.at_level("WARNING", logger="papo_nb.prefix_sharing.sharing"):
         if setup["family"] in ("qwen2_vl", "qwen3_vl"):
             with pytest.raises(ValueError, match="`mm_token_type_ids` is missing"):
                 trainer._get_per_token_logps_and_entropies(model, **arguments)
@@ -416,7 +417,7 @@ def test_the_cost_guard_counts_the_calls_pairs_and_runs_plain_where_sharing_woul
     assert metrics[prefix_sharing.METRIC] == [1.0] and metrics[prefix_sharing.COST_METRIC] == [pytest.approx(expected)]
     # A layout costing more than the plain rows (the dense W x W one did at long completions) must run plain.
     monkeypatch.setattr(prefix_sharing, "shared_flops", lambda w, b: 2 * attention_cost.plain(w, rows, width))
-    with torch.no_grad(), caplog.at_level("WARNING", logger="papo_nb.papo.forward.prefix_sharing"):
+    with torch.no_grad(), caplog.at_level("WARNING", logger="papo_nb.prefix_sharing.sharing"):
         guarded = trainer._get_per_token_logps_and_entropies(model, **arguments)
         assert torch.equal(guarded[0], plain(trainer, model, arguments)[0])
     assert metrics[prefix_sharing.METRIC] == [1.0, 0.0] and metrics[prefix_sharing.COST_METRIC][-1] == 2.0

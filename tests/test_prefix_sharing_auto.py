@@ -26,12 +26,13 @@ from test_prefix_sharing import (
 from test_prefix_sharing_checkpointing import as_the_release_runs
 from tiny_trainers import tiny_trainer
 
-from papo_nb.papo import PAPOGConfig, trl_seams
-from papo_nb.papo.forward import grouped_attention, prefix_sharing, self_check
-from papo_nb.papo.forward.plan import forward_plan
+from papo_nb.papo import PAPOGConfig
+from papo_nb.papo.forward_plan import forward_plan
+from papo_nb.prefix_sharing import grouped_attention, self_check, trl_seams
+from papo_nb.prefix_sharing import sharing as prefix_sharing
 from papo_nb.testbed.models import build_tiny_vlm, load_vlm
 
-LOGGER = "papo_nb.papo.forward.prefix_sharing"
+LOGGER = "papo_nb.prefix_sharing.sharing"
 RELEASE_REASON = trl_seams.packed_path_reason()  # None on every supported form (packed_head.py); else why it waits
 
 

@@ -32,9 +32,10 @@ from tiny_trainers import tiny_trainer, unit_params
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
 from trl import GRPOTrainer
 
-from papo_nb.papo import PAPOGConfig, PAPOGTrainer, trl_seams
-from papo_nb.papo.forward import grouped_attention, prefix_sharing
-from papo_nb.papo.forward.plan import forward_plan
+from papo_nb.papo import PAPOGConfig, PAPOGTrainer
+from papo_nb.papo.forward_plan import forward_plan
+from papo_nb.prefix_sharing import grouped_attention, trl_seams
+from papo_nb.prefix_sharing import sharing as prefix_sharing
 from papo_nb.testbed.models import build_tiny_vlm, load_vlm, vision_special_token_ids
 from papo_nb.testbed.rewards import accuracy_reward, format_reward
 from papo_nb.workbook.training.builder import lora_config
@@ -137,7 +138,7 @@ def train_two_steps(folder, dataset, out, trainer_cls=PAPOGTrainer, **overrides)
 def test_trls_default_checkpointing_trains_with_sharing_as_the_plain_forward(setup, shapes_dataset, tmp_path,
                                                                             caplog, kwargs):  # fmt: skip
     overrides = {} if kwargs is None else {"gradient_checkpointing_kwargs": kwargs}
-    with caplog.at_level(logging.INFO, logger="papo_nb.papo.forward.plan"):
+    with caplog.at_level(logging.INFO, logger="papo_nb.papo.forward_plan"):
         shared, built_plan, start, after = train_two_steps(
             setup["folder"], shapes_dataset, tmp_path / "s", **overrides
         )
@@ -178,7 +179,7 @@ def test_a_checkpointing_the_layout_cannot_follow_runs_the_plain_forward_and_say
     )
     plan = forward_plan(trainer.args, trainer.masked_branch, sharing, model)
     assert plan.log_prob_forward == "plain per completion" and plan.log_prob_reason == reason
-    with caplog.at_level(logging.WARNING, logger="papo_nb.papo.forward.prefix_sharing"):
+    with caplog.at_level(logging.WARNING, logger="papo_nb.prefix_sharing.sharing"):
         logps, _, _ = trainer._get_per_token_logps_and_entropies(model, **arguments)
     assert (False, reason) in sharing.logged  # one warning per reason (the release's: logged at construction)
     assert trl_seams.packed_path_reason() or f"plain forward per completion, because {reason}" in caplog.text

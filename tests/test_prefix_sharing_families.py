@@ -25,8 +25,8 @@ from test_prefix_sharing import (
 )
 from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLTextModel
 
-from papo_nb.papo import trl_seams
-from papo_nb.papo.forward import common, prefix_sharing
+from papo_nb.prefix_sharing import common, trl_seams
+from papo_nb.prefix_sharing import sharing as prefix_sharing
 from papo_nb.testbed import families
 from papo_nb.testbed.models import TINY_FAMILIES, build_tiny_vlm, load_vlm
 

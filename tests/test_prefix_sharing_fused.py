@@ -26,8 +26,9 @@ from test_prefix_sharing import (
 from trl import GRPOTrainer
 from trl.trainer import utils as trl_utils
 
-from papo_nb.papo import trl_seams
-from papo_nb.papo.forward import grouped_attention, packed_head, prefill, prefix_sharing
+from papo_nb.papo import prefill
+from papo_nb.prefix_sharing import grouped_attention, packed_head, trl_seams
+from papo_nb.prefix_sharing import sharing as prefix_sharing
 from papo_nb.workbook.verification import provenance
 
 setup = checkpointing_tests.setup  # the tiny Qwen2.5-VL, its trainer (prefix_sharing=True) and the adversarial batch

@@ -20,8 +20,9 @@ from pathlib import Path
 import pytest
 from test_prefix_sharing_checkpointing import PARAMETER_BOUND
 
-from papo_nb.papo import PAPOGConfig, trl_seams
-from papo_nb.papo.forward import prefix_sharing
+from papo_nb.papo import PAPOGConfig
+from papo_nb.prefix_sharing import sharing as prefix_sharing
+from papo_nb.prefix_sharing import trl_seams
 from papo_nb.testbed.models import build_tiny_vlm, load_vlm
 
 ROOT = Path(__file__).resolve().parents[1]

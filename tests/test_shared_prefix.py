@@ -12,9 +12,10 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 from trl import GRPOTrainer
 
-from papo_nb.papo import PAPOGConfig, layouts
-from papo_nb.papo.forward import prefill as shared_prefix
-from papo_nb.papo.forward.logp_inputs import logp_call_arguments
+from papo_nb.papo import PAPOGConfig
+from papo_nb.papo import prefill as shared_prefix
+from papo_nb.papo.logp_inputs import logp_call_arguments
+from papo_nb.prefix_sharing import image_rows
 from papo_nb.testbed.models import build_tiny_vlm, load_vlm
 from papo_nb.workbook.rollouts import rollout_batch
 from papo_nb.workbook.training.builder import lora_config
@@ -29,7 +30,7 @@ UNEQUAL_ROWS = [5, 0, 9, 1, 2, 3, 11]
 
 def select_rows(batch, rows):
     """The ``_compute_loss`` batch of ``rows`` only (pixel rows and grids follow their samples)."""
-    ranges = layouts.sample_row_ranges(batch["image_grid_thw"], batch["num_images"])
+    ranges = image_rows.sample_row_ranges(batch["image_grid_thw"], batch["num_images"])
     offsets = torch.tensor([0, *batch["num_images"]]).cumsum(0).tolist()
     out = {k: v[rows] for k, v in batch.items() if isinstance(v, torch.Tensor) and v.dim() > 0 and len(v) == 12}
     out["pixel_values"] = torch.cat([batch["pixel_values"][ranges[i][0] : ranges[i][1]] for i in rows])
@@ -251,7 +252,7 @@ def test_auto_falls_back_with_its_reason_in_the_metrics(setup, caplog):
     for overrides, metric, reason, inputs in cases:
         trainer = make(setup, **overrides)
         trainer.current_gradient_accumulation_steps = 1
-        with caplog.at_level("INFO", logger="papo_nb.papo.forward.masked_branch"):
+        with caplog.at_level("INFO", logger="papo_nb.papo.masked_branch"):
             caplog.clear()
             trainer.papo_loss_parts(setup["model"], inputs)
         assert trainer._metrics["train"][shared_prefix.METRIC] == [metric], overrides

@@ -17,7 +17,7 @@ from tiny_trainers import tiny_trainer
 from trl import GRPOTrainer
 from trl.trainer.utils import shuffle_sequence_dict, split_tensor_dict
 
-from papo_nb.papo.forward import prefix_sharing
+from papo_nb.prefix_sharing import sharing as prefix_sharing
 from papo_nb.testbed.models import load_vlm
 
 GROUP = 4

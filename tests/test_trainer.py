@@ -9,9 +9,10 @@ from peft import get_peft_model
 from tiny_trainers import tiny_trainer, unit_params
 from trl import GRPOConfig, GRPOTrainer
 
-from papo_nb.papo import PAPOGConfig, PAPOGTrainer, layouts, prompt_identity, recipes, trl_seams
-from papo_nb.papo.forward.logp_inputs import logp_call_arguments
+from papo_nb.papo import PAPOGConfig, PAPOGTrainer, recipes
+from papo_nb.papo.logp_inputs import logp_call_arguments
 from papo_nb.papo.terms import K3_BOUND, bounded_k3
+from papo_nb.prefix_sharing import image_rows, prompt_identity, trl_seams
 from papo_nb.testbed.models import load_vlm
 from papo_nb.workbook.rollouts import clone_batch, rollout_batch
 from papo_nb.workbook.training.builder import lora_config
@@ -392,7 +393,7 @@ def test_official_annealing_ratio_and_discount(policy, shapes_dataset, batch, tm
 
 
 def _rows_by_sample(batch, pixel_values):
-    return [pixel_values[a:b] for a, b in layouts.sample_row_ranges(batch["image_grid_thw"], batch["num_images"])]
+    return [pixel_values[a:b] for a, b in image_rows.sample_row_ranges(batch["image_grid_thw"], batch["num_images"])]
 
 
 @pytest.mark.model
@@ -417,7 +418,7 @@ def test_one_mask_per_prompt_shared_across_its_rollouts_and_device_batches(polic
 
 
 def _select(batch, order):
-    rows = layouts.sample_row_ranges(batch["image_grid_thw"], batch["num_images"])
+    rows = image_rows.sample_row_ranges(batch["image_grid_thw"], batch["num_images"])
     out = {k: v[order] for k, v in batch.items() if isinstance(v, torch.Tensor) and v.dim() > 0 and v.size(0) == 8}
     out["pixel_values"] = torch.cat([batch["pixel_values"][rows[i][0] : rows[i][1]] for i in order])
     out["image_grid_thw"] = batch["image_grid_thw"][order]
@@ -526,8 +527,8 @@ def test_under_deepspeed_a_nonfinite_step_stops_the_run_since_it_cannot_be_skipp
 def test_a_text_only_rank_under_zero3_or_fsdp_is_refused_on_every_rank():
     """ZeRO-3 gathers each module's partitions as its forward starts, so a rank that skips the vision tower leaves
     the others' all-gathers unpaired; the parameters are told apart as DeepSpeed marks them."""
-    from papo_nb.papo.forward.masked_branch import refuse_mixed_images
-    from papo_nb.papo.fsdp import partitioning
+    from papo_nb.papo.masked_branch import refuse_mixed_images
+    from papo_nb.prefix_sharing.fsdp import partitioning
 
     plain = torch.nn.Parameter(torch.zeros(2))
     partitioned = torch.nn.Parameter(torch.zeros(0))

@@ -8,11 +8,11 @@ import torch
 from peft import get_peft_model
 from trl import GRPOTrainer
 
-from papo_nb.papo.forward.rollout_branch import MASKED_LOGPS_KEY
-from papo_nb.papo.vppo import VPPOConfig, VPPOTrainer, shaping
-from papo_nb.papo.vppo.vppo_trainer import DEPENDENCY_KEY, SCORE_RANGE_KEY
-from papo_nb.papo.vppo.vppo_trainer import REVIEW_COLUMNS as VPPO_COLUMNS
+from papo_nb.papo.rollout_branch import MASKED_LOGPS_KEY
 from papo_nb.testbed.models import load_vlm
+from papo_nb.vppo import VPPOConfig, VPPOTrainer, shaping
+from papo_nb.vppo.vppo_trainer import DEPENDENCY_KEY, SCORE_RANGE_KEY
+from papo_nb.vppo.vppo_trainer import REVIEW_COLUMNS as VPPO_COLUMNS
 from papo_nb.workbook.config.params import ParamsError, validate_params
 from papo_nb.workbook.rollouts import rollout_batch
 from papo_nb.workbook.training.builder import build_trainer, lora_config, papo_config
@@ -284,8 +284,8 @@ def test_papo_nb_train_with_vppo_logs_its_dependency_metrics_to_mlflow(tmp_path,
 def test_the_vppo_7b_recipe_file_matches_its_preset_and_the_official_batches():
     from pathlib import Path
 
-    from papo_nb.papo.vppo.recipes import VPPO_7B
     from papo_nb.testbed.models import build_tiny_processor
+    from papo_nb.vppo.recipes import VPPO_7B
     from papo_nb.workbook.config import batch_layout as pf
     from papo_nb.workbook.config.params import load_params
     from papo_nb.workbook.recipe.presets import config_fields, recipe_deviations

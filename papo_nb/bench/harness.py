@@ -327,7 +327,7 @@ def extra_forward(trainer, model, batch):
     """The floor: one more forward of the policy on the batch, exactly as the parent runs it, without gradient."""
     from trl import GRPOTrainer
 
-    from papo_nb.papo.forward.logp_inputs import logp_call_arguments
+    from papo_nb.papo.logp_inputs import logp_call_arguments
 
     positional, vlm_kwargs = logp_call_arguments(batch)
     with torch.no_grad():

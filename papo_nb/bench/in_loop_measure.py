@@ -14,9 +14,9 @@ import torch
 
 from papo_nb.bench import harness
 from papo_nb.bench.memory import status_kib
-from papo_nb.papo.forward import attention_cost
-from papo_nb.papo.forward.common import core_model
-from papo_nb.papo.forward.grouped_attention import text_config
+from papo_nb.prefix_sharing import attention_cost
+from papo_nb.prefix_sharing.common import core_model
+from papo_nb.prefix_sharing.grouped_attention import text_config
 
 VARIANTS = ("grpo", "papo_rollout", "papo_update", "grpo_shared", "papo_shared")
 FLOP_K = 3.0  # a training step's forward + backward, in forwards
@@ -132,8 +132,8 @@ def variant_trainers(
 def one_run(trainer, clock: GenerateClock, device: str, steps: int) -> dict[str, Any]:
     """One ``train()`` of ``steps`` optimizer steps; per-step numbers from its wall and process CPU time, the
     generate clock and the trainer's masked-branch clock (``*_cpu_s``: CPU seconds, robust to a shared machine)."""
-    from papo_nb.papo.forward import prefill as shared_prefix
-    from papo_nb.papo.forward import prefix_sharing
+    from papo_nb.papo import prefill as shared_prefix
+    from papo_nb.prefix_sharing import sharing as prefix_sharing
 
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     branch = getattr(getattr(trainer, "masked_branch", None), "clock", None)

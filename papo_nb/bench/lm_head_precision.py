@@ -69,7 +69,7 @@ def _trainer(model_path: Path, work: Path, name: str, dtype: str, cast: bool):
 def measure(batches: int = 3, cache_dir=None) -> dict:
     from trl import GRPOTrainer
 
-    from papo_nb.papo.forward.logp_inputs import logp_call_arguments
+    from papo_nb.papo.logp_inputs import logp_call_arguments
     from papo_nb.papo.terms import bounded_k3
     from papo_nb.testbed.models import build_tiny_vlm
     from papo_nb.workbook.rollouts import rollout_batch

@@ -37,8 +37,8 @@ def worker(variant: str, vocab: int, n_prompts: int, completion_tokens: int, see
     from trl import GRPOTrainer
 
     from papo_nb.bench import harness, memory
-    from papo_nb.papo import trl_seams
-    from papo_nb.papo.forward import prefix_sharing
+    from papo_nb.prefix_sharing import sharing as prefix_sharing
+    from papo_nb.prefix_sharing import trl_seams
 
     torch.set_num_threads(1)
     settings = harness.bench_params(seed, n_prompts, model_name_or_path="tiny:qwen2_5_vl")

@@ -36,7 +36,7 @@ def worker(size: str, seed: int, n_prompts: int, batch_file: Path, cache_dir: st
 
     from papo_nb.bench.harness import batch_shape, build_setup
     from papo_nb.bench.memory import measure_memory
-    from papo_nb.papo import trl_seams
+    from papo_nb.prefix_sharing import trl_seams
 
     torch.set_num_threads(1)
     batch = torch.load(batch_file, weights_only=True) if batch_file.exists() else None

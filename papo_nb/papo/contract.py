@@ -39,7 +39,7 @@ from typing import Any
 
 from transformers.utils import logging
 
-from . import trl_seams
+from ..prefix_sharing import trl_seams
 
 logger = logging.get_logger(__name__)
 
@@ -117,7 +117,7 @@ PACKED_CALLERS = {
         "logits_to_keep = completion_ids.size(1)",
     ),
 }
-PARENT_SHUFFLE_FUNCTION = "shuffle_sequence_dict"
+PARENT_SHUFFLE_FUNCTION = trl_seams.PARENT_SHUFFLE_FUNCTION
 ROUND_SHUFFLE = (
     "generation_batch = shuffle_sequence_dict(generation_batch)",
     "generation_batches = split_tensor_dict(generation_batch, self.args.steps_per_generation)",

@@ -39,7 +39,7 @@ from typing import Any
 
 import torch
 
-LAYOUTS = ("grid_rows", "tile_rows", "tiles", "images", "sized_images", "crops", "position_rows")
+from ..prefix_sharing.image_rows import SampleRows, sample_structure
 
 
 def black_pixel_values(image_mean: Sequence[float], image_std: Sequence[float]) -> torch.Tensor:
@@ -49,35 +49,30 @@ def black_pixel_values(image_mean: Sequence[float], image_std: Sequence[float]) 
     return ((0.0 - mean) / std).to(torch.float32)
 
 
-def sample_row_ranges(image_grid_thw: torch.Tensor, num_images: Sequence[int]) -> list[tuple[int, int]]:
-    """``(start, end)`` rows of each sample's images in flattened Qwen-VL ``pixel_values`` (TRL's ``num_images``
-    lists how many images each sample has, in order)."""
-    rows = image_grid_thw.prod(dim=-1).long().cpu().tolist()
-    return count_ranges([sum(rows[a:b]) for a, b in count_ranges(num_images)])
-
-
 @dataclass(frozen=True, kw_only=True)
 class PatchMap:
     """The real patches of one batch's ``pixel_values`` (see the module docstring); ``masking.apply_units`` turns a
     selection of its units into pixels without touching padding."""
 
-    layout: str
+    rows: SampleRows  # the layout, and where each sample's images are (``image_rows.sample_structure``)
     patch_size: int
     units: torch.Tensor  # int64 at patch resolution; -1 = padding
     units_per_segment: torch.Tensor  # (n_segments,) real units of each image or tile
-    segments_per_sample: list[int]  # how many images/tiles each sample owns (in order)
-    sample_rows: list[tuple[int, int]]  # the dim-0 range of pixel_values (and aux tensors) of each sample
     pixel_units: torch.Tensor  # ``units`` at pixel resolution, broadcastable to pixel_values; -1 = padding
     fill: torch.Tensor  # normalised black, broadcastable to pixel_values
     real_pixels: torch.Tensor  # bool broadcastable to pixel_values: pixels inside a real patch
 
     # Read per sample by the masking and the prompt identity: kept here so that neither re-derives the layout.
+    layout: str = field(init=False)
+    segments_per_sample: list[int] = field(init=False)  # how many images/tiles each sample owns (in order)
+    sample_rows: list[tuple[int, int]] = field(init=False)  # the dim-0 range of pixel_values (and aux tensors)
     image_rows: list[tuple[int, int]] = field(init=False)  # each sample's rows of image_grid_thw (else its images)
     sample_units: list[torch.Tensor] = field(init=False)  # the real units of each sample's images or tiles
 
     def __post_init__(self):
-        object.__setattr__(self, "image_rows", image_rows(self.layout, self.segments_per_sample, self.sample_rows))
-        ranges = count_ranges(self.segments_per_sample)
+        for name in ("layout", "segments_per_sample", "sample_rows", "image_rows"):
+            object.__setattr__(self, name, getattr(self.rows, name))
+        ranges = self.rows.segment_ranges
         object.__setattr__(self, "sample_units", [self.units_per_segment[a:b] for a, b in ranges])
 
 
@@ -96,121 +91,40 @@ def _pixel_grid(per_patch: torch.Tensor, patch_size: int, height: int, width: in
     return torch.nn.functional.pad(full, pad, value=pad_value)
 
 
-def count_ranges(counts: Sequence[int]) -> list[tuple[int, int]]:
-    """``(start, end)`` of consecutive runs of ``counts`` items."""
-    ends = torch.tensor([0, *counts], dtype=torch.long).cumsum(0).tolist()
-    return list(zip(ends[:-1], ends[1:], strict=True))
+# One builder per layout: (inputs, its SampleRows, patch_size, black per channel, merge_size) -> PatchMap.
 
 
-def _describe(inputs: dict[str, Any]) -> str:
-    seen = {k: tuple(v.shape) if isinstance(v, torch.Tensor) else v for k, v in inputs.items() if v is not None}
-    return ", ".join(f"{k}={v}" for k, v in sorted(seen.items()) if k not in ("advantages", "num_items_in_batch"))
-
-
-def detect_layout(inputs: dict[str, Any]) -> str:
-    """The layout of a batch, from its keys and shapes; an unknown one raises with what it saw."""
-    pv = inputs.get("pixel_values")
-    dim = pv.dim() if isinstance(pv, torch.Tensor) else None
-    has = {k for k, v in inputs.items() if v is not None}
-    if dim == 2 and "image_grid_thw" in has:
-        return "grid_rows"
-    if dim == 3 and {"spatial_shapes", "pixel_attention_mask"} <= has:
-        return "tile_rows"
-    if dim == 3 and "image_position_ids" in has and "image_grid_thw" not in has:
-        return "position_rows"
-    if "image_position_ids" not in has and "image_grid_thw" not in has and "spatial_shapes" not in has:
-        if dim == 5:
-            return "crops" if "image_sizes" in has else "tiles"
-        if dim == 4 and "image_sizes" in has:
-            return "sized_images"
-        if dim == 4 and "pixel_attention_mask" not in has:
-            return "images"
-    raise ValueError(
-        f"mask_type: no patch layout matches this batch ({_describe(inputs)}); known layouts: {', '.join(LAYOUTS)} "
-        "(layouts.py): this family's images cannot be masked yet, with any mask_type"
-    )
-
-
-def _per_sample(n_rows: int, inputs: dict[str, Any]) -> list[int]:
-    """Images per sample along dim 0: ``num_images`` when it covers the rows, else one row per sample."""
-    num_images = inputs.get("num_images")
-    if num_images is not None and sum(num_images) == n_rows:
-        return list(num_images)
-    n_samples = inputs["prompt_ids"].shape[0] if inputs.get("prompt_ids") is not None else n_rows
-    if n_rows != n_samples:
-        raise ValueError(f"pixel_values has {n_rows} images for {n_samples} samples and num_images={num_images!r}")
-    return [1] * n_rows
-
-
-def segments_per_sample(inputs: dict[str, Any], layout: str) -> list[int]:
-    """How many images (or tiles) each sample owns, in order."""
-    pv = inputs["pixel_values"]
-    if layout == "grid_rows":
-        return list(inputs.get("num_images") or [1] * len(inputs["image_grid_thw"]))
-    if layout == "tile_rows":
-        num_tiles = inputs.get("num_tiles")
-        if num_tiles is None:
-            raise ValueError(f"the tile_rows layout needs num_tiles to find each sample's tiles ({_describe(inputs)})")
-        return list(num_tiles)
-    if layout == "tiles":
-        return [pv.shape[1]] * pv.shape[0]
-    if layout == "crops":  # every entry of the padded list is a segment (padded ones have no unit)
-        return [n * pv.shape[1] for n in _per_sample(pv.shape[0], inputs)]
-    return _per_sample(pv.shape[0], inputs)
-
-
-def image_rows(layout: str, segments: list[int], rows: list[tuple[int, int]]) -> list[tuple[int, int]]:
-    """Each sample's range of the tensors with one row per image: ``image_grid_thw`` in grid rows (the other aligned
-    tensors have one row per patch there), elsewhere its ``rows`` of ``pixel_values`` (``sample_rows``)."""
-    return count_ranges(segments) if layout == "grid_rows" else rows
-
-
-def sample_rows(inputs: dict[str, Any], layout: str) -> list[tuple[int, int]]:
-    """The dim-0 range of ``pixel_values`` (and of the tensors aligned with it) of each sample."""
-    segments = segments_per_sample(inputs, layout)
-    if layout == "grid_rows":
-        return sample_row_ranges(inputs["image_grid_thw"], segments)
-    if layout == "tiles":  # dim 0 is the sample, its tiles on dim 1
-        return count_ranges([1] * len(segments))
-    if layout == "crops":  # dim 0 is the image, its entries on dim 1
-        return count_ranges(_per_sample(inputs["pixel_values"].shape[0], inputs))
-    return count_ranges(segments)
-
-
-# One builder per layout: (inputs, patch_size, black per channel, merge_size) -> PatchMap.
-
-
-def _grid_rows_map(inputs, patch_size: int, black: torch.Tensor, merge_size: int) -> PatchMap:
+def _grid_rows_map(inputs, rows: SampleRows, patch_size: int, black: torch.Tensor, merge_size: int) -> PatchMap:
     pv, grid = inputs["pixel_values"], inputs["image_grid_thw"].long().cpu()
     rows_per_image, rows_per_unit = grid.prod(-1), merge_size**2
     if rows_per_image.sum() != pv.shape[0] or torch.any(rows_per_image % rows_per_unit):
         raise ValueError(f"image_grid_thw {grid.tolist()} does not cover pixel_values {tuple(pv.shape)}")
     units = torch.arange(pv.shape[0]) // rows_per_unit
     return PatchMap(
-        layout="grid_rows",
+        rows=rows,
         patch_size=patch_size,
         units=units,
         units_per_segment=rows_per_image // rows_per_unit,
-        segments_per_sample=segments_per_sample(inputs, "grid_rows"),
-        sample_rows=sample_rows(inputs, "grid_rows"),
         pixel_units=units[:, None],
         fill=black.repeat_interleave(pv.shape[1] // black.numel())[None, :],  # a row is (C, T, P, P)
         real_pixels=torch.ones(1, 1, dtype=torch.bool, device=pv.device),
     )
 
 
-def _tile_rows_map(inputs, patch_size: int, black: torch.Tensor, merge_size: int) -> PatchMap:
-    return _channel_last_rows_map(inputs, "tile_rows", patch_size, black, inputs["pixel_attention_mask"].bool().cpu())
+def _tile_rows_map(inputs, rows: SampleRows, patch_size: int, black: torch.Tensor, merge_size: int) -> PatchMap:
+    return _channel_last_rows_map(inputs, rows, patch_size, black, inputs["pixel_attention_mask"].bool().cpu())
 
 
-def _position_rows_map(inputs, patch_size: int, black: torch.Tensor, merge_size: int) -> PatchMap:
+def _position_rows_map(inputs, rows: SampleRows, patch_size: int, black: torch.Tensor, merge_size: int) -> PatchMap:
     positions = inputs["image_position_ids"]
     if positions.dim() != 3 or positions.shape[-1] != 2:
         raise ValueError(f"image_position_ids {tuple(positions.shape)} is not (n_images, max_patches, 2)")
-    return _channel_last_rows_map(inputs, "position_rows", patch_size, black, (positions >= 0).all(-1).cpu())
+    return _channel_last_rows_map(inputs, rows, patch_size, black, (positions >= 0).all(-1).cpu())
 
 
-def _channel_last_rows_map(inputs, layout: str, patch_size: int, black: torch.Tensor, real: torch.Tensor) -> PatchMap:
+def _channel_last_rows_map(
+    inputs, rows: SampleRows, patch_size: int, black: torch.Tensor, real: torch.Tensor
+) -> PatchMap:
     """``tile_rows`` and ``position_rows``: one patch per row of ``(segments, max_patches, P*P*C)``, real where
     ``real`` ``(segments, max_patches)`` says."""
     pv = inputs["pixel_values"]
@@ -218,19 +132,17 @@ def _channel_last_rows_map(inputs, layout: str, patch_size: int, black: torch.Te
         raise ValueError(f"the real-patch mask {tuple(real.shape)} does not fit pixel_values {tuple(pv.shape)}")
     units, per_segment = _dense_units(real)
     return PatchMap(
-        layout=layout,
+        rows=rows,
         patch_size=patch_size,
         units=units,
         units_per_segment=per_segment,
-        segments_per_sample=segments_per_sample(inputs, layout),
-        sample_rows=sample_rows(inputs, layout),
         pixel_units=units[..., None],
         fill=black.repeat(pv.shape[-1] // black.numel())[None, None, :],  # a row is (P, P, C): channel fastest
         real_pixels=real.to(pv.device)[..., None],
     )
 
 
-def _tiles_map(inputs, patch_size: int, black: torch.Tensor, merge_size: int) -> PatchMap:
+def _tiles_map(inputs, rows: SampleRows, patch_size: int, black: torch.Tensor, merge_size: int) -> PatchMap:
     pv = inputs["pixel_values"]
     hp, wp = pv.shape[-2] // patch_size, pv.shape[-1] // patch_size
     pixel_mask = inputs.get("pixel_attention_mask")
@@ -239,7 +151,7 @@ def _tiles_map(inputs, patch_size: int, black: torch.Tensor, merge_size: int) ->
     pixel_mask = pixel_mask.bool().cpu() & (pv != 0).flatten(2).any(-1).cpu()[..., None, None]
     blocks = pixel_mask[..., : hp * patch_size, : wp * patch_size].unflatten(-1, (wp, patch_size))
     real = blocks.unflatten(-3, (hp, patch_size)).any(-1).any(-2)
-    return _entries_map(inputs, "tiles", patch_size, black, real, pixel_mask)
+    return _entries_map(inputs, rows, patch_size, black, real, pixel_mask)
 
 
 def padding_fills(image_mean: Sequence[float], image_std: Sequence[float]) -> torch.Tensor:
@@ -250,7 +162,7 @@ def padding_fills(image_mean: Sequence[float], image_std: Sequence[float]) -> to
     return torch.stack([-mean / std, (torch.floor(mean * 255) / 255 - mean) / std]).to(torch.float32)
 
 
-def _crops_map(inputs, patch_size: int, black: torch.Tensor, fills: torch.Tensor) -> PatchMap:
+def _crops_map(inputs, rows: SampleRows, patch_size: int, black: torch.Tensor, fills: torch.Tensor) -> PatchMap:
     pv = inputs["pixel_values"]
     if inputs["image_sizes"].shape != (pv.shape[0], 2):
         raise ValueError(
@@ -268,29 +180,31 @@ def _crops_map(inputs, patch_size: int, black: torch.Tensor, fills: torch.Tensor
     is_fill = ((colour[..., None, :, :, :] - fills[:, :, None, None]).abs() <= tolerance[:, :, None, None]).all(-3)
     real = real_entry[..., None, None] & ~(uniform & is_fill.any(-3))
     pixel_real = _pixel_grid(real, patch_size, *pv.shape[-2:])
-    return _entries_map(inputs, "crops", patch_size, black, real, pixel_real)
+    return _entries_map(inputs, rows, patch_size, black, real, pixel_real)
 
 
-def _entries_map(inputs, layout, patch_size: int, black, real: torch.Tensor, pixel_real: torch.Tensor) -> PatchMap:
+def _entries_map(
+    inputs, rows: SampleRows, patch_size: int, black, real: torch.Tensor, pixel_real: torch.Tensor
+) -> PatchMap:
     """``tiles`` and ``crops``: 5-D ``(rows, entries, C, H, W)``, real patches ``real`` ``(rows, entries, hp, wp)``
     and real pixels ``pixel_real`` ``(rows, entries, H, W)``; each entry is a segment."""
     pv = inputs["pixel_values"]
-    (rows, entries), (height, width) = pv.shape[:2], pv.shape[-2:]
-    units, per_entry = _dense_units(real.reshape(rows * entries, *real.shape[-2:]))
+    (n_rows, entries), (height, width) = pv.shape[:2], pv.shape[-2:]
+    units, per_entry = _dense_units(real.reshape(n_rows * entries, *real.shape[-2:]))
     return PatchMap(
-        layout=layout,
+        rows=rows,
         patch_size=patch_size,
         units=units.reshape(real.shape),
         units_per_segment=per_entry,
-        segments_per_sample=segments_per_sample(inputs, layout),
-        sample_rows=sample_rows(inputs, layout),
         pixel_units=_pixel_grid(units.reshape(real.shape), patch_size, height, width, -1)[:, :, None],
         fill=black[:, None, None],
         real_pixels=pixel_real.to(pv.device)[:, :, None],
     )
 
 
-def _whole_images_map(inputs, layout: str, patch_size: int, black: torch.Tensor, pixel_real: torch.Tensor) -> PatchMap:
+def _whole_images_map(
+    inputs, rows: SampleRows, patch_size: int, black: torch.Tensor, pixel_real: torch.Tensor
+) -> PatchMap:
     """``images`` and ``sized_images``: one image per dim-0 row, real where ``pixel_real`` (n, H, W) says."""
     pv = inputs["pixel_values"]
     n_images, (height, width) = pv.shape[0], pv.shape[-2:]
@@ -298,31 +212,29 @@ def _whole_images_map(inputs, layout: str, patch_size: int, black: torch.Tensor,
     real = pixel_real[:, : hp * patch_size, : wp * patch_size].reshape(n_images, hp, patch_size, wp, patch_size)
     units, per_image = _dense_units(real.any(-1).any(-2))
     return PatchMap(
-        layout=layout,
+        rows=rows,
         patch_size=patch_size,
         units=units,
         units_per_segment=per_image,
-        segments_per_sample=segments_per_sample(inputs, layout),
-        sample_rows=sample_rows(inputs, layout),
         pixel_units=_pixel_grid(units, patch_size, height, width, -1)[:, None],
         fill=black[:, None, None],
         real_pixels=pixel_real.to(pv.device)[:, None],
     )
 
 
-def _images_map(inputs, patch_size: int, black: torch.Tensor, merge_size: int) -> PatchMap:
+def _images_map(inputs, rows: SampleRows, patch_size: int, black: torch.Tensor, merge_size: int) -> PatchMap:
     pv = inputs["pixel_values"]
     every_pixel = torch.ones(pv.shape[0], *pv.shape[-2:], dtype=torch.bool)
-    return _whole_images_map(inputs, "images", patch_size, black, every_pixel)
+    return _whole_images_map(inputs, rows, patch_size, black, every_pixel)
 
 
-def _sized_images_map(inputs, patch_size: int, black: torch.Tensor, merge_size: int) -> PatchMap:
+def _sized_images_map(inputs, rows: SampleRows, patch_size: int, black: torch.Tensor, merge_size: int) -> PatchMap:
     pv, sizes = inputs["pixel_values"], inputs["image_sizes"].long().cpu()
     if sizes.shape != (pv.shape[0], 2):
         raise ValueError(f"image_sizes {tuple(sizes.shape)} does not fit pixel_values {tuple(pv.shape)}")
     ys, xs = torch.arange(pv.shape[-2]), torch.arange(pv.shape[-1])
     top_left = (ys[None, :, None] < sizes[:, 0, None, None]) & (xs[None, None, :] < sizes[:, 1, None, None])
-    return _whole_images_map(inputs, "sized_images", patch_size, black, top_left)
+    return _whole_images_map(inputs, rows, patch_size, black, top_left)
 
 
 PATCH_MAP_BUILDERS: dict[str, Callable[..., PatchMap]] = {
@@ -344,10 +256,11 @@ def patch_map(
     merge_size: int = 1,
 ) -> PatchMap:
     """The ``PatchMap`` of a batch. ``merge_size > 1`` (grid rows only) makes each 2x2 merge unit one unit."""
-    layout = detect_layout(inputs)
+    rows = sample_structure(inputs)
+    layout = rows.layout
     if merge_size > 1 and layout != "grid_rows":
         raise ValueError(f"mask_type='merge_unit' needs the grid_rows (Qwen-VL) layout, this batch is {layout}")
     black = black_pixel_values(image_mean, image_std)
     if layout == "crops":  # its padding is found by the processors' fill colours
-        return _crops_map(inputs, patch_size, black, padding_fills(image_mean, image_std))
-    return PATCH_MAP_BUILDERS[layout](inputs, patch_size, black, merge_size)
+        return _crops_map(inputs, rows, patch_size, black, padding_fills(image_mean, image_std))
+    return PATCH_MAP_BUILDERS[layout](inputs, rows, patch_size, black, merge_size)

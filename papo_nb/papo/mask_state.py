@@ -15,7 +15,8 @@ from typing import Any
 
 import torch
 
-from . import layouts, masking, prompt_identity
+from ..prefix_sharing import prompt_identity
+from . import layouts, masking
 from .perception_metrics import ROLLOUT_ROW_KEY
 
 MASK_CACHE_LIMIT = 4096  # prompt masks remembered within one generation round (bounds memory outside train())

@@ -1,12 +1,12 @@
 """PAPO-G configuration: every GRPOConfig field plus the perception and double-entropy fields.
 
-Every PAPO field carries its rule (``FIELD_RULES``, read by ``field_problem``) and, where it has a closed set of
+Every PAPO field carries its rule (``FIELD_RULES``, read by ``check_field_rules``) and, where it has a closed set of
 values, its choices in ``field.metadata["choices"]``: the workbook derives its params schema from this dataclass, so
 nothing is typed twice.
 
 The four fields that shape the forward (``masked_branch``, ``masked_branch_grad``, ``masked_forward``,
-``prefix_sharing``) are checked together in one place, ``forward/plan.py`` (``forward_fields_problem``), which also
-names the plan a trainer logs once.
+``prefix_sharing``) are checked together in one place, ``forward_fields_problem``; the plan a trainer logs is
+``forward_plan.py``'s.
 """
 
 from __future__ import annotations
@@ -15,11 +15,14 @@ import math
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from trl import GRPOConfig
-
+from ..prefix_sharing.config import (
+    AUTO_OR_BOOL,
+    SHARING_FIELD_RULES,
+    PrefixSharingConfig,
+    check_field_rules,
+    sharing_fields_problem,
+)
 from .contract import PAPO_PROBE_MAX_DEGENERATE_BATCHES
-from .forward.flex_grouped import KERNELS as GROUPED_ATTENTION_KERNELS
-from .forward.plan import forward_fields_problem
 from .masking import MASK_FILLS
 
 MASK_TYPES = ("auto", "merge_unit", "random")
@@ -28,7 +31,6 @@ GAMMA_SCHEDULES = ("fixed", "linear")
 ENTROPY_ESTIMATORS = ("sampled", "full")
 MASKED_FORWARDS = ("auto", "full", "shared_prefix")
 MASKED_BRANCH_TIMINGS = ("rollout", "update")
-AUTO_OR_BOOL = ("auto", True, False)  # prefix_sharing, trainer_token_suppression
 # Every loss_type TRL 1.9.1's GRPOTrainer._compute_loss aggregates (grpo_trainer.py:3124-3153).
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo")
 
@@ -63,8 +65,7 @@ FIELD_RULES = {
     "masked_branch_grad": (lambda v: isinstance(v, bool), "a bool"),
     "masked_forward": (lambda v: v in MASKED_FORWARDS, f"one of {MASKED_FORWARDS}"),
     "masked_branch": (lambda v: v in MASKED_BRANCH_TIMINGS, f"one of {MASKED_BRANCH_TIMINGS}"),
-    "prefix_sharing": (lambda v: v == "auto" or isinstance(v, bool), f"one of {AUTO_OR_BOOL}"),
-    "grouped_attention_kernel": (lambda v: v in GROUPED_ATTENTION_KERNELS, f"one of {GROUPED_ATTENTION_KERNELS}"),
+    **SHARING_FIELD_RULES,
     "max_consecutive_nonfinite_grad_steps": (lambda v: is_int(v) and v >= 1, "an int >= 1"),
     "trainer_token_suppression": (lambda v: v == "auto" or isinstance(v, bool), f"one of {AUTO_OR_BOOL}"),
     "vllm_fidelity_every": (lambda v: is_int(v) and v >= 0, "an int >= 0"),
@@ -77,26 +78,45 @@ FIELD_RULES = {
 }
 
 
-def field_problem(rules: dict, name: str, value: Any) -> str | None:
-    """What is wrong with ``value`` for field ``name`` of a ``name -> (rule, what is allowed)`` table such as
-    FIELD_RULES (the allowed values), or None when it is valid."""
-    rule, allowed = rules[name]
-    return None if rule(value) else f"expected {allowed}"
+FORWARD_FIELDS = ("masked_branch", "masked_branch_grad", "masked_forward", "prefix_sharing")
 
 
-def check_field_rules(config: Any, rules: dict, owner: str) -> None:
-    """Raise ValueError naming ``owner``'s field, its value and what is allowed, for the first field of ``rules``
-    that ``config`` breaks. ``owner`` is the class whose table it is, not ``type(config)``: a VPPOConfig breaking a
-    PAPO-G rule is told so under PAPOGConfig's name."""
-    for name in rules:
-        value = getattr(config, name)
-        problem = field_problem(rules, name, value)
-        if problem:
-            raise ValueError(f"{owner}.{name}={value!r} is invalid: {problem}")
+def forward_fields_problem(args) -> str | None:
+    """What is wrong with the combination of the forward fields of ``args`` (a ``PAPOGConfig`` whose fields each
+    passed their own rule), naming every field it joins with its value and what is allowed, or None. The only place
+    these combinations are checked (prefix sharing's own rule first: ``sharing_fields_problem``)."""
+    if args.masked_forward == "shared_prefix" and args.masked_branch_grad:
+        return (
+            "masked_forward='shared_prefix' is invalid with masked_branch_grad=True: the shared prefix is a no-grad "
+            "path; allowed: masked_forward 'auto' or 'full', or masked_branch_grad=False"
+        )
+    sharing_problem = sharing_fields_problem(args)
+    if sharing_problem is not None:
+        return sharing_problem
+    if (
+        args.masked_forward == "shared_prefix"
+        and args.mask_sharing == "completion"
+        and args.masked_branch == "rollout"
+    ):
+        # The rollout pass prefills each prompt once with one mask (its first rollout's): per-completion masks
+        # would silently become one mask per prompt there.
+        return (
+            "masked_forward='shared_prefix' is invalid with mask_sharing='completion' and masked_branch='rollout': "
+            "the rollout pass masks and prefills each prompt once, so every completion would get its prompt's first "
+            "mask; allowed: mask_sharing='prompt', masked_forward 'auto' or 'full' (a full forward per completion, "
+            "each with its own mask), or masked_branch='update'"
+        )
+    if args.masked_branch == "rollout" and args.masked_branch_grad:
+        return (
+            "masked_branch='rollout' is invalid with masked_branch_grad=True: the rollout-time masked branch is "
+            "computed once per generation round without gradient; allowed: masked_branch='update' (the official "
+            "RECOMPUTE_AUG_LOG_PROBS=True), or masked_branch_grad=False"
+        )
+    return None
 
 
 @dataclass
-class PAPOGConfig(GRPOConfig):
+class PAPOGConfig(PrefixSharingConfig):
     r"""Configuration for [`PAPOGTrainer`]: every [`~trl.GRPOConfig`] field, plus the PAPO-G ones below.
 
     Defaults are the official PAPO-G 3B recipe (MikeWangWZHL/PAPO `examples/papo_grpo/qwen2_5_vl_3b_grpo_papo.sh`
@@ -174,34 +194,6 @@ class PAPOGConfig(GRPOConfig):
             model, a prompt with two completions in the batch), else the full forward. The metric
             `papo/masked_forward_shared` says which ran, `papo/masked_forward_share` how many completions each
             prefill served, and a log line says why when it is the full one.
-
-        > Parameters that control every forward
-
-        prefix_sharing (`str` or `bool`, defaults to `"auto"`):
-            Pack each prompt group once `[prompt; c1 ... cg]` in every forward TRL routes through
-            `_get_per_token_logps_and_entropies` (the gradient forward and backward, old and reference log-probs, the
-            masked branch's full forward): the prompt and its images once per group, grouped attention (each prompt's
-            self-attention once, each completion over its prompt and itself; `grouped_attention.py`), Qwen-VL positions
-            restarting after the prompt (`prefix_sharing.py`); the round is shuffled by whole groups. Supported:
-            Qwen2-VL, Qwen2.5-VL and Qwen3-VL whose text model runs SDPA or eager attention, on TRL 1.9.1-1.16 (each
-            release's own log-prob form and autocast: `trl_seams.py`), on one process or several (DDP, FSDP2:
-            `ranks.py`), with or without gradient checkpointing (each checkpointed layer recomputed inside the grouped
-            layout; decided per forward and at `train()` start), not luspo with beta != 0, a call the FLOP model
-            (`attention_cost.py`) predicts cheaper packed. `"auto"`: on where supported and
-            `per_device_train_batch_size` is a multiple of `num_generations` and the run is not GRPO (gamma 0 with
-            nothing reading the masked branch keeps TRL's own forwards, so gamma 0 costs GRPO's forwards exactly), else
-            off with one info line saying why; its first packed call is checked against the plain forward (log-probs
-            within the bound of the precision the forward computed in: 1e-4 in fp32, 0.125 under bf16 autocast;
-            `forward/self_check.py`), and on a mismatch sharing is off for the run with one warning naming the
-            difference and where. `True`: forced (the batch must hold whole groups, refused otherwise; each reason it
-            cannot run is a warning, and the plain forward runs). `False`: TRL's forward and shuffle, bit for bit. The
-            forward plan the trainer logs says which runs and why (`papo/prefix_shared` per call).
-        grouped_attention_kernel (`str`, defaults to `"auto"`):
-            The kernel of prefix sharing's grouped attention: `"flex"`, one FlexAttention call over the packed row
-            with its block mask (`forward/flex_grouped.py`; on the CPU torch runs it in no-grad forwards only, the
-            gradient forwards run the SDPA calls with one warning saying so); `"sdpa"`, the text model's own
-            attention in batched calls (`grouped_attention.py`); `"auto"`: flex on CUDA, the SDPA calls elsewhere.
-            The forward plan names the one that runs.
 
         > Parameters that control the entropy terms
 
@@ -319,22 +311,6 @@ class PAPOGConfig(GRPOConfig):
         metadata={
             "help": "Masked branch: 'shared_prefix' (prompt key/values once per prompt), 'full', or 'auto'.",
             "choices": MASKED_FORWARDS,
-        },
-    )
-    prefix_sharing: str | bool = field(
-        default="auto",
-        metadata={
-            "help": "Each prompt group one packed row in every forward: 'auto' (where supported, first batch "
-            "checked), True (forced) or False.",
-            "choices": AUTO_OR_BOOL,
-        },
-    )
-    grouped_attention_kernel: str = field(
-        default="auto",
-        metadata={
-            "help": "Prefix sharing's grouped attention: 'flex' (FlexAttention block mask), 'sdpa' (batched calls) "
-            "or 'auto' (flex on CUDA).",
-            "choices": GROUPED_ATTENTION_KERNELS,
         },
     )
     require_gpu_contract_probe: bool = field(default=False, metadata={"help": "Run the gamma-zero probe in training."})

@@ -25,14 +25,14 @@ import torch
 from transformers.utils import logging
 from trl import GRPOTrainer
 
-from . import token_suppression, trl_seams, vllm_rollouts
+from ..prefix_sharing import PrefixSharingMixin
+from . import token_suppression, vllm_rollouts
 from .citation import PAPO_PAPER
 from .contract import ENTROPY_GRAD_GATE, validate_grad_norm_hook, validate_trl_parent_contract
-from .forward import prefix_sharing
-from .forward.masked_branch import MaskedBranch
-from .forward.plan import ForwardPlanAtTrainStart, forward_plan, refresh_forward_plan
+from .forward_plan import ForwardPlanAtTrainStart, forward_plan, refresh_forward_plan
 from .loss_observer import training_observer
 from .mask_state import MaskedImages, MaskState, generation_round
+from .masked_branch import MaskedBranch, nothing_reads_the_branch
 from .papo_config import PAPOGConfig
 from .perception_metrics import ROLLOUT_ROW_KEY, PerceptionRecord, log_perception_metrics
 from .schedule import LossWeights, loss_weights
@@ -44,20 +44,17 @@ PARENT_PARAMETERS = tuple(inspect.signature(GRPOTrainer.__init__).parameters)[1:
 __all__ = ["PAPOGTrainer"]
 
 
-class PAPOGTrainer(GRPOTrainer):
+class PAPOGTrainer(PrefixSharingMixin, GRPOTrainer):
     """[`~trl.GRPOTrainer`] plus the PAPO-G perception KL and double-entropy terms.
 
     What changes against the parent:
 
     - ``_compute_loss``: the parent's loss, untouched, plus the PAPO-G terms (``terms.assemble_loss``);
     - ``_get_per_token_logps_and_entropies``: captures the parent's own log-probs (and, for the full-vocabulary
-      estimator with eta1 > 0, entropies with gradient) while it computes its loss; with ``prefix_sharing`` on
-      (``"auto"``, the default, where supported and cheaper, its first packed call checked against the parent's)
-      every call runs each prompt group as one packed row (``prefix_sharing.py``), the parent's method where not;
+      estimator with eta1 > 0, entropies with gradient) while it computes its loss;
     - ``_generate_and_score_completions``: with vLLM, the rollout-fidelity guard (``vllm_rollouts.py``); with
-      ``masked_branch="rollout"`` (default) adds the masked branch of the
-      round to the batch it returns (``MaskedBranch.rollout_entries``); with ``prefix_sharing``, each row's block;
-    - ``_prepare_inputs``: with ``prefix_sharing``, the parent's, its round shuffled by whole prompt groups;
+      ``masked_branch="rollout"`` (default) adds the masked branch of the round to the batch it returns
+      (``MaskedBranch.rollout_entries``);
     - ``_get_grad_norm``: skips an optimizer step whose gradient norm is not finite (``step_guard.py``);
     - ``_save_rng_state`` / ``_load_rng_state``: also save and restore the masking generator.
 
@@ -65,7 +62,10 @@ class PAPOGTrainer(GRPOTrainer):
     ``masked_branch`` (``MaskedBranch``: plan, clock, owner tag, the skip at gamma 0), ``perception_record`` (per
     completion terms, for review) and ``step_guard``; ``probe`` is the one observer hook (``loss_observer.py``).
 
-    Everything else (generation, rewards, advantages, reference KL, clipping, logging) is the parent's.
+    Every log-prob forward runs through prefix sharing (``PrefixSharingMixin``, ``papo_nb/prefix_sharing/``: each
+    prompt group packed once where supported and cheaper, ``"auto"`` by default); ``runs_as_grpo`` keeps TRL's own
+    forwards where the run is GRPO (gamma 0, nothing reading the masked branch). Everything else (generation,
+    rewards, advantages, reference KL, clipping, logging) is the parent's.
 
     Example:
 
@@ -125,21 +125,17 @@ class PAPOGTrainer(GRPOTrainer):
         self.current_gradient_accumulation_steps = self.args.gradient_accumulation_steps
         self._captured_parent_logps = None  # a list while the parent's loss runs: its main forward's outputs
         self.masks = MaskState(self.args, self.model, self.processing_class)
-        processes = self.accelerator.num_processes
         self.masked_branch = MaskedBranch(self.args, self.model, self.accelerator, self._metrics, self.temperature)
-        self.prefix_sharing = prefix_sharing.PrefixSharing(
-            self.args,
-            self.model,
-            processes,
-            self._metrics,
-            trl_seams.parent_forward_context(GRPOTrainer, self.accelerator),
-            grpo_run=self.masked_branch.skipped,
-        )
         self.forward_plan = forward_plan(self.args, self.masked_branch, self.prefix_sharing, self.model)
         logging.get_logger(__name__).info("PAPO-G forward plan: %s", self.forward_plan.describe())
         self.add_callback(ForwardPlanAtTrainStart(self))  # train() turns checkpointing on: the plan read again
         self.perception_record = PerceptionRecord(keep=self.args.generation_batch_size)
         self.step_guard = NonFiniteStepGuard(self.args.max_consecutive_nonfinite_grad_steps)
+
+    def runs_as_grpo(self) -> bool:
+        """Gamma 0 for the whole run and nothing reading the masked branch: prefix sharing's ``"auto"`` keeps TRL's
+        own forwards, so the run costs and computes what GRPOTrainer does."""
+        return nothing_reads_the_branch(self.args)
 
     # ---- the schedule (``schedule.py``), at this trainer's step ----
     def schedule_steps(self) -> int:
@@ -170,17 +166,9 @@ class PAPOGTrainer(GRPOTrainer):
         self.perception_record.rollout, self.masks.rollout_masks = {}, {}
         batch[ROLLOUT_ROW_KEY] = torch.arange(len(batch["prompt_ids"]))  # the row in TRL's logs, after shuffling
         batch.update(self.masks.excluded_entries(inputs))  # mask_excluded_column: units no mask may cover
-        if self.prefix_sharing.shuffles_whole_groups and self.model.training:
-            batch[prefix_sharing.BLOCK_KEY] = prefix_sharing.block_ids(batch, self.num_generations)
         if self.args.masked_branch == "rollout" and not self.masked_branch.skipped:
             batch.update(self.masked_branch.rollout_entries(batch, self.masked_pixel_values, self._with_entropy_grad))
         return batch
-
-    def _prepare_inputs(self, generation_batch):
-        if not self.prefix_sharing.shuffles_whole_groups:
-            return super()._prepare_inputs(generation_batch)
-        with prefix_sharing.whole_block_shuffle(GRPOTrainer):
-            return super()._prepare_inputs(generation_batch)
 
     def _get_grad_norm(self, model, grad_norm=None):
         norm = super()._get_grad_norm(model, grad_norm=grad_norm)
@@ -217,24 +205,12 @@ class PAPOGTrainer(GRPOTrainer):
             setattr(self, ENTROPY_GRAD_GATE, gate)
 
     def _logps_and_entropies(self, *args, **kwargs):
-        """The parent's log-prob method, or with ``prefix_sharing`` the same numbers from packed rows."""
-        parent_forward = functools.partial(super()._get_per_token_logps_and_entropies, *args, **kwargs)
-        if self.prefix_sharing.enabled:
-            arguments = prefix_sharing.bound_arguments(trl_seams.signature_method(GRPOTrainer), self, args, kwargs)
-            checked = self.prefix_sharing.checked
-            packed = self.prefix_sharing.compute(
-                arguments.pop("model"),
-                arguments,
-                temperature=self.temperature,
-                entropy_grad=bool(getattr(self, ENTROPY_GRAD_GATE)),
-                training=self.model.training,
-                plain_forward=parent_forward,
-            )
-            if self.prefix_sharing.checked is not checked:  # "auto"'s first-batch check: the plan says its outcome
-                refresh_forward_plan(self, "after prefix sharing's first-batch check")
-            if packed is not None:
-                return packed
-        return parent_forward()
+        """The parent's log-prob method through prefix sharing (``PrefixSharingMixin``), without the capture."""
+        checked = self.prefix_sharing.checked
+        outputs = super()._get_per_token_logps_and_entropies(*args, **kwargs)
+        if self.prefix_sharing.checked is not checked:  # "auto"'s first-batch check: the plan says its outcome
+            refresh_forward_plan(self, "after prefix sharing's first-batch check")
+        return outputs
 
     def papo_loss_parts(
         self, model, inputs, weights: LossWeights | None = None

@@ -165,7 +165,7 @@ def tag_probe_status(trainer, tracker=None) -> str | None:
 
 
 def forward_plan_record(trainer) -> dict | None:
-    """The trainer's forward plan now (``papo_nb.papo.forward.plan.ForwardPlan``) as a dict, or None without one."""
+    """The trainer's forward plan now (``papo_nb.papo.forward_plan.ForwardPlan``) as a dict, or None without one."""
     plan = getattr(trainer, "forward_plan", None)
     return dataclasses.asdict(plan) if plan is not None else None
 

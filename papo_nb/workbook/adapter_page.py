@@ -20,12 +20,13 @@ from pathlib import Path
 
 from trl import GRPOTrainer
 
-from papo_nb.papo import PAPOGTrainer, papo_config
-from papo_nb.papo.forward import prefill, prefix_sharing
+from papo_nb.papo import PAPOGTrainer, papo_config, prefill
+from papo_nb.prefix_sharing import sharing as prefix_sharing
 from papo_nb.workbook.doc_blocks import replace_block
 
 PAGE = Path(__file__).resolve().parents[2] / "docs" / "adapter.md"
 ADAPTER = Path(papo_config.__file__).parent
+SHARING = Path(prefix_sharing.__file__).parent  # prefix sharing, which the adapter builds on, logs its own metrics
 # Where the adapter names the metrics it logs: the per-term metrics, the step guard's, the two prefix paths'.
 METRIC_SOURCES = ("perception_metrics.py", "step_guard.py")
 PROBE_PREFIX = "probe/"  # the in-training probe's evidence, one metric per number (require_gpu_contract_probe)
@@ -62,7 +63,8 @@ def logged_metric_keys() -> set[str]:
     """The metric keys the adapter's code names: the string keys of the dicts in ``METRIC_SOURCES`` (and the keys
     they subscript), every ``"papo/..."`` string in the adapter's core, and the probe's prefix."""
     keys: set[str] = {PROBE_PREFIX + "*"}
-    core = [p for p in ADAPTER.rglob("*.py") if not {"probe", "vppo"} & set(p.relative_to(ADAPTER).parts)]
+    core = [p for p in ADAPTER.rglob("*.py") if "probe" not in p.relative_to(ADAPTER).parts]
+    core += sorted(SHARING.glob("*.py"))
     for path in core:
         tree = ast.parse(path.read_text())
         for node in ast.walk(tree):

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from ..fsdp import local_piece, sharded
+from ...prefix_sharing.fsdp import local_piece, sharded
 from . import projection as probe_projection
 from . import reduce as probe_reduce
 from . import roundoff as probe_roundoff

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ..fsdp import local_piece
+from ...prefix_sharing.fsdp import local_piece
 
 
 def shard_gradients(losses: list[torch.Tensor], params: list[torch.Tensor]) -> list[torch.Tensor]:

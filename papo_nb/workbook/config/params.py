@@ -25,8 +25,9 @@ from pydantic import (
     model_validator,
 )
 
-from papo_nb.papo.papo_config import FIELD_RULES, PAPOGConfig, field_problem, papo_fields
-from papo_nb.papo.vppo.vppo_config import VPPO_FIELD_RULES, VPPO_FIXED, VPPOConfig
+from papo_nb.papo.papo_config import FIELD_RULES, PAPOGConfig, papo_fields
+from papo_nb.prefix_sharing.config import field_problem
+from papo_nb.vppo.vppo_config import VPPO_FIELD_RULES, VPPO_FIXED, VPPOConfig
 from papo_nb.workbook.config.param_errors import DEFAULT_ORIGIN, describe_error, plain_message
 from papo_nb.workbook.config.study_params import StudyParams
 from papo_nb.workbook.config.vllm_params import VLLMParams

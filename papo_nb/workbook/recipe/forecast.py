@@ -38,8 +38,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from papo_nb.papo import trl_seams
-from papo_nb.papo.forward import prefill
+from papo_nb.papo import prefill
+from papo_nb.prefix_sharing import trl_seams
 from papo_nb.workbook.recipe import levers
 from papo_nb.workbook.recipe.architectures import Widths, published_config, widths
 

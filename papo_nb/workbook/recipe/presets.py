@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 from papo_nb.papo.recipes import RECIPES, recipe
-from papo_nb.papo.vppo.recipes import VPPO_RECIPES
+from papo_nb.vppo.recipes import VPPO_RECIPES
 
 # GRPO baselines: the PAPO-G preset of the same size with the perception and double-entropy terms off (sh3g:21 uses
 # cfg, which has no perception term). sh7g:21 loads config_grpo_papo.yaml without turning its perception term

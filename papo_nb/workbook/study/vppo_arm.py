@@ -1,5 +1,5 @@
 """The VPPO arm on a calibrated study page: does VPPO, the second masked-branch method (token filtering
-and advantage shaping on the perception KL, ``papo_nb.papo.vppo``), keep the policy on the image where GRPO drifts
+and advantage shaping on the perception KL, ``papo_nb.vppo``), keep the policy on the image where GRPO drifts
 off it, beside PAPO-G?
 
 Nothing here computes a statistic of its own: the drift and the verdict are ``drift``'s, the per-arm tables
@@ -117,7 +117,7 @@ def vppo_sections(study: Study) -> list[str]:
     )
     return [
         f"## Does VPPO drift less than GRPO?\n**{claim['verdict']}.** {claim['here']}.\n\n"
-        "VPPO (`papo_nb.papo.vppo`, the official k = 0.4 and band bottom 0.9) trains at gamma 0 with everything else "
+        "VPPO (`papo_nb.vppo`, the official k = 0.4 and band bottom 0.9) trains at gamma 0 with everything else "
         "as GRPO's, paired over the same seeds and warm start; its drift, reliance gap, error split and training "
         "reward are in the tables below, each arm with its 95% CI and its paired difference against GRPO.",
         "## VPPO beside GRPO and PAPO-G: held-out accuracy and the reliance gap (mean +/- 95% CI; paired difference "

@@ -12,10 +12,10 @@ from pathlib import Path
 import torch
 
 from papo_nb.papo import PAPOGConfig, PAPOGTrainer
-from papo_nb.papo.vppo import VPPOConfig, VPPOTrainer
 from papo_nb.testbed.models import load_vlm, vision_special_token_ids
 from papo_nb.testbed.perception import task_datasets, testbed_name
 from papo_nb.testbed.shapes import make_shapes_dataset
+from papo_nb.vppo import VPPOConfig, VPPOTrainer
 from papo_nb.workbook.config.params import PAPO_PARAM_FIELDS, VPPO_PARAM_FIELDS, WorkbookParams
 from papo_nb.workbook.config.paths import process_device, resolve_device, resolve_model_path
 from papo_nb.workbook.config.vllm_params import vllm_config_fields

@@ -104,7 +104,7 @@ def reference_evidence(trainer, inputs) -> dict:
     policy the run started from. They are compared, on completion tokens, with the log-probs of the base model
     (adapters disabled) and of that starting policy; ``matches`` names the one within ``REFERENCE_MATCH_TOL``.
     """
-    from papo_nb.papo.forward.logp_inputs import logp_call_arguments
+    from papo_nb.papo.logp_inputs import logp_call_arguments
 
     if inputs.get("ref_per_token_logps") is None:
         raise ValueError("the batch has no ref_per_token_logps: with beta = 0 TRL computes no reference")

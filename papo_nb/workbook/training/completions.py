@@ -32,8 +32,9 @@ import torch
 from mlflow import MlflowClient
 from PIL import Image, ImageDraw
 
-from papo_nb.papo import layouts, masking
-from papo_nb.papo.vppo.vppo_trainer import REVIEW_COLUMNS as VPPO_COLUMNS
+from papo_nb.papo import masking
+from papo_nb.prefix_sharing import image_rows
+from papo_nb.vppo.vppo_trainer import REVIEW_COLUMNS as VPPO_COLUMNS
 
 REVIEW_PROMPTS = 2  # items per step in the table (each with all its completions, at most the next bound)
 REVIEW_COMPLETIONS_PER_PROMPT = 8
@@ -70,7 +71,7 @@ def mask_pixels(trainer, image: Image.Image, selection: torch.Tensor) -> tuple[I
     processor = trainer.processing_class.image_processor
     processed = dict(processor(images=[image.convert("RGB")], return_tensors="pt"))
     inputs = {**processed, "num_images": [1], "prompt_ids": torch.zeros(1, 1, dtype=torch.long)}
-    layout = layouts.detect_layout(inputs)
+    layout = image_rows.detect_layout(inputs)
     patches = trainer.masks.patch_map(inputs)
     pixel_values = inputs["pixel_values"]
     if trainer.args.mask_type == "random":

@@ -17,7 +17,6 @@ import zipfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from papo_nb.papo import trl_seams
 from papo_nb.papo.contract import (
     PAPO_UPSTREAM_TRL_VERSION,
     PARENT_GRPO_FILE,
@@ -27,6 +26,7 @@ from papo_nb.papo.contract import (
     static_contract_violations,
     supported_release,
 )
+from papo_nb.prefix_sharing import trl_seams
 
 from .provenance import WheelUnavailable, fetch_trl_wheel, read_wheel_member
 

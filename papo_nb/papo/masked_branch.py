@@ -26,12 +26,12 @@ from typing import Any
 import torch
 from transformers.utils import logging
 
-from ..fsdp import partitioning
-from ..mask_state import MaskedImages
-from ..schedule import perception_off_for_the_run
+from ..prefix_sharing.fsdp import partitioning
 from . import prefill, rollout_branch
 from .logp_inputs import logp_call_arguments
+from .mask_state import MaskedImages
 from .rollout_branch import MASKED_ENTROPIES_KEY, MASKED_LOGPS_KEY, OWNER_KEY, ROW_CHECK_KEY, row_checks
+from .schedule import perception_off_for_the_run
 
 logger = logging.get_logger(__name__)
 
@@ -55,6 +55,17 @@ class BranchClock:
             self.calls += 1
 
 
+def nothing_reads_the_branch(args) -> bool:
+    """True when nothing reads the masked branch of ``args``' run: gamma 0 for the whole run, eta2 0, no in-training
+    probe, and the perception KL not asked for (``measure_perception_kl``)."""
+    return (
+        perception_off_for_the_run(args)
+        and args.masked_entropy_weight == 0
+        and not args.require_gpu_contract_probe
+        and not args.measure_perception_kl
+    )
+
+
 class MaskedBranch:
     """``args``: the trainer's ``PAPOGConfig``; ``model``: the trainer's model (its mode and parameters);
     ``accelerator``: for the cross-rank choices; ``metrics``: the trainer's per-mode metric lists, where the branch
@@ -71,16 +82,8 @@ class MaskedBranch:
 
     @functools.cached_property
     def skipped(self) -> bool:
-        """True when nothing reads the branch: gamma 0 for the whole run, eta2 0, no in-training probe, and the
-        perception KL not asked for (``measure_perception_kl``). Decided once from the config (later reads are the
-        cached value, no call)."""
-        args = self.args
-        return (
-            perception_off_for_the_run(args)
-            and args.masked_entropy_weight == 0
-            and not args.require_gpu_contract_probe
-            and not args.measure_perception_kl
-        )
+        """``nothing_reads_the_branch``, decided once from the config (later reads are the cached value)."""
+        return nothing_reads_the_branch(self.args)
 
     def for_loss(self, model, inputs: dict[str, Any], mask_images, logps_of):
         """The batch's masked ``(logps, entropies)`` for the loss call: stored with this trainer's round, or computed

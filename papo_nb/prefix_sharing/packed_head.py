@@ -25,7 +25,7 @@ import inspect
 
 import torch
 
-from .. import trl_seams
+from . import trl_seams
 from .common import core_model
 
 LOGIT_ROWS = 256  # vocabulary-sized rows per log-softmax call

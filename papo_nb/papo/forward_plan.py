@@ -1,10 +1,7 @@
-"""The forward plan: which forward combinations a config may ask for, checked in one place, and what each forward of
-a run does, named once from the choices the trainer made at construction.
+"""The forward plan: what each forward of a run does, named once from the choices the trainer made at construction.
 
-Four config fields shape the forward (``FORWARD_FIELDS``: ``masked_branch``, ``masked_branch_grad``,
-``masked_forward``, ``prefix_sharing``); they stay the plan's inputs, each documented in ``PAPOGConfig``.
-``forward_fields_problem`` holds every rule that ties them together (and to the fields they depend on): the config
-calls it before any model loads, so an invalid combination is refused with the fields and values it joins. At
+Four config fields shape the forward (``papo_config.FORWARD_FIELDS``); ``papo_config.forward_fields_problem`` refuses
+an invalid combination of them before any model loads. At
 construction the masked branch (``MaskedBranch.plan``) and prefix sharing (``PrefixSharing.reason``) each decide
 their part against the model; ``forward_plan`` reads those decisions (it decides nothing again) into one frozen
 object that the trainer logs, so a reader of the run's log sees every forward's form and why. ``Trainer.train``
@@ -22,47 +19,6 @@ from transformers import TrainerCallback
 from transformers.utils import logging
 
 logger = logging.get_logger(__name__)
-
-FORWARD_FIELDS = ("masked_branch", "masked_branch_grad", "masked_forward", "prefix_sharing")
-
-
-def forward_fields_problem(args) -> str | None:
-    """What is wrong with the combination of the forward fields of ``args`` (a ``PAPOGConfig`` whose fields each
-    passed their own rule), naming every field it joins with its value and what is allowed, or None. The only place
-    these combinations are checked."""
-    if args.masked_forward == "shared_prefix" and args.masked_branch_grad:
-        return (
-            "masked_forward='shared_prefix' is invalid with masked_branch_grad=True: the shared prefix is a no-grad "
-            "path; allowed: masked_forward 'auto' or 'full', or masked_branch_grad=False"
-        )
-    batch, generations = args.per_device_train_batch_size, args.num_generations
-    if args.prefix_sharing is True and generations and batch % generations:  # "auto" is off there instead
-        return (
-            f"prefix_sharing=True is invalid with per_device_train_batch_size={batch} and num_generations="
-            f"{generations}: the round is shuffled by whole prompt groups, so a device batch must hold whole "
-            "groups; allowed: per_device_train_batch_size a multiple of num_generations, or prefix_sharing "
-            "'auto' (off for such a batch) or False"
-        )
-    if (
-        args.masked_forward == "shared_prefix"
-        and args.mask_sharing == "completion"
-        and args.masked_branch == "rollout"
-    ):
-        # The rollout pass prefills each prompt once with one mask (its first rollout's): per-completion masks
-        # would silently become one mask per prompt there.
-        return (
-            "masked_forward='shared_prefix' is invalid with mask_sharing='completion' and masked_branch='rollout': "
-            "the rollout pass masks and prefills each prompt once, so every completion would get its prompt's first "
-            "mask; allowed: mask_sharing='prompt', masked_forward 'auto' or 'full' (a full forward per completion, "
-            "each with its own mask), or masked_branch='update'"
-        )
-    if args.masked_branch == "rollout" and args.masked_branch_grad:
-        return (
-            "masked_branch='rollout' is invalid with masked_branch_grad=True: the rollout-time masked branch is "
-            "computed once per generation round without gradient; allowed: masked_branch='update' (the official "
-            "RECOMPUTE_AUG_LOG_PROBS=True), or masked_branch_grad=False"
-        )
-    return None
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from .layouts import PatchMap, detect_layout, image_rows, sample_rows, segments_per_sample
+from .image_rows import sample_structure
 
 # Tensors that are indexed like pixel_values along dim 0 (same images/tiles): a sample's share of each is its image.
 _ROW_ALIGNED = (
@@ -32,21 +32,17 @@ def _raw(t: torch.Tensor) -> torch.Tensor:
 
 
 def _sample_parts(
-    inputs: dict[str, Any], patches: PatchMap | None = None
+    inputs: dict[str, Any], patches: Any = None
 ) -> tuple[str, list[tuple[torch.Tensor, list[tuple[str, torch.Tensor]]]]]:
     """The layout (empty for a text-only batch) and, per sample, its unpadded prompt tokens and its share of every
-    row-aligned image tensor; ``patches``, the batch's map where the caller built one, says where each sample's
-    rows are (else they are found from the batch)."""
+    row-aligned image tensor; ``patches``, the batch's patch map where the caller built one (its ``rows``:
+    ``image_rows.SampleRows``), says where each sample's rows are (else they are found from the batch)."""
     prompt_ids, prompt_mask = inputs["prompt_ids"], inputs["prompt_mask"]
     tokens = [prompt_ids[i][prompt_mask[i].bool()] for i in range(len(prompt_ids))]
     if inputs.get("pixel_values") is None:
         return "", [(t, []) for t in tokens]
-    if patches is not None:
-        layout, rows, images = patches.layout, patches.sample_rows, patches.image_rows
-    else:
-        layout = detect_layout(inputs)
-        rows = sample_rows(inputs, layout)
-        images = image_rows(layout, segments_per_sample(inputs, layout), rows)
+    structure = patches.rows if patches is not None else sample_structure(inputs)
+    layout, rows, images = structure.layout, structure.sample_rows, structure.image_rows
     parts = []
     for i, (start, end) in enumerate(rows):
         named = []
@@ -85,7 +81,7 @@ def _groups(parts) -> list[list[int]]:
     return groups
 
 
-def keys_and_groups(inputs: dict[str, Any], patches: PatchMap | None = None) -> tuple[list[str], list[list[int]]]:
+def keys_and_groups(inputs: dict[str, Any], patches: Any = None) -> tuple[list[str], list[list[int]]]:
     """One key per completion, equal exactly when two completions are the same prompt, also across device batches
     (a hash of the first sample's bytes in each group: one host copy per distinct prompt), and the groups of
     ``group_samples``. ``patches``: the batch's map, where the caller has it (``_sample_parts``)."""

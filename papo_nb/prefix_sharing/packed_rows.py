@@ -25,9 +25,9 @@ from typing import Any
 
 import torch
 
-from ..layouts import sample_row_ranges
 from .common import rope_positions
 from .grouped_attention import GroupedLayout, build_layout
+from .image_rows import sample_row_ranges
 
 
 @dataclass

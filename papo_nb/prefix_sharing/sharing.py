@@ -1,4 +1,4 @@
-"""Prefix sharing (``PAPOGConfig.prefix_sharing``): every forward TRL routes through
+"""Prefix sharing (``PrefixSharingConfig.prefix_sharing``): every forward TRL routes through
 ``_get_per_token_logps_and_entropies`` runs each prompt group as one packed row (``packed_rows.py``), and the round's
 shuffle keeps whole groups so that a micro-batch holds them.
 
@@ -27,14 +27,14 @@ from typing import Any
 import torch
 from transformers.utils import logging
 
-from ..contract import PARENT_SHUFFLE_FUNCTION
-from ..prompt_identity import group_samples
 from . import attention_cost, flex_grouped, packed_head, ranks, self_check
 from .common import core_model, model_unsupported_reason, whole_group_chunks
 from .grouped_attention import checkpointing_description, checkpointing_reason, grouped_attention
 from .grouped_attention import text_config as grouped_text_config
 from .grouped_attention import unsupported_reason as grouped_unsupported_reason
 from .packed_rows import PackedBatch, completion_lengths, forward_positions, pack
+from .prompt_identity import group_samples
+from .trl_seams import PARENT_SHUFFLE_FUNCTION
 
 logger = logging.get_logger(__name__)
 
@@ -325,7 +325,7 @@ def auto_reason(args, grpo_run: bool) -> str | None:
 
 def auto_batch_reason(args) -> str | None:
     """Why ``"auto"`` cannot shuffle whole groups into ``args``' device batches (``True`` refuses it at config
-    time, ``forward_fields_problem``), or None."""
+    time, ``config.sharing_fields_problem``), or None."""
     batch, generations = args.per_device_train_batch_size, args.num_generations
     if generations and batch % generations:
         return (

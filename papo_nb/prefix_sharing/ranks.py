@@ -28,7 +28,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ..fsdp import partitioning
+from .fsdp import partitioning
 
 
 def several_processes_reason(args, processes: int) -> str | None:

@@ -40,6 +40,8 @@ LOGP_METHOD = "_get_per_token_logps_and_entropies"
 FULL_LOGITS_METHOD = "_full_logits_logps"
 INIT_METHOD = "__init__"
 ENTROPY_GRAD_GATE = "_entropy_bonus_enabled"
+# The module function _prepare_inputs shuffles a generation round with, looked up by name in its module.
+PARENT_SHUFFLE_FUNCTION = "shuffle_sequence_dict"
 FUSED_KEYWORD = "fused_lm_head"
 FUSED_PATCH = "add_fused_lm_head"
 FUSED_OUTPUTS = ("log_probs", "entropy")

@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from ..contract import VLM_FORWARD_KEYWORDS
+from .contract import VLM_FORWARD_KEYWORDS
 
 
 def logp_call_arguments(inputs: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:

@@ -11,7 +11,7 @@ import inspect
 
 import torch
 
-from .. import trl_seams
+from . import trl_seams
 
 # model_type of the language-vision models whose forward, cache and get_rope_index both paths were checked against
 # (tiny Qwen2-VL, Qwen2.5-VL and Qwen3-VL models against the full forward; docs/families.md says why others are not).

@@ -30,9 +30,9 @@ from typing import Any
 
 import torch
 
-from ..layouts import sample_row_ranges
+from ..prefix_sharing.common import whole_group_chunks
+from ..prefix_sharing.image_rows import sample_row_ranges
 from . import prefill
-from .common import whole_group_chunks
 from .logp_inputs import logp_call_arguments
 
 MASKED_LOGPS_KEY = "papo_masked_logps"

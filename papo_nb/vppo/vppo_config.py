@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..papo_config import LOSS_TYPES, MASK_SHARING, PAPOGConfig, check_field_rules, is_finite_number
+from ..papo.papo_config import LOSS_TYPES, MASK_SHARING, PAPOGConfig, is_finite_number
+from ..prefix_sharing.config import check_field_rules
 
 # name -> (rule, what is allowed), as papo_config.FIELD_RULES: the workbook derives its params schema from it.
 VPPO_FIELD_RULES = {

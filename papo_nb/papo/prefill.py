@@ -31,11 +31,11 @@ from typing import Any
 import torch
 from transformers import DynamicCache
 
-from .. import trl_seams
-from ..layouts import sample_row_ranges
-from ..prompt_identity import group_samples
-from .common import core_model, rope_positions, whole_group_chunks
-from .common import model_unsupported_reason as unsupported_reason
+from ..prefix_sharing import trl_seams
+from ..prefix_sharing.common import core_model, rope_positions, whole_group_chunks
+from ..prefix_sharing.common import model_unsupported_reason as unsupported_reason
+from ..prefix_sharing.image_rows import sample_row_ranges
+from ..prefix_sharing.prompt_identity import group_samples
 
 METRIC = "papo/masked_forward_shared"  # 1 when the shared-prefix path ran for the batch, 0 for the full forward
 SHARE_METRIC = "papo/masked_forward_share"  # completions per prefilled prompt (shared path only)

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..terms import bounded_k3, zero_outside
+from ..papo.terms import bounded_k3, zero_outside
 
 # Official guards (dp_actor.py L499 and L512): a flat score range leaves every scale at 1; epsilon under the mean.
 FLAT_RANGE = 1e-6

@@ -15,10 +15,10 @@ from typing import Any
 
 import torch
 
-from ..forward.logp_inputs import logp_call_arguments
-from ..forward.rollout_branch import MASKED_LOGPS_KEY
-from ..papo_trainer import PAPOGTrainer
-from ..perception_metrics import ROLLOUT_ROW_KEY
+from ..papo.logp_inputs import logp_call_arguments
+from ..papo.papo_trainer import PAPOGTrainer
+from ..papo.perception_metrics import ROLLOUT_ROW_KEY
+from ..papo.rollout_branch import MASKED_LOGPS_KEY
 from . import shaping
 from .vppo_config import VPPOConfig
 
