@@ -1,18 +1,19 @@
-"""The study's summary tables and README's verdict, rewritten from the pages under ``docs/study``: run it from the
-repository root after a study page is regenerated (notebook 04 with ``study_report_dir``, or a page builder in
+"""The study's summary tables and README's verdict, rewritten from the pages under ``docs/study``: run it after a
+study page is regenerated (notebook 04 with ``study_report_dir``, or a page builder in
 ``docs/measurements/``).
 
     .venv/bin/python scripts/publish_study.py
 
 It redraws each page's dose-response figure and rewrites its contrasts from its data (``publish.write_contrasts``,
 ``publish.refresh_verdicts``), then ``docs/study/summary.md``, the summary and archive tables of ``docs/study.md``
-and README's three-sentence verdict (``pooled_summary.verdict_sentences``). Every path is relative to the working
-directory (the repository root), as the tests run it on a copy.
+and README's three-sentence verdict (``pooled_summary.verdict_sentences``). ``main``'s paths are relative to the
+working directory (the tests run it on a copy); run as a script, it works in the checkout it sits in.
 """
 
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 from papo_nb.workbook.doc_blocks import replace_block
@@ -114,5 +115,6 @@ def main(root: str | Path = "docs/study", targets=SUMMARY_TARGETS) -> None:
     print(f"wrote {root / SUMMARY_PAGE} and the study table of {', '.join(str(t) for t, _ in targets)}")
 
 
-if __name__ == "__main__":  # python scripts/publish_study.py, from the repository root
+if __name__ == "__main__":  # python scripts/publish_study.py: the paths are the checkout's this script sits in
+    os.chdir(Path(__file__).resolve().parents[1])
     main()
