@@ -310,6 +310,7 @@ def _cmd_preflight(subparsers: Subparsers) -> None:
     p.add_argument("--json", action="store_true", help="print a JSON object instead")
 
     def handler(args: argparse.Namespace) -> int:
+        from papo_nb.infra.tracking import project_dir
         from papo_nb.workbook.config.params import ParamsError, load_params
         from papo_nb.workbook.recipe.check import plan_lines, preflight
         from papo_nb.workbook.recipe.forecast_report import as_dict, describe, gpu_memory_here
@@ -318,7 +319,7 @@ def _cmd_preflight(subparsers: Subparsers) -> None:
         overrides = [*args.overrides, *([f"num_processes={args.gpus}"] if args.gpus else [])]
         try:
             params = load_params(args.params_file, overrides)
-            result = preflight(params, gpu_memory_here())
+            result = preflight(params, gpu_memory_here(), root=project_dir())
         except (ParamsError, ValueError) as exc:
             print(f"papo-nb preflight: error: {exc}", file=sys.stderr)
             return 2

@@ -25,10 +25,14 @@ def quick_start(language: str = "python") -> str:
     return block
 
 
-def test_the_page_tables_are_the_code():
+def test_the_page_tables_are_the_code(tmp_path):
     text = PAGE.read_text()
     assert adapter_page.render(text) == text, "regenerate with: python -m papo_nb.workbook.adapter_page"
-    assert adapter_page.main(["--check"]) == 0
+    assert adapter_page.main(["--check", "--root", str(ROOT)]) == 0
+    stale = tmp_path / adapter_page.PAGE  # the page under another root, one table row gone: --check says so
+    stale.parent.mkdir(parents=True)
+    stale.write_text(text.replace("| `perception_kl` |", "| `gone` |", 1))
+    assert adapter_page.main(["--check", "--root", str(tmp_path)]) == 1
     for field in adapter_page.papo_config.papo_fields():
         assert f"| `{field.name}` |" in text, field.name
     assert "| `perception_kl` |" in text and "| `papo/gamma_kl` |" in text

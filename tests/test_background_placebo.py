@@ -9,10 +9,11 @@ import random
 from pathlib import Path
 from statistics import mean
 
+import background_placebo_page as background_placebo
 import pytest
 
 from papo_nb.testbed import policy as testbed_policy
-from papo_nb.workbook.study import background_placebo, warm_starts
+from papo_nb.workbook.study import warm_starts
 from papo_nb.workbook.study.drift import PRIMARY
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -108,9 +109,10 @@ def test_a_warm_start_trains_its_study_then_the_black_placebo_at_papo_gs_and_the
     """``train_warm_start`` end to end on the shipped grey build, at a size that tests the wiring, not the method:
     the placebo at PAPO-G's gamma, then at that gamma scaled by the two arms' first logged perception KLs, every run
     paired on the study's seed, the record naming the shipped weights, and a page written and re-rendered from it."""
+    from warm_start_runs import train_warm_start
+
     from papo_nb.workbook.config.params import load_params
     from papo_nb.workbook.study.placebo import KL_MATCH_STEPS
-    from papo_nb.workbook.study.warm_start_runs import train_warm_start
 
     params_file = "params/study_background_placebo.yaml"
     params = load_params(ROOT / params_file).model_copy(

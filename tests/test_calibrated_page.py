@@ -1,18 +1,19 @@
-"""Issue 56's pooled page (``papo_nb.workbook.study.calibrated``): the verdict's logic on a toy whose answer is known,
-and the published page: rendered from its own files, each warm start's collapse gamma found again by the search on
-the step logs its calls recorded."""
+"""Issue 56's pooled page (``docs/measurements/calibrated_page.py``): the verdict's logic on a toy whose answer is
+known, and the published page: rendered from its own files, each warm start's collapse gamma found again by the search
+on the step logs its calls recorded."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
+import calibrated_page as calibrated
 import pytest
 from test_warm_starts import toy_build
 
 from papo_nb.testbed import policy as testbed_policy
 from papo_nb.workbook.config.params import load_params
-from papo_nb.workbook.study import calibrated, warm_starts
+from papo_nb.workbook.study import warm_starts
 
 ROOT = Path(__file__).resolve().parents[1]
 BASE = [0.40, 0.42, 0.38, 0.41, 0.39]

@@ -95,14 +95,15 @@ def test_every_decimal_number_in_readme_is_in_a_page_its_section_links():
 
 
 def test_readme_fits_two_screens_and_keeps_its_generated_verdict():
+    from publish_study import VERDICT_MARKERS
+
     from papo_nb.workbook.study.pooled_summary import verdict_sentences
-    from papo_nb.workbook.study.publish import VERDICT_MARKERS
 
     text = README.read_text()
     assert len(text.splitlines()) <= MAX_README_LINES
     block = text.split(VERDICT_MARKERS[0], 1)[1].split(VERDICT_MARKERS[1], 1)[0]
     assert block == "\n" + verdict_sentences(ROOT / "docs" / "study", "docs/study/"), (
-        "regenerate with: python -m papo_nb.workbook.study.publish"
+        "regenerate with: python scripts/publish_study.py"
     )
     assert not re.search(r"issue \d+|no GPU was lent", text, flags=re.I)
 

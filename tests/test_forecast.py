@@ -162,12 +162,25 @@ def test_a_bf16_reference_halves_it_and_sleep_mode_makes_vllm_a_phase():
     assert no_kl.parts["reference"] == 0  # beta 0: TRL builds no reference, whatever its precision
 
 
+def test_a_relative_accelerate_config_is_read_from_the_cwd_or_the_root_the_caller_names(tmp_path, monkeypatch):
+    """The package holds no path into the repository: the forecast looks a relative ``accelerate_config`` up as the
+    launcher does, in the cwd, then in the project folder its caller passes (``papo-nb`` passes its checkout's)."""
+    params = load_params(PAPO_3B, [*NO_LEVERS, "accelerate_config=configs/accelerate/fsdp_offload.yaml"])
+    monkeypatch.chdir(tmp_path)  # no configs/ here
+    unread = forecast(params, 80 * GIB, W3B)
+    assert unread.setting.fsdp and not unread.setting.offload  # the file unread: FSDP from its name alone
+    read = forecast(params, 80 * GIB, W3B, ROOT)
+    assert read.setting.offload and read.root == ROOT
+    monkeypatch.chdir(ROOT)
+    assert forecast(params, 80 * GIB, W3B).setting.offload  # from the repository root, as before
+
+
 def test_cpu_offload_keeps_the_resident_blocks_on_the_gpu_and_the_rest_on_the_cpu():
     from papo_nb.workbook.recipe import levers
 
     on_gpu = forecast(load_params(PAPO_3B, NO_LEVERS), 80 * GIB, W3B)
     off = forecast(load_params(PAPO_3B, [*NO_LEVERS, "accelerate_config=configs/accelerate/fsdp_offload.yaml"]),
-                   80 * GIB, W3B)  # fmt: skip
+                   80 * GIB, W3B, ROOT)  # fmt: skip
     assert off.setting.offload and off.setting.fsdp and not on_gpu.setting.offload
     resident = W3B.embedding_parameters + 2 * W3B.layer_parameters
     assert (off.parts["weights"], off.parts["gradients"]) == (resident * 2, resident * 2)

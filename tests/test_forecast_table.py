@@ -2,21 +2,24 @@
 params/gpu.yaml's figures are the forecast's."""
 
 import re
+from pathlib import Path
 
 from papo_nb.workbook.config.params import load_params
 from papo_nb.workbook.recipe import forecast_table
 from papo_nb.workbook.recipe.forecast import GIB, forecast
 
+ROOT = Path(__file__).resolve().parents[1]
+
 
 def test_committed_table_is_the_commands_output():
-    text = forecast_table.DOC.read_text()
-    assert forecast_table.document(text) == text, (
+    text = (ROOT / forecast_table.DOC).read_text()
+    assert forecast_table.document(text, ROOT) == text, (
         "docs/recipe.md's forecast table is stale: python -m papo_nb.workbook.recipe.forecast_table --write"
     )
 
 
 def test_the_authors_gpus_come_first_before_and_after_and_every_file_scales():
-    lines = [line for line in forecast_table.table().splitlines() if line.startswith("| ") and "---" not in line]
+    lines = [line for line in forecast_table.table(ROOT).splitlines() if line.startswith("| ") and "---" not in line]
     rows = [line for line in lines if not line.startswith("| file |")]
     authors, scale = rows[: 2 * len(forecast_table.RECIPES)], rows[2 * len(forecast_table.RECIPES) :]
     assert len(scale) == len(forecast_table.FILES) * 4 * 2
@@ -29,7 +32,7 @@ def test_the_authors_gpus_come_first_before_and_after_and_every_file_scales():
 
 
 def test_gpu_yaml_quotes_the_forecasts_peak():
-    path = forecast_table.ROOT / "params" / "gpu.yaml"
+    path = ROOT / "params" / "gpu.yaml"
     pattern = r"forecast's peak is ([\d.]+) GiB per GPU beside colocated vLLM's ([\d.]+) GiB"
     quoted = re.search(pattern, path.read_text())
     fc = forecast(load_params(path), 80 * GIB)

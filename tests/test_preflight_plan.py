@@ -21,19 +21,20 @@ NO_LEVERS = [
 
 
 def test_the_plan_lists_every_lever_at_once_and_marks_what_departs_from_the_recipe():
-    result = preflight(load_params(RECIPES / "papo_g_3b.yaml", NO_LEVERS), 80 * GIB, read_data=False)
+    result = preflight(load_params(RECIPES / "papo_g_3b.yaml", NO_LEVERS), 80 * GIB, read_data=False, root=ROOT)
     assert result.fits is False
     assert [c.parameter for c in result.plan] == ["vllm_enable_sleep_mode", "reference_precision", "accelerate_config"]
     assert result.planned.total <= 0.92 * 80 * GIB  # the three together fit; none alone did before
     text = "\n".join(plan_lines(result, "papo_g_3b"))
     assert "departs from recipe" not in text  # each change goes back to the recipe file's value
-    moved = preflight(load_params(RECIPES / "papo_g_3b.yaml", [*NO_LEVERS, "recipe="]), 80 * GIB, read_data=False)
+    moved_params = load_params(RECIPES / "papo_g_3b.yaml", [*NO_LEVERS, "recipe="])
+    moved = preflight(moved_params, 80 * GIB, read_data=False, root=ROOT)
     assert "departs" not in "\n".join(plan_lines(moved, ""))
 
 
 def test_a_batch_change_is_said_and_keeps_the_completions_per_step_and_round():
     overrides = ["per_device_train_batch_size=16", "gradient_accumulation_steps=8", "steps_per_generation=24"]
-    result = preflight(load_params(RECIPES / "vppo_7b.yaml", overrides), 80 * GIB, read_data=False)
+    result = preflight(load_params(RECIPES / "vppo_7b.yaml", overrides), 80 * GIB, read_data=False, root=ROOT)
     (change,) = result.plan
     assert change.batch and (change.old, change.new) == (16, 8)
     assert change.also == {"gradient_accumulation_steps": 16, "steps_per_generation": 48}

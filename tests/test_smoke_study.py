@@ -150,13 +150,13 @@ def test_an_arm_that_beats_grpo_by_more_than_its_drift_is_said_to_end_above_the_
 
 def test_one_warm_start_says_what_the_pooled_page_listing_its_weights_found():
     sha = read_card(pinned_testbed("shapes_shortcut"))["weights_sha256"]
-    note = warm_starts.one_warm_start_note(sha, "lora")
+    note = warm_starts.one_warm_start_note(sha, "lora", STUDY)
     assert "warm start 0 of the 6 that `docs/study/shortcut_warm_starts` pools" in note
     assert "PAPO-G minus GRPO: not detected (" in note and "not for the testbed" in note
     assert "warm start 0 of the 3 that `docs/study/shortcut_controls_full`" in warm_starts.one_warm_start_note(
-        sha, "full"
+        sha, "full", STUDY
     )
-    assert "no pooled page" in warm_starts.one_warm_start_note("0" * 64, "lora")
+    assert "no pooled page" in warm_starts.one_warm_start_note("0" * 64, "lora", STUDY)
 
 
 def test_warm_start_0s_collapse_search_rebuilt_from_its_step_logs_finds_its_gamma_and_states_each_margin():

@@ -430,8 +430,8 @@ def test_reduced_study_logs_nested_runs_figures_and_tables(reduced_study, testbe
 @pytest.mark.notebook
 @pytest.mark.model
 def test_reduced_study_writes_its_results_page(reduced_study, tmp_path):
-    from papo_nb.workbook.study.publish import README_MARKERS, summary_markdown
-    from papo_nb.workbook.study.publish import main as publish_main
+    from publish_study import README_MARKERS, summary_markdown
+    from publish_study import main as publish_main
 
     page_dir = Path(reduced_study.run_dir).parent.parent / "page"
     page = (page_dir / "results.md").read_text()

@@ -9,6 +9,7 @@ import math
 from pathlib import Path
 
 import pytest
+import warm_starts_page
 
 from papo_nb.testbed import policy as testbed_policy
 from papo_nb.workbook.config.params import load_params
@@ -81,13 +82,13 @@ def test_a_seed_one_arm_did_not_finish_and_a_missing_arm_are_left_out_of_the_pai
     assert row["pairs"] == 2 and row["diff"] == pytest.approx(0.1)
     no_control = warm_starts.contrast_rows(data, "papo_g_half", "grpo_beta", PRIMARY)[-1]
     assert no_control["pairs"] == 0 and math.isnan(no_control["diff"])
-    assert "| 0 | `000000000000` | 1 | 1 | not run |" in warm_starts.render(data)
+    assert "| 0 | `000000000000` | 1 | 1 | not run |" in warm_starts_page.render(data)
 
 
 @pytest.mark.parametrize("page", [PAGE, FULL_PAGE], ids=lambda p: p.name)
 def test_a_published_page_is_rendered_from_its_runs_each_warm_start_with_its_weights(page):
     data = json.loads((page / warm_starts.RUNS_FILE).read_text())
-    assert (page / warm_starts.PAGE_FILE).read_text() == warm_starts.render(data)
+    assert (page / warm_starts.PAGE_FILE).read_text() == warm_starts_page.render(data)
     builds = [b["build"] for b in data["warm_starts"]]
     assert len(builds) == len(set(builds)) and len({b["weights_sha256"] for b in data["warm_starts"]}) == len(builds)
     shipped = testbed_policy.read_card(testbed_policy.pinned_testbed("shapes_shortcut"))["weights_sha256"]

@@ -8,11 +8,11 @@ background units changes pixels.
 
 ``train`` builds the warm start of build seed ``BUILD`` (0: the pinned weights; another: ``build_testbed``, which
 raises on a build that misses its goal) and runs ``params/study_background_placebo.yaml`` on it
-(``papo_nb.workbook.study.warm_start_runs.train_warm_start``): the warm start scored before RL, its collapse gamma
+(``warm_start_runs.train_warm_start``): the warm start scored before RL, its collapse gamma
 searched on seed 100, GRPO and PAPO-G at half that gamma on 5 seeds, then the black-fill background placebo
 (``placebo_black``) at PAPO-G's gamma and at the gamma that matches its starting perception KL to PAPO-G's
 (``placebo_black_kl_matched``). ``page`` pools the ``OUT``s into ``docs/study/shortcut_grey_placebo/``
-(``papo_nb.workbook.study.background_placebo``); ``render`` rewrites that page from its own data file.
+(``background_placebo_page.py``); ``render`` rewrites that page from its own data file.
 """
 
 from __future__ import annotations
@@ -28,10 +28,11 @@ PAPO_ARM = "papo_g_half"
 
 
 def train(build: int, out: Path) -> None:
+    from warm_start_runs import train_warm_start
+
     from papo_nb.testbed.policy import build_testbed, pinned_testbed
     from papo_nb.workbook.config.params import load_params
     from papo_nb.workbook.study import placebo
-    from papo_nb.workbook.study.warm_start_runs import train_warm_start
 
     folder = pinned_testbed(TESTBED) if build == 0 else build_testbed(TESTBED, seed=build)
     params = load_params(ROOT / PARAMS, [] if build == 0 else [f"model_name_or_path={folder}"])
@@ -44,11 +45,11 @@ if __name__ == "__main__":
     if command == "train":
         train(int(rest[0]), Path(rest[1]))
     elif command == "page":
-        from papo_nb.workbook.study.background_placebo import write_page
+        from background_placebo_page import write_page
 
         print(write_page(PAGE, [Path(p) for p in rest]))
     elif command == "render":
-        from papo_nb.workbook.study.background_placebo import rerender
+        from background_placebo_page import rerender
 
         print(rerender(PAGE))
     else:

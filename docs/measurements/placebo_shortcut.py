@@ -15,7 +15,7 @@ gamma where its term starts as large as PAPO-G's (``placebo.kl_matched_gamma``, 
 PAPO-G runs); with ``mean_fill_papo_g_kl_matched``, PAPO-G with the mean fill at that gamma, into OUT3. ``page``
 refuses unless this run's GRPO scored exactly the page's GRPO on every seed, adds the placebo arms' runs to the page's
 own files (``runs.json``, ``step_logs.json``), writes its ``rebuild.json`` and rewrites the page with
-``papo_nb.workbook.study.rebuild`` from those files alone.
+``rebuild_page.py`` (beside this script) from those files alone.
 """
 
 from __future__ import annotations
@@ -104,7 +104,7 @@ def paired_runs(outs: list[Path]) -> list[dict]:
 
 
 def page(outs: list[Path]) -> None:
-    from papo_nb.workbook.study import rebuild
+    import rebuild_page as rebuild
 
     placebo = paired_runs(outs)
     records = [r for r in json.loads((PAGE / "runs.json").read_text()) if r["arm"] not in {p["arm"] for p in placebo}]

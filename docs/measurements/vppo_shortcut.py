@@ -12,7 +12,7 @@ from the page's on a seed), and prints the drift from the warm start and each ar
 statistics (``papo_nb.workbook.study.drift``: paired t, 95% CI, TOST, MDE, the prior-following share of errors).
 ``page`` writes the study page ``docs/study/shortcut_vppo_lora``: the published page's runs with the VPPO runs added
 (their per-step logs read from ``OUT/mlflow.db``, their collapse verdicts recomputed as ``arms.run_one`` does), then
-the page itself through ``papo_nb.workbook.study.rebuild``, which regenerates it from those files alone.
+the page itself through ``rebuild_page.py`` beside this script, which regenerates it from those files alone.
 """
 
 from __future__ import annotations
@@ -116,7 +116,8 @@ def _vppo_runs(out: Path) -> dict[int, tuple[list[dict], float, float]]:
 
 
 def page(outs: list[Path]) -> None:
-    from papo_nb.workbook.study import rebuild
+    import rebuild_page as rebuild
+
     from papo_nb.workbook.study.collapse import CollapseRule, detect_collapse, heldout_verdict
 
     _, results = paired_results(outs)  # refuses unless this run's GRPO is the page's on every seed

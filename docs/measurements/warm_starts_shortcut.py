@@ -12,7 +12,7 @@ seeds, beside the page's own runs on the pinned seed-0 build.
 ``full-page`` writes the ``OUT``s trained with ``params/study_controls_full.yaml`` (full fine-tuning) as
 ``docs/study/shortcut_controls_full/``, ``calibrated-page`` those trained with ``params/study_calibrated.yaml`` (issue
 56: each warm start at its own collapse gamma, every arm and each search call kept) as
-``docs/study/shortcut_calibrated/`` (``papo_nb.workbook.study.calibrated``). ``search-from-store`` adds the search
+``docs/study/shortcut_calibrated/`` (``calibrated_page.py`` beside this script). ``search-from-store`` adds the search
 calls to a ``results.json`` written before ``train`` recorded them, from the runs' own MLflow store.
 
 ``train`` builds the warm start of build seed ``BUILD`` (``papo_nb.testbed.policy.build_testbed``: a build that misses
@@ -24,7 +24,7 @@ strongest PAPO-G gamma, and at the gamma that matches its starting perception KL
 PAPO-G under the placebo's fill at that gamma. ``OUT/results.json`` holds the warm start (its card with the weights'
 SHA-256, start scores, collapse gamma, control searches), every run and each call of the collapse search. ``page``
 pools those builds with the page's seed-0 runs into ``docs/study/shortcut_warm_starts/``
-(``papo_nb.workbook.study.warm_starts``).
+(``warm_starts_page.py`` beside this script).
 """
 
 from __future__ import annotations
@@ -43,10 +43,11 @@ PAPO_ARM = "papo_g_half"
 
 
 def train(build: int, out: Path, params_file: str = PARAMS) -> None:
+    from warm_start_runs import train_warm_start
+
     from papo_nb.testbed.policy import build_testbed, pinned_testbed
     from papo_nb.workbook.config.params import load_params
     from papo_nb.workbook.study import placebo
-    from papo_nb.workbook.study.warm_start_runs import train_warm_start
 
     # build 0: the shipped (pinned) weights every page of this testbed ran; another build seed: a fresh build
     folder = pinned_testbed(TESTBED) if build == 0 else build_testbed(TESTBED, seed=build)
@@ -93,13 +94,13 @@ if __name__ == "__main__":
     if command == "train":
         train(int(rest[0]), Path(rest[1]), *rest[2:])
     elif command == "calibrated-page":  # issue 56: every warm start at its own collapse gamma
-        from papo_nb.workbook.study.calibrated import write_page as write_calibrated_page
+        from calibrated_page import write_page as write_calibrated_page
 
         print(write_calibrated_page([Path(p) for p in rest]))
     elif command == "search-from-store":
         search_from_store(Path(rest[0]))
     elif command in ("page", "full-page"):
-        from papo_nb.workbook.study.warm_starts import write_page
+        from warm_starts_page import write_page
 
         if command == "page":
             write_page(PAGE, [Path(p) for p in rest], CONTROLS_PAGE)

@@ -191,7 +191,7 @@ def checked_params(
         params = load_params(params_file, list(overrides))
     except ParamsError as exc:
         raise WorkbookError(str(exc)) from None
-    problems = undeclared_overrides(list(overrides), declared) or preflight_problems(params)
+    problems = undeclared_overrides(list(overrides), declared) or preflight_problems(params, project_dir())
     if problems:
         raise WorkbookError("\n".join(problems))
     return params

@@ -19,10 +19,11 @@ from pathlib import Path
 from mlflow import MlflowClient
 
 from papo_nb.infra.notebooks import run_workbook
+from papo_nb.infra.tracking import project_dir
 from papo_nb.testbed.kernel_paths import cpu_paths
 
-ROOT = Path(__file__).resolve().parents[2]
-SMOKE_PARAMS = ROOT / "params" / "smoke.yaml"
+# the checkout (else the cwd), found as the notebooks and the MLflow store are (``tracking.project_dir``)
+SMOKE_PARAMS = project_dir() / "params" / "smoke.yaml"
 HEADLINE_NOTEBOOKS = ("03_training_run", "04_method_study", "05_evaluation")
 
 
@@ -66,7 +67,7 @@ def headlines_on_path(path: str | None, root: Path) -> dict[str, float]:
         os.environ["ATEN_CPU_CAPABILITY"] = path  # the kernels papermill starts inherit it
     try:
         result = run_workbook(
-            [ROOT / "notebooks" / f"{name}.ipynb" for name in HEADLINE_NOTEBOOKS],
+            [project_dir() / "notebooks" / f"{name}.ipynb" for name in HEADLINE_NOTEBOOKS],
             SMOKE_PARAMS,
             run_root=root / "runs",
             tracking_uri=f"sqlite:///{root.resolve()}/mlflow.db",

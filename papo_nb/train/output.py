@@ -3,8 +3,8 @@
 Under ``papo-nb train ... | tee log`` a cluster's SIGTERM reaches the whole process group: ``tee`` dies, and the
 next progress line would raise BrokenPipeError in a Trainer callback (the run lost, no checkpoint), or in the
 preemption signal handler, from where it lands wherever the main thread is, inside tqdm's write lock too (the run
-then hangs at a progress bar's close, waiting on that lock: what the issue saw, and this module's test on the old
-code, killed at its 300 s deadline). ``surviving_output`` swaps both streams for ``SurvivingStream``s: every line
+then hangs at a progress bar's close, waiting on that lock: this module's test, run on the code before it, was
+killed at its 300 s deadline). ``surviving_output`` swaps both streams for ``SurvivingStream``s: every line
 goes to ``train.log`` in the run folder first, then to the terminal or pipe; a write that fails marks the stream
 lost, points its file descriptor at /dev/null (so writers holding the old stream, and the interpreter's flush at
 exit, succeed too) and training carries on, the log file complete.

@@ -359,7 +359,9 @@ def train_command(
     except ParamsError as exc:
         print(f"papo-nb train: error: {exc}", file=sys.stderr)
         return 2
-    problems = preflight_problems(params)
+    from papo_nb.infra.tracking import project_dir
+
+    problems = preflight_problems(params, project_dir())  # an accelerate config named relative to the project
     if problems:
         print("papo-nb train: error: " + "\n".join(where_set(p, params.origin) for p in problems), file=sys.stderr)
         return 2

@@ -5,6 +5,8 @@ dataclass), every metric the adapter logs with its meaning (the keys found in th
     python -m papo_nb.workbook.adapter_page          # rewrite the tables in docs/adapter.md
     python -m papo_nb.workbook.adapter_page --check  # exit 1 if the committed page differs
 
+from the repository root (``--root`` names another checkout).
+
 A metric the code logs without a meaning here, or a meaning for a metric the code no longer logs, is an error: the
 table cannot fall behind the code.
 """
@@ -24,7 +26,7 @@ from papo_nb.papo import PAPOGTrainer, papo_config, prefill
 from papo_nb.prefix_sharing import sharing as prefix_sharing
 from papo_nb.workbook.doc_blocks import replace_block
 
-PAGE = Path(__file__).resolve().parents[2] / "docs" / "adapter.md"
+PAGE = Path("docs") / "adapter.md"  # relative to the root
 ADAPTER = Path(papo_config.__file__).parent
 SHARING = Path(prefix_sharing.__file__).parent  # prefix sharing, which the adapter builds on, logs its own metrics
 # Where the adapter names the metrics it logs: the per-term metrics, the step guard's, the two prefix paths'.
@@ -139,15 +141,17 @@ def render(text: str) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--check", action="store_true", help="exit 1 if docs/adapter.md differs from the code")
+    parser.add_argument("--root", type=Path, default=Path("."), help="the repository checkout (default: the cwd)")
     args = parser.parse_args(argv)
-    text = PAGE.read_text()
+    page = args.root / PAGE
+    text = page.read_text()
     if args.check:
         if render(text) != text:
-            print(f"{PAGE} is stale: python -m papo_nb.workbook.adapter_page", file=sys.stderr)
+            print(f"{page} is stale: python -m papo_nb.workbook.adapter_page", file=sys.stderr)
             return 1
         return 0
-    PAGE.write_text(render(text))
-    print(f"wrote {PAGE}")
+    page.write_text(render(text))
+    print(f"wrote {page}")
     return 0
 
 

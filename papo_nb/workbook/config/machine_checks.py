@@ -34,15 +34,16 @@ def _looks_local(value: str) -> bool:
     return value.startswith(("/", "./", "../", "~")) or Path(value).expanduser().exists()
 
 
-def preflight_problems(params: WorkbookParams) -> list[str]:
+def preflight_problems(params: WorkbookParams, root: Path | None = None) -> list[str]:
     """Checks that need this machine (paths, CUDA), run before any notebook starts; schema checks are separate
-    so that a GPU params file still validates on a laptop."""
+    so that a GPU params file still validates on a laptop. ``root``: the project folder a relative
+    ``accelerate_config`` is looked up in after the cwd, as the launcher does."""
     from papo_nb.workbook.recipe.check import parameter_problems
     from papo_nb.workbook.training.rewards import reward_import_problems
 
     # One pass of the preflight's parameter checks (papo_nb.workbook.recipe.check): the batches TRL would refuse
     # and, on device cuda, the memory forecast with the plan that makes the run fit, before any weight loads.
-    problems = _model_name_problems(params) + _path_problems(params) + parameter_problems(params)
+    problems = _model_name_problems(params) + _path_problems(params) + parameter_problems(params, root)
     problems += _device_problems(params) + reward_import_problems(params) + vllm_problems(params)
     return problems
 

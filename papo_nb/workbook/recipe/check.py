@@ -10,6 +10,7 @@ import os
 import socket
 import sys
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from papo_nb.workbook.config.batch_layout import batch_deviations, batch_layout, check_batches
 from papo_nb.workbook.recipe import plan as fit
@@ -125,9 +126,10 @@ def gpu_problems(params, here: int | None = None) -> list[str]:
     return []
 
 
-def preflight(params, gpu_memory: float | None, read_data: bool = True) -> Preflight:
-    """Every check, the forecast once, and the plan when the run does not fit."""
-    result = Preflight(forecast(params, gpu_memory))
+def preflight(params, gpu_memory: float | None, read_data: bool = True, root: Path | None = None) -> Preflight:
+    """Every check, the forecast once, and the plan when the run does not fit; ``root``: the project folder a
+    relative ``accelerate_config`` is looked up in after the cwd."""
+    result = Preflight(forecast(params, gpu_memory, root=root))
     result.problems += batch_problems(params) + gpu_problems(params)
     result.deviations += batch_deviations(params, batch_layout(params))
     result.deviations += [f"parameter {k!r} = {mine!r}, recipe {params.recipe!r}: {theirs!r}"
@@ -149,18 +151,18 @@ def plan_lines(result: Preflight, recipe: str) -> list[str]:
     fits = verdict(result.planned)["fits"]
     lines = [f"plan: {len(result.plan)} change(s) {'make it fit' if fits else 'are not enough'}, peak "
              f"{result.planned.total / 2**30:.1f} GiB:"]  # fmt: skip
-    return lines + [f"  {c.overrides()}    # {c.line(recipe)}" for c in result.plan]
+    return lines + [f"  {c.overrides()}    # {c.line(recipe, result.forecast.root)}" for c in result.plan]
 
 
-def parameter_problems(params) -> list[str]:
+def parameter_problems(params, root: Path | None = None) -> list[str]:
     """What ``papo-nb train`` and ``papo-nb run`` refuse before anything loads: the batches TRL would refuse and, on
     ``device: cuda`` with a known GPU memory, a run that cannot fit, with the whole plan (no data read here: the
-    run loads its data next and checks it there)."""
+    run loads its data next and checks it there); ``root`` as ``preflight``'s."""
     memory = gpu_memory_here() if params.device == "cuda" else None
     if memory is None:  # a CPU run, or no GPU memory known: nothing to forecast against
         return batch_problems(params)
     try:
-        result = preflight(params, memory, read_data=False)
+        result = preflight(params, memory, read_data=False, root=root)
     except ValueError as exc:  # no configuration to forecast from: say so, do not refuse
         print(f"papo-nb: note: memory not forecast: {exc}", file=sys.stderr)
         return batch_problems(params)

@@ -37,6 +37,7 @@ logprob_forward), generation, the masked forward.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from papo_nb.papo import prefill
 from papo_nb.prefix_sharing import trl_seams
@@ -138,11 +139,12 @@ class Setting:
         return self.round_rows / (self.micro_batch * self.accumulation)
 
 
-def setting(params, w: Widths) -> Setting:
+def setting(params, w: Widths, root: Path | None = None) -> Setting:
+    """What the forecast reads from ``params``; ``root``: the project folder its accelerate config is looked up in."""
     accumulation = params.gradient_accumulation_steps
     per_round = params.steps_per_generation or accumulation
     patches = params.max_pixels // (w.patch * w.patch)
-    fsdp, offload = levers.accelerate_fsdp(params)
+    fsdp, offload = levers.accelerate_fsdp(params, root)
     return Setting(
         lora=params.finetuning == "lora",
         processes=params.num_processes,
@@ -337,13 +339,15 @@ class Forecast:
     gpu_memory: float | None
     host: float = 0.0  # CPU memory of one node that offload takes
     notes: list[str] = field(default_factory=list)
+    root: Path | None = None  # the project folder its accelerate config was looked up in (``setting``)
 
 
-def forecast(params, gpu_memory: float | None = None, w: Widths | None = None) -> Forecast:
-    """The forecast of ``params`` on GPUs of ``gpu_memory`` bytes (None: unknown; vLLM's share is then 0)."""
+def forecast(params, gpu_memory: float | None = None, w: Widths | None = None, root: Path | None = None) -> Forecast:
+    """The forecast of ``params`` on GPUs of ``gpu_memory`` bytes (None: unknown; vLLM's share is then 0); ``root``:
+    the project folder a relative ``accelerate_config`` is looked up in after the cwd."""
     w = w or widths(published_config(params.model_name_or_path))
-    s = setting(params, w)
+    s = setting(params, w, root)
     parts = memory_parts(s, w, gpu_memory)
     total, phase = peak(parts, persistent_parts(s))
     host = levers.host_bytes(s, w, trainable_parameters(s, w))
-    return Forecast(params.model_name_or_path, s, w, parts, total, phase, gpu_memory, host)
+    return Forecast(params.model_name_or_path, s, w, parts, total, phase, gpu_memory, host, root=root)

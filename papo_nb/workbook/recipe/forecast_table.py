@@ -2,12 +2,13 @@
 before its memory levers (FSDP2 on the GPU, TRL's fp32 reference, vLLM awake at TRL's 0.3 share; vppo_7b at the
 official micro-batch of 16); then ``params/gpu.yaml`` and every recipe at its own model on 1, 2, 4 and 8 GPUs of 80
 and 141 GB, the recipes keeping their global batch (accumulation and the round's steps scaled by the authors' GPU
-count over N). Regenerate with ``python -m papo_nb.workbook.recipe.forecast_table --write`` (``--table`` prints them);
-tests/test_forecast_table.py fails when the committed tables differ."""
+count over N). Regenerate from the repository root with ``python -m papo_nb.workbook.recipe.forecast_table --write``
+(``--root`` names another checkout; without ``--write`` it prints them); tests/test_forecast_table.py fails when the
+committed tables differ. Every path is relative to ``root``: the params files and an accelerate config they name."""
 
 from __future__ import annotations
 
-import sys
+import argparse
 from functools import cache
 from pathlib import Path
 
@@ -18,7 +19,6 @@ from papo_nb.workbook.recipe.forecast_report import USABLE, step_seconds, verdic
 from papo_nb.workbook.recipe.levers import levers_used
 from papo_nb.workbook.recipe.plan import fit_plan
 
-ROOT = Path(__file__).resolve().parents[3]
 RECIPES = ("grpo_3b", "papo_g_3b", "grpo_7b", "papo_g_7b", "vppo_7b")
 FILES = ("params/gpu.yaml", *(f"params/recipes/{n}.yaml" for n in RECIPES))
 GPU_COUNTS = (1, 2, 4, 8)
@@ -33,7 +33,7 @@ BEFORE = {
 BEFORE_BATCH = {"vppo_7b": {"per_device_train_batch_size": 16, "gradient_accumulation_steps": 8,
                             "steps_per_generation": 24}}  # fmt: skip
 BEGIN, END = "<!-- forecast table: begin -->", "<!-- forecast table: end -->"
-DOC = ROOT / "docs" / "recipe.md"
+DOC = Path("docs") / "recipe.md"  # relative to the root
 HEADER = (
     "| file | GPUs | GPU | levers | fits | peak GiB | weights+grads+Adam | reference | activations | "
     "log-prob + masked logits | generation | round tensors | CPU GiB per node | step s | of it offload s | "
@@ -46,8 +46,8 @@ def model_widths(model: str):
     return widths(published_config(model))
 
 
-def run_forecast(params, memory: float):
-    return forecast(params, memory, model_widths(params.model_name_or_path))
+def run_forecast(params, memory: float, root: Path):
+    return forecast(params, memory, model_widths(params.model_name_or_path), root)
 
 
 def plan_cell(params, fc) -> str:
@@ -57,14 +57,14 @@ def plan_cell(params, fc) -> str:
     return text if verdict(planned)["fits"] else f"{text} (still {planned.total / GIB:.0f} GiB)".strip()
 
 
-def load(file: str):
+def load(file: str, root: Path):
     from papo_nb.workbook.config.params import load_params
 
-    return load_params(ROOT / file)
+    return load_params(Path(root) / file)
 
 
-def row(label: str, gpu: str, params) -> str:
-    fc = run_forecast(params, GPUS[gpu])
+def row(label: str, gpu: str, params, root: Path) -> str:
+    fc = run_forecast(params, GPUS[gpu], root)
     p, v, n = fc.parts, verdict(fc), params.num_processes
     states = p["weights"] + p["gradients"] + p["optimizer"]
     step = step_seconds(fc, fc.gpu_memory)
@@ -80,13 +80,13 @@ def row(label: str, gpu: str, params) -> str:
     return "| " + " | ".join(cells) + " |"
 
 
-def authors_rows() -> list[str]:
+def authors_rows(root: Path) -> list[str]:
     out = []
     for name in RECIPES:
-        params = load(f"params/recipes/{name}.yaml")
+        params = load(f"params/recipes/{name}.yaml", root)
         before = params.model_copy(update={**BEFORE, **BEFORE_BATCH.get(name, {})})
         for label, p in ((f"{name}.yaml before", before), (f"{name}.yaml", params)):
-            out.append(row(label, "80 GB", p))
+            out.append(row(label, "80 GB", p, root))
     return out
 
 
@@ -102,32 +102,42 @@ def scaled(params, n: int):
     return params.model_copy(update=update)
 
 
-def scale_rows() -> list[str]:
+def scale_rows(root: Path) -> list[str]:
     out = []
     for file in FILES:
-        base = load(file)
+        base = load(file, root)
         for n in GPU_COUNTS:
             for gpu in GPUS:
-                out.append(row(Path(file).name, gpu, scaled(base, n)))
+                out.append(row(Path(file).name, gpu, scaled(base, n), root))
     return out
 
 
-def table() -> str:
+def table(root: Path) -> str:
+    """Both tables, from the params files under ``root``."""
     rule = "|" + "---|" * 16
     return "\n".join([
-        "On the authors' GPUs (80 GB), as shipped and before the memory levers:", "", HEADER, rule, *authors_rows(),
-        "", "Every file at its own model on 1 to 8 GPUs (recipes at their global batch):", "", HEADER, rule,
-        *scale_rows(),
+        "On the authors' GPUs (80 GB), as shipped and before the memory levers:", "", HEADER, rule,
+        *authors_rows(root), "", "Every file at its own model on 1 to 8 GPUs (recipes at their global batch):", "",
+        HEADER, rule, *scale_rows(root),
     ])  # fmt: skip
 
 
-def document(text: str) -> str:
-    """``text`` (docs/recipe.md) with the tables between its markers replaced by today's."""
-    return replace_block(text, f"{table()}\n", (BEGIN, END))
+def document(text: str, root: Path) -> str:
+    """``text`` (docs/recipe.md) with the tables between its markers replaced by today's, from ``root``'s files."""
+    return replace_block(text, f"{table(root)}\n", (BEGIN, END))
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="docs/recipe.md's forecast tables")
+    parser.add_argument("--write", action="store_true", help="rewrite them in ROOT/docs/recipe.md (else print them)")
+    parser.add_argument("--root", type=Path, default=Path("."), help="the repository checkout (default: the cwd)")
+    args = parser.parse_args(argv)
+    if args.write:
+        doc = args.root / DOC
+        doc.write_text(document(doc.read_text(), args.root))
+    else:
+        print(table(args.root))
 
 
 if __name__ == "__main__":
-    if "--write" in sys.argv:
-        DOC.write_text(document(DOC.read_text()))
-    else:
-        print(table())
+    main()

@@ -23,21 +23,21 @@ from __future__ import annotations
 
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[3]
 PCIE_BYTES_PER_S = 32e9  # per GPU and direction: PCIe 5.0 x16 (64 GB/s) at half its peak (stated, not measured)
 CPU_ADAM_BYTES_PER_S = 20e9  # memory traffic one process's CPU AdamW step reaches (stated, not measured)
 ADAM_BYTES_PER_PARAMETER = 28  # fp32 weight read and written, gradient read, two states read and written
 MASTER_BYTES_PER_PARAMETER = 16  # fp32 master weight, gradient and two AdamW states
 
 
-def accelerate_fsdp(params) -> tuple[bool, bool]:
+def accelerate_fsdp(params, root: Path | None = None) -> tuple[bool, bool]:
     """(sharded by FSDP, parameters offloaded to the CPU) from the params' accelerate config file (looked up as
-    the launcher does, relative to the cwd or the project folder); with no file, FSDP when its name says so."""
+    the launcher does, relative to the cwd, then to ``root``: the project folder, where the caller names one); with
+    no file, FSDP when its name says so."""
     import yaml
 
     name = params.accelerate_config
     sharded = params.num_processes > 1
-    for path in (Path(name), ROOT / name) if name else ():
+    for path in (Path(name), *([Path(root) / name] if root else [])) if name else ():
         if path.is_file():
             config = yaml.safe_load(path.read_text()) or {}
             fsdp = config.get("distributed_type") == "FSDP"

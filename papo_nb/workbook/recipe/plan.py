@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from pathlib import Path
 
-from papo_nb.workbook.recipe import levers
 from papo_nb.workbook.recipe.forecast import Forecast, forecast
 
 OFFLOAD_CONFIG = "configs/accelerate/fsdp_offload.yaml"
@@ -27,20 +27,21 @@ class Change:
     def overrides(self) -> str:
         return " ".join(f"-p {k}={v}" for k, v in {self.parameter: self.new, **self.also}.items())
 
-    def line(self, recipe: str) -> str:
-        marks = (
-            [f"departs from recipe {recipe!r}"] if recipe and recipe_value(recipe, self.parameter) != self.new else []
-        )
+    def line(self, recipe: str, root: Path | None = None) -> str:
+        """The change as printed, marked where it departs from ``recipe``'s file (under ``root``, else the cwd)."""
+        departs = recipe and recipe_value(recipe, self.parameter, root) != self.new
+        marks = [f"departs from recipe {recipe!r}"] if departs else []
         if self.batch:
             marks.append("BATCH CHANGE: micro-batch, completions per step and per round kept")
         return f"{self.parameter}: {self.old!r} -> {self.new!r}  ({self.why}){''.join(f' [{m}]' for m in marks)}"
 
 
-def recipe_value(recipe: str, parameter: str):
-    """The value the named recipe's shipped file sets (None where it has no file or does not set it)."""
+def recipe_value(recipe: str, parameter: str, root: Path | None = None):
+    """The value the named recipe's shipped file (``params/recipes/`` under ``root``, the project folder; None: the
+    cwd) sets; None where it has no file or does not set it."""
     import yaml
 
-    path = levers.ROOT / "params" / "recipes" / f"{recipe}.yaml"
+    path = Path(root or ".") / "params" / "recipes" / f"{recipe}.yaml"
     return (yaml.safe_load(path.read_text()) or {}).get(parameter) if path.is_file() else None
 
 
@@ -79,7 +80,7 @@ def fit_plan(params, fc: Forecast, usable: float, limit: int = 8) -> tuple[list[
     while fc.total > usable and len(changes) < limit:
         for change in candidates(params, fc, usable):
             trial = apply(params, change)
-            trial_fc = forecast(trial, fc.gpu_memory, fc.widths)
+            trial_fc = forecast(trial, fc.gpu_memory, fc.widths, fc.root)
             if trial_fc.total < fc.total:
                 changes.append(change)
                 params, fc = trial, trial_fc

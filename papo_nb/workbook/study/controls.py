@@ -28,7 +28,7 @@ from papo_nb.workbook.study.placebo import PLACEBO_CONTROLS
 from papo_nb.workbook.study.power import gain_detected
 
 REWARD_KEY = "rewards/accuracy_reward/mean"
-END_REWARD_WINDOW = 10  # logged rollout batches averaged for "the end of training" (the measure)
+END_REWARD_WINDOW = 10  # logged rollout batches averaged for "the end of training" (the study's measure)
 GRPO_BETA, GRPO_LR = "grpo_beta", "grpo_lr"
 CONTROL_PARAMS = {GRPO_BETA: "beta", GRPO_LR: "learning_rate"}  # each control arm and the knob it turns
 CONTROL_ARMS = tuple(CONTROL_PARAMS)

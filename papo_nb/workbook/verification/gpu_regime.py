@@ -50,7 +50,7 @@ from papo_nb.papo.probe.threshold import student_t_two_sided_tail
 REGIMES = {"bf16": 2e-3, "fp32": 1e-5}
 AUTOCAST = {"bf16": torch.bfloat16, "fp32": None}
 # Shares of a pass's roundoff variance: per-sequence rescaling, measured roundoff samples, elementwise. The
-# per-sequence share is set so that the old rule false-alarms here about as often as the issue measured through the
+# per-sequence share is set so that the old rule false-alarms here about as often as was measured through the
 # real probe with its own correlated noise (0.75% per evaluation in 800 testbed bf16 evaluations here, 0.46% there);
 # STRONG_SHARES (half the variance along the sequences) is the harsher regime the docs also report.
 NOISE_SHARES = {"sequences": 0.02, "measured": 0.88, "elementwise": 0.1}

@@ -1,4 +1,4 @@
-"""One warm start's runs for a pooled page (``warm_starts``): notebook 04's calibrated study on one build of a
+"""One warm start's runs for a pooled page (``warm_starts_page``): notebook 04's calibrated study on one build of a
 testbed, then placebo arms on its seeds, written to ``OUT/results.json``.
 
 The placebo arms (``placebo.ARM_MASKS``) are trained after the study, each run paired with the study's GRPO on its

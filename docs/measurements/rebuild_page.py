@@ -7,8 +7,8 @@ A page folder to rebuild holds ``runs.json``, ``step_logs.json``, ``start_scores
 wall seconds of its runs, a line saying where its runs came from, and (a controls page) each matched control's search
 (``controls``: arm, target and the (value, end reward) pairs tried).
 
-    .venv/bin/python -m papo_nb.workbook.study.rebuild docs/study/shortcut_vppo_lora
-    .venv/bin/python -m papo_nb.workbook.study.publish   # then the summary tables, from every page's summary.json
+    .venv/bin/python docs/measurements/rebuild_page.py docs/study/shortcut_vppo_lora
+    .venv/bin/python scripts/publish_study.py   # then the summary tables, from every page's summary.json
 """
 
 from __future__ import annotations
@@ -85,7 +85,7 @@ def rewrite_page(folder: str | Path) -> Path:
         "curves": plot_learning_curves(study),
     }
     card = json.loads((folder / publish.CARD).read_text())
-    command = f"python -m papo_nb.workbook.study.rebuild {folder}"
+    command = f"python docs/measurements/rebuild_page.py {folder}"
     origin = f"Rebuilt from this folder's files by `{command}`: {meta['origin']}"
     return publish.write_results_page(folder, params, study, card, figures, meta["seconds"], origin=origin)
 
