@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository r
 
 import torch  # noqa: E402
 
-from papo_nb.papo.forward import flex_grouped, grouped_attention  # noqa: E402
+from papo_nb.prefix_sharing import flex_grouped, grouped_attention  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM = 16, 2, 128  # Qwen2.5-VL-3B's text attention
 

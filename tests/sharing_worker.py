@@ -31,7 +31,8 @@ from tiny_trainers import unit_params  # noqa: E402
 from trl import GRPOTrainer  # noqa: E402
 
 from papo_nb.papo import PAPOGConfig, PAPOGTrainer  # noqa: E402
-from papo_nb.papo.forward import prefix_sharing, ranks  # noqa: E402
+from papo_nb.prefix_sharing import ranks  # noqa: E402
+from papo_nb.prefix_sharing import sharing as prefix_sharing  # noqa: E402
 from papo_nb.prefix_sharing.prompt_identity import group_samples  # noqa: E402
 from papo_nb.testbed.models import load_vlm, vision_special_token_ids  # noqa: E402
 from papo_nb.testbed.rewards import accuracy_reward, format_reward  # noqa: E402

@@ -303,7 +303,7 @@ def test_each_release_form_is_told_apart_by_what_its_method_does(version, form):
     source = _release_source(version)
     assert trl_seams.seam_of(contract.source_methods(source)) is form
     assert contract.static_contract_violations(source) == []
-    assert form.packed_paths, "prefix sharing reproduces every form (forward/packed_head.py)"
+    assert form.packed_paths, "prefix sharing reproduces every form (prefix_sharing/packed_head.py)"
     assert form.prefill_path is (form is trl_seams.LOGITS)
 
 

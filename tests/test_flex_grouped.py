@@ -1,4 +1,4 @@
-"""The grouped attention through FlexAttention's block mask (``forward/flex_grouped.py``,
+"""The grouped attention through FlexAttention's block mask (``prefix_sharing/flex_grouped.py``,
 ``PAPOGConfig.grouped_attention_kernel``), on the CPU: exact against the SDPA form (and TRL's plain forward) in
 log-probs and entropies, fp32 compiled with ``torch.compile`` and fp64 eager (torch 2.14.1's inductor lowers flex on
 the CPU in fp32/fp16/bf16 only), on the adversarial batch of ``test_prefix_sharing.py``; a wrong block mask fails by

@@ -1,4 +1,4 @@
-"""Prefix sharing on each TRL release's own log-prob form (``forward/packed_head.py``): on 1.15+ the packed row's
+"""Prefix sharing on each TRL release's own log-prob form (``packed_head.py``): on 1.15+ the packed row's
 needed positions go through the fused LM head ``GRPOTrainer.__init__`` installed (TRL's tiled kernel on exactly those
 hidden states, never the ``lm_head`` module, so no vocabulary-sized logits); on 1.14 through ``_full_logits_logps``'s
 ``selective_log_softmax(..., temperature=)``; on 1.9.1-1.13 through the model's logits at the needed positions, divided

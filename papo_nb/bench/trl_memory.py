@@ -1,5 +1,5 @@
 """Peak memory of one PAPO-G step on two TRL releases at the same shapes: 1.9.1's logits path against
-1.15+'s fused LM head (``papo/trl_seams.py``).
+1.15+'s fused LM head (``prefix_sharing/trl_seams.py``).
 
 Each release lives in its own virtualenv, so each measurement is a fresh worker process of that virtualenv's Python
 (``--python``, once per release), all on one batch: the first worker makes it (``harness.build_setup``: the

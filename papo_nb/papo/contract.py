@@ -14,11 +14,11 @@ it by ``self._step % steps_per_generation`` (so the stored masked log-probs trav
 that ``_prepare_inputs`` generates when ``self._step % (steps_per_generation * num_iterations) == 0`` and that
 ``training_step`` counts ``self._step`` up by one.
 
-Prefix sharing (``prefix_sharing.py``) replaces the log-prob method's per-row forward by packed rows and the round's
-shuffle by a whole-group one: the contract pins that every caller it serves passes ``[prompt_ids; completion_ids]``
-with ``logits_to_keep`` the completion width, that the method divides the logits by ``self.temperature``, and that
-``_prepare_inputs`` shuffles the round with the module's ``shuffle_sequence_dict`` (looked up by name, so it can be
-swapped for the call) before cutting it into ``steps_per_generation`` device batches.
+Prefix sharing (``prefix_sharing/sharing.py``) replaces the log-prob method's per-row forward by packed rows and the
+round's shuffle by a whole-group one: the contract pins that every caller it serves passes ``[prompt_ids;
+completion_ids]`` with ``logits_to_keep`` the completion width, that the method divides the logits by
+``self.temperature``, and that ``_prepare_inputs`` shuffles the round with the module's ``shuffle_sequence_dict``
+(looked up by name, so it can be swapped for the call) before cutting it into ``steps_per_generation`` device batches.
 
 Releases: the contract accepts a TRL release by its facts, never by its number; the log-prob method's facts are
 those of its form (``trl_seams.py``: the logits form 1.9.1-1.13.0, 1.14's variadic method, 1.15+'s fused LM head).

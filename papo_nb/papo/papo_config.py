@@ -117,137 +117,89 @@ def forward_fields_problem(args) -> str | None:
 
 @dataclass
 class PAPOGConfig(PrefixSharingConfig):
-    r"""Configuration for [`PAPOGTrainer`]: every [`~trl.GRPOConfig`] field, plus the PAPO-G ones below.
-
-    Defaults are the official PAPO-G 3B recipe (MikeWangWZHL/PAPO `examples/papo_grpo/qwen2_5_vl_3b_grpo_papo.sh`
-    with `examples/configs/config_grpo_papo.yaml`), not TRL 0.29.1's experimental trainer (gamma 0.1, mask 0.3).
-    `recipes.py` holds the official recipes as named presets.
+    r"""Configuration for [`PAPOGTrainer`]: every [`PrefixSharingConfig`] (so [`~trl.GRPOConfig`]) field, plus the
+    PAPO-G ones below. Defaults are the official PAPO-G 3B recipe (MikeWangWZHL/PAPO
+    `examples/papo_grpo/qwen2_5_vl_3b_grpo_papo.sh`); `recipes.py` holds the official recipes as presets. How each
+    field acts: [docs/adapter.md](../../docs/adapter.md) and [docs/masked_branch.md](../../docs/masked_branch.md).
 
     Parameters:
         > Parameters that control the perception KL
 
         perception_loss_weight (`float`, defaults to `0.02`):
-            gamma, the weight of the perception KL that is *maximised* (subtracted from the loss). Official PAPO-G
-            3B and 7B: 0.02; 0.04 collapsed at 3B ("KL_prcp hacking").
+            gamma, the weight of the perception KL, which is maximised. Official 3B and 7B: 0.02 (0.04 collapsed).
         perception_loss_weight_final (`float`, defaults to `0.0`):
-            gamma at the end of the annealing when `perception_loss_schedule="linear"`; ignored for `"fixed"`.
+            gamma at the end of the `"linear"` schedule.
         perception_loss_schedule (`str`, defaults to `"fixed"`):
-            `"fixed"` keeps gamma constant (official recipes); `"linear"` anneals it linearly from
-            `perception_loss_weight` to `perception_loss_weight_final` over the first
-            `perception_annealing_ratio` of the run's optimizer steps (the official `annealing` schedule), then holds.
+            `"fixed"` (official recipes) or `"linear"` (the official annealing from `perception_loss_weight` to
+            `perception_loss_weight_final`).
         perception_annealing_ratio (`float`, defaults to `0.5`):
-            Fraction of the run's total optimizer steps (as the Trainer resolves them, epochs included) over which
-            the linear schedule anneals (official `kl_prcp_schedule_args.annealing_ratio`, default 0.5).
+            Fraction of the run's optimizer steps the linear schedule anneals over. Official: 0.5.
         perception_kl_clamp (`float` or `None`, defaults to `None`):
-            Optional extra clamp of the per-token KL to `[0, perception_kl_clamp]` (official
-            `use_kl_prcp_clipping`, off; value 0.2). The official bounds (log-ratio in [-20, 20], k3 <= 10, fp32)
-            always apply.
+            Extra clamp of the per-token KL to `[0, value]` (official `use_kl_prcp_clipping`: off, value 0.2). The
+            official bounds (log-ratio in [-20, 20], k3 <= 10, fp32) always apply.
 
         > Parameters that control the masked image
 
         mask_type (`str`, defaults to `"auto"`):
-            How the masked image is made from `pixel_values`: `"auto"` blacks out whole vision patches of the
-            model's own patch size (the processed-tensor equivalent of the official raw-image 14-px squares) on
-            whichever image layout the batch carries, detected from its keys and shapes (an unknown layout raises
-            with the keys and shapes seen); `"merge_unit"` whole 2x2 merge units (Qwen-VL layouts only);
-            `"random"` single pixel values inside real patches. Masked values are black after normalisation (see
-            `mask_fill`); padding is never masked.
+            `"auto"`: whole vision patches of the model's patch size, on any image layout (the official 14-px
+            squares); `"merge_unit"`: whole 2x2 merge units (Qwen-VL); `"random"`: single values in real patches.
         mask_ratio (`float`, defaults to `0.6`):
-            Fraction of patches/units (or probability per value for `"random"`) that are blacked out.
-            Official `black_prob` 0.6; paper ablation at 3B: 0.6 best; 1.0 raises collapse risk.
+            Fraction of patches (or units, or values) masked. Official `black_prob`: 0.6.
         mask_sharing (`str`, defaults to `"prompt"`):
-            `"prompt"`: one mask per prompt, shared by all its rollouts (official: the image is masked once before
-            the rollouts are repeated); `"completion"`: an independent mask per completion.
+            `"prompt"`: one mask per prompt, shared by its rollouts (official); `"completion"`: one per completion.
         mask_seed (`int`, defaults to `0`):
-            Seed of the adapter's own `torch.Generator` for masks; each process seeds it with
-            `mask_seed + process_index`, so ranks draw different masks. Saved and restored with checkpoints.
+            Seed of the masking generator (plus the process index); saved and restored with checkpoints.
         mask_fill (`str`, defaults to `"black"`):
-            The colour masked patches take. `"black"`: black after normalisation (the official masking's aim);
-            `"mean"`: the image processor's mean colour (0 after normalisation), for images whose background is
-            black, where a black mask over the background changes no pixel. Both are constants, so the masks drawn
-            for a seed are the same under either.
+            Masked patches' colour: `"black"` after normalisation (official) or the processor's `"mean"`.
         mask_excluded_column (`str` or `None`, defaults to `None`):
-            A dataset column listing, per example, the patch units never masked: indices into the example's real
-            patch units (merge units with `mask_type="merge_unit"`) in `masking.select_units`' order (for Qwen-VL,
-            the rows of `pixel_values`). An image then masks `round(mask_ratio * n)` of its `n` units or every unit
-            it allows, whichever is fewer. A placebo mask excludes the patches that carry the task.
-            `None`: any real patch may be masked. Needs a patch `mask_type` (not `"random"`).
+            A dataset column of per-example patch units never masked (a placebo mask); needs a patch `mask_type`.
 
         > Parameters that control the masked branch
 
         masked_branch (`str`, defaults to `"rollout"`):
-            When the masked log-probs are computed. `"rollout"` (the official default,
-            [verl/trainer/ray_trainer.py#L759-L769](https://github.com/MikeWangWZHL/PAPO/blob/fb63bf4/verl/trainer/ray_trainer.py#L759-L769)):
-            once per generation round, right after the completions are scored, under no-grad with the rollout-time
-            policy, grouped by prompt; they travel with the round like TRL's `old_per_token_logps`, so with several
-            optimizer steps (or `num_iterations`) per round the later steps compare the current policy with that
-            rollout-time target. `"update"`: in every loss call with the current policy (required by
-            `masked_branch_grad=True`, the official `RECOMPUTE_AUG_LOG_PROBS=True`).
+            When the masked log-probs are computed: `"rollout"`, once per generation round with the rollout-time
+            policy (official); `"update"`, in every loss call.
         masked_branch_grad (`bool`, defaults to `False`):
-            Backpropagate through the masked forward (official `RECOMPUTE_AUG_LOG_PROBS=False`: no). Needs
+            Backpropagate through the masked forward (official `RECOMPUTE_AUG_LOG_PROBS=False`: no); needs
             `masked_branch="update"`.
         masked_forward (`str`, defaults to `"auto"`):
-            How the no-grad masked branch runs. `"shared_prefix"`: the vision tower and the prompt's key/values once
-            per prompt (and masked image), its completions run against that cache (`forward/prefill.py`; Qwen2-VL and
-            Qwen2.5-VL, `masked_branch_grad=False`); `"full"`: one full forward per completion, as the parent
-            computes log-probs; `"auto"`: the shared prefix where it applies (no grad, masks per prompt, a supported
-            model, a prompt with two completions in the batch), else the full forward. The metric
-            `papo/masked_forward_shared` says which ran, `papo/masked_forward_share` how many completions each
-            prefill served, and a log line says why when it is the full one.
+            The no-grad masked branch's form: `"shared_prefix"` (each prompt prefilled once, `prefill.py`), `"full"`
+            (a forward per completion) or `"auto"` (the shared prefix where it applies).
 
         > Parameters that control the entropy terms
 
         entropy_estimator (`str`, defaults to `"sampled"`):
-            `"sampled"`: the official estimator `-mean(log pi(o_t))` over completion tokens, built from the log-probs
-            the step already has (no vocabulary-sized tensor kept for backward); `"full"`: the exact
-            full-vocabulary entropy (TRL 0.29.1's choice), which keeps the softmax alive for backward when eta1 > 0.
+            `"sampled"`: `-mean(log pi(o_t))` (official); `"full"`: the full-vocabulary entropy.
         original_entropy_weight (`float`, defaults to `0.0`):
-            eta1, weight of the entropy on original images (kept low: added to the loss), scaled by the same
-            annealing discount as gamma. Official 3B PAPO-G: off; 7B: 0.05.
+            eta1, the entropy weight on original images, scaled by gamma's discount. Official 3B: 0; 7B: 0.05.
         masked_entropy_weight (`float`, defaults to `0.0`):
-            eta2, weight of the entropy on masked images, scaled by the discount. With `masked_branch_grad=False`
-            (official default) this term is a constant and contributes no gradient, as the official author confirmed
-            ([MikeWangWZHL/PAPO#20](https://github.com/MikeWangWZHL/PAPO/issues/20)); set
-            `masked_branch_grad=True` (with `masked_branch="update"`) for it to regularise. Official 3B: off; 7B: 0.05.
+            eta2, the entropy weight on masked images; a constant without `masked_branch_grad` (MikeWangWZHL/PAPO#20).
+            Official 3B: 0; 7B: 0.05.
 
         > Parameters that control the checks
 
         require_gpu_contract_probe (`bool`, defaults to `False`):
-            Run the gamma-zero reduction probe inside training until it has evidence (smoke and CI runs set
-            this true; main runs leave it false so no probe code runs at all).
+            Run the gamma-zero probe inside training until it has evidence (smoke and CI runs).
         measure_perception_kl (`bool`, defaults to `False`):
-            Run the masked branch even where nothing reads it (gamma 0 for the whole run, eta2 0, no probe), so the
-            perception KL and the masked entropy are logged: a GRPO arm of a study then shows whether it stops
-            looking at the image, and draws the same masks as its PAPO-G arms. Off, such a run skips the branch and
-            costs what GRPOTrainer costs.
+            Run the masked branch where nothing reads it (a GRPO arm), to log the perception KL.
         probe_max_degenerate_batches (`int`, defaults to `20`):
-            How many image-invariant batches (mean perception KL exactly 0), and separately how many underpowered
-            batches (leak-detection power < 1), the probe may defer on before it ends.
+            Image-invariant (and, apart, underpowered) batches the probe may defer on.
         max_consecutive_nonfinite_grad_steps (`int`, defaults to `5`):
-            An optimizer step whose gradient norm is not finite is skipped (its gradients dropped, as the official
-            actor does:
-            [verl/workers/actor/dp_actor.py#L185-L188](https://github.com/MikeWangWZHL/PAPO/blob/fb63bf4/verl/workers/actor/dp_actor.py#L185-L188)),
-            logged and counted (`papo/nonfinite_grad_steps`); this many in a row stop the run with the norms seen.
+            A step with a non-finite gradient norm is skipped (as the official actor does); this many in a row stop
+            the run.
         trainer_token_suppression (`str` or `bool`, defaults to `"auto"`):
-            The tokens generation suppresses (the vision placeholders, `generation_kwargs`) are suppressed in the
-            trainer's log-probs too (`token_suppression.py`), so that sampler and trainer score one distribution.
-            `"auto"`: with `use_vllm`, whose importance-sampling ratio would read the renormalisation as off-policy
-            sampling; True also on the HF path (where it changes the trained numbers); False: never.
+            Suppress the tokens generation bans in the trainer's log-probs too; `"auto"`: with `use_vllm`.
         vllm_fidelity_every (`int`, defaults to `10`):
-            With `use_vllm`: the rollout-fidelity guard (`vllm_rollouts.py`) checks the first vLLM round and then every
-            this many rounds (0: the first only): vLLM's prompt ids must be the trainer's, and its sampling log-probs
-            within `vllm_fidelity_logprob_tolerance` of the trainer's on the same weights, else the run stops.
+            With `use_vllm`: vLLM rounds between rollout-fidelity checks after the first (0: the first only).
         vllm_fidelity_logprob_tolerance (`float`, defaults to `0.05`):
-            The largest mean |vLLM sampling log-prob - trainer log-prob| per completion token the guard accepts.
+            The largest mean |vLLM - trainer| log-prob per completion token the fidelity guard accepts.
 
         > GRPO fields whose defaults PAPO-G restates
 
         beta (`float`, defaults to `0.01`):
-            Reference KL coefficient (official `kl_coef` 1e-2, low_var_kl; the no-KL-reference recipes use 0).
+            Reference KL coefficient. Official `kl_coef`: 0.01.
         loss_type (`str`, defaults to `"bnpo"`):
-            GRPO loss aggregation, stated rather than inherited (TRL's default is `"dapo"`). `"bnpo"` is the official
-            `loss_avg_mode: token`: a token mean over each micro-batch divided by the accumulation steps. The PAPO
-            terms are normalised exactly like the policy term for every loss type.
+            Loss aggregation; `"bnpo"` is the official token mean (TRL's default is `"dapo"`).
     """
 
     perception_loss_weight: float = field(

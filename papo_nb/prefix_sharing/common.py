@@ -2,7 +2,7 @@
 model under its wrappers, the plain forward's rotary positions, and the one chunker of whole groups.
 
 The two paths: ``prefill.py`` (the no-grad masked branch: each prompt prefilled once, its key/value cache copied to
-its completions) and ``prefix_sharing.py`` (every log-prob forward: each group packed once, grouped attention).
+its completions) and ``sharing.py`` (every log-prob forward: each group packed once, grouped attention).
 """
 
 from __future__ import annotations

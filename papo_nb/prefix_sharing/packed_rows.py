@@ -14,7 +14,7 @@ is predicted at its own token ``t - 1``; ``logits_to_keep`` is the list of those
 runs on needed positions only.
 
 Tokens the completion mask drops (after the end of a completion) are not packed: their log-probs and entropies are
-0, where TRL's plain forward leaves values that the losses mask out (``prefix_sharing.py`` runs the plain path for
+0, where TRL's plain forward leaves values that the losses mask out (``sharing.py`` runs the plain path for
 the one aggregation that reads them, ``luspo`` with ``beta != 0``).
 """
 

@@ -19,9 +19,9 @@ adapter's masked branch run. Three forms exist, told apart by what the method do
   ``_entropy_bonus_enabled`` says (huggingface/trl#7077).
 
 The adapter's masked branch calls the parent's method, so it takes TRL's own path on every form (the fused one on
-1.15+). Prefix sharing computes each form's numbers from its packed rows (``forward/packed_head.py``: logits divided
+1.15+). Prefix sharing computes each form's numbers from its packed rows (``packed_head.py``: logits divided
 by the temperature, 1.14's ``selective_log_softmax(..., temperature=)``, 1.15+'s fused head called with
-``shift_labels`` on the packed rows' needed positions); the shared prompt prefix (``forward/prefill.py``) builds
+``shift_labels`` on the packed rows' needed positions); the shared prompt prefix (``papo/prefill.py``) builds
 logits as 1.9.1 does and falls back to the parent's method on the other forms, with one log line that says why
 (``prefill_reason``). ``contract.py`` pins each form's facts (``seam_violations``).
 """
@@ -65,7 +65,7 @@ FUSED_HEAD_STATEMENTS = (
 @dataclass(frozen=True)
 class LogpSeam:
     """One form of the parent's log-prob method: ``signature_method`` names its parameters; ``packed_paths`` says
-    whether prefix sharing reproduces its numbers (``forward/packed_head.py``), ``prefill_path`` whether the shared
+    whether prefix sharing reproduces its numbers (``packed_head.py``), ``prefill_path`` whether the shared
     prompt prefix does; ``summary`` is the form in a user's words."""
 
     name: str
@@ -235,7 +235,7 @@ def packed_path_reason(parent_class: type | None = None) -> str | None:
 
 
 def prefill_reason(parent_class: type | None = None) -> str | None:
-    """Why the shared prompt prefix (the no-grad masked branch, ``forward/prefill.py``) cannot run on the installed
+    """Why the shared prompt prefix (the no-grad masked branch, ``papo/prefill.py``) cannot run on the installed
     TRL, or None."""
     return _release_reason(installed_seam(parent_class), "prefill_path")
 

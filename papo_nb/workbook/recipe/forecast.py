@@ -20,7 +20,7 @@ What each part counts, per GPU (P parameters, N processes, B the micro-batch, T 
   (bf16 from the lm_head, converted to fp32 by ``convert_outputs_to_fp32``, kept for the backward, plus its fp32
   gradient): 10 bytes per logit.
 - masked_forward: the masked branch's no-grad forward (bf16 and fp32 logits): of one micro-batch at C + 1
-  positions, or with the shared prompt prefix (``papo.forward.prefill``, ``masked_forward`` auto) of one chunk of
+  positions, or with the shared prompt prefix (``papo.prefill``, ``masked_forward`` auto) of one chunk of
   whole prompts at C - 1 positions (``masked_logits``; the prefill's last-token logits, one row per prompt, apart).
 - generation: TRL 1.9.1 without vLLM generates the round's rows (B x steps_per_generation) in one
   ``model.generate``: their bf16 KV cache at full length, the next-token logits and probabilities and the prefill's
@@ -175,8 +175,8 @@ def setting(params, w: Widths, root: Path | None = None) -> Setting:
 
 def masked_form(params) -> dict:
     """Whether the masked branch takes the shared prompt prefix (the trainer's own choice from the config and the
-    installed TRL, ``papo.forward.prefill.plan``; every Qwen-VL family the forecast knows supports it) and how many
-    completion rows one of its forwards holds (``papo.forward.masked_branch``): once per round
+    installed TRL, ``papo.prefill.plan``; every Qwen-VL family the forecast knows supports it) and how many
+    completion rows one of its forwards holds (``papo.masked_branch``): once per round
     (``masked_branch='rollout'``: chunks of whole prompts of at most max(B, G) rows on one process, B rows under
     several) or per micro-batch (one prompt's rows, B under several; per-completion masks on one process leave no
     prompt with two rows: the full forward)."""
