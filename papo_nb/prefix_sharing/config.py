@@ -69,11 +69,7 @@ class PrefixSharingConfig(GRPOConfig):
 
     prefix_sharing: str | bool = field(
         default="auto",
-        metadata={
-            "help": "Each prompt group one packed row in every forward: 'auto' (where supported, first batch "
-            "checked), True (forced) or False.",
-            "choices": AUTO_OR_BOOL,
-        },
+        metadata={"help": "Each prompt group packed once in every log-prob forward.", "choices": AUTO_OR_BOOL},
     )
     grouped_attention_kernel: str = field(
         default="auto",
