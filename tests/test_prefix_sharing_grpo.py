@@ -83,3 +83,12 @@ def test_the_config_refuses_a_forced_sharing_without_whole_groups(tmp_path):
                             prefix_sharing=True, use_cpu=True)  # fmt: skip
     with pytest.raises(ValueError, match=r"PrefixSharingConfig\.grouped_attention_kernel='triton' is invalid"):
         PrefixSharingConfig(output_dir=str(tmp_path), grouped_attention_kernel="triton", use_cpu=True)
+
+
+def test_the_mixin_refuses_a_config_without_its_fields_before_loading_the_model(tmp_path):
+    with pytest.raises(TypeError, match=r"SharedGRPOTrainer needs args=PrefixSharingConfig\(...\).*got GRPOConfig"):
+        SharedGRPOTrainer(
+            model="no/such-model",
+            reward_funcs=[length_reward],
+            args=GRPOConfig(output_dir=str(tmp_path), use_cpu=True),
+        )

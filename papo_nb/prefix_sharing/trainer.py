@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import functools
+import inspect
 
 from trl import GRPOTrainer
 
 from . import sharing, trl_seams
+from .config import SHARING_FIELD_RULES
 
 
 class PrefixSharingMixin:
@@ -31,6 +33,12 @@ class PrefixSharingMixin:
     TRL's own forwards under ``"auto"`` (PAPO-G at gamma 0 with nothing reading the masked branch)."""
 
     def __init__(self, *args, **kwargs):
+        config = inspect.signature(GRPOTrainer.__init__).bind(self, *args, **kwargs).arguments.get("args")
+        if not all(hasattr(config, name) for name in SHARING_FIELD_RULES):  # before the parent loads any model
+            raise TypeError(
+                f"{type(self).__name__} needs args=PrefixSharingConfig(...) (or a config with the fields "
+                f"{', '.join(SHARING_FIELD_RULES)}), got {type(config).__name__}"
+            )
         super().__init__(*args, **kwargs)
         self.prefix_sharing = sharing.PrefixSharing(
             self.args,
