@@ -26,9 +26,11 @@ from papo_nb.testbed.models import build_tiny_vlm, load_vlm, vision_special_toke
 from papo_nb.workbook.training.builder import lora_config
 
 FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
-# (log-probs and entropies: max abs error; gradients: per-parameter relative norm), per dtype. float64 gradients:
-# 1.8e-15 at worst over the three families with the models' float32 islands lifted (9.9e-8 with them in float32).
-TOLERANCE = {torch.float64: (1e-10, 1e-12), torch.float32: (1e-5, 1e-5)}
+# (log-probs and entropies: max abs error; gradients: per-parameter relative norm), per dtype. The float64 gradient
+# bound covers the models' float32 islands and TRL 1.15+'s fused head, which round a float64 backward (9.9e-8
+# measured); with the islands lifted, as below, float64 holds to FLOAT64_LIFTED (1.8e-15 at worst, three families).
+TOLERANCE = {torch.float64: (1e-10, 1e-6), torch.float32: (1e-5, 1e-5)}
+FLOAT64_LIFTED = 1e-12
 MAX_COMPLETION = 6
 TEMPERATURE = 0.7
 # prompt: (text, image sizes (width, height)); completions: their lengths (1, and MAX_COMPLETION: cut at the maximum)
@@ -206,6 +208,7 @@ def test_gradients_equal_the_plain_forward_per_parameter(setup, dtype, form, mon
     tolerance = TOLERANCE[dtype][1]
     if dtype == torch.float64:  # float64 throughout: the models' float32 islands in float64 (float64_islands.py)
         lift_float32_islands(monkeypatch)
+        tolerance = FLOAT64_LIFTED
     model = copy.deepcopy(setup["model"]).to(dtype)
     arguments = in_dtype(setup["arguments"], dtype)
     assert_layout_form(_packed_one(model, arguments), form)
