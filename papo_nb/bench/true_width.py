@@ -16,6 +16,7 @@ phases apart (``PhaseClock``). Beside each ratio stands the FLOP model's (``true
 ``auto``'s decision as the run made it. ``true_width_report`` renders the JSON into docs/performance.md.
 
     python -m papo_nb.bench.true_width --out docs/in_loop/true_width.json
+    python -m papo_nb.bench.true_width --remodel docs/in_loop/true_width.json   # the model again, nothing timed
 """
 
 from __future__ import annotations
@@ -227,7 +228,7 @@ def measure_cell(cell: Cell, args, work: Path) -> dict[str, Any]:
     peaks = peaks_mib(trainers, clock, args, 1)
     runs = interleaved_runs(trainers, clock, layout, args)
     shape = trainers["papo_shared"].phase_clock.tokens
-    text = core_model(setup.model).config
+    config = core_model(setup.model).config
     record: dict[str, Any] = dict(
         asdict(cell),
         cell=cell.name,
@@ -244,9 +245,19 @@ def measure_cell(cell: Cell, args, work: Path) -> dict[str, Any]:
     record["shared_over_grpo"] = ratio_spread(runs, "papo_shared", "grpo")
     record["plain_over_grpo"] = ratio_spread(runs, "papo_rollout", "grpo")
     record["phase_ratios"] = phase_ratios(record["variants"])
-    record["model"] = flop_model.prediction(text, cell, shape["P"], shape["R"])
-    record["model_shared_over_plain"] = record["model"]["step"]["shared_over_plain"]
     record["auto_decision"] = auto_decision(trainers["papo_shared"])
+    return with_model(record, config)
+
+
+def with_model(record: dict[str, Any], config=None) -> dict[str, Any]:
+    """``record`` with the FLOP model's prediction at its cell and measured P and R (``config``: the cell's model
+    configuration, default the published one at the cell's depth)."""
+    from papo_nb.workbook.recipe.architectures import published_config, with_depth
+
+    cell = Cell(**{key: record[key] for key in Cell.__dataclass_fields__})
+    config = config or with_depth(published_config(cell.family), cell.layers)
+    record["model"] = flop_model.prediction(config, cell, record["P"], record["R"])
+    record["model_shared_over_plain"] = record["model"]["step"]["shared_over_plain"]
     return record
 
 
@@ -286,6 +297,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--long-repeats", type=int, default=None, help="rounds of cells at R >= 1024 (default: same)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--append", action="store_true", help="add the cells to --out's kept cells (one run each)")
     args = parser.parse_args(argv)
     try:
         args.cells = parse_cells(args.cells)
@@ -300,29 +312,39 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
+    if argv is None:
+        argv = sys.argv[1:]
+    if argv[:1] == ["--remodel"]:  # the FLOP model again over a kept measurement (its P and R), nothing timed
+        path = Path(argv[1])
+        results = json.loads(path.read_text())
+        results["cells"] = [with_model(record) for record in results["cells"]]
+        path.write_text(json.dumps(results, indent=1))
+        return 0
     args = parse_args(argv)
     torch.set_num_threads(1)
-    results: dict[str, Any] = dict(
+    kept = args.append and args.out is not None and args.out.exists()
+    results = json.loads(args.out.read_text()) if kept else dict(clock="cpu", threads=1, cells=[], runs=[])
+    run: dict[str, Any] = dict(
+        command=" ".join(["python -m papo_nb.bench.true_width", *argv]),
         threads=torch.get_num_threads(),
         omp_num_threads=os.environ.get("OMP_NUM_THREADS"),
-        repeats=args.repeats,
-        long_repeats=args.long_repeats,
         warmup="the peak measurement: one untimed train() per variant",
-        clock="cpu",
         load_before=[round(x, 2) for x in os.getloadavg()],
-        cells=[],
+        cells=[cell.name for cell in args.cells],
     )
+    results["runs"].append(run)
+    results["threads"] = max(r["threads"] for r in results["runs"])
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="papo_true_width_") as work:
         for cell in args.cells:
             rounds = args.long_repeats if cell.completion_length >= 1024 else args.repeats
             cell_args = argparse.Namespace(**{**vars(args), "repeats": rounds})
             results["cells"].append(measure_cell(cell, cell_args, Path(work) / cell.name))
-            results["wall_s"] = time.perf_counter() - started
+            run["wall_s"] = time.perf_counter() - started
             if args.out:  # after every cell: a run cut short keeps what it measured
                 args.out.write_text(json.dumps(results, indent=1))
             print(f"{cell.name} done at {time.perf_counter() - started:.0f} s", file=sys.stderr, flush=True)
-    results["load_after"] = [round(x, 2) for x in os.getloadavg()]
+    run["load_after"] = [round(x, 2) for x in os.getloadavg()]
     if args.out:
         args.out.write_text(json.dumps(results, indent=1))
     return 0

@@ -1,15 +1,10 @@
 """The FLOP model of one optimizer step at true widths, per phase, beside ``true_width``'s measurement.
 
-``attention_cost`` (what ``prefix_sharing="auto"`` decides from) counts the text decoder only: it leaves out the
-vocabulary head (both paths run it on the completion positions alone) and the vision tower (sharing runs it once per
-group, not once per row). At full depth the decoder is most of a step; at the one or two layers a CPU can train at
-true widths the head (2,048 x 151,936 per completion token, 4 decoder layers' worth) and the tower are not, so the
-step's model here adds both to ``attention_cost``'s decoder count:
-
-- decoder: ``attention_cost.per_group`` (plain rows unpadded: completions run to full length here, or grouped);
-- head: ``2 * hidden * vocab`` per completion token, on both paths;
-- vision: per image, each block's linear layers per patch and its attention pairs (a window's 64 patches, or every
-  patch in a full-attention block), and the patch merger; G images on the plain path, one on the shared.
+Each forward is what ``attention_cost`` counts for a log-prob call (``prefix_sharing="auto"``'s model): the text
+decoder (plain rows unpadded, completions run to full length here; or one grouped row), the vocabulary head on every
+completion token (both paths alike) and the vision tower on the images (G on the plain path, one on the shared). At
+the one or two layers a CPU trains at true widths the head (2,048 x 151,936 per completion token, four decoder
+layers' worth) and the tower are much of a step; at full depth the decoder is most of it.
 
 Phases, in forwards of each part: the training forward and backward (LoRA: decoder linear x3 (forward, checkpointing's
 recompute, input gradient), attention x4 (its backward is two products), head x2, tower x3; full fine-tuning adds
@@ -30,39 +25,22 @@ from typing import Any
 
 from papo_nb.papo.forward import attention_cost
 
-WINDOW_PATCHES = 64  # Qwen2.5-VL's vision window: 112 pixels, 8 x 8 patches of 14
-
-
-def vision_flops(vision, patches: int, depth: int | None = None) -> float:
-    """One image's forward FLOPs through ``depth`` blocks (default the config's) and the patch merger."""
-    depth = vision.depth if depth is None else depth
-    h = getattr(vision, "hidden_size", None) or vision.embed_dim
-    inter = getattr(vision, "intermediate_size", 0) or h * vision.mlp_ratio
-    full = {i for i in (getattr(vision, "fullatt_block_indexes", None) or range(depth)) if i < depth}
-    linear = 2 * (4 * h * h + 3 * h * inter)  # fused qkv, proj, gated MLP
-    pairs = sum(patches * (patches if i in full else WINDOW_PATCHES) for i in range(depth))
-    merge = vision.spatial_merge_size**2
-    merger = 2 * (patches // merge) * (merge * h * merge * h + merge * h * vision.out_hidden_size)
-    return depth * patches * linear + 4 * h * pairs + merger
-
 
 def parts(config, P: float, R: float, G: int, patches: int) -> dict[str, dict[str, float]]:
     """Forward FLOPs of one prompt group per part and path (``plain``: G rows; ``shared``: one packed group)."""
-    text = config.get_text_config()
-    widths = attention_cost.TextWidths.of(text)
+    widths = attention_cost.TextWidths.of(config.get_text_config())
+    vision = attention_cost.VisionWidths.of(config.vision_config)
     decoder = attention_cost.per_group(widths, round(P), round(R), G, padded=False)
     pairs = {
         "plain": G * attention_cost.causal_pairs(round(P + R)),
         "shared": min(attention_cost.grouped_forms(round(P), round(R), G).values()),
     }
-    head = 2 * text.hidden_size * text.vocab_size * G * R
-    image = vision_flops(config.vision_config, patches)
     return {
         path: dict(
             decoder=decoder[key],
             attention_share=pairs[path] * widths.pair_flops / decoder[key],
-            head=head,
-            vision=image * n,
+            head=widths.head_flops(G * R),
+            vision=vision.image_flops(patches) * n,
         )  # fmt: skip
         for path, key, n in (("plain", "plain", G), ("shared", "grouped", 1))
     }

@@ -56,7 +56,7 @@ def row(r: dict[str, Any]) -> str:
     peaks = " / ".join(f"{r['variants'][v]['peak_mib']:.0f}" for v in VARIANTS)
     cells = [
         FAMILY_NAMES.get(r["family"], r["family"]), str(r["layers"]), r["finetuning"], str(r["num_generations"]),
-        f"{r['max_pixels']:,}", f"{r['P']:.0f}", f"{r['R']:.0f}",
+        f"{r['max_pixels']:,}", f"{r['P']:.0f}", f"{r['R']:.0f}", str(r["repeats"]),
         spread(r["shared_over_plain"]), f"{r['model_shared_over_plain']:.3f}",
         f"{phases['training']:.3f} / {model['training']:.3f}",
         f"{phases['round_logps']:.3f} / {model['reference']:.3f}",
@@ -70,21 +70,24 @@ def row(r: dict[str, Any]) -> str:
 
 
 def header(results: dict[str, Any]) -> str:
-    loads = [*results["load_before"], *results.get("load_after", results["load_before"])]
+    runs = results["runs"]
+    loads = [x for run in runs for x in (*run["load_before"], *run.get("load_after", run["load_before"]))]
+    rounds = sorted({r["repeats"] for r in results["cells"]})
     return (
-        f"{results['threads']} thread, {results['repeats']} interleaved rounds per cell after a warm-up round that "
-        "measures the peaks, one optimizer step per round, process CPU seconds per optimizer step without the "
-        "sampling call; ratios are the median [min, max] of per-round ratios; phases shared / plain PAPO-G measured / "
-        "modelled (training: the loss forward and the backward; reference: the round's log-probs beyond sampling and "
-        "the masked branch); peak MiB is resident memory above the start of the warm-up's untimed `train()` "
-        f"(`memory.rss_peak`); the whole run took {results['wall_s'] / 60:.0f} minutes at load average "
-        f"{min(loads):.2f} to {max(loads):.2f}."
+        f"{results['threads']} thread, {' or '.join(map(str, rounds))} interleaved timed rounds per cell (column "
+        "'rounds') after a warm-up round that measures the peaks, one optimizer step per round, process CPU seconds "
+        "per optimizer step without the sampling call; ratios are the median [min, max] of per-round ratios; phases "
+        "shared / plain PAPO-G measured / modelled (training: the loss forward and the backward; reference: the "
+        "round's log-probs beyond sampling and the masked branch); peak MiB is resident memory above the start of the "
+        f"warm-up's untimed `train()` (`memory.rss_peak`); {len(runs)} run(s) of "
+        f"{sum(run['wall_s'] for run in runs) / 60:.0f} minutes in all at load average {min(loads):.2f} to "
+        f"{max(loads):.2f}."
     )
 
 
 def table(results: dict[str, Any]) -> str:
     columns = (
-        "model", "K", "tuning", "G", "max pixels", "P", "R", "shared / plain PAPO-G", "FLOP model",
+        "model", "K", "tuning", "G", "max pixels", "P", "R", "rounds", "shared / plain PAPO-G", "FLOP model",
         "training phase measured / model", "reference phase measured / model", "masked branch measured / model",
         "shared / GRPO", "FLOP model shared / GRPO", "FLOP model at 36 layers: shared / plain, / GRPO",
         "auto's decision", "peak MiB shared / plain / GRPO", "plain s/step", "within 15% of the model",
