@@ -257,16 +257,22 @@ def peaks_mib(trainers: dict, clock: GenerateClock, args, steps: int) -> dict[st
 
 def interleaved_runs(trainers: dict, clock: GenerateClock, layout: Layout, args) -> dict[str, list[dict[str, Any]]]:
     """``args.repeats`` rounds of one ``train()`` per variant, the order rotated each round, after ``args.warmup``
-    short untimed rounds (first-call costs off the clock)."""
+    short untimed rounds (first-call costs off the clock); with ``args.deadline`` (``time.time()``, optional) no round
+    starts that the last one's length says would end past it (at least one round runs)."""
     names = tuple(trainers)
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in names}
     for _ in range(args.warmup):
         for name in names:
             one_run(trainers[name], clock, args.device, layout.steps_per_round)
+    deadline, last = getattr(args, "deadline", None), 0.0
     for round_index in range(args.repeats):
+        if deadline is not None and round_index and time.time() + last > deadline:
+            break
+        started = time.time()
         order = names[round_index % len(names) :] + names[: round_index % len(names)]
         for name in order:
             runs[name].append(one_run(trainers[name], clock, args.device, args.steps))
+        last = time.time() - started
     return runs
 
 

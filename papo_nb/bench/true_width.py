@@ -41,9 +41,11 @@ from papo_nb.bench.in_loop_measure import (
     Layout,
     interleaved_runs,
     median_run,
+    one_run,
     peaks_mib,
     variant_trainers,
 )
+from papo_nb.bench.memory import rss_peak
 from papo_nb.bench.rehearsal import contiguous_head_input, rehearsal_model
 from papo_nb.bench.rehearsal_measure import wrap_method
 
@@ -83,6 +85,8 @@ class PhaseClock:
         self.name = name
         self.seconds = {"loss_forward": 0.0, "backward": 0.0, "round_logps": 0.0}
         self.tokens: dict[str, float] = {}  # the last round's mean prompt (image included) and completion tokens
+        self.peaks_mib: list[float] | None = None  # a list: each train()'s resident high-water mark above its start
+        wrap_method(trainer, "train", self.train)
         self.generate_clock = generate_clock
         self.branch = getattr(getattr(trainer, "masked_branch", None), "clock", None)
         wrap_method(trainer, "compute_loss", self.timed("loss_forward"))
@@ -99,6 +103,14 @@ class PhaseClock:
                 self.seconds[phase] += time.process_time() - start
 
         return around
+
+    def train(self, original, *args, **kwargs):
+        if self.peaks_mib is None:
+            return original(*args, **kwargs)
+        out = {}
+        measured = rss_peak(lambda: out.setdefault("result", original(*args, **kwargs)))
+        self.peaks_mib.append(measured["peak_bytes"] / 2**20)
+        return out["result"]
 
     def inner(self) -> float:
         return self.generate_clock.cpu_seconds + (self.branch.cpu_seconds if self.branch else 0.0)
@@ -223,10 +235,7 @@ def measure_cell(cell: Cell, args, work: Path) -> dict[str, Any]:
         PhaseClock(trainer, clock, name)
         if getattr(trainer, "ref_model", None) is not None:  # a full fine-tune's own reference copy
             contiguous_head_input(trainer.ref_model)
-    # the warm-up round is the peak measurement: one untimed train() per variant (first-call costs and auto's
-    # first-batch check off the clock), then the timed rounds
-    peaks = peaks_mib(trainers, clock, args, 1)
-    runs = interleaved_runs(trainers, clock, layout, args)
+    runs, peaks, peak_source = warm_and_time(trainers, clock, layout, args)
     shape = trainers["papo_shared"].phase_clock.tokens
     config = core_model(setup.model).config
     record: dict[str, Any] = dict(
@@ -237,6 +246,7 @@ def measure_cell(cell: Cell, args, work: Path) -> dict[str, Any]:
         gradient_checkpointing=bool(core_model(setup.model).is_activation_checkpointing),
         P=shape["P"],
         R=shape["R"],
+        peak_source=peak_source,
         variants={},
     )
     for name in VARIANTS:
@@ -259,6 +269,26 @@ def with_model(record: dict[str, Any], config=None) -> dict[str, Any]:
     record["model"] = flop_model.prediction(config, cell, record["P"], record["R"])
     record["model_shared_over_plain"] = record["model"]["step"]["shared_over_plain"]
     return record
+
+
+def warm_and_time(trainers: dict, clock: GenerateClock, layout: Layout, args) -> tuple[dict, dict, str]:
+    """The warm-up and the timed rounds: ``(runs, peaks, how the peaks were measured)``. By default the warm-up is
+    the peak measurement, one untimed train() per variant (first-call costs and auto's first-batch check off the
+    clock). With ``args.light_warmup`` (a cell too long for a whole warm-up round in the time there is) only the
+    shared variant warms up (auto's check), and each variant's peak is the median of its timed train() calls'
+    (``rss_peak``: its 128 KiB mmap threshold in force during every variant's timed calls alike)."""
+    if not args.light_warmup:
+        peaks = peaks_mib(trainers, clock, args, 1)
+        return interleaved_runs(trainers, clock, layout, args), peaks, "warm-up train(), rss_peak"
+    one_run(trainers["papo_shared"], clock, "cpu", 1)
+    for trainer in trainers.values():
+        trainer.phase_clock.peaks_mib = []
+    runs = interleaved_runs(trainers, clock, layout, args)
+    peaks = {}
+    for name, trainer in trainers.items():
+        measured, trainer.phase_clock.peaks_mib = trainer.phase_clock.peaks_mib, None
+        peaks[name] = dict(peak_mib=statistics.median(measured), peak_mib_runs=measured)
+    return runs, peaks, "timed train() calls, rss_peak"
 
 
 def phase_ratios(variants: dict[str, dict[str, Any]]) -> dict[str, float | None]:
@@ -290,6 +320,19 @@ def parse_cells(text: str) -> list[Cell]:
     return cells
 
 
+def deadline_epoch(text: str, parser: argparse.ArgumentParser) -> float:
+    """``--deadline HH:MM`` (UTC) as epoch seconds: today's, or tomorrow's if today's has passed."""
+    import datetime as dt
+
+    try:
+        hour, minute = (int(x) for x in text.split(":"))
+        now = dt.datetime.now(dt.UTC)
+        when = now.replace(hour=hour, minute=minute, second=0, microsecond=0)
+    except ValueError:
+        parser.error(f"--deadline={text!r}: allowed a UTC time HH:MM, e.g. 00:35")
+    return (when if when > now else when + dt.timedelta(days=1)).timestamp()
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--cells", default="required", help="'required' and/or K:G:pixels:R[:full], comma-separated")
@@ -298,12 +341,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--append", action="store_true", help="add the cells to --out's kept cells (one run each)")
+    parser.add_argument("--light-warmup", action="store_true", help="warm up the shared variant alone (see below)")
+    parser.add_argument("--deadline", default=None, help="UTC HH:MM: no timed round starts that would end after it")
     args = parser.parse_args(argv)
     try:
         args.cells = parse_cells(args.cells)
     except ValueError as exc:
         parser.error(str(exc))
     args.long_repeats = args.long_repeats or args.repeats
+    if args.deadline is not None:
+        args.deadline = deadline_epoch(args.deadline, parser)
     if min(args.repeats, args.long_repeats) < 1:
         parser.error(f"--repeats={args.repeats} --long-repeats={args.long_repeats}: at least 1 each")
     # what in_loop_measure's interleaved rounds and peaks read: the peak round is the warm-up

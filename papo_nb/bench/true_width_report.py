@@ -63,7 +63,8 @@ def row(r: dict[str, Any]) -> str:
         f"{phases['masked']:.3f} / {model['masked']:.3f}",
         spread(r["shared_over_grpo"]), f"{r['model']['step']['shared_over_grpo']:.3f}",
         f"{r['model']['full_depth']['shared_over_plain']:.3f} / {r['model']['full_depth']['shared_over_grpo']:.3f}",
-        r["auto_decision"], peaks, f"{r['variants']['papo_rollout']['no_sampling_cpu_s']:.1f}",
+        r["auto_decision"], peaks, "warm-up" if r["peak_source"].startswith("warm-up") else "timed",
+        f"{r['variants']['papo_rollout']['no_sampling_cpu_s']:.1f}",
         "yes" if within_model(r) else "NO",
     ]  # fmt: skip
     return "| " + " | ".join(cells) + " |"
@@ -72,16 +73,16 @@ def row(r: dict[str, Any]) -> str:
 def header(results: dict[str, Any]) -> str:
     runs = results["runs"]
     loads = [x for run in runs for x in (*run["load_before"], *run.get("load_after", run["load_before"]))]
-    rounds = sorted({r["repeats"] for r in results["cells"]})
     return (
-        f"{results['threads']} thread, {' or '.join(map(str, rounds))} interleaved timed rounds per cell (column "
-        "'rounds') after a warm-up round that measures the peaks, one optimizer step per round, process CPU seconds "
-        "per optimizer step without the sampling call; ratios are the median [min, max] of per-round ratios; phases "
-        "shared / plain PAPO-G measured / modelled (training: the loss forward and the backward; reference: the "
-        "round's log-probs beyond sampling and the masked branch); peak MiB is resident memory above the start of the "
-        f"warm-up's untimed `train()` (`memory.rss_peak`); {len(runs)} run(s) of "
-        f"{sum(run['wall_s'] for run in runs) / 60:.0f} minutes in all at load average {min(loads):.2f} to "
-        f"{max(loads):.2f}."
+        f"{results['threads']} thread; per cell the interleaved timed rounds (column 'rounds'), one optimizer step "
+        "each, after a warm-up; process CPU seconds per optimizer step without the sampling call; ratios are the "
+        "median [min, max] of per-round ratios; phases shared / plain PAPO-G measured / modelled (training: the loss "
+        "forward and the backward; reference: the round's log-probs beyond sampling and the masked branch); peak MiB "
+        "is resident memory above the start of a `train()` (`memory.rss_peak`), column 'peaks': 'warm-up' where the "
+        "warm-up round (one untimed `train()` per variant) measured it, 'timed' where only the shared variant warmed "
+        "up (auto's first-batch check) and each peak is the median of the variant's timed calls, the 128 KiB mmap "
+        f"threshold in force during all of them; {len(runs)} run(s) of {sum(run['wall_s'] for run in runs) / 60:.0f} "
+        f"minutes in all at load average {min(loads):.2f} to {max(loads):.2f}."
     )
 
 
@@ -90,7 +91,7 @@ def table(results: dict[str, Any]) -> str:
         "model", "K", "tuning", "G", "max pixels", "P", "R", "rounds", "shared / plain PAPO-G", "FLOP model",
         "training phase measured / model", "reference phase measured / model", "masked branch measured / model",
         "shared / GRPO", "FLOP model shared / GRPO", "FLOP model at 36 layers: shared / plain, / GRPO",
-        "auto's decision", "peak MiB shared / plain / GRPO", "plain s/step", "within 15% of the model",
+        "auto's decision", "peak MiB shared / plain / GRPO", "peaks", "plain s/step", "within 15% of the model",
     )  # fmt: skip
     lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     return "\n".join([header(results), "", *lines, *(row(r) for r in records(results))])
