@@ -250,7 +250,12 @@ def measure_cell(cell: Cell, args, work: Path) -> dict[str, Any]:
         variants={},
     )
     for name in VARIANTS:
-        record["variants"][name] = {**median_run(runs[name]), **peaks[name]}
+        plan = getattr(trainers[name], "forward_plan", None)  # as it stood after the runs (TRL's GRPO: none)
+        record["variants"][name] = {
+            **median_run(runs[name]),
+            **peaks[name],
+            "forward_plan": None if plan is None else plan.describe(),
+        }
     record["shared_over_plain"] = ratio_spread(runs, "papo_shared", "papo_rollout")
     record["shared_over_grpo"] = ratio_spread(runs, "papo_shared", "grpo")
     record["plain_over_grpo"] = ratio_spread(runs, "papo_rollout", "grpo")
