@@ -17,6 +17,7 @@ phases apart (``PhaseClock``). Beside each ratio stands the FLOP model's (``true
 
     python -m papo_nb.bench.true_width --out docs/in_loop/true_width.json
     python -m papo_nb.bench.true_width --remodel docs/in_loop/true_width.json   # the model again, nothing timed
+    python -m papo_nb.bench.true_width --rates    # one thread's rate of the vision tower and the vocabulary head
 """
 
 from __future__ import annotations
@@ -363,9 +364,44 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+def part_rates(seed: int = 0) -> dict[str, float]:
+    """One thread's no-grad rate (GFLOP/s, bf16 autocast) of the step model's parts at Qwen2.5-VL-3B widths, K 1: the
+    vision tower on one 1,003,520-pixel image and the vocabulary head on 1,280 positions (G 5 x R 256), and the
+    seconds of TRL's fp32 log-softmax over those positions' logits (work the FLOP model does not count)."""
+    from papo_nb.papo.forward import attention_cost
+
+    torch.set_num_threads(1)
+    model, _ = rehearsal_model(QWEN25_3B, 1, seed=seed, min_pixels=MIN_PIXELS, max_pixels=1003520)
+    text = model.config.get_text_config()
+    grid, positions = torch.tensor([[1, 64, 80]]), 1280  # 5,120 patches of 14 pixels
+    pixels = torch.randn(5120, 3 * 2 * 14 * 14, dtype=torch.bfloat16)
+    hidden = torch.randn(positions, text.hidden_size, dtype=torch.bfloat16)
+
+    def seconds(run) -> float:
+        run()  # first call off the clock
+        start = time.process_time()
+        run()
+        return time.process_time() - start
+
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        vision = seconds(lambda: model.model.visual(pixels, grid_thw=grid))
+        head = seconds(lambda: model.lm_head(hidden))
+        logits = model.lm_head(hidden).float()
+        softmax = seconds(lambda: torch.log_softmax(logits, -1))
+    image = attention_cost.VisionWidths.of(model.config.vision_config).image_flops(5120)
+    return dict(
+        vision_gflops=image / vision / 1e9,
+        head_gflops=attention_cost.TextWidths.of(text).head_flops(positions) / head / 1e9,
+        log_softmax_s=softmax,
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     if argv is None:
         argv = sys.argv[1:]
+    if argv[:1] == ["--rates"]:  # the parts' kernel rates on this machine, nothing trained
+        print(json.dumps(part_rates(), indent=1))
+        return 0
     if argv[:1] == ["--remodel"]:  # the FLOP model again over a kept measurement (its P and R), nothing timed
         path = Path(argv[1])
         results = json.loads(path.read_text())
