@@ -9,9 +9,10 @@ case in training) and ``B L (L + 1) / 2`` where it has none; the grouped path co
 ``n`` completions of ``R``, the cheaper of its two forms (``grouped_forms``, ``grouped_attention.py``), never more
 than the plain path's unpadded count. A log-prob call also runs the vocabulary head on its needed positions
 (``TextWidths.head_flops``: the same on both paths) and the vision tower on its images (``VisionWidths``: once per
-row's image on the plain path, once per group's on the packed one); ``call_flops`` adds both. Leaving them out
-put shared / plain at 0.34 where a measured no-grad call at true Qwen2.5-VL-3B widths, one layer and block, costs
-about 0.39 (docs/performance.md, issue 64): at that depth the head is four decoder layers' worth per completion token.
+row's image on the plain path, once per group's on the packed one); ``call_flops`` adds both. At true
+Qwen2.5-VL-3B widths, one layer and block, G 5, R 256, the decoder alone put a call's shared / plain at 0.34, the
+whole call at 0.39: the head there is four decoder layers' worth per completion token (docs/performance.md, issue 64,
+where the measured call on one CPU thread, whose head product runs four times the tower's rate, took 0.29).
 
 ``dense_packed`` is the layout grouped attention replaced (one ``W x W`` mask over ``W = P + G R``), kept to show
 where it lost: at Qwen2.5-VL-3B's widths, P 1100, G 8, it cost 1.15x the padded plain path at R 2048 and 1.79x at
