@@ -3,21 +3,23 @@ kept in docs/in_loop/: the whole grid, measured under checkpointing with sharing
 that follows from its numbers. Not a timed test: the timings are the committed measurement's."""
 
 import copy
+from pathlib import Path
 
 import pytest
 
 from papo_nb.bench import in_loop, in_loop_grid
 
+ROOT = Path(__file__).resolve().parents[1]
 RELEASES, FAMILIES, GROUPS, COMPLETIONS = ("1.9.1", "1.16.0"), ("qwen2_5_vl", "qwen3_vl"), (5, 8), (256, 1024)
 
 
 @pytest.fixture(scope="module")
 def runs():
-    return in_loop_grid.load()
+    return in_loop_grid.load(ROOT)
 
 
 def test_committed_table_is_the_renderers_output_of_the_committed_json(runs):
-    text = in_loop_grid.DOC.read_text()
+    text = (ROOT / in_loop_grid.DOC).read_text()
     assert in_loop_grid.document(text, runs) == text, (
         "docs/performance.md's in-loop table is stale: python -m papo_nb.bench.in_loop_grid --write"
     )

@@ -21,6 +21,7 @@ from papo_nb.papo import PAPOGConfig, PAPOGTrainer
 from papo_nb.papo.forward_plan import forward_plan
 from papo_nb.prefix_sharing import attention_cost, grouped_attention, packed_head
 from papo_nb.prefix_sharing import sharing as prefix_sharing
+from papo_nb.prefix_sharing.common import core_model
 from papo_nb.prefix_sharing.prompt_identity import group_samples
 from papo_nb.testbed.models import build_tiny_vlm, load_vlm, vision_special_token_ids
 from papo_nb.workbook.training.builder import lora_config
@@ -412,9 +413,20 @@ def test_the_cost_guard_counts_the_calls_pairs_and_runs_plain_where_sharing_woul
         expected_pairs += min(forms.values()) if forms else attention_cost.causal_pairs(prompt)
     assert batch.layout.pairs == expected_pairs
     widths = attention_cost.TextWidths.of(grouped_attention.text_config(model))
+    vision = attention_cost.VisionWidths.of(core_model(model).config.vision_config)
     rows, width = arguments["input_ids"].shape
     tokens = batch.segments.shape[1]
-    expected = widths.flops(tokens, batch.layout.pairs) / widths.flops(rows * width, rows * width**2)
+    # the head on every needed position, the tower on each row's image (plain) or each group's (packed)
+    grids = arguments["image_grid_thw"]
+    assert len(batch.model_inputs["image_grid_thw"]) < len(grids)  # each group's images once, not each row's
+    plain_extra = widths.head_flops(rows * MAX_COMPLETION) + sum(vision.image_flops(int(n)) for n in grids.prod(-1))
+    packed_grids = batch.model_inputs["image_grid_thw"]
+    shared_extra = widths.head_flops(len(batch.targets)) + sum(
+        vision.image_flops(int(n)) for n in packed_grids.prod(-1)
+    )
+    expected = (widths.flops(tokens, batch.layout.pairs) + shared_extra) / (
+        widths.flops(rows * width, rows * width**2) + plain_extra
+    )
     assert prefix_sharing.predicted_cost_ratio(model, arguments, [batch]) == pytest.approx(expected) and expected < 1
     metrics = trainer._metrics["train"]
     for key in (prefix_sharing.METRIC, prefix_sharing.COST_METRIC):
@@ -423,7 +435,7 @@ def test_the_cost_guard_counts_the_calls_pairs_and_runs_plain_where_sharing_woul
         trainer._get_per_token_logps_and_entropies(model, **arguments)
     assert metrics[prefix_sharing.METRIC] == [1.0] and metrics[prefix_sharing.COST_METRIC] == [pytest.approx(expected)]
     # A layout costing more than the plain rows (the dense W x W one did at long completions) must run plain.
-    monkeypatch.setattr(prefix_sharing, "shared_flops", lambda w, b: 2 * attention_cost.plain(w, rows, width))
+    monkeypatch.setattr(prefix_sharing, "predicted_cost_ratio", lambda *args: 2.0)
     with torch.no_grad(), caplog.at_level("WARNING", logger="papo_nb.prefix_sharing.sharing"):
         guarded = trainer._get_per_token_logps_and_entropies(model, **arguments)
         assert torch.equal(guarded[0], plain(trainer, model, arguments)[0])

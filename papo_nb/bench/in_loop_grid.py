@@ -1,30 +1,30 @@
 """The in-loop table of docs/performance.md: shared PAPO-G (``prefix_sharing=True``) against plain PAPO-G and
 TRL's GRPO inside ``trainer.train()``, one row per TRL release, family, G and R, with a verdict from the numbers. It
 renders the benchmark's JSON kept in ``docs/in_loop/`` (written by ``benchmarks/in_loop_grid.sh``, one file per
-release, family and completion length) into docs/performance.md between its markers. Regenerate with
-``python -m papo_nb.bench.in_loop_grid --write`` (without it: print the table); tests/test_in_loop_grid.py fails when
-the committed table differs from what this makes of the committed JSON."""
+release, family and completion length) into docs/performance.md between its markers. Regenerate from the
+repository root with ``python -m papo_nb.bench.in_loop_grid --write`` (``--root DIR`` for another checkout; without
+``--write``: print the table); tests/test_in_loop_grid.py fails when the committed table differs from what this makes
+of the committed JSON."""
 
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 from typing import Any
 
-from papo_nb.workbook.doc_blocks import replace_block
+from papo_nb.workbook.doc_blocks import block_command, replace_block
 
-ROOT = Path(__file__).resolve().parents[2]
-RESULTS = ROOT / "docs" / "in_loop"
-DOC = ROOT / "docs" / "performance.md"
+RESULTS = Path("docs") / "in_loop"  # under the repository root the caller names
+DOC = Path("docs") / "performance.md"
 BEGIN, END = "<!-- in-loop grid: begin -->", "<!-- in-loop grid: end -->"
 SHARED, PLAIN = "papo_shared", "papo_rollout"
 FAMILY_NAMES = {"qwen2_5_vl": "Qwen2.5-VL", "qwen3_vl": "Qwen3-VL", "qwen2_vl": "Qwen2-VL"}
 
 
-def load(folder: Path = RESULTS) -> list[dict[str, Any]]:
-    """Every benchmark run kept in ``folder``, by release, family and completion length."""
-    runs = [json.loads(path.read_text()) for path in folder.glob("*.json")]
+def load(root: Path) -> list[dict[str, Any]]:
+    """Every benchmark run kept in ``root``'s docs/in_loop/ (the tiny-width grid; not the true-width cells), by
+    release, family and completion length."""
+    runs = [json.loads(path.read_text()) for path in (root / RESULTS).glob("trl*.json")]
     return sorted(runs, key=lambda r: (tuple(int(x) for x in r["trl"].split(".")), r["family"], r["completion"]))
 
 
@@ -135,8 +135,10 @@ def document(text: str, runs: list[dict[str, Any]]) -> str:
     return replace_block(text, f"{table(runs)}\n", (BEGIN, END))
 
 
+def main(argv: list[str] | None = None) -> int:
+    description = "docs/performance.md's in-loop table from docs/in_loop/trl*.json"
+    return block_command(argv, description, DOC, load, document, table)
+
+
 if __name__ == "__main__":
-    if "--write" in sys.argv:
-        DOC.write_text(document(DOC.read_text(), load()))
-    else:
-        print(table(load()))
+    raise SystemExit(main())

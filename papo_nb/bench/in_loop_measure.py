@@ -100,9 +100,17 @@ def model_setup(
 
 
 def variant_trainers(
-    setup: harness.BenchSetup, layout: Layout, variants: tuple[str, ...], *, completion: int, device: str, bf16: bool
+    setup: harness.BenchSetup,
+    layout: Layout,
+    variants: tuple[str, ...],
+    *,
+    completion: int,
+    device: str,
+    bf16: bool,
+    sharing: bool | str = True,
 ) -> dict:
-    """One trainer per name in ``variants`` on ``setup``'s model, each generating ``completion`` tokens exactly."""
+    """One trainer per name in ``variants`` on ``setup``'s model, each generating ``completion`` tokens exactly;
+    ``sharing``: the shared variants' ``prefix_sharing`` (``"auto"``: measured as a run that leaves it to auto)."""
     from trl import GRPOTrainer
 
     from papo_nb.papo import PAPOGTrainer
@@ -119,8 +127,8 @@ def variant_trainers(
         "grpo": (GRPOTrainer, {}),
         "papo_rollout": (PAPOGTrainer, dict(masked_branch="rollout")),
         "papo_update": (PAPOGTrainer, dict(masked_branch="update")),
-        "grpo_shared": (PAPOGTrainer, dict(prefix_sharing=True, **gamma_zero)),
-        "papo_shared": (PAPOGTrainer, dict(masked_branch="rollout", prefix_sharing=True)),
+        "grpo_shared": (PAPOGTrainer, dict(prefix_sharing=sharing, **gamma_zero)),
+        "papo_shared": (PAPOGTrainer, dict(masked_branch="rollout", prefix_sharing=sharing)),
     }
     trainers = {name: setup.trainer(name, overrides[name][0], **overrides[name][1], **common) for name in variants}
     for trainer in trainers.values():  # full-length completions: the same work whatever the weights
@@ -144,6 +152,7 @@ def one_run(trainer, clock: GenerateClock, device: str, steps: int) -> dict[str,
         branch.cpu_seconds if branch else 0.0,
     )
     trainer.args.max_steps = steps
+    phases_before = trainer.phase_clock.snapshot() if hasattr(trainer, "phase_clock") else None
     sync()
     wall, cpu = time.perf_counter(), time.process_time()
     trainer.train()
@@ -158,7 +167,9 @@ def one_run(trainer, clock: GenerateClock, device: str, steps: int) -> dict[str,
     generate, generate_cpu = clock.seconds - before[0], clock.cpu_seconds - before[1]
     masked = (branch.seconds - before[2]) if branch else 0.0
     masked_cpu = (branch.cpu_seconds - before[3]) if branch else 0.0
+    phases = getattr(trainer, "phase_clock", None)  # per-phase CPU seconds where a benchmark attached a clock
     return dict(
+        phases_cpu_s=None if phases is None else {k: v / n for k, v in phases.since(phases_before).items()},
         total_s=wall / n,
         no_sampling_s=(wall - generate) / n,
         masked_s=masked / n,
@@ -246,16 +257,22 @@ def peaks_mib(trainers: dict, clock: GenerateClock, args, steps: int) -> dict[st
 
 def interleaved_runs(trainers: dict, clock: GenerateClock, layout: Layout, args) -> dict[str, list[dict[str, Any]]]:
     """``args.repeats`` rounds of one ``train()`` per variant, the order rotated each round, after ``args.warmup``
-    short untimed rounds (first-call costs off the clock)."""
+    short untimed rounds (first-call costs off the clock); with ``args.deadline`` (``time.time()``, optional) no round
+    starts that the last one's length says would end past it (at least one round runs)."""
     names = tuple(trainers)
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in names}
     for _ in range(args.warmup):
         for name in names:
             one_run(trainers[name], clock, args.device, layout.steps_per_round)
+    deadline, last = getattr(args, "deadline", None), 0.0
     for round_index in range(args.repeats):
+        if deadline is not None and round_index and time.time() + last > deadline:
+            break
+        started = time.time()
         order = names[round_index % len(names) :] + names[: round_index % len(names)]
         for name in order:
             runs[name].append(one_run(trainers[name], clock, args.device, args.steps))
+        last = time.time() - started
     return runs
 
 
@@ -276,6 +293,9 @@ def median_run(samples: list[dict[str, Any]]) -> dict[str, Any]:
     for key in ("share", "packed"):
         measured = [s[key] for s in samples if s[key] is not None]
         row[key] = statistics.fmean(measured) if measured else None
+    if samples[0].get("phases_cpu_s") is not None:
+        phases = samples[0]["phases_cpu_s"]
+        row["phases_cpu_s"] = {k: statistics.median(s["phases_cpu_s"][k] for s in samples) for k in phases}
     return row
 
 

@@ -37,15 +37,27 @@ COMPARED_BELOW = 1024**2  # parts under 1 MiB in both are not held to the tolera
 
 def rehearsal_folder(params, layers: int, folder: Path) -> Path:
     """A random-weight bf16 model of ``params``' architecture at ``layers`` depth, and its offline processor."""
+    model, processor = rehearsal_model(
+        params.model_name_or_path, layers, seed=params.seed, min_pixels=params.min_pixels, max_pixels=params.max_pixels
+    )
+    model.save_pretrained(folder)
+    processor.save_pretrained(folder)
+    return folder
+
+
+def rehearsal_model(model_name_or_path: str, layers: int, *, seed: int, min_pixels: int, max_pixels: int):
+    """``(model, processor)``: a random-weight bf16 model of the published configuration of ``model_name_or_path``
+    with ``layers`` decoder layers and vision blocks, and the testbed's offline processor with the model's own patch
+    and merge sizes, its images bounded by ``min_pixels`` and ``max_pixels``."""
     from transformers import AutoModelForImageTextToText
 
     from papo_nb.testbed.family_tokens import qwen_vision_token_ids
     from papo_nb.testbed.models import build_tiny_processor
 
-    config = with_depth(published_config(params.model_name_or_path), layers)
+    config = with_depth(published_config(model_name_or_path), layers)
     if config.model_type != "qwen2_5_vl":
         raise ValueError(
-            f"parameter 'model_name_or_path' = {params.model_name_or_path!r}: the rehearsal builds Qwen2.5-VL "
+            f"parameter 'model_name_or_path' = {model_name_or_path!r}: the rehearsal builds Qwen2.5-VL "
             f"models (its offline processor); allowed: Qwen/Qwen2.5-VL-3B-Instruct, Qwen/Qwen2.5-VL-7B-Instruct"
         )
     processor = build_tiny_processor("qwen2_5_vl")
@@ -58,16 +70,14 @@ def rehearsal_folder(params, layers: int, folder: Path) -> Path:
     w = widths(config)
     image = processor.image_processor
     image.patch_size, image.merge_size, image.temporal_patch_size = w.patch, w.merge, w.temporal_patch
-    image.size = {"shortest_edge": params.min_pixels, "longest_edge": params.max_pixels}
-    image.min_pixels, image.max_pixels = params.min_pixels, params.max_pixels
+    image.size = {"shortest_edge": min_pixels, "longest_edge": max_pixels}
+    image.min_pixels, image.max_pixels = min_pixels, max_pixels
     with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(params.seed)
+        torch.manual_seed(seed)
         model = AutoModelForImageTextToText.from_config(config, dtype=torch.bfloat16)
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.generation_config.pad_token_id = tokenizer.pad_token_id
-    model.save_pretrained(folder)
-    processor.save_pretrained(folder)
-    return folder
+    return model, processor
 
 
 def shortened(params, completion: int) -> tuple[object, dict]:

@@ -112,13 +112,24 @@ def shared_flops(widths: attention_cost.TextWidths, batch: PackedBatch) -> float
 
 
 def predicted_cost_ratio(model, arguments: dict[str, Any], batches: list[PackedBatch]) -> float:
-    """The FLOP model's shared / plain forward cost of a log-prob call (``attention_cost``): never above 1 with
-    grouped attention, the guard's check that it stays so."""
-    widths = attention_cost.TextWidths.of(grouped_text_config(core_model(model)))
+    """The FLOP model's shared / plain forward cost of a log-prob call (``attention_cost``: the text decoder, the
+    vocabulary head on the needed positions and the vision tower on the call's images): never above 1 with grouped
+    attention, the guard's check that it stays so."""
+    hf_model = core_model(model)
+    widths = attention_cost.TextWidths.of(grouped_text_config(hf_model))
+    vision_config = getattr(hf_model.config, "vision_config", None)
+    vision = None if vision_config is None else attention_cost.VisionWidths.of(vision_config)
     rows, width = arguments["input_ids"].shape
     padded = not bool(arguments["attention_mask"].all())
-    plain = attention_cost.plain(widths, rows, width, padded=padded)
-    return sum(shared_flops(widths, batch) for batch in batches) / plain
+    plain = attention_cost.plain(widths, rows, width, padded=padded) + attention_cost.call_flops(
+        widths, vision, rows * arguments["logits_to_keep"], arguments.get("image_grid_thw")
+    )
+    shared = sum(
+        shared_flops(widths, batch)
+        + attention_cost.call_flops(widths, vision, len(batch.targets), batch.model_inputs.get("image_grid_thw"))
+        for batch in batches
+    )
+    return shared / plain
 
 
 def packed_logps_and_entropies(
