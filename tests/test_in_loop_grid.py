@@ -3,6 +3,8 @@ kept in docs/in_loop/: the whole grid, measured under checkpointing with sharing
 that follows from its numbers. Not a timed test: the timings are the committed measurement's."""
 
 import copy
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -68,3 +70,24 @@ def test_the_benchmark_refuses_a_wide_build_that_does_not_exist(capsys):
     with pytest.raises(SystemExit):
         in_loop.parse_args(["--family", "qwen3_vl", "--size", "wide"])
     assert "--size=wide --family=qwen3_vl" in capsys.readouterr().err
+
+
+TABLE_COMMANDS = (
+    "papo_nb.bench.in_loop_grid",
+    "papo_nb.bench.true_width_report",
+    "papo_nb.workbook.recipe.forecast_table",
+)
+
+
+@pytest.mark.slow  # three interpreters
+def test_the_table_commands_refuse_a_root_without_their_page_and_end_quietly_on_a_closed_pipe(tmp_path):
+    for module in TABLE_COMMANDS:
+        refused = subprocess.run(
+            [sys.executable, "-m", module, "--root", str(tmp_path)], capture_output=True, text=True
+        )
+        assert refused.returncode == 2 and f"--root {str(tmp_path)!r} has no docs/" in refused.stderr, refused.stderr
+    piped = subprocess.run(
+        f"{sys.executable} -m papo_nb.bench.in_loop_grid | head -c 20", shell=True, cwd=ROOT, capture_output=True,
+        text=True,
+    )  # fmt: skip
+    assert len(piped.stdout) == 20 and "Traceback" not in piped.stderr, piped.stderr

@@ -8,11 +8,10 @@ committed tables differ. Every path is relative to ``root``: the params files an
 
 from __future__ import annotations
 
-import argparse
 from functools import cache
 from pathlib import Path
 
-from papo_nb.workbook.doc_blocks import replace_block
+from papo_nb.workbook.doc_blocks import block_command, replace_block
 from papo_nb.workbook.recipe.architectures import published_config, widths
 from papo_nb.workbook.recipe.forecast import GIB, forecast
 from papo_nb.workbook.recipe.forecast_report import USABLE, step_seconds, verdict
@@ -127,17 +126,9 @@ def document(text: str, root: Path) -> str:
     return replace_block(text, f"{table(root)}\n", (BEGIN, END))
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description="docs/recipe.md's forecast tables")
-    parser.add_argument("--write", action="store_true", help="rewrite them in ROOT/docs/recipe.md (else print them)")
-    parser.add_argument("--root", type=Path, default=Path("."), help="the repository checkout (default: the cwd)")
-    args = parser.parse_args(argv)
-    if args.write:
-        doc = args.root / DOC
-        doc.write_text(document(doc.read_text(), args.root))
-    else:
-        print(table(args.root))
+def main(argv: list[str] | None = None) -> int:
+    return block_command(argv, "docs/recipe.md's forecast tables", DOC, lambda root: root, document, table)
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())
